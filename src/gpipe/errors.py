@@ -1,0 +1,25 @@
+"""The exceptions gpipe raises, so callers can catch pipeline failures precisely."""
+
+from __future__ import annotations
+
+__all__ = ["BalanceError", "MovingDenied", "PipelineError", "StageError"]
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step could not complete."""
+
+
+class StageError(PipelineError):
+    """A stage failed, or timed out waiting for a peer stage; the message names the stage."""
+
+    def __init__(self, stage: int, message: str) -> None:
+        super().__init__(f"stage {stage}: {message}")
+        self.stage = stage
+
+
+class BalanceError(ValueError):
+    """``balance`` does not describe a partition of the model's layers."""
+
+
+class MovingDenied(TypeError):
+    """Device placement of a pipelined model is fixed by its ``devices``."""

@@ -1,0 +1,304 @@
+"""Schedules as data: per-rank ordered lists of actions, their generators and a validator.
+
+A schedule says, for every rank, in which order it runs forward and backward passes of
+micro-batches through its stages and when it sends or receives the tensors at stage
+boundaries. The executor, the validator and (later) the simulator and the timelines all read
+this one representation, so what is checked is exactly what runs.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "Action",
+    "Kind",
+    "Schedule",
+    "ScheduleError",
+    "clock_cycles",
+    "execution_order",
+    "forward_only",
+    "gpipe",
+    "SCHEDULES",
+    "get_schedule",
+    "validate",
+]
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run: a missing or duplicated action, a dependency cycle."""
+
+
+class Kind(enum.Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+
+_COMPUTE = (Kind.FORWARD, Kind.BACKWARD)
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one stage on one micro-batch; printed compactly, e.g. ``1F0`` or ``0RECV_B3``."""
+
+    stage: int
+    kind: Kind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in _COMPUTE
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What every rank runs, in order.
+
+    ``programs[r]`` is the ordered list of actions of rank ``r``; ``stage_to_rank[s]`` says
+    which rank holds stage ``s``. ``backward`` is False for forward-only (inference) schedules.
+    """
+
+    name: str
+    n_stages: int
+    n_microbatches: int
+    programs: tuple[tuple[Action, ...], ...]
+    stage_to_rank: tuple[int, ...]
+    backward: bool = True
+
+    @property
+    def n_ranks(self) -> int:
+        return len(self.programs)
+
+    def __str__(self) -> str:
+        lines = [f"{self.name}: {self.n_stages} stages, {self.n_microbatches} micro-batches"]
+        for rank, program in enumerate(self.programs):
+            lines.append(f"  rank {rank}: " + " ".join(str(a) for a in program))
+        return "\n".join(lines)
+
+    def compute_only(self, rank: int) -> list[Action]:
+        """The forward/backward actions of a rank without the communication, in order."""
+        return [a for a in self.programs[rank] if a.is_compute]
+
+
+def clock_cycles(n_microbatches: int, n_stages: int) -> list[list[tuple[int, int]]]:
+    """GPipe's forward clock cycles: at cycle k, stage j works on micro-batch k - j.
+
+    Returns one list per cycle of ``(microbatch, stage)`` pairs that run at the same time.
+    """
+    if n_microbatches < 1 or n_stages < 1:
+        raise ValueError(
+            f"clock_cycles needs n_microbatches >= 1 and n_stages >= 1, "
+            f"got {n_microbatches} and {n_stages}"
+        )
+    return [
+        [(k - j, j) for j in range(max(0, k - n_microbatches + 1), min(k + 1, n_stages))]
+        for k in range(n_microbatches + n_stages - 1)
+    ]
+
+
+def _with_communication(
+    stage: int, n_stages: int, compute: Sequence[tuple[Kind, int]]
+) -> list[Action]:
+    """Wrap each compute action of one stage with the receives before it and sends after it."""
+    program: list[Action] = []
+    first, last = stage == 0, stage == n_stages - 1
+    for kind, mb in compute:
+        if kind is Kind.FORWARD:
+            if not first:
+                program.append(Action(stage, Kind.RECV_F, mb))
+            program.append(Action(stage, Kind.FORWARD, mb))
+            if not last:
+                program.append(Action(stage, Kind.SEND_F, mb))
+        else:
+            if not last:
+                program.append(Action(stage, Kind.RECV_B, mb))
+            program.append(Action(stage, Kind.BACKWARD, mb))
+            if not first:
+                program.append(Action(stage, Kind.SEND_B, mb))
+    return program
+
+
+def _check_sizes(n_stages: int, n_microbatches: int) -> None:
+    if not isinstance(n_stages, int) or n_stages < 1:
+        raise ValueError(f"n_stages must be a positive integer, got {n_stages!r}")
+    if not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise ValueError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
+
+
+@functools.lru_cache(maxsize=256)
+def gpipe(n_stages: int, n_microbatches: int) -> Schedule:
+    """GPipe fill-drain: every stage runs all forwards, then all backwards in reverse order."""
+    _check_sizes(n_stages, n_microbatches)
+    forwards = [(Kind.FORWARD, i) for i in range(n_microbatches)]
+    backwards = [(Kind.BACKWARD, i) for i in reversed(range(n_microbatches))]
+    programs = tuple(
+        tuple(_with_communication(s, n_stages, forwards + backwards)) for s in range(n_stages)
+    )
+    return Schedule("gpipe", n_stages, n_microbatches, programs, tuple(range(n_stages)))
+
+
+@functools.lru_cache(maxsize=256)
+def forward_only(n_stages: int, n_microbatches: int) -> Schedule:
+    """Inference: forwards only, in micro-batch order, nothing kept for a backward pass."""
+    _check_sizes(n_stages, n_microbatches)
+    forwards = [(Kind.FORWARD, i) for i in range(n_microbatches)]
+    programs = tuple(tuple(_with_communication(s, n_stages, forwards)) for s in range(n_stages))
+    return Schedule(
+        "forward-only", n_stages, n_microbatches, programs, tuple(range(n_stages)), backward=False
+    )
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe}
+
+
+def get_schedule(name: str) -> Callable[[int, int], Schedule]:
+    """The generator registered under ``name``; a clear error lists the known names."""
+    try:
+        return SCHEDULES[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}"
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+
+
+def _requirements(action: Action, n_stages: int) -> list[Action]:
+    """The actions that must have run before ``action`` can run."""
+    s, i = action.stage, action.microbatch
+    kind = action.kind
+    if kind is Kind.RECV_F:
+        return [Action(s - 1, Kind.SEND_F, i)]
+    if kind is Kind.RECV_B:
+        return [Action(s + 1, Kind.SEND_B, i)]
+    if kind is Kind.FORWARD:
+        return [Action(s, Kind.RECV_F, i)] if s > 0 else []
+    if kind is Kind.BACKWARD:
+        need = [Action(s, Kind.FORWARD, i)]
+        if s < n_stages - 1:
+            need.append(Action(s, Kind.RECV_B, i))
+        return need
+    if kind is Kind.SEND_F:
+        return [Action(s, Kind.FORWARD, i)]
+    return [Action(s, Kind.BACKWARD, i)]  # SEND_B
+
+
+def _expected_actions(schedule: Schedule) -> set[Action]:
+    expected = set()
+    for s in range(schedule.n_stages):
+        kinds = [Kind.FORWARD]
+        if s > 0:
+            kinds.append(Kind.RECV_F)
+        if s < schedule.n_stages - 1:
+            kinds.append(Kind.SEND_F)
+        if schedule.backward:
+            kinds.append(Kind.BACKWARD)
+            if s > 0:
+                kinds.append(Kind.SEND_B)
+            if s < schedule.n_stages - 1:
+                kinds.append(Kind.RECV_B)
+        expected.update(Action(s, k, i) for k in kinds for i in range(schedule.n_microbatches))
+    return expected
+
+
+def _check_fifo(schedule: Schedule) -> None:
+    """Point-to-point transports deliver in order: sends and receives must agree on it."""
+    sent: dict[tuple[int, Kind], list[int]] = {}
+    received: dict[tuple[int, Kind], list[int]] = {}
+    pair = {Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B}
+    for program in schedule.programs:
+        for a in program:
+            if a.kind in pair:
+                dst = a.stage + 1 if a.kind is Kind.SEND_F else a.stage - 1
+                sent.setdefault((dst, pair[a.kind]), []).append(a.microbatch)
+            elif a.kind in (Kind.RECV_F, Kind.RECV_B):
+                received.setdefault((a.stage, a.kind), []).append(a.microbatch)
+    for key, order in received.items():
+        if sent.get(key) != order:
+            stage, kind = key
+            raise ScheduleError(
+                f"stage {stage} receives {kind.value} in micro-batch order {order}, "
+                f"but they are sent in order {sent.get(key)}"
+            )
+
+
+def execution_order(schedule: Schedule) -> list[Action]:
+    """A global order in which all ranks' programs can run; raises ScheduleError if none.
+
+    Every rank runs its program in order; sends never block; a receive, a forward or a
+    backward waits for what it needs. If no rank can move and some have actions left, the
+    schedule deadlocks.
+    """
+    rank_of = schedule.stage_to_rank
+    if len(rank_of) != schedule.n_stages:
+        raise ScheduleError(
+            f"stage_to_rank has {len(rank_of)} entries for {schedule.n_stages} stages"
+        )
+    seen: set[Action] = set()
+    for rank, program in enumerate(schedule.programs):
+        for a in program:
+            if not (0 <= a.stage < schedule.n_stages) or not (
+                0 <= a.microbatch < schedule.n_microbatches
+            ):
+                raise ScheduleError(f"rank {rank}: action {a} is out of range")
+            if rank_of[a.stage] != rank:
+                raise ScheduleError(
+                    f"rank {rank}: action {a} belongs to stage {a.stage}, held by rank "
+                    f"{rank_of[a.stage]}"
+                )
+            if a in seen:
+                raise ScheduleError(f"rank {rank}: action {a} appears twice")
+            seen.add(a)
+    expected = _expected_actions(schedule)
+    missing = sorted(expected - seen, key=lambda a: (a.stage, a.microbatch, a.kind.value))
+    if missing:
+        raise ScheduleError(f"schedule lacks actions: {' '.join(map(str, missing[:8]))}")
+    extra = sorted(seen - expected, key=lambda a: (a.stage, a.microbatch, a.kind.value))
+    if extra:
+        raise ScheduleError(f"schedule has unexpected actions: {' '.join(map(str, extra[:8]))}")
+    _check_fifo(schedule)
+
+    queues = [deque(p) for p in schedule.programs]
+    done: set[Action] = set()
+    order: list[Action] = []
+    while any(queues):
+        progressed = False
+        for queue in queues:
+            while queue and all(
+                need in done for need in _requirements(queue[0], schedule.n_stages)
+            ):
+                action = queue.popleft()
+                done.add(action)
+                order.append(action)
+                progressed = True
+        if not progressed:
+            blocked = ", ".join(
+                f"rank {r} waits at {q[0]} (needs "
+                + " ".join(
+                    str(n) for n in _requirements(q[0], schedule.n_stages) if n not in done
+                )
+                + ")"
+                for r, q in enumerate(queues)
+                if q
+            )
+            raise ScheduleError(f"schedule deadlocks: {blocked}")
+    return order
+
+
+def validate(schedule: Schedule) -> Schedule:
+    """Check that ``schedule`` is complete, ordered consistently and free of deadlock."""
+    execution_order(schedule)
+    return schedule

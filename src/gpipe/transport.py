@@ -1,0 +1,230 @@
+"""Moving boundary tensors between stages: in one process, or across processes.
+
+Both transports carry a tuple whose items are tensors or None (a gradient nobody needs), and
+keep each tensor's ``requires_grad`` so the receiving stage knows which gradients to send
+back. Every wait is bounded: a peer that never answers ends in a StageError naming the stage.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .errors import PipelineError, StageError
+from .schedule import Kind
+
+__all__ = ["DistributedTransport", "InProcessTransport", "Message", "Transport"]
+
+Message = tuple[Tensor | None, ...]
+
+
+def _what(kind: Kind, microbatch: int, src: int) -> str:
+    carried = "activations" if kind is Kind.RECV_F else "gradients"
+    return f"{carried} of micro-batch {microbatch} from stage {src}"
+
+
+class Transport(Protocol):
+    def send(self, message: Message, src: int, dst: int, microbatch: int, kind: Kind) -> None:
+        """Send ``message`` from stage ``src`` to stage ``dst``; ``kind`` is SEND_F or SEND_B."""
+
+    def recv(self, src: int, dst: int, microbatch: int, kind: Kind) -> Message:
+        """Receive what stage ``src`` sent to stage ``dst``; ``kind`` is RECV_F or RECV_B."""
+
+    def flush(self) -> None:
+        """Wait until every send has left, so its tensors may be freed or reused."""
+
+
+class InProcessTransport:
+    """Hands tensors between stages of one process, copying them to the receiver's device.
+
+    Stages may run on different threads; a receive waits for the matching send, for at most
+    ``timeout`` seconds, and gives up at once when ``abort`` is set by a failing peer.
+    """
+
+    def __init__(self, devices: Sequence[torch.device], timeout: float = 60.0) -> None:
+        self._devices = list(devices)
+        self._timeout = timeout
+        self._box: dict[tuple[int, int, Kind, int], Message] = {}
+        self._cond = threading.Condition()
+        self.abort = threading.Event()
+
+    def send(self, message: Message, src: int, dst: int, microbatch: int, kind: Kind) -> None:
+        recv_kind = Kind.RECV_F if kind is Kind.SEND_F else Kind.RECV_B
+        with self._cond:
+            self._box[(src, dst, recv_kind, microbatch)] = message
+            self._cond.notify_all()
+
+    def recv(self, src: int, dst: int, microbatch: int, kind: Kind) -> Message:
+        key = (src, dst, kind, microbatch)
+        deadline = time.monotonic() + self._timeout
+        with self._cond:
+            while key not in self._box:
+                if self.abort.is_set():
+                    raise PipelineError(f"stage {dst}: stopped because another stage failed")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StageError(
+                        dst,
+                        f"timed out after {self._timeout:g} s waiting for "
+                        f"{_what(kind, microbatch, src)}",
+                    )
+                self._cond.wait(min(left, 0.1))
+            message = self._box.pop(key)
+        device = self._devices[dst]
+        return tuple(
+            None
+            if t is None
+            else t.detach().to(device, non_blocking=True).requires_grad_(t.requires_grad)
+            for t in message
+        )
+
+    def flush(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        """Let every waiting receive notice ``abort``."""
+        with self._cond:
+            self._cond.notify_all()
+
+
+# --------------------------------------------------------------------------------------------
+# Across processes: a fixed-size header says what follows, then one message per tensor.
+
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_HEADER = 32  # int64 slots; a longer description follows in a second message
+
+
+def _describe(message: Message) -> list[int]:
+    words = [len(message)]
+    for t in message:
+        if t is None:
+            words.append(-1)
+            continue
+        if t.dtype not in _DTYPE_CODE:
+            raise TypeError(f"cannot send a tensor of dtype {t.dtype} between stages")
+        words += [_DTYPE_CODE[t.dtype], int(t.requires_grad), t.dim(), *t.shape]
+    return words
+
+
+def _parse(words: list[int]) -> list[tuple[torch.dtype, bool, list[int]] | None]:
+    items: list[tuple[torch.dtype, bool, list[int]] | None] = []
+    pos = 1
+    for _ in range(words[0]):
+        code = words[pos]
+        if code < 0:
+            items.append(None)
+            pos += 1
+            continue
+        ndim = words[pos + 2]
+        items.append((_DTYPES[code], bool(words[pos + 1]), words[pos + 3 : pos + 3 + ndim]))
+        pos += 3 + ndim
+    return items
+
+
+class DistributedTransport:
+    """Point-to-point sends and receives over torch.distributed (gloo on CPU, NCCL on CUDA).
+
+    ``stage_to_rank`` maps stages to ranks of ``group``. Sends are asynchronous and kept until
+    ``flush``; receives wait at most ``timeout`` seconds. Shapes and dtypes travel in a header
+    before the data, so they may change from micro-batch to micro-batch.
+    """
+
+    def __init__(
+        self,
+        stage_to_rank: Sequence[int],
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        self._stage_to_rank = list(stage_to_rank)
+        self._device = device
+        self._group = group
+        self._timeout = datetime.timedelta(seconds=timeout)
+        self._timeout_s = timeout
+        self._pending: list[tuple[dist.Work, Tensor]] = []
+
+    def _peer(self, stage: int) -> int:
+        rank = self._stage_to_rank[stage]
+        return rank if self._group is None else dist.get_global_rank(self._group, rank)
+
+    @staticmethod
+    def _tag(kind: Kind, dst: int) -> int:
+        return 2 * dst + (0 if kind in (Kind.SEND_F, Kind.RECV_F) else 1)
+
+    def _isend(self, tensor: Tensor, peer: int, tag: int) -> None:
+        work = dist.isend(tensor, dst=peer, group=self._group, tag=tag)
+        self._pending.append((work, tensor))
+
+    def send(self, message: Message, src: int, dst: int, microbatch: int, kind: Kind) -> None:
+        peer, tag = self._peer(dst), self._tag(kind, dst)
+        words = _describe(message)
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        if len(words) <= _HEADER:
+            header[: len(words)] = torch.tensor(words)
+            self._isend(header.to(self._device), peer, tag)
+        else:
+            header[0] = -len(words)
+            self._isend(header.to(self._device), peer, tag)
+            self._isend(torch.tensor(words, dtype=torch.int64, device=self._device), peer, tag)
+        for t in message:
+            if t is not None:
+                self._isend(t.detach().contiguous(), peer, tag)
+
+    def _wait(self, work: dist.Work, dst: int, src: int, microbatch: int, kind: Kind) -> None:
+        try:
+            work.wait(self._timeout)
+        except RuntimeError as exc:
+            reason = (
+                f"timed out after {self._timeout_s:g} s"
+                if "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+                else f"lost stage {src} ({exc})"
+            )
+            raise StageError(dst, f"{reason} waiting for {_what(kind, microbatch, src)}") from exc
+
+    def _irecv(self, buffer: Tensor, peer: int, tag: int, *where: object) -> Tensor:
+        self._wait(dist.irecv(buffer, src=peer, group=self._group, tag=tag), *where)  # type: ignore[arg-type]
+        return buffer
+
+    def recv(self, src: int, dst: int, microbatch: int, kind: Kind) -> Message:
+        peer, tag = self._peer(src), self._tag(kind, dst)
+        where = (dst, src, microbatch, kind)
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self._device)
+        words = self._irecv(header, peer, tag, *where).tolist()
+        if words[0] < 0:
+            extended = torch.empty(-words[0], dtype=torch.int64, device=self._device)
+            words = self._irecv(extended, peer, tag, *where).tolist()
+        message: list[Tensor | None] = []
+        for item in _parse(words):
+            if item is None:
+                message.append(None)
+                continue
+            dtype, requires_grad, shape = item
+            buffer = torch.empty(shape, dtype=dtype, device=self._device)
+            message.append(self._irecv(buffer, peer, tag, *where).requires_grad_(requires_grad))
+        return tuple(message)
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            work.wait(self._timeout)
