@@ -1,7 +1,18 @@
 """gpipe: pipeline-parallel training of models too large for one device (arXiv:1811.06965)."""
 
+from .distributed import Pipeline
 from .errors import BalanceError, MovingDenied, PipelineError, StageError
+from .launch import LaunchError, launch
 from .pipe import GPipe
 
-__all__ = ["BalanceError", "GPipe", "MovingDenied", "PipelineError", "StageError"]
+__all__ = [
+    "BalanceError",
+    "GPipe",
+    "LaunchError",
+    "MovingDenied",
+    "Pipeline",
+    "PipelineError",
+    "StageError",
+    "launch",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,258 @@
+"""Pipeline: one stage per process over torch.distributed, for models that need many devices.
+
+Every rank runs the same script. Each holds and initializes only its own partition, runs its
+program of the schedule, and exchanges boundary tensors with its neighbours point-to-point.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .checkpointing import check_checkpoint, should_checkpoint
+from .errors import StageError
+from .executor import StepData, run_program
+from .microbatch import Batch, check_batch, gather, scatter, split_sizes
+from .partition import as_sequential, check_balance, even_balance, materialize, stage_bounds
+from .schedule import Schedule, forward_only, get_schedule
+from .stage import LossFn, Stage
+from .transport import DistributedTransport
+
+__all__ = ["Pipeline", "init_process_group"]
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_process_group(device: torch.device, timeout: float = 60.0) -> None:
+    """Join the default process group from torchrun's environment, if not joined yet:
+    NCCL for CUDA devices, gloo otherwise."""
+    if dist.is_initialized():
+        return
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise RuntimeError(
+            "Pipeline needs a process group and found no torchrun environment (missing "
+            f"{', '.join(missing)}): run under torchrun or gpipe.launch, or call "
+            "torch.distributed.init_process_group first"
+        )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 60.0)))
+
+
+def _unpack(batch: Batch) -> Tensor | Batch:
+    return batch[0] if len(batch) == 1 else batch
+
+
+class Pipeline(nn.Module):
+    """This rank's stage of a pipeline over ``layers``; ``step`` trains on one mini-batch.
+
+    Args:
+        layers: the whole model as an ``nn.Sequential`` or list of layers, identical on every
+            rank. Build it on the meta device to allocate only this rank's layers: they are then
+            initialized by ``reset_parameters`` from ``seed`` and the layer's index, so the
+            weights do not depend on the number of stages.
+        balance: layers per stage, one stage per process (default: as even as possible).
+        chunks: micro-batches per mini-batch.
+        checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"``.
+        schedule: the schedule's name (``"gpipe"``).
+        loss_fn: ``loss_fn(output, target) -> scalar``, evaluated on the last stage.
+        loss_reduction: ``"mean"`` if ``loss_fn`` averages over the batch (each micro-batch's
+            loss is then weighted by its share of the rows), ``"sum"`` if it adds up.
+        device: this rank's device (default: ``cuda:LOCAL_RANK`` if CUDA is available, else CPU).
+        group: the process group of the pipeline's ranks (default: the whole world).
+        seed: seed of the initialization of layers built on the meta device.
+        timeout: seconds a stage waits for a neighbour before it raises StageError.
+    """
+
+    def __init__(
+        self,
+        layers: nn.Sequential | Iterable[nn.Module],
+        balance: list[int] | None = None,
+        *,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        schedule: str = "gpipe",
+        loss_fn: LossFn | None = None,
+        loss_reduction: str = "mean",
+        device: torch.device | str | None = None,
+        group: dist.ProcessGroup | None = None,
+        seed: int = 0,
+        timeout: float = 60.0,
+    ) -> None:
+        super().__init__()
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
+            raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+        self.checkpoint = check_checkpoint(checkpoint)
+        self._schedule_fn = get_schedule(schedule)
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        module = as_sequential(layers)
+        self.device = _default_device() if device is None else torch.device(device)
+        if group is None:
+            init_process_group(self.device, timeout)
+        self.group = group
+        self.n_stages = dist.get_world_size(group)
+        self.stage_index = dist.get_rank(group)
+        self.balance = (
+            even_balance(len(module), self.n_stages)
+            if balance is None
+            else check_balance(len(module), balance)
+        )
+        if len(self.balance) != self.n_stages:
+            raise ValueError(
+                f"balance has {len(self.balance)} partitions but the process group has "
+                f"{self.n_stages} processes; Pipeline runs one stage per process"
+            )
+        self.chunks = chunks
+        self.schedule_name = schedule
+        self.loss_fn = loss_fn
+        self.loss_reduction = loss_reduction
+        self.timeout = float(timeout)
+
+        start, stop = stage_bounds(self.balance)[self.stage_index]
+        named = list(module.named_children())[start:stop]
+        for offset, (name, layer) in enumerate(named):
+            self.add_module(name, materialize(layer, start + offset, self.device, seed))
+        partition = nn.Sequential(OrderedDict((name, self._modules[name]) for name, _ in named))
+        self._stage = Stage(self.stage_index, self.n_stages, partition, self.device, loss_fn)
+        self._transport = DistributedTransport(
+            range(self.n_stages), self.device, group, self.timeout
+        )
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.n_stages - 1
+
+    def _global(self, stage: int) -> int:
+        return stage if self.group is None else dist.get_global_rank(self.group, stage)
+
+    def _broadcast(self, value: Tensor, src_stage: int, what: str) -> Tensor:
+        work = dist.broadcast(value, src=self._global(src_stage), group=self.group, async_op=True)
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            raise StageError(
+                self.stage_index, f"lost stage {src_stage} while waiting for {what} ({exc})"
+            ) from exc
+        return value
+
+    def _rows(self, inputs: Any) -> tuple[int, Batch | None]:
+        """The mini-batch's row count, known to every rank; the first rank reads the inputs."""
+        batch = None
+        rows = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.is_first:
+            batch = tuple(t.to(self.device) for t in check_batch(inputs, "inputs"))
+            rows[0] = batch[0].size(0)
+        if self.n_stages > 1:
+            self._broadcast(rows, 0, "the batch size")
+        return int(rows.item()), batch
+
+    def _run(self, schedule: Schedule, data: StepData) -> None:
+        try:
+            run_program(schedule.programs[self.stage_index], {self.stage_index: self._stage},
+                        self._transport, data)
+        except BaseException:
+            self._stage.clear()
+            raise
+
+    def step(self, inputs: Any = None, targets: Any = None) -> Tensor:
+        """Forward and backward of one mini-batch; gradients accumulate in ``.grad``.
+
+        ``inputs`` are read on the first stage and ``targets`` on the last (other ranks may
+        pass None). Returns the mini-batch loss, the same on every rank.
+        """
+        if self.loss_fn is None:
+            raise ValueError("step() needs a loss_fn; pass loss_fn= to Pipeline")
+        rows, batch = self._rows(inputs)
+        sizes = split_sizes(rows, self.chunks)
+        m, mode = len(sizes), self.checkpoint if self.training else "never"
+        data = StepData(
+            n_stages=self.n_stages,
+            build_graph=True,
+            checkpoint=lambda mb: should_checkpoint(mode, mb, m),
+            keep_outputs=False,
+        )
+        if batch is not None:
+            data.inputs = scatter(batch, self.chunks)
+        if self.is_last:
+            target = tuple(t.to(self.device) for t in check_batch(targets, "targets"))
+            if target[0].size(0) != rows:
+                raise ValueError(
+                    f"targets have {target[0].size(0)} rows but inputs have {rows}"
+                )
+            data.targets = [_unpack(mb) for mb in scatter(target, self.chunks)]
+            data.loss_weights = (
+                [n / rows for n in sizes] if self.loss_reduction == "mean" else [1.0] * m
+            )
+        self._run(self._schedule_fn(self.n_stages, m), data)
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.is_last:
+            loss += sum(data.losses[i].double() for i in range(m))
+        if self.n_stages > 1:
+            self._broadcast(loss, self.n_stages - 1, "the loss")
+        return loss
+
+    @torch.no_grad()
+    def forward(self, inputs: Any = None) -> Any:
+        """Inference over micro-batches; the output on the last stage, None elsewhere."""
+        rows, batch = self._rows(inputs)
+        m = len(split_sizes(rows, self.chunks))
+        data = StepData(n_stages=self.n_stages, build_graph=False)
+        if batch is not None:
+            data.inputs = scatter(batch, self.chunks)
+        self._run(forward_only(self.n_stages, m), data)
+        if not self.is_last:
+            return None
+        return _unpack(gather([data.outputs[i] for i in range(m)]))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the gradients of all stages by their global norm; returns that norm."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if norm_type == float("inf"):
+            local = max((g.detach().abs().max() for g in grads), default=torch.tensor(0.0))
+            total = local.to(self.device, torch.float64).reshape(1)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
+            norm = total[0]
+        else:
+            local = sum(
+                (g.detach().double().norm(norm_type) ** norm_type for g in grads),
+                torch.zeros((), dtype=torch.float64, device=self.device),
+            )
+            total = local.reshape(1).clone()
+            dist.all_reduce(total, group=self.group)
+            norm = total[0] ** (1.0 / norm_type)
+        scale = max_norm / (float(norm) + 1e-6)
+        if scale < 1.0:
+            for g in grads:
+                g.mul_(scale)
+        return norm
+
+    def extra_repr(self) -> str:
+        return (
+            f"stage={self.stage_index}/{self.n_stages}, balance={self.balance}, "
+            f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
+            f"schedule={self.schedule_name!r}, device={self.device}"
+        )

@@ -1,0 +1,72 @@
+"""Starting K local processes for a one-machine run, on torchrun's elastic launcher."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from .errors import PipelineError
+
+__all__ = ["LaunchError", "launch"]
+
+
+class LaunchError(PipelineError):
+    """A launched process failed; the message carries each failed rank's error."""
+
+
+@record
+def _entry(fn: Callable[..., Any], threads: int | None, *args: Any) -> Any:
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return fn(*args)
+
+
+def _reason(failure: Any) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    text = str(message).strip() or f"exit code {failure.exitcode}"
+    return text.splitlines()[-1] if "Traceback" in text else text
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple[Any, ...] = (),
+    *,
+    threads: int | None = None,
+    monitor_interval: float = 0.1,
+    start_method: str = "spawn",
+) -> dict[int, Any]:
+    """Run ``fn(*args)`` in ``nprocs`` new processes on this machine; returns rank -> result.
+
+    Each process finds torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), so
+    ``gpipe.Pipeline`` inside ``fn`` joins the process group by itself. ``fn`` must be
+    importable by name (a module-level function). ``threads`` sets each process's intra-op
+    thread count. If any process fails, the others are stopped and LaunchError names it.
+    """
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=f"gpipe-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=monitor_interval,
+        start_method=start_method,
+    )
+    try:
+        return elastic_launch(config, _entry)(fn, threads, *args)
+    except ChildFailedError as exc:
+        lines = [f"rank {rank}: {_reason(f)}" for rank, f in sorted(exc.failures.items())]
+        raise LaunchError("launched processes failed:\n" + "\n".join(lines)) from None
