@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from .checkpointing import check_checkpoint, should_checkpoint
 from .errors import StageError
 from .executor import StepData, run_program
-from .microbatch import Batch, check_batch, gather, scatter, split_sizes
+from .microbatch import Batch, check_batch, gather, scatter, split_sizes, unpack
 from .partition import as_sequential, check_balance, even_balance, materialize, stage_bounds
 from .schedule import Schedule, forward_only, get_schedule
 from .stage import LossFn, Stage
@@ -41,7 +41,8 @@ def init_process_group(device: torch.device, timeout: float = 60.0) -> None:
     NCCL for CUDA devices, gloo otherwise."""
     if dist.is_initialized():
         return
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    missing = [v for v in needed if v not in os.environ]
     if missing:
         raise RuntimeError(
             "Pipeline needs a process group and found no torchrun environment (missing "
@@ -52,10 +53,6 @@ def init_process_group(device: torch.device, timeout: float = 60.0) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 60.0)))
-
-
-def _unpack(batch: Batch) -> Tensor | Batch:
-    return batch[0] if len(batch) == 1 else batch
 
 
 class Pipeline(nn.Module):
@@ -172,8 +169,12 @@ class Pipeline(nn.Module):
 
     def _run(self, schedule: Schedule, data: StepData) -> None:
         try:
-            run_program(schedule.programs[self.stage_index], {self.stage_index: self._stage},
-                        self._transport, data)
+            run_program(
+                schedule.programs[self.stage_index],
+                {self.stage_index: self._stage},
+                self._transport,
+                data,
+            )
         except BaseException:
             self._stage.clear()
             raise
@@ -200,10 +201,8 @@ class Pipeline(nn.Module):
         if self.is_last:
             target = tuple(t.to(self.device) for t in check_batch(targets, "targets"))
             if target[0].size(0) != rows:
-                raise ValueError(
-                    f"targets have {target[0].size(0)} rows but inputs have {rows}"
-                )
-            data.targets = [_unpack(mb) for mb in scatter(target, self.chunks)]
+                raise ValueError(f"targets have {target[0].size(0)} rows but inputs have {rows}")
+            data.targets = [unpack(mb) for mb in scatter(target, self.chunks)]
             data.loss_weights = (
                 [n / rows for n in sizes] if self.loss_reduction == "mean" else [1.0] * m
             )
@@ -226,7 +225,7 @@ class Pipeline(nn.Module):
         self._run(forward_only(self.n_stages, m), data)
         if not self.is_last:
             return None
-        return _unpack(gather([data.outputs[i] for i in range(m)]))
+        return unpack(gather([data.outputs[i] for i in range(m)]))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the gradients of all stages by their global norm; returns that norm."""

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "as_tuple", "check_batch", "gather", "scatter", "split_sizes"]
+__all__ = ["Batch", "as_tuple", "check_batch", "gather", "scatter", "split_sizes", "unpack"]
 
 # A micro-batch as the pipeline carries it: always a tuple of tensors.
 Batch = tuple[Tensor, ...]
@@ -15,6 +15,11 @@ Batch = tuple[Tensor, ...]
 
 def as_tuple(value: Tensor | Sequence[Tensor]) -> Batch:
     return (value,) if isinstance(value, Tensor) else tuple(value)
+
+
+def unpack(batch: Batch) -> Tensor | Batch:
+    """What a layer receives: the tensor itself for a batch of one tensor, else the tuple."""
+    return batch[0] if len(batch) == 1 else batch
 
 
 def check_batch(value: object, name: str = "input") -> Batch:

@@ -35,13 +35,18 @@ def as_sequential(layers: nn.Sequential | Iterable[nn.Module]) -> nn.Sequential:
         if bad:
             raise TypeError(f"layers must all be nn.Module, got {bad}")
         module = nn.Sequential(*items)
-    seen: set[int] = set()
-    for name, child in module.named_children():
-        if id(child) in seen:
-            raise ValueError(
-                f"module with duplicate children is not supported (layer {name!r} appears twice)"
-            )
-        seen.add(id(child))
+    owner: dict[int, str] = {}
+    for name, child in module._modules.items():
+        if child is None:
+            continue
+        for tensor in [child, *child.parameters()]:
+            if id(tensor) in owner:
+                raise ValueError(
+                    "module with duplicate children is not supported: layer "
+                    f"{name!r} shares {'itself' if tensor is child else 'a parameter'} "
+                    f"with layer {owner[id(tensor)]!r}"
+                )
+        owner.update((id(t), name) for t in [child, *child.parameters()])
     return module
 
 
@@ -67,9 +72,7 @@ def check_balance(n_layers: int, balance: object) -> list[int]:
 def even_balance(n_layers: int, n_partitions: int) -> list[int]:
     """As even a split by layer count as possible, larger partitions first."""
     if not 1 <= n_partitions <= n_layers:
-        raise BalanceError(
-            f"cannot cut {n_layers} layers into {n_partitions} non-empty partitions"
-        )
+        raise BalanceError(f"cannot cut {n_layers} layers into {n_partitions} non-empty partitions")
     base, extra = divmod(n_layers, n_partitions)
     return [base + 1 if j < extra else base for j in range(n_partitions)]
 
@@ -86,9 +89,7 @@ def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
 def split_sequential(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
     """Consecutive partitions that keep the layers' names (``"3"`` stays ``"3"``)."""
     named = list(module.named_children())
-    return [
-        nn.Sequential(OrderedDict(named[start:stop])) for start, stop in stage_bounds(balance)
-    ]
+    return [nn.Sequential(OrderedDict(named[start:stop])) for start, stop in stage_bounds(balance)]
 
 
 def layer_seed(seed: int, index: int) -> int:

@@ -42,11 +42,13 @@ def _default_devices(n: int) -> list[torch.device]:
 class _Run:
     """The in-process machinery of one GPipe: stages, per-device programs and their workers."""
 
-    def __init__(self, partitions: Sequence[nn.Module], devices: Sequence[torch.device],
-                 timeout: float) -> None:
+    def __init__(
+        self, partitions: Sequence[nn.Module], devices: Sequence[torch.device], timeout: float
+    ) -> None:
         self.devices = list(devices)
         self.stages = [
-            Stage(j, len(partitions), p, d) for j, (p, d) in enumerate(zip(partitions, devices))
+            Stage(j, len(partitions), p, d)
+            for j, (p, d) in enumerate(zip(partitions, devices, strict=True))
         ]
         self.timeout = timeout
         self._groups = list(dict.fromkeys(self.devices))  # one worker per distinct device
@@ -113,7 +115,9 @@ class _PipelineFunction(torch.autograd.Function):
     """Autograd's view of a whole pipelined forward: its backward runs the backward schedule."""
 
     @staticmethod
-    def forward(ctx: Any, run: _Run, schedule: Schedule, data: StepData, phony: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:
+    def forward(
+        ctx: Any, run: _Run, schedule: Schedule, data: StepData, phony: Tensor, *inputs: Tensor
+    ) -> tuple[Tensor, ...]:
         run.run(schedule, "forward", data)
         outputs = gather([data.outputs[i] for i in range(schedule.n_microbatches)])
         outputs = tuple(t.detach() for t in outputs)
@@ -211,24 +215,30 @@ class GPipe(nn.Module):
 
     # -- Placement is fixed by `devices` ------------------------------------------------------
     def cuda(self, device: Any = None) -> GPipe:
-        raise MovingDenied("denied to move parameters and buffers, because GPipe places them "
-                           "by its devices")
+        raise MovingDenied(
+            "denied to move parameters and buffers, because GPipe places them by its devices"
+        )
 
     def cpu(self) -> GPipe:
-        raise MovingDenied("denied to move parameters and buffers, because GPipe places them "
-                           "by its devices")
+        raise MovingDenied(
+            "denied to move parameters and buffers, because GPipe places them by its devices"
+        )
 
     def to(self, *args: Any, **kwargs: Any) -> GPipe:
-        moving = "device" in kwargs or "tensor" in kwargs or (
-            args and isinstance(args[0], (torch.device, int, str, Tensor))
+        moving = (
+            "device" in kwargs
+            or "tensor" in kwargs
+            or (args and isinstance(args[0], (torch.device, int, str, Tensor)))
         )
         if moving:
-            raise MovingDenied("denied to move parameters and buffers, because GPipe places "
-                               "them by its devices; only dtype casts are allowed")
+            raise MovingDenied(
+                "denied to move parameters and buffers, because GPipe places "
+                "them by its devices; only dtype casts are allowed"
+            )
         return super().to(*args, **kwargs)
 
     # -- Running -----------------------------------------------------------------------------
-    def forward(self, input: Tensor | tuple[Tensor, ...]) -> Any:  # noqa: A002
+    def forward(self, input: Tensor | tuple[Tensor, ...]) -> Any:
         """Pipelined forward over micro-batches; the output is on the last device."""
         batch = check_batch(input)
         batch = tuple(t.to(self.devices[0]) for t in batch)
@@ -251,6 +261,7 @@ class GPipe(nn.Module):
         return outputs[0] if len(outputs) == 1 else outputs
 
     def extra_repr(self) -> str:
-        return (f"balance={self.balance}, chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
-                f"devices={[str(d) for d in self.devices]}")
-
+        return (
+            f"balance={self.balance}, chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
+            f"devices={[str(d) for d in self.devices]}"
+        )

@@ -167,9 +167,7 @@ def get_schedule(name: str) -> Callable[[int, int], Schedule]:
     try:
         return SCHEDULES[name]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}"
-        ) from None
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,9 +285,7 @@ def execution_order(schedule: Schedule) -> list[Action]:
         if not progressed:
             blocked = ", ".join(
                 f"rank {r} waits at {q[0]} (needs "
-                + " ".join(
-                    str(n) for n in _requirements(q[0], schedule.n_stages) if n not in done
-                )
+                + " ".join(str(n) for n in _requirements(q[0], schedule.n_stages) if n not in done)
                 + ")"
                 for r, q in enumerate(queues)
                 if q

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .checkpointing import RNGState
-from .microbatch import Batch, as_tuple
+from .microbatch import Batch, as_tuple, unpack
 
 __all__ = ["LossFn", "Stage"]
 
@@ -36,10 +36,6 @@ class _Saved:
 def _leaf(t: Tensor) -> Tensor:
     """A stage-local leaf: the stage's graph ends here, and its gradient lands in ``.grad``."""
     return t.detach().requires_grad_(t.requires_grad)
-
-
-def _unpack(batch: Batch) -> Tensor | Batch:
-    return batch[0] if len(batch) == 1 else batch
 
 
 class Stage:
@@ -69,7 +65,7 @@ class Stage:
         return self.index == self.n_stages - 1
 
     def _run(self, inputs: Batch, saved: _Saved) -> tuple[Batch, Tensor | None]:
-        outputs = as_tuple(self.module(*inputs))
+        outputs = as_tuple(self.module(unpack(inputs)))
         if not all(isinstance(t, Tensor) for t in outputs):
             kinds = [type(t).__name__ for t in outputs]
             raise TypeError(
@@ -77,7 +73,7 @@ class Stage:
             )
         loss = None
         if self.is_last and self.loss_fn is not None and saved.target is not None:
-            loss = self.loss_fn(_unpack(outputs), saved.target)
+            loss = self.loss_fn(unpack(outputs), saved.target)
             if not isinstance(loss, Tensor) or loss.dim() != 0:
                 shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
                 raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")

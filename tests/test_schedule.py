@@ -1,0 +1,137 @@
+"""Schedules: the GPipe generator's clock cycles and the validator's verdicts."""
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpipe.schedule import (
+    Action,
+    Kind,
+    ScheduleError,
+    clock_cycles,
+    execution_order,
+    forward_only,
+    get_schedule,
+    gpipe,
+    validate,
+)
+
+F, B = Kind.FORWARD, Kind.BACKWARD
+
+
+def test_clock_cycles_match_the_paper():
+    # at cycle k, stage j works on micro-batch k - j
+    assert clock_cycles(3, 2) == [
+        [(0, 0)],
+        [(1, 0), (0, 1)],
+        [(2, 0), (1, 1)],
+        [(2, 1)],
+    ]
+
+
+@given(st.integers(1, 40), st.integers(1, 16))
+def test_clock_cycles_cover_every_pair_once(m, n):
+    cycles = clock_cycles(m, n)
+    assert len(cycles) == m + n - 1
+    pairs = [p for cycle in cycles for p in cycle]
+    assert sorted(pairs) == sorted((i, j) for i in range(m) for j in range(n))
+    for k, cycle in enumerate(cycles):
+        assert all(i + j == k for i, j in cycle)
+
+
+def test_gpipe_program_of_a_middle_stage():
+    program = [str(a) for a in gpipe(3, 2).programs[1]]
+    assert program == [
+        "1RECV_F0",
+        "1F0",
+        "1SEND_F0",
+        "1RECV_F1",
+        "1F1",
+        "1SEND_F1",
+        "1RECV_B1",
+        "1B1",
+        "1SEND_B1",
+        "1RECV_B0",
+        "1B0",
+        "1SEND_B0",
+    ]
+
+
+@given(st.integers(1, 12), st.integers(1, 24))
+def test_gpipe_is_valid_for_any_size(n_stages, m):
+    schedule = validate(gpipe(n_stages, m))
+    for rank in range(n_stages):
+        compute = schedule.compute_only(rank)
+        assert [a.kind for a in compute] == [F] * m + [B] * m
+        assert [a.microbatch for a in compute] == list(range(m)) + list(reversed(range(m)))
+    order = execution_order(schedule)
+    assert len(order) == sum(len(p) for p in schedule.programs)
+
+
+@given(st.integers(1, 8), st.integers(1, 16))
+def test_forward_only_is_valid_and_has_no_backward(n_stages, m):
+    schedule = validate(forward_only(n_stages, m))
+    assert all(
+        a.kind in (Kind.FORWARD, Kind.SEND_F, Kind.RECV_F) for p in schedule.programs for a in p
+    )
+
+
+def _replace_program(schedule, rank, program):
+    programs = list(schedule.programs)
+    programs[rank] = tuple(program)
+    return dataclasses.replace(schedule, programs=tuple(programs))
+
+
+def test_validator_rejects_backward_before_its_forward():
+    good = gpipe(1, 2)
+    bad = _replace_program(
+        good, 0, [Action(0, B, 0), Action(0, F, 0), Action(0, F, 1), Action(0, B, 1)]
+    )
+    with pytest.raises(ScheduleError, match="deadlock.*0B0.*needs 0F0"):
+        validate(bad)
+
+
+def test_validator_rejects_an_unmatched_receive():
+    good = gpipe(2, 1)
+    program = list(good.programs[0])
+    program.remove(Action(0, Kind.SEND_F, 0))
+    with pytest.raises(ScheduleError, match="lacks actions: 0SEND_F0"):
+        validate(_replace_program(good, 0, program))
+
+
+def test_validator_rejects_a_receive_order_that_differs_from_the_send_order():
+    good = gpipe(2, 2)
+    program = list(good.programs[1])
+    i, j = program.index(Action(1, Kind.RECV_F, 0)), program.index(Action(1, Kind.RECV_F, 1))
+    program[i], program[j] = program[j], program[i]
+    with pytest.raises(ScheduleError, match="order"):
+        validate(_replace_program(good, 1, program))
+
+
+def test_validator_rejects_a_cycle_between_ranks():
+    # each rank waits for the other's gradient before sending its own activations
+    good = gpipe(2, 1)
+    rank0 = [Action(0, Kind.RECV_B, 0), Action(0, F, 0), Action(0, Kind.SEND_F, 0), Action(0, B, 0)]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate(_replace_program(good, 0, rank0))
+
+
+def test_validator_rejects_duplicates_and_foreign_stages():
+    good = gpipe(2, 1)
+    with pytest.raises(ScheduleError, match="twice"):
+        validate(_replace_program(good, 0, [*good.programs[0], Action(0, F, 0)]))
+    with pytest.raises(ScheduleError, match="held by rank 1"):
+        validate(_replace_program(good, 0, [*good.programs[0], Action(1, F, 0)]))
+
+
+def test_unknown_schedule_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"schedule must be one of \['gpipe'\], got 'fast'"):
+        get_schedule("fast")
+
+
+@pytest.mark.parametrize("args", [(0, 4), (2, 0), (2.5, 4)])
+def test_generator_rejects_bad_sizes(args):
+    with pytest.raises(ValueError, match="positive integer"):
+        gpipe(*args)
