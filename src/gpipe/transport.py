@@ -191,19 +191,19 @@ class DistributedTransport:
             if t is not None:
                 self._isend(t.detach().contiguous(), peer, tag)
 
-    def _wait(self, work: dist.Work, dst: int, src: int, microbatch: int, kind: Kind) -> None:
+    def _irecv(
+        self, buffer: Tensor, peer: int, tag: int, dst: int, src: int, microbatch: int, kind: Kind
+    ) -> Tensor:
         try:
-            work.wait(self._timeout)
+            dist.irecv(buffer, src=peer, group=self._group, tag=tag).wait(self._timeout)
         except RuntimeError as exc:
+            text = str(exc).lower()
             reason = (
                 f"timed out after {self._timeout_s:g} s"
-                if "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
-                else f"lost stage {src} ({exc})"
+                if "timed out" in text or "timeout" in text
+                else f"lost stage {src} ({str(exc).splitlines()[0]})"
             )
             raise StageError(dst, f"{reason} waiting for {_what(kind, microbatch, src)}") from exc
-
-    def _irecv(self, buffer: Tensor, peer: int, tag: int, *where: object) -> Tensor:
-        self._wait(dist.irecv(buffer, src=peer, group=self._group, tag=tag), *where)  # type: ignore[arg-type]
         return buffer
 
     def recv(self, src: int, dst: int, microbatch: int, kind: Kind) -> Message:

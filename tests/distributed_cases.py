@@ -1,0 +1,151 @@
+"""What each process runs in tests/test_distributed.py (importable by name in new processes).
+
+Every function runs on every rank under gpipe.launch and returns what the test checks.
+Assertions inside fail the launch with the rank's message.
+"""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.functional import mse_loss
+
+from gpipe import Pipeline, StageError
+from gpipe.distributed import init_process_group
+
+from .models import BALANCES, SPLITS, batch, mlp
+
+MODES = ["never", "always", "except_last"]
+
+
+def _reference(model, x, y):
+    loss = mse_loss(model(x), y)
+    loss.backward()
+    return loss
+
+
+def _check_step(pipe, x, y, dtype=torch.float64, **tol):
+    reference = mlp(dtype)
+    ref_loss = _reference(reference, x, y)
+    loss = pipe.step(x, y)
+    torch.testing.assert_close(loss, ref_loss.double(), **tol)
+    ref_params = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **tol)
+    out = pipe(x)
+    if pipe.is_last:
+        torch.testing.assert_close(out, reference(x), **tol)
+    else:
+        assert out is None
+
+
+def equivalence(k: int) -> dict:
+    """Every split and checkpoint mode against un-pipelined training; returns what the
+    test compares across K: parameter names and meta-device initialization."""
+    exact = {"rtol": 1e-12, "atol": 1e-14}
+    cases = 0
+    for rows, chunks in SPLITS:
+        for mode in MODES:
+            pipe = Pipeline(mlp(), BALANCES[k], chunks=chunks, checkpoint=mode, loss_fn=mse_loss)
+            _check_step(pipe, *batch(rows), **exact)
+            cases += 1
+    # float32 within 1e-5 relative
+    pipe = Pipeline(mlp(torch.float32), BALANCES[k], chunks=4, loss_fn=mse_loss)
+    _check_step(pipe, *batch(10, torch.float32), dtype=torch.float32, rtol=1e-5, atol=1e-6)
+    # shapes change between steps and the last micro-batch is short: (B, T, features)
+    pipe = Pipeline(mlp(), BALANCES[k], chunks=4, checkpoint="always", loss_fn=mse_loss)
+    for rows, length in [(8, 3), (7, 5), (2, 1)]:
+        x, y = batch(rows * length)
+        pipe.zero_grad()
+        _check_step(pipe, x.view(rows, length, -1), y.view(rows, length, -1), **exact)
+        cases += 1
+    # dropout: recomputation replays the masks of the first forward
+    grads = {}
+    for mode in MODES:
+        pipe = Pipeline(mlp(dropout=0.5), BALANCES[k], chunks=4, checkpoint=mode, loss_fn=mse_loss)
+        torch.manual_seed(1234 + dist.get_rank())
+        pipe.step(*batch(16))
+        grads[mode] = [p.grad for p in pipe.parameters()]
+    for mode in ("always", "except_last"):
+        assert all(torch.equal(a, b) for a, b in zip(grads["never"], grads[mode], strict=True))
+    # meta-device build: this rank allocates and initializes only its own layers
+    with torch.device("meta"):
+        model = mlp()
+    pipe = Pipeline(model, BALANCES[k], seed=5, loss_fn=mse_loss)
+    assert not any(p.is_meta for p in pipe.parameters())
+    state = {name: t.clone() for name, t in pipe.state_dict().items()}
+    return {"cases": cases, "state": state, "names": [n for n, _ in pipe.named_parameters()]}
+
+
+class _Exit(nn.Module):
+    """Ends its process in the middle of a step, as a crashed peer would."""
+
+    def forward(self, x):
+        os._exit(17)
+
+
+class _Stall(nn.Module):
+    """Stalls longer than the peers' timeout, as a hung peer would."""
+
+    def forward(self, x):
+        time.sleep(8)
+        return x
+
+
+def failing_peer(how: str, report: str) -> None:
+    """Stage 1 dies or stalls mid-step; stage 0 must raise within its timeout and say so."""
+    last = _Exit() if how == "dies" else _Stall()
+    pipe = Pipeline(
+        nn.Sequential(nn.Linear(4, 4), last), [1, 1], chunks=2, timeout=2.0, loss_fn=mse_loss
+    )
+    x = torch.randn(4, 4)
+    if pipe.is_first:
+        start = time.monotonic()
+        try:
+            pipe.step(x, x)
+            message = "no error"
+        except StageError as exc:
+            message = str(exc)
+        with open(report, "w") as f:
+            f.write(f"{time.monotonic() - start:.2f}\n{message}")
+    else:
+        pipe.step(x, x)
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def bad_inputs() -> dict:
+    """Each bad input on its own process group, so one case's stranded messages cannot reach
+    the next; returns each rank's error messages."""
+    init_process_group(torch.device("cpu"))
+    ranks = list(range(dist.get_world_size()))
+    errors = {}
+
+    def fresh(**kwargs):
+        options = {
+            "balance": [4, 4],
+            "loss_fn": mse_loss,
+            "group": dist.new_group(ranks),
+            "timeout": 1.0,
+        }
+        return Pipeline(mlp(), **(options | kwargs))
+
+    errors["balance"] = _error(lambda: fresh(balance=[8]))
+    errors["chunks"] = _error(lambda: fresh(chunks=0))
+    errors["checkpoint"] = _error(lambda: fresh(checkpoint="sometimes"))
+    errors["schedule"] = _error(lambda: fresh(schedule="fastest"))
+    errors["reduction"] = _error(lambda: fresh(loss_reduction="median"))
+    errors["no_loss"] = _error(lambda: fresh(loss_fn=None).step(*batch(4)))
+    x, y = batch(4)
+    errors["non_scalar_loss"] = _error(lambda: fresh(loss_fn=lambda o, t: o - t).step(x, y))
+    errors["not_a_tensor"] = _error(lambda: fresh().step([1, 2], y))
+    errors["targets_rows"] = _error(lambda: fresh().step(x, y[:3]))
+    return errors

@@ -1,0 +1,91 @@
+"""Pipeline across real processes over gloo on loopback: the same promise as in one process,
+and failures that end in errors naming the stage instead of hangs."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe import LaunchError, Pipeline, launch
+
+from . import distributed_cases as cases
+from .models import BALANCES
+
+
+@pytest.fixture(scope="module")
+def results():
+    """One launch per K runs every equivalence case; K = 1..4."""
+    return {k: launch(cases.equivalence, k, (k,), threads=1) for k in sorted(BALANCES)}
+
+
+@pytest.mark.parametrize("k", sorted(BALANCES))
+def test_every_split_and_mode_matches_unpipelined(results, k):
+    assert all(r["cases"] == 21 for r in results[k].values())
+
+
+def test_parameter_names_are_those_of_the_full_sequential(results):
+    assert [results[2][rank]["names"] for rank in range(2)] == [
+        ["0.weight", "0.bias", "2.weight", "2.bias"],
+        ["5.weight", "5.bias", "6.weight", "6.bias", "7.weight", "7.bias"],
+    ]
+
+
+def test_meta_initialization_does_not_depend_on_k(results):
+    def merged(k):
+        state = {}
+        for rank in range(k):
+            state.update(results[k][rank]["state"])
+        return state
+
+    one = merged(1)
+    assert len(one) == 10
+    for k in (2, 3, 4):
+        other = merged(k)
+        assert other.keys() == one.keys()
+        assert all(torch.equal(other[name], one[name]) for name in one)
+
+
+@pytest.mark.parametrize(
+    ("how", "expected"), [("dies", "lost stage 1"), ("stalls", "timed out after 2 s")]
+)
+def test_a_failed_peer_ends_in_an_error_naming_the_stage(tmp_path, how, expected):
+    report = tmp_path / "report.txt"
+    start = time.monotonic()
+    # the agent notices the failure after monitor_interval; stage 0 must have spoken by then
+    with pytest.raises(LaunchError, match="rank 1"):
+        launch(cases.failing_peer, 2, (how, str(report)), monitor_interval=8)
+    seconds, message = report.read_text().split("\n", 1)
+    assert message.startswith("stage 0: ") and expected in message
+    assert "gradients of micro-batch 1 from stage 1" in message
+    assert float(seconds) < 5
+    assert time.monotonic() - start < 60
+
+
+def test_bad_inputs_are_named():
+    errors = launch(cases.bad_inputs, 2)
+    both = {key: (errors[0][key], errors[1][key]) for key in errors[0]}
+    for key in ("balance", "chunks", "checkpoint", "schedule", "reduction", "no_loss"):
+        assert both[key][0] == both[key][1], key
+    assert "balance has 1 partitions but the process group has 2" in both["balance"][0]
+    assert "chunks must be a positive integer, got 0" in both["chunks"][0]
+    assert "checkpoint must be one of" in both["checkpoint"][0]
+    assert "schedule must be one of ['gpipe'], got 'fastest'" in both["schedule"][0]
+    assert "loss_reduction must be 'mean' or 'sum'" in both["reduction"][0]
+    assert "step() needs a loss_fn" in both["no_loss"][0]
+    first, last = both["non_scalar_loss"]
+    assert "stage 1: forward of micro-batch 0 failed" in last
+    assert "loss_fn must return a scalar tensor, got (4, 4)" in last
+    assert first.startswith("StageError: stage 0: timed out")
+    first, last = both["not_a_tensor"]
+    assert "inputs must be a Tensor or a tuple of Tensors, got list[int, int]" in first
+    assert last.startswith("StageError: stage 1: ") and "stage 0" in last
+    first, last = both["targets_rows"]
+    assert "targets have 3 rows but inputs have 4" in last
+
+
+def test_without_a_process_group_the_error_says_how_to_get_one(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="run under torchrun or gpipe.launch"):
+        Pipeline(nn.Sequential(nn.Linear(2, 2)), [1])

@@ -1,0 +1,116 @@
+"""The promise: a pipelined step gives the outputs and gradients of an un-pipelined one.
+
+Here in one process (GPipe); tests/test_distributed.py checks the same across processes.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.functional import mse_loss
+
+from gpipe import GPipe
+
+from .models import BALANCES, SPLITS, batch, mlp
+
+MODES = ["never", "always", "except_last"]
+
+
+def _step(model, x, y):
+    x = x.clone().requires_grad_()
+    out = model(x)
+    loss = mse_loss(out, y)
+    loss.backward()
+    return out, loss, x.grad
+
+
+def _assert_same(pipe, reference, x, y, **tol):
+    out, loss, x_grad = _step(pipe, x, y)
+    ref_out, ref_loss, ref_x_grad = _step(reference, x, y)
+    torch.testing.assert_close(out, ref_out, **tol)
+    torch.testing.assert_close(loss, ref_loss, **tol)
+    torch.testing.assert_close(x_grad, ref_x_grad, **tol)
+    ref_params = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        layer_name = name.split(".", 2)[2]  # partitions.<j>.<layer>.<param>
+        torch.testing.assert_close(p.grad, ref_params[layer_name].grad, **tol)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("rows", "chunks"), SPLITS)
+@pytest.mark.parametrize("k", sorted(BALANCES))
+def test_gpipe_float64_matches_unpipelined(k, rows, chunks, mode):
+    reference = mlp()
+    pipe = GPipe(
+        copy.deepcopy(reference), BALANCES[k], devices=["cpu"] * k, chunks=chunks, checkpoint=mode
+    )
+    x, y = batch(rows)
+    _assert_same(pipe, reference, x, y, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gpipe_float32_matches_unpipelined_within_1e5(mode):
+    reference = mlp(torch.float32)
+    pipe = GPipe(
+        copy.deepcopy(reference), [3, 3, 2], devices=["cpu"] * 3, chunks=4, checkpoint=mode
+    )
+    x, y = batch(10, torch.float32)
+    _assert_same(pipe, reference, x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last"])
+def test_recomputation_replays_dropout_masks(mode):
+    x, y = batch(16)
+
+    def grads(checkpoint):
+        pipe = GPipe(mlp(dropout=0.5), [4, 4], devices=["cpu"] * 2, chunks=4, checkpoint=checkpoint)
+        torch.manual_seed(123)
+        out, _, x_grad = _step(pipe, x, y)
+        return out, x_grad, [p.grad for p in pipe.parameters()]
+
+    out_never, x_grad_never, never = grads("never")
+    out_mode, x_grad_mode, other = grads(mode)
+    assert torch.equal(out_never, out_mode)
+    assert torch.equal(x_grad_never, x_grad_mode)
+    assert all(torch.equal(a, b) for a, b in zip(never, other, strict=True))
+    # and dropout really dropped something: two seeds differ
+    torch.manual_seed(124)
+    pipe = GPipe(mlp(dropout=0.5), [4, 4], devices=["cpu"] * 2, chunks=4)
+    assert not torch.equal(pipe(x), out_never)
+
+
+class _Masked(nn.Module):
+    """Takes (x, mask) and returns (linear(x) * mask, mask): a non-floating tensor rides along."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width, dtype=torch.float64)
+
+    def forward(self, pair):
+        x, mask = pair
+        return self.linear(x) * mask.unsqueeze(1), mask
+
+
+def test_tuples_with_non_floating_tensors_pass_through():
+    torch.manual_seed(0)
+    reference = nn.Sequential(*[_Masked(5) for _ in range(4)])
+    pipe = GPipe(copy.deepcopy(reference), [1, 2, 1], devices=["cpu"] * 3, chunks=3)
+    x = torch.randn(7, 5, dtype=torch.float64)
+    mask = torch.tensor([1, 0, 1, 1, 0, 1, 1])
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, out_mask = pipe((x1, mask))
+    ref, _ = reference((x2, mask))
+    assert torch.equal(out_mask, mask) and not out_mask.requires_grad
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=0)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-12, atol=0)
+
+
+def test_inputs_that_need_no_grad_get_none():
+    pipe = GPipe(mlp(), [4, 4], devices=["cpu"] * 2, chunks=2)
+    x, y = batch(8)
+    mse_loss(pipe(x), y).backward()
+    assert x.grad is None
+    assert all(p.grad is not None for p in pipe.parameters())
