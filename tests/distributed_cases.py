@@ -34,11 +34,14 @@ def _check_step(pipe, x, y, dtype=torch.float64, **tol):
     ref_params = dict(reference.named_parameters())
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad, ref_params[name].grad, **tol)
+    assert 0 < pipe.last_step.busy <= pipe.last_step.total
     out = pipe(x)
     if pipe.is_last:
         torch.testing.assert_close(out, reference(x), **tol)
     else:
         assert out is None
+    torch.testing.assert_close(pipe.evaluate(x, y), ref_loss.double(), **tol)
+    return reference
 
 
 def equivalence(k: int) -> dict:
@@ -61,6 +64,15 @@ def equivalence(k: int) -> dict:
         pipe.zero_grad()
         _check_step(pipe, x.view(rows, length, -1), y.view(rows, length, -1), **exact)
         cases += 1
+    # clipping by the global norm of all stages, as clip_grad_norm_ on the whole model
+    pipe = Pipeline(mlp(), BALANCES[k], chunks=4, loss_fn=mse_loss)
+    reference = _check_step(pipe, *batch(12), **exact)
+    ref_norm = nn.utils.clip_grad_norm_(reference.parameters(), 1e-3)
+    torch.testing.assert_close(pipe.clip_grad_norm_(1e-3).double(), ref_norm.double(), **exact)
+    ref_params = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **exact)
+    cases += 1
     # dropout: recomputation replays the masks of the first forward
     grads = {}
     for mode in MODES:

@@ -21,7 +21,7 @@ def results():
 
 @pytest.mark.parametrize("k", sorted(BALANCES))
 def test_every_split_and_mode_matches_unpipelined(results, k):
-    assert all(r["cases"] == 21 for r in results[k].values())
+    assert all(r["cases"] == 22 for r in results[k].values())
 
 
 def test_parameter_names_are_those_of_the_full_sequential(results):

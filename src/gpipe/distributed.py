@@ -10,6 +10,8 @@ import datetime
 import os
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -21,13 +23,26 @@ from .errors import StageError
 from .executor import StepData, run_program
 from .microbatch import Batch, check_batch, gather, scatter, split_sizes, unpack
 from .partition import as_sequential, check_balance, even_balance, materialize, stage_bounds
-from .schedule import Schedule, forward_only, get_schedule
+from .schedule import Action, Schedule, forward_only, get_schedule
 from .stage import LossFn, Stage
 from .transport import DistributedTransport
 
-__all__ = ["Pipeline", "init_process_group"]
+__all__ = ["Pipeline", "StepTimes", "init_process_group"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Where this rank's time went in the last ``step``: ``busy`` seconds of forward and
+    backward out of ``total``; the rest is the bubble plus communication."""
+
+    total: float
+    busy: float
+
+    @property
+    def idle_fraction(self) -> float:
+        return 1.0 - self.busy / self.total if self.total > 0 else 0.0
 
 
 def _default_device() -> torch.device:
@@ -134,6 +149,7 @@ class Pipeline(nn.Module):
         self._transport = DistributedTransport(
             range(self.n_stages), self.device, group, self.timeout
         )
+        self.last_step: StepTimes | None = None
 
     @property
     def is_first(self) -> bool:
@@ -167,17 +183,46 @@ class Pipeline(nn.Module):
             self._broadcast(rows, 0, "the batch size")
         return int(rows.item()), batch
 
-    def _run(self, schedule: Schedule, data: StepData) -> None:
+    def _run(self, schedule: Schedule, data: StepData) -> float:
+        """Run this rank's program; returns the seconds spent computing (forward, backward)."""
+        busy = 0.0
+
+        def timed(action: Action, start: float, end: float) -> None:
+            nonlocal busy
+            if action.is_compute:
+                busy += end - start
+
         try:
             run_program(
                 schedule.programs[self.stage_index],
                 {self.stage_index: self._stage},
                 self._transport,
                 data,
+                on_action=timed,
             )
         except BaseException:
             self._stage.clear()
             raise
+        return busy
+
+    def _targets(self, targets: Any, rows: int, sizes: list[int], data: StepData) -> None:
+        """Give the last stage each micro-batch's target and the weight of its loss."""
+        target = tuple(t.to(self.device) for t in check_batch(targets, "targets"))
+        if target[0].size(0) != rows:
+            raise ValueError(f"targets have {target[0].size(0)} rows but inputs have {rows}")
+        data.targets = [unpack(mb) for mb in scatter(target, self.chunks)]
+        data.loss_weights = (
+            [n / rows for n in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
+        )
+
+    def _loss(self, data: StepData, m: int) -> Tensor:
+        """The mini-batch loss, computed on the last stage and known to every rank."""
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.is_last:
+            loss += sum(data.losses[i].double() for i in range(m))
+        if self.n_stages > 1:
+            self._broadcast(loss, self.n_stages - 1, "the loss")
+        return loss
 
     def step(self, inputs: Any = None, targets: Any = None) -> Tensor:
         """Forward and backward of one mini-batch; gradients accumulate in ``.grad``.
@@ -187,6 +232,7 @@ class Pipeline(nn.Module):
         """
         if self.loss_fn is None:
             raise ValueError("step() needs a loss_fn; pass loss_fn= to Pipeline")
+        started = perf_counter()
         rows, batch = self._rows(inputs)
         sizes = split_sizes(rows, self.chunks)
         m, mode = len(sizes), self.checkpoint if self.training else "never"
@@ -199,20 +245,26 @@ class Pipeline(nn.Module):
         if batch is not None:
             data.inputs = scatter(batch, self.chunks)
         if self.is_last:
-            target = tuple(t.to(self.device) for t in check_batch(targets, "targets"))
-            if target[0].size(0) != rows:
-                raise ValueError(f"targets have {target[0].size(0)} rows but inputs have {rows}")
-            data.targets = [unpack(mb) for mb in scatter(target, self.chunks)]
-            data.loss_weights = (
-                [n / rows for n in sizes] if self.loss_reduction == "mean" else [1.0] * m
-            )
-        self._run(self._schedule_fn(self.n_stages, m), data)
-        loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.is_last:
-            loss += sum(data.losses[i].double() for i in range(m))
-        if self.n_stages > 1:
-            self._broadcast(loss, self.n_stages - 1, "the loss")
+            self._targets(targets, rows, sizes, data)
+        busy = self._run(self._schedule_fn(self.n_stages, m), data)
+        loss = self._loss(data, m)
+        self.last_step = StepTimes(perf_counter() - started, busy)
         return loss
+
+    @torch.no_grad()
+    def evaluate(self, inputs: Any = None, targets: Any = None) -> Tensor:
+        """The mini-batch loss without gradients or kept activations, on every rank."""
+        if self.loss_fn is None:
+            raise ValueError("evaluate() needs a loss_fn; pass loss_fn= to Pipeline")
+        rows, batch = self._rows(inputs)
+        sizes = split_sizes(rows, self.chunks)
+        data = StepData(n_stages=self.n_stages, build_graph=False, keep_outputs=False)
+        if batch is not None:
+            data.inputs = scatter(batch, self.chunks)
+        if self.is_last:
+            self._targets(targets, rows, sizes, data)
+        self._run(forward_only(self.n_stages, len(sizes)), data)
+        return self._loss(data, len(sizes))
 
     @torch.no_grad()
     def forward(self, inputs: Any = None) -> Any:
@@ -227,17 +279,28 @@ class Pipeline(nn.Module):
             return None
         return unpack(gather([data.outputs[i] for i in range(m)]))
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """Clip the gradients of all stages by their global norm; returns that norm."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        parameters: Iterable[nn.Parameter] | None = None,
+    ) -> Tensor:
+        """Clip the gradients of all stages by their global norm; returns that norm.
+
+        ``parameters`` (default: all of this rank's) are those counted in the norm; leave out
+        a copy of a weight tied to another stage's so that it counts once. Every gradient of
+        this rank is scaled.
+        """
+        counted = self.parameters() if parameters is None else parameters
+        grads = [p.grad.detach() for p in counted if p.grad is not None]
         if norm_type == float("inf"):
-            local = max((g.detach().abs().max() for g in grads), default=torch.tensor(0.0))
+            local = max((g.abs().max() for g in grads), default=torch.tensor(0.0))
             total = local.to(self.device, torch.float64).reshape(1)
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
             norm = total[0]
         else:
             local = sum(
-                (g.detach().double().norm(norm_type) ** norm_type for g in grads),
+                (g.double().norm(norm_type) ** norm_type for g in grads),
                 torch.zeros((), dtype=torch.float64, device=self.device),
             )
             total = local.reshape(1).clone()
@@ -245,8 +308,9 @@ class Pipeline(nn.Module):
             norm = total[0] ** (1.0 / norm_type)
         scale = max_norm / (float(norm) + 1e-6)
         if scale < 1.0:
-            for g in grads:
-                g.mul_(scale)
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
         return norm
 
     def extra_repr(self) -> str:
