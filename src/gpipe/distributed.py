@@ -159,6 +159,13 @@ class Pipeline(nn.Module):
     def is_last(self) -> bool:
         return self.stage_index == self.n_stages - 1
 
+    def stage_of(self, layer: int) -> int:
+        """The stage that holds layer ``layer`` of the whole model."""
+        bounds = stage_bounds(self.balance)
+        if not 0 <= layer < bounds[-1][1]:
+            raise IndexError(f"layer must be in [0, {bounds[-1][1]}), got {layer}")
+        return next(s for s, (start, stop) in enumerate(bounds) if start <= layer < stop)
+
     def _global(self, stage: int) -> int:
         return stage if self.group is None else dist.get_global_rank(self.group, stage)
 

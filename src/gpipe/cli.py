@@ -1,0 +1,337 @@
+"""The ``gpipe`` command: ``gpipe train`` trains a pipelined GPT, ``gpipe sample`` reads one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from .checkpointing import check_checkpoint
+from .errors import PipelineError
+from .schedule import get_schedule
+
+__all__ = ["main"]
+
+RUN_FILE = "run.json"  # the run's model config and options, written when it starts
+
+
+class UsageError(Exception):
+    """Bad input on the command line; reported in one line with exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _under_torchrun() -> bool:
+    return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+# --- gpipe train ---------------------------------------------------------------------------
+
+_MODEL_FLAGS = {  # flag -> GPTConfig field
+    "n_layer": "n_layer",
+    "d_model": "d_model",
+    "n_head": "n_head",
+    "d_ff": "d_ff",
+    "context": "seq_len",
+    "dropout": "dropout",
+}
+
+
+def _train_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a GPT language model, pipelined over several processes",
+        description="Train a GPT-style byte-level language model split into pipeline stages. "
+        "With no arguments: the 'small' preset on the Python standard library's sources, "
+        "2 stages in 2 local processes, GPipe schedule, 8 micro-batches.",
+    )
+    model = p.add_argument_group("model")
+    model.add_argument("--preset", default="small", help="named model size (default: small)")
+    model.add_argument("--n-layer", type=int, help="transformer blocks")
+    model.add_argument("--d-model", type=int, help="width of the residual stream")
+    model.add_argument("--n-head", type=int, help="attention heads")
+    model.add_argument("--d-ff", type=int, help="width of the MLP (default 4 x d-model)")
+    model.add_argument("--context", type=int, help="longest sequence the model takes")
+    model.add_argument("--dropout", type=float, help="dropout probability")
+    model.add_argument(
+        "--untied", action="store_true", help="separate embedding and LM-head weights"
+    )
+    pipe = p.add_argument_group("pipeline")
+    pipe.add_argument("--stages", type=int, help="pipeline stages, one process each (default 2)")
+    pipe.add_argument("--chunks", type=int, help="micro-batches per mini-batch (default 8)")
+    pipe.add_argument("--checkpoint", help="re-materialization: always, except_last, never")
+    pipe.add_argument("--schedule", help="pipeline schedule (default gpipe)")
+    pipe.add_argument("--device", choices=["cpu", "cuda"], help="where stages run (default cpu)")
+    run = p.add_argument_group("training")
+    run.add_argument("--steps", type=int, help="optimizer steps in all (default 300)")
+    run.add_argument("--batch-size", type=int, help="sequences per mini-batch (default 32)")
+    run.add_argument("--seq-len", type=int, help="training sequence length (default: --context)")
+    run.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
+    run.add_argument("--warmup", type=int, help="warm-up steps (default 30)")
+    run.add_argument("--eval-every", type=int, help="steps between validation losses")
+    run.add_argument("--save-every", type=int, help="steps between checkpoints (0: at the end)")
+    run.add_argument("--data", help="a text file or folder to train on instead")
+    run.add_argument("--seed", type=int, help="seed of weights, data order and dropout")
+    run.add_argument("--timeout", type=float, help="seconds a stage waits for a neighbour")
+    run.add_argument("--prompt", help="start of the sample printed at the end")
+    run.add_argument("--sample-tokens", type=int, help="bytes to generate at the end")
+    out = p.add_argument_group("run folder")
+    out.add_argument("--out", default="runs/gpt", help="run folder (default runs/gpt)")
+    out.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
+    out.add_argument("--force", action="store_true", help="replace what is in the run folder")
+    out.add_argument("--quiet", action="store_true", help="plain log lines, no progress bar")
+    p.set_defaults(command=_train)
+
+
+def _positive(name: str, value: Any) -> None:
+    if value is not None and value < 1:
+        raise UsageError(f"--{name} must be a positive integer, got {value}")
+
+
+def _model_config(args: argparse.Namespace, saved: dict[str, Any] | None) -> Any:
+    from .models.gpt import GPTConfig, config_from_preset
+
+    overrides = {
+        field_: getattr(args, flag) for flag, field_ in _MODEL_FLAGS.items() if getattr(args, flag)
+    }
+    if args.untied:
+        overrides["tied"] = False
+    try:
+        if saved is None:
+            return config_from_preset(args.preset, **overrides)
+        config = GPTConfig.from_dict(saved)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UsageError(str(exc).strip("'\"")) from None
+    differ = {k: v for k, v in overrides.items() if getattr(config, k) != v}
+    if differ:
+        asked = ", ".join(f"{k}={v}" for k, v in differ.items())
+        held = ", ".join(f"{k}={getattr(config, k)}" for k in differ)
+        raise UsageError(f"the checkpoint in {args.resume} holds a model with {held}, not {asked}")
+    return config
+
+
+def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> Any:
+    from .train import TrainOptions
+
+    values = dict(saved or {})
+    for f in fields(TrainOptions):
+        given = getattr(args, f.name, None)
+        if given is not None and given is not False:
+            values[f.name] = given
+    if args.quiet:
+        values["quiet"] = True
+    return TrainOptions(**values)
+
+
+def _check(config: Any, opts: Any) -> None:
+    for name in ("stages", "chunks", "steps", "batch_size", "seq_len", "eval_every"):
+        _positive(name.replace("_", "-"), getattr(opts, name))
+    if opts.warmup < 0 or opts.save_every < 0:
+        raise UsageError("--warmup and --save-every must not be negative")
+    layers = config.n_layer + 2
+    if opts.stages > layers:
+        raise UsageError(
+            f"--stages {opts.stages} is more than the model's {layers} layers "
+            f"({config.n_layer} blocks, embedding and head); at most {layers} stages"
+        )
+    if opts.seq_len is not None and opts.seq_len > config.seq_len:
+        raise UsageError(
+            f"--seq-len {opts.seq_len} is above the model's maximum of {config.seq_len} "
+            "(raise --context)"
+        )
+    try:
+        check_checkpoint(opts.checkpoint)
+        get_schedule(opts.schedule)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda, but this machine has no CUDA device")
+
+
+def _check_data(opts: Any, seq_len: int) -> None:
+    from .data import ByteDataset
+    from .train import load_corpus
+
+    try:
+        dataset = ByteDataset.split(load_corpus(opts.data))
+    except (ValueError, OSError) as exc:
+        raise UsageError(str(exc)) from None
+    shortest = min(len(dataset.train), len(dataset.val))
+    if shortest < seq_len + 1:
+        raise UsageError(
+            f"--data {opts.data}: its validation part has {shortest} bytes, fewer than one "
+            f"window of --seq-len {seq_len} + 1; give more text or a shorter --seq-len"
+        )
+
+
+def _prepare_folder(out: Path, resume: bool, force: bool, run: dict[str, Any]) -> None:
+    """Refuse to overwrite a run unless told to; record what this run is."""
+    if not resume and out.exists() and any(out.iterdir()):
+        if not force:
+            raise UsageError(
+                f"run folder {out} is not empty; pass --force to replace it, "
+                f"or --resume {out} to continue it"
+            )
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
+
+
+def _saved_run(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.resume is None:
+        return None
+    from .saving import latest_checkpoint
+
+    folder = Path(args.resume)
+    if not (folder / RUN_FILE).is_file() or latest_checkpoint(folder / "checkpoints") is None:
+        raise UsageError(f"--resume {folder}: no gpipe run with a complete checkpoint there")
+    return json.loads((folder / RUN_FILE).read_text())
+
+
+def _agree_on_folder(prepare: Any) -> None:
+    """Under torchrun, rank 0 prepares the run folder and every rank learns the outcome."""
+    import torch.distributed as dist
+
+    from .distributed import _default_device, init_process_group
+
+    init_process_group(_default_device())
+    message = [None]
+    if dist.get_rank() == 0:
+        try:
+            prepare()
+        except UsageError as exc:
+            message = [str(exc)]
+    dist.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        raise UsageError(message[0])
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .launch import launch
+    from .train import RunSpec, run_stage
+
+    saved = _saved_run(args)
+    config = _model_config(args, saved and saved["model"])
+    opts = _train_options(args, saved and saved["train"])
+    torchrun = _under_torchrun()
+    if torchrun:
+        world = int(os.environ["WORLD_SIZE"])
+        if args.stages is not None and args.stages != world:
+            raise UsageError(f"--stages {args.stages}, but torchrun started {world} processes")
+        opts.stages = world
+    _check(config, opts)
+    _check_data(opts, opts.seq_len or config.seq_len)
+    out = Path(args.resume or args.out)
+    run = {"model": asdict(config), "train": asdict(opts)}
+
+    def prepare() -> None:
+        _prepare_folder(out, args.resume is not None, args.force, run)
+
+    if torchrun:
+        _agree_on_folder(prepare)
+    else:
+        prepare()
+    spec = RunSpec(model=asdict(config), train=asdict(opts), out=str(out), resume=bool(saved))
+    if torchrun:
+        summary = run_stage(spec)
+    else:
+        threads = max(1, (os.cpu_count() or 1) // opts.stages) if opts.device == "cpu" else None
+        summary = launch(run_stage, opts.stages, (spec,), threads=threads)[0]
+    if summary is not None:
+        _print_summary(summary, out)
+    return 0
+
+
+def _print_summary(summary: dict[str, Any], out: Path) -> None:
+    memory = ", ".join(f"{b / 2**20:.0f} MiB" for b in summary["peak_memory_bytes"])
+    print(
+        f"trained {summary['steps']} steps in {summary['seconds']:.1f} s, "
+        f"{summary['tokens_per_s']:,.0f} tokens/s, stages {summary['balance']}\n"
+        f"loss: train {summary['train_loss']:.3f}, validation {summary['val_loss']:.3f} "
+        f"(nats per byte)\n"
+        f"peak memory per stage: {memory}\n"
+        f"run folder: {out}\n"
+        f"sample:\n{summary['sample']}"
+    )
+    (out / "sample.txt").write_text(summary["sample"])
+
+
+# --- gpipe sample --------------------------------------------------------------------------
+
+
+def _sample_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "sample",
+        help="generate text from a checkpoint",
+        description="Generate text from a gpipe checkpoint (a run folder or one of its "
+        "checkpoints), with the whole model in this process.",
+    )
+    p.add_argument("path", metavar="DIR", help="run folder or checkpoint folder")
+    p.add_argument("--prompt", default="def ", help="text to continue")
+    p.add_argument("--tokens", type=int, default=300, help="bytes to generate")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(command=_sample)
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from .data import decode, encode
+    from .models.gpt import GPTConfig, build_gpt, generate
+    from .saving import DESCRIPTION, latest_checkpoint, load_model_weights, read_description
+
+    folder = Path(args.path)
+    path = folder if (folder / DESCRIPTION).is_file() else latest_checkpoint(folder / "checkpoints")
+    if path is None:
+        raise UsageError(f"{folder}: no gpipe checkpoint there")
+    _positive("tokens", args.tokens)
+    if args.temperature <= 0:
+        raise UsageError(f"--temperature must be positive, got {args.temperature}")
+    config = GPTConfig.from_dict(read_description(path)["model"])
+    model = build_gpt(config)
+    load_model_weights(path, model)
+    model.eval()
+    prompt = encode(args.prompt).view(1, -1)
+    generator = torch.Generator().manual_seed(args.seed)
+    with torch.no_grad():
+        tokens = generate(
+            model,
+            prompt,
+            args.tokens,
+            config.seq_len,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            generator=generator,
+        )
+    print(decode(tokens[0].tolist()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog="gpipe", description="Pipeline-parallel training on PyTorch.")
+    sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+    _train_parser(sub)
+    _sample_parser(sub)
+    try:
+        args = parser.parse_args(argv)
+        return args.command(args)
+    except UsageError as exc:
+        print(f"gpipe: error: {exc}", file=sys.stderr)
+        return 2
+    except PipelineError as exc:
+        print(f"gpipe: failed: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Reference models, written as flat lists of layers a pipeline can cut anywhere."""
+
+from .gpt import (
+    PRESETS,
+    Block,
+    Embedding,
+    GPTConfig,
+    Head,
+    build_gpt,
+    config_from_preset,
+    count_parameters,
+    generate,
+    lm_loss,
+    sync_tied_grads_,
+    tie_,
+    tied_weights,
+)
+
+__all__ = [
+    "GPTConfig",
+    "PRESETS",
+    "config_from_preset",
+    "Embedding",
+    "Block",
+    "Head",
+    "build_gpt",
+    "tied_weights",
+    "tie_",
+    "sync_tied_grads_",
+    "count_parameters",
+    "lm_loss",
+    "generate",
+]

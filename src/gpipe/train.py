@@ -1,0 +1,315 @@
+"""The training job behind ``gpipe train``: what every rank runs, one stage per process.
+
+Every rank draws the same batches from the same seeded sampler; the first stage feeds the
+inputs and the last the targets. Embedding and LM head may be tied across the first and last
+stage: the two copies start equal and their gradients are summed before every optimizer
+step, so they stay equal, as one shared weight would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .data import BatchSampler, ByteDataset, decode, encode, load_text, stdlib_corpus
+from .distributed import Pipeline
+from .models.gpt import GPTConfig, build_gpt, lm_loss, tied_weights
+from .saving import latest_checkpoint, load_checkpoint, save_checkpoint
+
+__all__ = ["TrainOptions", "RunSpec", "load_corpus", "run_stage"]
+
+
+@dataclass
+class TrainOptions:
+    """How to train; the model's shape lives in GPTConfig."""
+
+    stages: int = 2
+    chunks: int = 8
+    checkpoint: str = "except_last"
+    schedule: str = "gpipe"
+    steps: int = 300
+    batch_size: int = 32
+    seq_len: int | None = None  # default: the model's maximum
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 4
+    save_every: int = 0  # 0: only at the end
+    seed: int = 0
+    device: str = "cpu"
+    data: str | None = None
+    timeout: float = 300.0
+    sample_tokens: int = 300
+    prompt: str = "def "
+    quiet: bool = False
+
+
+@dataclass
+class RunSpec:
+    """Everything a rank needs to run its stage; small and picklable for new processes."""
+
+    model: dict[str, Any]
+    train: dict[str, Any]
+    out: str
+    resume: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def load_corpus(path: str | None) -> bytes:
+    return stdlib_corpus() if path is None else load_text(path)
+
+
+def learning_rate(step: int, opts: TrainOptions) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``min_lr`` at the last step."""
+    if step < opts.warmup:
+        return opts.lr * (step + 1) / opts.warmup
+    progress = (step - opts.warmup) / max(1, opts.steps - opts.warmup)
+    return opts.min_lr + 0.5 * (opts.lr - opts.min_lr) * (1 + math.cos(math.pi * min(progress, 1)))
+
+
+def _optimizer(pipe: Pipeline, opts: TrainOptions, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on biases and norms)."""
+    params = [p for p in pipe.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": opts.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=opts.lr, betas=(0.9, 0.95), foreach=True
+    )
+
+
+class _Tied:
+    """The tied embedding/head pair as this rank sees it: which copy it holds, if any."""
+
+    def __init__(self, pipe: Pipeline, layers: nn.Sequential) -> None:
+        pairs = tied_weights(layers)
+        self.enabled = bool(pairs)
+        self.embedding = self.head = None
+        self.group = None
+        if not self.enabled:
+            return
+        ((embedding, embedding_name, head, head_name),) = pairs
+        named = dict(pipe.named_parameters())
+        self.embedding = named.get(f"{embedding}.{embedding_name}")
+        self.head = named.get(f"{head}.{head_name}")
+        if pipe.n_stages > 1:  # collective: every rank creates the group
+            stages = pipe.stage_of(embedding), pipe.stage_of(head)
+            if stages[0] != stages[1]:
+                self.group = dist.new_group(sorted(stages))
+
+    def sync_grads(self) -> None:
+        """Sum the gradients of the two copies, so both take the same optimizer step."""
+        if not self.enabled:
+            return
+        if self.embedding is not None and self.head is not None:  # both on this stage
+            total = self.embedding.grad + self.head.grad
+            self.embedding.grad.copy_(total)
+            self.head.grad.copy_(total)
+        elif self.group is not None:
+            copy = self.embedding if self.embedding is not None else self.head
+            if copy is not None:
+                dist.all_reduce(copy.grad, group=self.group)
+
+    def counted(self, pipe: Pipeline) -> list[nn.Parameter]:
+        """Parameters counted in the gradient norm: the head's copy of a tied weight is not."""
+        return [p for p in pipe.parameters() if p is not self.head]
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _sample(
+    pipe: Pipeline, prompt: str, tokens: int, seq_len: int, seed: int, device: torch.device
+) -> str:
+    """Generate ``tokens`` bytes through the pipeline: the last stage picks every next token
+    and tells the others."""
+    generator = torch.Generator().manual_seed(seed)
+    context = encode(prompt).view(1, -1)
+    pipe.eval()
+    for _ in range(tokens):
+        logits = pipe(context[:, -seq_len:] if pipe.is_first else None)
+        token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        if pipe.is_last:
+            probs = torch.softmax(logits[0, -1].float().cpu(), dim=-1)
+            token[0, 0] = torch.multinomial(probs, 1, generator=generator).item()
+        if pipe.n_stages > 1:
+            dist.broadcast(token, src=pipe.n_stages - 1)
+        context = torch.cat([context, token.cpu()], dim=1)
+    pipe.train()
+    return decode(context[0].tolist())
+
+
+class _Reporter:
+    """What the user sees (progress bar or plain lines) and the metrics log; rank 0 only."""
+
+    def __init__(self, opts: TrainOptions, out: Path, first_step: int, enabled: bool) -> None:
+        self.opts, self.enabled = opts, enabled
+        self.bar = None
+        self.log = None
+        if not enabled:
+            return
+        self.log = open(out / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        if not opts.quiet:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=opts.steps, initial=first_step, unit="step", dynamic_ncols=True)
+
+    def step(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        assert self.log is not None
+        self.log.write(json.dumps(record) + "\n")
+        self.log.flush()
+        shown = {
+            "loss": f"{record['loss']:.3f}",
+            "tok/s": f"{record['tokens_per_s']:.0f}",
+            "bubble": f"{record['bubble']:.0%}",
+        }
+        if "val_loss" in record:
+            shown["val"] = f"{record['val_loss']:.3f}"
+        if self.bar is not None:
+            self.bar.set_postfix(shown, refresh=False)
+            self.bar.update(1)
+        elif record["step"] % 10 == 0 or "val_loss" in record or record["step"] == 1:
+            text = " ".join(f"{k} {v}" for k, v in shown.items())
+            print(f"step {record['step']}/{self.opts.steps} {text}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.log is not None:
+            self.log.close()
+
+
+def run_stage(spec: RunSpec) -> dict[str, Any] | None:
+    """Train this rank's stage; returns the run's summary on rank 0 and None elsewhere."""
+    opts = TrainOptions(**spec.train)
+    config = GPTConfig.from_dict(spec.model)
+    out = Path(spec.out)
+    seq_len = opts.seq_len or config.seq_len
+    device = torch.device(opts.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+    torch.manual_seed(opts.seed)
+    layers = build_gpt(config, device="meta", init_seed=opts.seed)
+    pipe = Pipeline(
+        layers,
+        chunks=opts.chunks,
+        checkpoint=opts.checkpoint,
+        schedule=opts.schedule,
+        loss_fn=lm_loss,
+        device=device,
+        seed=opts.seed,
+        timeout=opts.timeout,
+    )
+    rank, k = pipe.stage_index, pipe.n_stages
+    tied = _Tied(pipe, layers)
+    optimizer = _optimizer(pipe, opts, device)
+
+    dataset = ByteDataset.split(load_corpus(opts.data))
+    sampler = BatchSampler(dataset.train, opts.batch_size, seq_len, seed=opts.seed)
+    step = 0
+    if spec.resume:
+        path = latest_checkpoint(out / "checkpoints")
+        assert path is not None, "the command line checks that a checkpoint exists"
+        restored = load_checkpoint(
+            path, pipe, optimizer, {"sampler": sampler.state_dict(), "step": 0}
+        )
+        sampler.load_state_dict(restored["sampler"])
+        step = int(restored["step"])
+
+    def evaluate() -> float:
+        pipe.eval()
+        val = BatchSampler(dataset.val, opts.batch_size, seq_len, seed=opts.seed + 1)
+        losses = []
+        for _ in range(opts.eval_batches):
+            x, y = val.next()
+            losses.append(float(pipe.evaluate(x if pipe.is_first else None, y)))
+        pipe.train()
+        return sum(losses) / len(losses)
+
+    def save() -> None:
+        description = {"model": asdict(config), "train": asdict(opts), "stages": k}
+        extra = {"sampler": sampler.state_dict(), "step": step}
+        save_checkpoint(out / "checkpoints", step, pipe, optimizer, extra, description)
+
+    reporter = _Reporter(opts, out, step, enabled=rank == 0)
+    tokens = opts.batch_size * seq_len
+    started, trained_from = time.perf_counter(), step
+    train_loss = val_loss = float("nan")
+    try:
+        while step < opts.steps:
+            # Dropout draws from a seed of the step, so a resumed run draws the same masks.
+            torch.manual_seed(opts.seed * 1_000_003 + step * k + rank)
+            lr = learning_rate(step, opts)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = sampler.next()
+            tick = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+            tied.sync_grads()
+            norm = pipe.clip_grad_norm_(opts.grad_clip, parameters=tied.counted(pipe))
+            optimizer.step()
+            seconds = time.perf_counter() - tick
+            step += 1
+            assert pipe.last_step is not None
+            times = torch.tensor([pipe.last_step.busy, pipe.last_step.total], dtype=torch.float64)
+            if k > 1:
+                dist.all_reduce(times)
+            train_loss = float(loss)
+            record: dict[str, Any] = {
+                "step": step,
+                "loss": train_loss,
+                "lr": lr,
+                "grad_norm": float(norm),
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+                "bubble": float(1 - times[0] / times[1]),
+            }
+            if step % opts.eval_every == 0 or step == opts.steps:
+                val_loss = record["val_loss"] = evaluate()
+            reporter.step(record)
+            if opts.save_every and step % opts.save_every == 0 and step != opts.steps:
+                save()
+    finally:
+        reporter.close()
+    elapsed = time.perf_counter() - started
+    save()
+    sample = _sample(pipe, opts.prompt, opts.sample_tokens, seq_len, opts.seed, device)
+    memory: list[int] = [0] * k
+    if k > 1:
+        dist.all_gather_object(memory, _peak_memory(device))
+    else:
+        memory = [_peak_memory(device)]
+    if rank != 0:
+        return None
+    steps_run = step - trained_from
+    return {
+        "steps": step,
+        "train_loss": train_loss,
+        "val_loss": val_loss,
+        "seconds": elapsed,
+        "tokens_per_s": steps_run * tokens / elapsed if elapsed > 0 else 0.0,
+        "peak_memory_bytes": memory,
+        "sample": sample,
+        "balance": pipe.balance,
+    }

@@ -1,0 +1,138 @@
+"""`gpipe train` and `gpipe sample`: a tiny model trains in 1 and 2 processes, a resumed run
+continues exactly, and bad input ends in one line and exit code 2."""
+
+import json
+import shutil
+
+import pytest
+
+from gpipe.cli import main
+
+TINY = [
+    "--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--chunks", "4",
+    "--lr", "1e-2", "--warmup", "2", "--eval-every", "5", "--sample-tokens", "16", "--quiet",
+]  # fmt: skip
+
+
+def _losses(run) -> dict[int, float]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two tiny runs, 1 and 2 stages, 20 steps with a checkpoint every 10."""
+    runs = {}
+    for stages in (1, 2):
+        out = tmp_path_factory.mktemp(f"run{stages}")
+        code = main(["train", *TINY, "--stages", str(stages), "--steps", "20",
+                     "--save-every", "10", "--out", str(out), "--force"])  # fmt: skip
+        assert code == 0
+        runs[stages] = out
+    return runs
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_loss_falls(trained, stages):
+    losses = _losses(trained[stages])
+    assert sorted(losses) == list(range(1, 21))
+    first = sum(losses[s] for s in (1, 2, 3)) / 3
+    last = sum(losses[s] for s in (18, 19, 20)) / 3
+    assert first > 5.0
+    assert last < first - 1.0
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_run_folder_holds_checkpoints_metrics_and_sample(trained, stages):
+    run = trained[stages]
+    assert (run / "run.json").is_file()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step-000010",
+        "step-000020",
+    ]
+    description = json.loads((run / "checkpoints" / "step-000020" / "gpipe.json").read_text())
+    assert description["step"] == 20 and description["stages"] == stages
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "bubble"} <= record.keys()
+    assert 0 <= record["bubble"] < 1
+    assert len((run / "sample.txt").read_bytes()) > 0
+
+
+def test_resume_continues_exactly(trained, tmp_path):
+    """A run stopped after its step-10 checkpoint, resumed, repeats steps 11-20 exactly."""
+    run = tmp_path / "run"
+    shutil.copytree(trained[2], run)
+    shutil.rmtree(run / "checkpoints" / "step-000020")
+    metrics = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(metrics[:10]) + "\n")
+    assert main(["train", "--resume", str(run), "--quiet"]) == 0
+    assert _losses(run) == _losses(trained[2])
+
+
+def test_a_checkpoint_of_two_stages_resumes_with_one(trained, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained[2], run)
+    assert main(["train", "--resume", str(run), "--stages", "1", "--steps", "22"]) == 0
+    losses = _losses(run)
+    assert set(losses) == set(range(1, 23))
+    assert abs(losses[21] - losses[20]) < 0.5
+
+
+def test_sample_reads_a_run_or_a_checkpoint(trained, capsys):
+    run = trained[2]
+    assert main(["sample", str(run), "--prompt", "import ", "--tokens", "20"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("import ")
+    assert main(["sample", str(run / "checkpoints" / "step-000010"), "--tokens", "5"]) == 0
+
+
+def _usage_error(capsys, *argv) -> str:
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("gpipe: error: ")
+    return err
+
+
+def test_bad_options_end_in_one_line_and_exit_code_2(capsys, tmp_path):
+    out = ["--out", str(tmp_path / "new")]
+    assert "unrecognized arguments: --fast" in _usage_error(capsys, "train", "--fast")
+    assert "--stages 9 is more than the model's 4 layers" in _usage_error(
+        capsys, "train", "--preset", "tiny", "--stages", "9", *out
+    )
+    assert "--chunks must be a positive integer, got 0" in _usage_error(
+        capsys, "train", "--chunks", "0", *out
+    )
+    assert "--seq-len 64 is above the model's maximum of 32" in _usage_error(
+        capsys, "train", "--preset", "tiny", "--seq-len", "64", *out
+    )
+    assert "checkpoint must be one of" in _usage_error(
+        capsys, "train", "--checkpoint", "sometimes", *out
+    )
+    assert "unknown preset 'huge'" in _usage_error(capsys, "train", "--preset", "huge", *out)
+    assert not (tmp_path / "new").exists()
+
+
+def test_data_without_readable_text_is_refused(capsys, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "blob.bin").write_bytes(bytes(range(256)) * 4)
+    err = _usage_error(capsys, "train", "--data", str(empty), "--out", str(tmp_path / "r"))
+    assert str(empty) in err
+
+
+def test_a_run_folder_is_not_overwritten_without_force(capsys, trained):
+    run = trained[1]
+    before = (run / "metrics.jsonl").read_text()
+    err = _usage_error(capsys, "train", "--preset", "tiny", "--out", str(run))
+    assert "is not empty; pass --force" in err
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_resume_refuses_a_different_model(capsys, trained, tmp_path):
+    err = _usage_error(capsys, "train", "--resume", str(trained[1]), "--n-layer", "3")
+    assert "holds a model with n_layer=2, not n_layer=3" in err
+    err = _usage_error(capsys, "train", "--resume", str(tmp_path))
+    assert "no gpipe run with a complete checkpoint there" in err
+    err = _usage_error(capsys, "sample", str(tmp_path))
+    assert "no gpipe checkpoint there" in err
