@@ -161,3 +161,26 @@ def bad_inputs() -> dict:
     errors["not_a_tensor"] = _error(lambda: fresh().step([1, 2], y))
     errors["targets_rows"] = _error(lambda: fresh().step(x, y[:3]))
     return errors
+
+
+def different_text() -> str:
+    """Stage 1 reads other training text than stage 0: the job must refuse to start."""
+    from gpipe.train import _check_same_text
+
+    pipe = Pipeline(mlp(), BALANCES[2], loss_fn=mse_loss)
+    return _error(lambda: _check_same_text(b"same" if pipe.is_first else b"other", pipe))
+
+
+def equivalence_cuda() -> str:
+    """Pipeline over NCCL, one GPU per rank (cuda:LOCAL_RANK), against the CPU reference."""
+    for mode in MODES:
+        pipe = Pipeline(mlp(), BALANCES[2], chunks=4, checkpoint=mode, loss_fn=mse_loss)
+        assert pipe.device.type == "cuda"
+        x, y = batch(10)
+        reference = mlp()
+        ref_loss = _reference(reference, x, y)
+        torch.testing.assert_close(pipe.step(x, y).cpu(), ref_loss)
+        ref = dict(reference.named_parameters())
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad.cpu(), ref[name].grad)
+    return "ok"

@@ -2,11 +2,17 @@
 continues exactly, and bad input ends in one line and exit code 2."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from gpipe.cli import main
+from gpipe.models import PRESETS, GPTConfig, build_gpt
+from gpipe.saving import load_model_weights
 
 TINY = [
     "--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--chunks", "4",
@@ -56,6 +62,22 @@ def test_run_folder_holds_checkpoints_metrics_and_sample(trained, stages):
     assert {"loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "bubble"} <= record.keys()
     assert 0 <= record["bubble"] < 1
     assert len((run / "sample.txt").read_bytes()) > 0
+
+
+def test_two_stages_train_as_one(trained):
+    """Same data, same micro-batches: the pipeline changes only the rounding."""
+    one, two = _losses(trained[1]), _losses(trained[2])
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-4), step
+
+
+def test_tied_copies_stay_equal_across_stages(trained):
+    model = build_gpt(
+        GPTConfig.from_dict(json.loads((trained[2] / "run.json").read_text())["model"])
+    )
+    load_model_weights(trained[2] / "checkpoints" / "step-000020", model)
+    assert torch.equal(model[0].token.weight, model[-1].proj.weight)
+    assert not torch.equal(model[0].token.weight, build_gpt(PRESETS["tiny"])[0].token.weight)
 
 
 def test_resume_continues_exactly(trained, tmp_path):
@@ -136,3 +158,17 @@ def test_resume_refuses_a_different_model(capsys, trained, tmp_path):
     assert "no gpipe run with a complete checkpoint there" in err
     err = _usage_error(capsys, "sample", str(tmp_path))
     assert "no gpipe checkpoint there" in err
+
+
+def test_under_torchrun_the_stages_are_torchruns_processes(tmp_path):
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "gpipe.cli", "train", *TINY, "--steps", "3", "--out", str(out),
+    ]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "stages [2, 2]" in done.stdout
+    assert sorted(_losses(out)) == [1, 2, 3]
+    assert json.loads((out / "run.json").read_text())["train"]["stages"] == 2

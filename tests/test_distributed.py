@@ -89,3 +89,9 @@ def test_without_a_process_group_the_error_says_how_to_get_one(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match="run under torchrun or gpipe.launch"):
         Pipeline(nn.Sequential(nn.Linear(2, 2)), [1])
+
+
+def test_stages_reading_different_text_refuse_to_train():
+    errors = launch(cases.different_text, 2)
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("StageError: stage 1: reads different training text")

@@ -73,7 +73,7 @@ def _train_parser(sub: Any) -> None:
     pipe.add_argument("--schedule", help="pipeline schedule (default gpipe)")
     pipe.add_argument("--device", choices=["cpu", "cuda"], help="where stages run (default cpu)")
     run = p.add_argument_group("training")
-    run.add_argument("--steps", type=int, help="optimizer steps in all (default 300)")
+    run.add_argument("--steps", type=int, help="optimizer steps in all (default 200)")
     run.add_argument("--batch-size", type=int, help="sequences per mini-batch (default 32)")
     run.add_argument("--seq-len", type=int, help="training sequence length (default: --context)")
     run.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
@@ -102,7 +102,9 @@ def _model_config(args: argparse.Namespace, saved: dict[str, Any] | None) -> Any
     from .models.gpt import GPTConfig, config_from_preset
 
     overrides = {
-        field_: getattr(args, flag) for flag, field_ in _MODEL_FLAGS.items() if getattr(args, flag)
+        field_: getattr(args, flag)
+        for flag, field_ in _MODEL_FLAGS.items()
+        if getattr(args, flag) is not None
     }
     if args.untied:
         overrides["tied"] = False
@@ -198,13 +200,16 @@ def _saved_run(args: argparse.Namespace) -> dict[str, Any] | None:
     return json.loads((folder / RUN_FILE).read_text())
 
 
-def _agree_on_folder(prepare: Any) -> None:
+def _agree_on_folder(prepare: Any, device: str) -> None:
     """Under torchrun, rank 0 prepares the run folder and every rank learns the outcome."""
     import torch.distributed as dist
 
-    from .distributed import _default_device, init_process_group
+    from .distributed import init_process_group
 
-    init_process_group(_default_device())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    init_process_group(
+        torch.device("cuda", local_rank) if device == "cuda" else torch.device(device)
+    )
     message = [None]
     if dist.get_rank() == 0:
         try:
@@ -238,7 +243,7 @@ def _train(args: argparse.Namespace) -> int:
         _prepare_folder(out, args.resume is not None, args.force, run)
 
     if torchrun:
-        _agree_on_folder(prepare)
+        _agree_on_folder(prepare, opts.device)
     else:
         prepare()
     spec = RunSpec(model=asdict(config), train=asdict(opts), out=str(out), resume=bool(saved))
@@ -295,6 +300,7 @@ def _sample(args: argparse.Namespace) -> int:
     if path is None:
         raise UsageError(f"{folder}: no gpipe checkpoint there")
     _positive("tokens", args.tokens)
+    _positive("top-k", args.top_k)
     if args.temperature <= 0:
         raise UsageError(f"--temperature must be positive, got {args.temperature}")
     config = GPTConfig.from_dict(read_description(path)["model"])

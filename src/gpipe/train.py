@@ -8,6 +8,7 @@ step, so they stay equal, as one shared weight would.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from torch import nn
 
 from .data import BatchSampler, ByteDataset, decode, encode, load_text, stdlib_corpus
 from .distributed import Pipeline
+from .errors import StageError
 from .models.gpt import GPTConfig, build_gpt, lm_loss, tied_weights
 from .saving import latest_checkpoint, load_checkpoint, save_checkpoint
 
@@ -37,7 +39,7 @@ class TrainOptions:
     chunks: int = 8
     checkpoint: str = "except_last"
     schedule: str = "gpipe"
-    steps: int = 300
+    steps: int = 200
     batch_size: int = 32
     seq_len: int | None = None  # default: the model's maximum
     lr: float = 3e-3
@@ -127,6 +129,22 @@ class _Tied:
     def counted(self, pipe: Pipeline) -> list[nn.Parameter]:
         """Parameters counted in the gradient norm: the head's copy of a tied weight is not."""
         return [p for p in pipe.parameters() if p is not self.head]
+
+
+def _check_same_text(corpus: bytes, pipe: Pipeline) -> None:
+    """Inputs come from the first stage's copy of the text and targets from the last's: on
+    several machines, make sure every copy is the same."""
+    if pipe.n_stages == 1:
+        return
+    digests: list[str | None] = [None] * pipe.n_stages
+    dist.all_gather_object(digests, hashlib.sha256(corpus).hexdigest())
+    for stage, digest in enumerate(digests):
+        if digest != digests[0]:
+            raise StageError(
+                stage,
+                "reads different training text than stage 0 (another Python's standard "
+                "library?); pass --data with the same text on every machine",
+            )
 
 
 def _peak_memory(device: torch.device) -> int:
@@ -224,7 +242,9 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
     tied = _Tied(pipe, layers)
     optimizer = _optimizer(pipe, opts, device)
 
-    dataset = ByteDataset.split(load_corpus(opts.data))
+    corpus = load_corpus(opts.data)
+    _check_same_text(corpus, pipe)
+    dataset = ByteDataset.split(corpus)
     sampler = BatchSampler(dataset.train, opts.batch_size, seq_len, seed=opts.seed)
     step = 0
     if spec.resume:

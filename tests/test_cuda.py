@@ -1,0 +1,37 @@
+"""The same promise on CUDA devices: GPipe across GPUs, Pipeline over NCCL. Skipped without
+CUDA (CI has none); run them on a GPU machine with `pytest tests/test_cuda.py`."""
+
+import copy
+
+import pytest
+import torch
+from torch.nn.functional import mse_loss
+
+from gpipe import GPipe, launch
+
+from . import distributed_cases as cases
+from .models import batch, mlp
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
+needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA devices")
+
+
+@needs_gpu
+@pytest.mark.parametrize("mode", ["never", "always", "except_last"])
+def test_gpipe_on_cuda_matches_unpipelined(mode):
+    devices = [f"cuda:{i % GPUS}" for i in range(2)]
+    reference = mlp().cuda()
+    pipe = GPipe(copy.deepcopy(reference), [4, 4], devices=devices, chunks=4, checkpoint=mode)
+    x, y = (t.cuda() for t in batch(10))
+    mse_loss(pipe(x), y.to(devices[-1])).backward()
+    mse_loss(reference(x), y).backward()
+    ref = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad.cuda(), ref[name.split(".", 2)[2]].grad)
+
+
+@needs_two_gpus
+def test_pipeline_over_nccl_matches_unpipelined():
+    results = launch(cases.equivalence_cuda, 2)
+    assert all(r == "ok" for r in results.values())
