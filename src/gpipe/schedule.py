@@ -35,14 +35,15 @@ class ScheduleError(ValueError):
 
 class Kind(enum.Enum):
     FORWARD = "F"
-    BACKWARD = "B"
+    BACKWARD = "B"  # the whole backward, or only the input gradients when W is split off
+    WEIGHT = "W"  # the weight gradients of a split backward
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
 
 
-_COMPUTE = (Kind.FORWARD, Kind.BACKWARD)
+_COMPUTE = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,8 @@ class Schedule:
 
     ``programs[r]`` is the ordered list of actions of rank ``r``; ``stage_to_rank[s]`` says
     which rank holds stage ``s``. ``backward`` is False for forward-only (inference) schedules.
+    With ``split_backward`` every backward is two actions: ``B`` computes the gradients of the
+    stage's inputs (what the previous stage waits for) and ``W`` those of its weights.
     """
 
     name: str
@@ -75,6 +78,7 @@ class Schedule:
     programs: tuple[tuple[Action, ...], ...]
     stage_to_rank: tuple[int, ...]
     backward: bool = True
+    split_backward: bool = False
 
     @property
     def n_ranks(self) -> int:
@@ -191,7 +195,7 @@ def _requirements(action: Action, n_stages: int) -> list[Action]:
         return need
     if kind is Kind.SEND_F:
         return [Action(s, Kind.FORWARD, i)]
-    return [Action(s, Kind.BACKWARD, i)]  # SEND_B
+    return [Action(s, Kind.BACKWARD, i)]  # SEND_B and WEIGHT
 
 
 def _expected_actions(schedule: Schedule) -> set[Action]:
@@ -208,6 +212,8 @@ def _expected_actions(schedule: Schedule) -> set[Action]:
                 kinds.append(Kind.SEND_B)
             if s < schedule.n_stages - 1:
                 kinds.append(Kind.RECV_B)
+            if schedule.split_backward:
+                kinds.append(Kind.WEIGHT)
         expected.update(Action(s, k, i) for k in kinds for i in range(schedule.n_microbatches))
     return expected
 
