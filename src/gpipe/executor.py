@@ -44,9 +44,14 @@ class StepData:
     input_grads: dict[int, Grads] = field(default_factory=dict)
 
 
-def _compute(action: Action, stage: Stage, data: StepData, held: dict[Action, Message]) -> None:
+def _compute(
+    action: Action, stage: Stage, data: StepData, held: dict[Action, Message], split: bool
+) -> None:
     s, mb = action.stage, action.microbatch
     last = s == data.n_stages - 1
+    if action.kind is Kind.WEIGHT:
+        stage.backward_weight(mb)
+        return
     if action.kind is Kind.FORWARD:
         if s == 0:
             if data.inputs is None:
@@ -63,6 +68,7 @@ def _compute(action: Action, stage: Stage, data: StepData, held: dict[Action, Me
             checkpoint=data.build_graph and data.checkpoint(mb),
             target=target,
             weight=weight,
+            split_backward=split,
         )
         if last:
             if loss is not None:
@@ -76,7 +82,7 @@ def _compute(action: Action, stage: Stage, data: StepData, held: dict[Action, Me
             grads = data.grad_outputs[mb] if data.grad_outputs is not None else None
         else:
             grads = held.pop(Action(s, Kind.RECV_B, mb))
-        input_grads = stage.backward(mb, grads)
+        input_grads = stage.backward_input(mb, grads) if split else stage.backward(mb, grads)
         if s == 0:
             data.input_grads[mb] = input_grads
         else:
@@ -92,6 +98,7 @@ def run_program(
 ) -> None:
     """Run ``program`` in order. Failures of a stage are raised as StageError naming it."""
     held: dict[Action, Message] = {}
+    split = any(a.kind is Kind.WEIGHT for a in program)  # backward comes as B, then W
     for action in program:
         stage = stages[action.stage]
         kind = action.kind
@@ -108,11 +115,13 @@ def run_program(
             transport.send(message, action.stage, action.stage - 1, action.microbatch, kind)
         else:
             try:
-                _compute(action, stage, data, held)
+                _compute(action, stage, data, held, split)
             except PipelineError:
                 raise
             except Exception as exc:
-                what = "forward" if kind is Kind.FORWARD else "backward"
+                what = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward"}.get(
+                    kind, "weight gradients"
+                )
                 raise StageError(
                     action.stage,
                     f"{what} of micro-batch {action.microbatch} failed: "

@@ -23,6 +23,8 @@ __all__ = [
     "execution_order",
     "forward_only",
     "gpipe",
+    "one_f_one_b",
+    "zero_bubble_h1",
     "SCHEDULES",
     "get_schedule",
     "validate",
@@ -124,12 +126,14 @@ def _with_communication(
             program.append(Action(stage, Kind.FORWARD, mb))
             if not last:
                 program.append(Action(stage, Kind.SEND_F, mb))
-        else:
+        elif kind is Kind.BACKWARD:
             if not last:
                 program.append(Action(stage, Kind.RECV_B, mb))
             program.append(Action(stage, Kind.BACKWARD, mb))
             if not first:
                 program.append(Action(stage, Kind.SEND_B, mb))
+        else:  # a weight gradient needs nothing from other stages
+            program.append(Action(stage, kind, mb))
     return program
 
 
@@ -163,7 +167,65 @@ def forward_only(n_stages: int, n_microbatches: int) -> Schedule:
     )
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe}
+def _one_f_one_b_order(stage: int, n_stages: int, n_microbatches: int) -> list[tuple[Kind, int]]:
+    """Warm-up forwards, then one forward and one backward in turn, then the last backwards:
+    stage s never holds more than K - s micro-batches between forward and backward."""
+    warmup = min(n_stages - stage - 1, n_microbatches)
+    order = [(Kind.FORWARD, i) for i in range(warmup)]
+    for i in range(n_microbatches - warmup):
+        order += [(Kind.FORWARD, warmup + i), (Kind.BACKWARD, i)]
+    order += [(Kind.BACKWARD, i) for i in range(n_microbatches - warmup, n_microbatches)]
+    return order
+
+
+@functools.lru_cache(maxsize=256)
+def one_f_one_b(n_stages: int, n_microbatches: int) -> Schedule:
+    """1F1B (PipeDream-Flush): GPipe's bubble with at most K - s live micro-batches on stage s
+    instead of M."""
+    _check_sizes(n_stages, n_microbatches)
+    programs = tuple(
+        tuple(_with_communication(s, n_stages, _one_f_one_b_order(s, n_stages, n_microbatches)))
+        for s in range(n_stages)
+    )
+    return Schedule("1f1b", n_stages, n_microbatches, programs, tuple(range(n_stages)))
+
+
+@functools.lru_cache(maxsize=256)
+def zero_bubble_h1(n_stages: int, n_microbatches: int) -> Schedule:
+    """ZB-H1: 1F1B with each backward split into B (input gradients, on the critical path)
+    and W (weight gradients, which nobody waits for).
+
+    Stage s runs the W of micro-batch i only after the B of micro-batch i + s, so the
+    backward wave travels at the speed of B alone and the deferred W fill the drain.
+    Every stage then holds at most K micro-batches, the peak of 1F1B's first stage.
+    """
+    _check_sizes(n_stages, n_microbatches)
+    programs = []
+    for s in range(n_stages):
+        order: list[tuple[Kind, int]] = []
+        weights = 0  # W actions emitted so far, in micro-batch order
+        for kind, i in _one_f_one_b_order(s, n_stages, n_microbatches):
+            order.append((kind, i))
+            if kind is Kind.BACKWARD and i - weights >= s:
+                order.append((Kind.WEIGHT, weights))
+                weights += 1
+        order += [(Kind.WEIGHT, i) for i in range(weights, n_microbatches)]
+        programs.append(tuple(_with_communication(s, n_stages, order)))
+    return Schedule(
+        "zero-bubble",
+        n_stages,
+        n_microbatches,
+        tuple(programs),
+        tuple(range(n_stages)),
+        split_backward=True,
+    )
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "zero-bubble": zero_bubble_h1,
+}
 
 
 def get_schedule(name: str) -> Callable[[int, int], Schedule]:

@@ -1,0 +1,43 @@
+"""What each process runs in tests/test_distributed_schedules.py (importable by name)."""
+
+import torch
+import torch.distributed as dist
+from torch.nn.functional import mse_loss
+
+from gpipe import Pipeline
+
+from .distributed_cases import MODES, _check_step
+from .models import BALANCES, SPLITS, batch, mlp
+
+EXACT = {"rtol": 1e-12, "atol": 1e-14}
+
+
+def equivalence(k: int, schedule: str) -> int:
+    """``schedule`` against un-pipelined training: every split, every checkpoint mode, with
+    dropout replayed, and over several steps of shapes that change."""
+    cases = 0
+    for rows, chunks in SPLITS:
+        for mode in MODES:
+            pipe = Pipeline(
+                mlp(), BALANCES[k], chunks=chunks, checkpoint=mode, schedule=schedule,
+                loss_fn=mse_loss,
+            )  # fmt: skip
+            _check_step(pipe, *batch(rows), **EXACT)
+            cases += 1
+    pipe = Pipeline(mlp(), BALANCES[k], chunks=4, schedule=schedule, loss_fn=mse_loss)
+    for rows in (9, 16, 3):
+        pipe.zero_grad()
+        _check_step(pipe, *batch(rows), **EXACT)
+        cases += 1
+    grads = {}
+    for mode in MODES:
+        pipe = Pipeline(
+            mlp(dropout=0.5), BALANCES[k], chunks=4, checkpoint=mode, schedule=schedule,
+            loss_fn=mse_loss,
+        )  # fmt: skip
+        torch.manual_seed(99 + dist.get_rank())
+        pipe.step(*batch(16))
+        grads[mode] = [p.grad for p in pipe.parameters()]
+    for mode in ("always", "except_last"):
+        assert all(torch.equal(a, b) for a, b in zip(grads["never"], grads[mode], strict=True))
+    return cases + 1
