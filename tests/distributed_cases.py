@@ -184,3 +184,13 @@ def equivalence_cuda() -> str:
         for name, p in pipe.named_parameters():
             torch.testing.assert_close(p.grad.cpu(), ref[name].grad)
     return "ok"
+
+
+def traced() -> dict:
+    """Pipeline(trace=True) over two ranks: the merged timelines of a step and an evaluate."""
+    pipe = Pipeline(mlp(), BALANCES[2], chunks=4, loss_fn=mse_loss, trace=True)
+    x, y = batch(8)
+    pipe.step(x, y)
+    step = pipe.timeline()
+    pipe.evaluate(x, y)
+    return {"step": step, "evaluate": pipe.timeline()}

@@ -70,7 +70,10 @@ def test_bad_inputs_are_named():
     assert "balance has 1 partitions but the process group has 2" in both["balance"][0]
     assert "chunks must be a positive integer, got 0" in both["chunks"][0]
     assert "checkpoint must be one of" in both["checkpoint"][0]
-    assert "schedule must be one of ['gpipe'], got 'fastest'" in both["schedule"][0]
+    assert (
+        "schedule must be one of ['1f1b', 'gpipe', 'zero-bubble'], got 'fastest'"
+        in both["schedule"][0]
+    )
     assert "loss_reduction must be 'mean' or 'sum'" in both["reduction"][0]
     assert "step() needs a loss_fn" in both["no_loss"][0]
     first, last = both["non_scalar_loss"]

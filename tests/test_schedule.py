@@ -127,7 +127,9 @@ def test_validator_rejects_duplicates_and_foreign_stages():
 
 
 def test_unknown_schedule_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"schedule must be one of \['gpipe'\], got 'fast'"):
+    with pytest.raises(
+        ValueError, match=r"schedule must be one of \['1f1b', 'gpipe', 'zero-bubble'\], got 'fast'"
+    ):
         get_schedule("fast")
 
 
@@ -135,3 +137,51 @@ def test_unknown_schedule_name_lists_the_known_ones():
 def test_generator_rejects_bad_sizes(args):
     with pytest.raises(ValueError, match="positive integer"):
         gpipe(*args)
+
+
+def _peak_live(program, release: Kind) -> int:
+    """Most micro-batches between their forward and ``release`` at any point of a program."""
+    live = peak = 0
+    for a in program:
+        if a.kind is F:
+            live += 1
+            peak = max(peak, live)
+        elif a.kind is release:
+            live -= 1
+    return peak
+
+
+@given(k=st.integers(1, 12), m=st.integers(1, 40))
+def test_1f1b_is_valid_and_holds_at_most_k_minus_s(k, m):
+    schedule = validate(get_schedule("1f1b")(k, m))
+    for s, program in enumerate(schedule.programs):
+        assert _peak_live(program, B) == min(k - s, m)
+
+
+@given(k=st.integers(1, 12), m=st.integers(1, 40))
+def test_zero_bubble_is_valid_and_holds_no_more_than_1f1b_at_its_peak(k, m):
+    schedule = validate(get_schedule("zero-bubble")(k, m))
+    assert schedule.split_backward
+    for program in schedule.programs:
+        assert _peak_live(program, Kind.WEIGHT) <= min(k, m)
+        order = [a for a in program if a.is_compute]
+        for i in range(m):  # every W after its B
+            s = order[0].stage
+            assert order.index(Action(s, Kind.WEIGHT, i)) > order.index(Action(s, B, i))
+
+
+def test_zero_bubble_defers_w_on_later_stages():
+    schedule = get_schedule("zero-bubble")(3, 5)
+    assert " ".join(str(a) for a in schedule.compute_only(2)[:8]) == (
+        "2F0 2B0 2F1 2B1 2F2 2B2 2W0 2F3"
+    )
+    assert " ".join(str(a) for a in schedule.compute_only(0)[:6]) == "0F0 0F1 0F2 0B0 0W0 0F3"
+
+
+def test_a_w_before_its_b_deadlocks():
+    good = get_schedule("zero-bubble")(1, 2)
+    program = list(good.programs[0])
+    w = program.index(Action(0, Kind.WEIGHT, 0))
+    program.insert(0, program.pop(w))
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        validate(dataclasses.replace(good, programs=(tuple(program),)))

@@ -25,6 +25,7 @@ from .microbatch import Batch, check_batch, gather, scatter, split_sizes, unpack
 from .partition import as_sequential, check_balance, even_balance, materialize, stage_bounds
 from .schedule import Action, Schedule, forward_only, get_schedule
 from .stage import LossFn, Stage
+from .trace import Event, Recorder, merge
 from .transport import DistributedTransport
 
 __all__ = ["Pipeline", "StepTimes", "init_process_group"]
@@ -89,6 +90,7 @@ class Pipeline(nn.Module):
         group: the process group of the pipeline's ranks (default: the whole world).
         seed: seed of the initialization of layers built on the meta device.
         timeout: seconds a stage waits for a neighbour before it raises StageError.
+        trace: record what this rank runs when, for ``timeline`` (``self.recorder``).
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class Pipeline(nn.Module):
         group: dist.ProcessGroup | None = None,
         seed: int = 0,
         timeout: float = 60.0,
+        trace: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
@@ -150,6 +153,7 @@ class Pipeline(nn.Module):
             range(self.n_stages), self.device, group, self.timeout
         )
         self.last_step: StepTimes | None = None
+        self.recorder = Recorder(self.stage_index) if trace else None
 
     @property
     def is_first(self) -> bool:
@@ -193,11 +197,16 @@ class Pipeline(nn.Module):
     def _run(self, schedule: Schedule, data: StepData) -> float:
         """Run this rank's program; returns the seconds spent computing (forward, backward)."""
         busy = 0.0
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.step()  # after the collective of _rows, so ranks' clocks align here
 
         def timed(action: Action, start: float, end: float) -> None:
             nonlocal busy
             if action.is_compute:
                 busy += end - start
+            if recorder is not None:
+                recorder.on_action(action, start, end)
 
         try:
             run_program(
@@ -285,6 +294,17 @@ class Pipeline(nn.Module):
         if not self.is_last:
             return None
         return unpack(gather([data.outputs[i] for i in range(m)]))
+
+    def timeline(self) -> list[Event]:
+        """What every rank ran in the last ``step``, ``evaluate`` or forward, merged.
+
+        Collective: every rank of the pipeline must call it; each gets the whole timeline.
+        """
+        if self.recorder is None:
+            raise RuntimeError("timeline() needs a recording; pass trace=True to Pipeline")
+        gathered: list[list[Event] | None] = [None] * self.n_stages
+        dist.all_gather_object(gathered, self.recorder.events(), group=self.group)
+        return merge([events or [] for events in gathered])
 
     def clip_grad_norm_(
         self,

@@ -8,7 +8,7 @@ torchgpipe's ``GPipe`` (and PyTorch's retired ``Pipe``) so migrating is changing
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -22,6 +22,7 @@ from .microbatch import Batch, check_batch, gather, scatter
 from .partition import as_sequential, check_balance, split_sequential
 from .schedule import Action, Kind, Schedule, execution_order, forward_only, gpipe
 from .stage import Stage
+from .trace import Event, Recorder
 from .transport import InProcessTransport
 
 __all__ = ["GPipe"]
@@ -43,7 +44,11 @@ class _Run:
     """The in-process machinery of one GPipe: stages, per-device programs and their workers."""
 
     def __init__(
-        self, partitions: Sequence[nn.Module], devices: Sequence[torch.device], timeout: float
+        self,
+        partitions: Sequence[nn.Module],
+        devices: Sequence[torch.device],
+        timeout: float,
+        on_action: Callable[[Action, float, float], None] | None = None,
     ) -> None:
         self.devices = list(devices)
         self.stages = [
@@ -51,6 +56,7 @@ class _Run:
             for j, (p, d) in enumerate(zip(partitions, devices, strict=True))
         ]
         self.timeout = timeout
+        self.on_action = on_action
         self._groups = list(dict.fromkeys(self.devices))  # one worker per distinct device
         self._pools: dict[torch.device, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
@@ -82,7 +88,7 @@ class _Run:
         def work(program: list[Action]) -> None:
             try:
                 with torch.set_grad_enabled(grad_mode):
-                    run_program(program, stages, transport, data)
+                    run_program(program, stages, transport, data, self.on_action)
             except BaseException:
                 transport.abort.set()
                 transport.wake()
@@ -156,6 +162,7 @@ class GPipe(nn.Module):
         checkpoint: when to re-materialize: ``"always"``, ``"except_last"`` or ``"never"``.
         deferred_batch_norm: not supported yet; ``True`` raises NotImplementedError.
         timeout: seconds a stage waits for its neighbour before it gives up.
+        trace: record what each stage runs when, for ``timeline`` (``self.recorder``).
     """
 
     def __init__(
@@ -168,6 +175,7 @@ class GPipe(nn.Module):
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
         timeout: float = 60.0,
+        trace: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
@@ -196,7 +204,9 @@ class GPipe(nn.Module):
         self.partitions = nn.ModuleList(
             [nn.Module.to(p, d) for p, d in zip(parts, self.devices, strict=True)]
         )
-        self._run = _Run(list(self.partitions), self.devices, timeout)
+        self.recorder = Recorder(0) if trace else None
+        hook = None if self.recorder is None else self.recorder.on_action
+        self._run = _Run(list(self.partitions), self.devices, timeout, hook)
 
     # -- Sequential-like access to the layers -------------------------------------------------
     def __len__(self) -> int:
@@ -240,6 +250,8 @@ class GPipe(nn.Module):
     # -- Running -----------------------------------------------------------------------------
     def forward(self, input: Tensor | tuple[Tensor, ...]) -> Any:
         """Pipelined forward over micro-batches; the output is on the last device."""
+        if self.recorder is not None:
+            self.recorder.step()  # a step is this forward and the backward of its output
         batch = check_batch(input)
         batch = tuple(t.to(self.devices[0]) for t in batch)
         microbatches = scatter(batch, self.chunks)
@@ -259,6 +271,12 @@ class GPipe(nn.Module):
             phony = torch.empty(0, device=self.devices[0], requires_grad=True)
             outputs = _PipelineFunction.apply(self._run, gpipe(k, m), data, phony, *batch)
         return outputs[0] if len(outputs) == 1 else outputs
+
+    def timeline(self) -> list[Event]:
+        """What every stage ran in the last step: the last forward and its backward, if run."""
+        if self.recorder is None:
+            raise RuntimeError("timeline() needs a recording; pass trace=True to GPipe")
+        return self.recorder.events()
 
     def extra_repr(self) -> str:
         return (
