@@ -1,6 +1,7 @@
 """`gpipe train` and `gpipe sample`: a tiny model trains in 1 and 2 processes, a resumed run
 continues exactly, and bad input ends in one line and exit code 2."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -172,3 +173,19 @@ def test_under_torchrun_the_stages_are_torchruns_processes(tmp_path):
     assert "stages [2, 2]" in done.stdout
     assert sorted(_losses(out)) == [1, 2, 3]
     assert json.loads((out / "run.json").read_text())["train"]["stages"] == 2
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_every_schedule_trains_and_traces(tmp_path, schedule):
+    out = tmp_path / "run"
+    code = main(["train", *TINY, "--steps", "3", "--schedule", schedule, "--trace",
+                 "--out", str(out)])  # fmt: skip
+    assert code == 0
+    trace = json.loads((out / "trace.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"F0", "B0"} <= names
+    assert ("W0" in names) == (schedule == "zero-bubble")
+    assert any(e["args"].get("name", "").startswith("predicted") for e in trace["traceEvents"]
+               if e["ph"] == "M")  # fmt: skip
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "timeline.png").stat().st_size > 0

@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 import torch
 
 from .checkpointing import check_checkpoint
+from .cli_simulate import simulate_parser
 from .errors import PipelineError
 from .schedule import get_schedule
 
@@ -90,6 +91,11 @@ def _train_parser(sub: Any) -> None:
     out.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
     out.add_argument("--force", action="store_true", help="replace what is in the run folder")
     out.add_argument("--quiet", action="store_true", help="plain log lines, no progress bar")
+    out.add_argument(
+        "--trace",
+        action="store_true",
+        help="write the last step's timeline (trace.json, timeline.png) into the run folder",
+    )
     p.set_defaults(command=_train)
 
 
@@ -130,8 +136,9 @@ def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> An
         given = getattr(args, f.name, None)
         if given is not None and given is not False:
             values[f.name] = given
-    if args.quiet:
-        values["quiet"] = True
+    for flag in ("quiet", "trace"):
+        if getattr(args, flag):
+            values[flag] = True
     return TrainOptions(**values)
 
 
@@ -328,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
     _train_parser(sub)
     _sample_parser(sub)
+    simulate_parser(sub)
     try:
         args = parser.parse_args(argv)
         return args.command(args)

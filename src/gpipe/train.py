@@ -25,8 +25,12 @@ from torch import nn
 from .data import BatchSampler, ByteDataset, decode, encode, load_text, stdlib_corpus
 from .distributed import Pipeline
 from .errors import StageError
+from .microbatch import split_sizes
 from .models.gpt import GPTConfig, build_gpt, lm_loss, tied_weights
 from .saving import latest_checkpoint, load_checkpoint, save_checkpoint
+from .schedule import get_schedule
+from .simulate import predict
+from .trace import Event, plot_gantt, to_chrome
 
 __all__ = ["TrainOptions", "RunSpec", "load_corpus", "run_stage"]
 
@@ -57,6 +61,7 @@ class TrainOptions:
     sample_tokens: int = 300
     prompt: str = "def "
     quiet: bool = False
+    trace: bool = False  # write the last step's timeline into the run folder
 
 
 @dataclass
@@ -145,6 +150,18 @@ def _check_same_text(corpus: bytes, pipe: Pipeline) -> None:
                 "reads different training text than stage 0 (another Python's standard "
                 "library?); pass --data with the same text on every machine",
             )
+
+
+def _write_timeline(out: Path, events: list[Event], pipe: Pipeline, n_microbatches: int) -> None:
+    """The measured step as a Chrome/Perfetto trace and, with matplotlib, a Gantt chart,
+    each beside the simulator's prediction from the step's own measured costs."""
+    schedule = get_schedule(pipe.schedule_name)(pipe.n_stages, n_microbatches)
+    predicted = predict(schedule, events)
+    to_chrome(events, out / "trace.json", predicted=predicted)
+    try:
+        plot_gantt(events, out / "timeline.png", predicted=predicted, title=schedule.name)
+    except ImportError as exc:
+        print(f"timeline.png not drawn: {exc}", flush=True)
 
 
 def _peak_memory(device: torch.device) -> int:
@@ -237,6 +254,7 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
         device=device,
         seed=opts.seed,
         timeout=opts.timeout,
+        trace=opts.trace,
     )
     rank, k = pipe.stage_index, pipe.n_stages
     tied = _Tied(pipe, layers)
@@ -296,6 +314,12 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
             if k > 1:
                 dist.all_reduce(times)
             train_loss = float(loss)
+            if opts.trace and step == opts.steps:  # collective, before evaluate() records
+                events = pipe.timeline()
+                if rank == 0:
+                    _write_timeline(
+                        out, events, pipe, len(split_sizes(opts.batch_size, opts.chunks))
+                    )
             record: dict[str, Any] = {
                 "step": step,
                 "loss": train_loss,

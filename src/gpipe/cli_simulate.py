@@ -1,0 +1,220 @@
+"""``gpipe simulate``: schedules' predicted time, bubble and memory, compared without running."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .schedule import SCHEDULES, get_schedule
+from .simulate import Costs, SimResult, analytic_bubble, compare, simulate
+
+__all__ = ["simulate_parser"]
+
+# One unit of compute per forward, per input-gradient backward and per weight-gradient
+# backward: a whole backward then costs twice a forward, as it roughly does in practice.
+DEFAULT_COSTS = Costs(forward=1.0, backward=1.0, weight=1.0)
+
+_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
+
+
+def simulate_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="compare schedules' predicted time and memory",
+        description="Simulate pipeline schedules under a cost model and print their makespan, "
+        "bubble (idle share of all ranks' time) and peak number of live micro-batches per "
+        "stage. Default costs: forward 1, backward 1 and weight 1 per stage, so an unsplit "
+        "backward takes 2; no communication cost.",
+    )
+    p.add_argument("--stages", type=int, default=4, metavar="K", help="pipeline stages (default 4)")
+    p.add_argument(
+        "--chunks", type=int, default=8, metavar="M", help="micro-batches per step (default 8)"
+    )
+    p.add_argument(
+        "--schedule",
+        action="append",
+        metavar="NAME",
+        help="schedule to simulate, repeatable or a comma list (default: all of "
+        f"{', '.join(SCHEDULES)})",
+    )
+    p.add_argument(
+        "--costs",
+        metavar="FILE",
+        help='JSON costs, e.g. {"forward": [1, 2], "backward": 2, "weight": 1, '
+        '"latency": 0.1, "message_bytes": 1e6, "bandwidth": 1e9, "activation_bytes": 1e8}',
+    )
+    p.add_argument("--plot", metavar="PNG", help="also draw each schedule's predicted timeline")
+    p.set_defaults(command=_simulate)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from .cli import UsageError
+
+    for flag in ("stages", "chunks"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
+    names = _schedule_names(args.schedule)
+    costs = DEFAULT_COSTS if args.costs is None else _read_costs(args.costs, args.stages)
+    if args.plot is not None:
+        _figure_class()  # fail before simulating, not after
+    rows = compare(names, args.stages, args.chunks, costs)
+    source = args.costs or "default: forward 1, backward 1, weight 1 per stage"
+    print(f"{args.stages} stages, {args.chunks} micro-batches, costs {source}")
+    print(_table(rows, args.stages, args.chunks, costs))
+    if args.plot is not None:
+        results = [
+            simulate(get_schedule(row["schedule"])(args.stages, args.chunks), costs)
+            for row in rows
+            if "note" not in row
+        ]
+        if not results:
+            raise UsageError(f"--plot {args.plot}: no schedule runs at these sizes")
+        _plot(results, args.plot)
+        print(f"timelines: {args.plot}")
+    return 0
+
+
+def _schedule_names(given: list[str] | None) -> list[str]:
+    from .cli import UsageError
+
+    if not given:
+        return list(SCHEDULES)
+    names = [name.strip() for value in given for name in value.split(",") if name.strip()]
+    for name in names:
+        try:
+            get_schedule(name)
+        except ValueError as exc:
+            raise UsageError(f"--schedule: {exc}") from None
+    return list(dict.fromkeys(names))
+
+
+def _read_costs(path: str, n_stages: int) -> Costs:
+    from .cli import UsageError
+
+    try:
+        costs = Costs.from_file(path)
+        for name in ("forward", "backward", "weight", "activation_bytes"):
+            costs.per_stage(name, n_stages)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--costs {path}: {exc}") from None
+    return costs
+
+
+def _table(rows: list[dict[str, Any]], n_stages: int, n_microbatches: int, costs: Costs) -> str:
+    analytic = f"{analytic_bubble(n_stages, n_microbatches):.1%}"
+    memory = any(costs.per_stage("activation_bytes", n_stages))
+    header = ["schedule", "makespan", "bubble", "analytic", "peak live per stage"]
+    if memory:
+        header.insert(4, "peak memory")
+    lines: list[list[str]] = []
+    for row in rows:
+        if "note" in row:
+            lines.append([row["schedule"], row["note"]])
+            continue
+        cells = [
+            row["schedule"],
+            f"{row['makespan']:.6g}",
+            f"{row['bubble']:.1%}",
+            analytic if row["schedule"] == "gpipe" else "-",
+            " ".join(map(str, row["peak_live_per_stage"])),
+        ]
+        if memory:
+            cells.insert(4, _bytes(row["peak_activation_bytes"]))
+        lines.append(cells)
+    full = [header] + [cells for cells in lines if len(cells) == len(header)]
+    widths = [max(len(cells[i]) for cells in full) for i in range(len(header))]
+    out = []
+    for cells in [header, *lines]:
+        if len(cells) < len(header):  # a skipped schedule: its name and why
+            out.append(f"{cells[0].ljust(widths[0])}  {cells[1]}")
+            continue
+        first, *middle, last = cells
+        out.append(
+            "  ".join(
+                [first.ljust(widths[0])]
+                + [c.rjust(w) for c, w in zip(middle, widths[1:-1], strict=True)]
+                + [last]
+            )
+        )
+    return "\n".join(out)
+
+
+def _bytes(n: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    power = 0
+    while n >= 1024 and power < len(units) - 1:
+        n /= 1024
+        power += 1
+    return f"{n:.0f} B" if power == 0 else f"{n:.1f} {units[power]}"
+
+
+def _figure_class() -> Any:
+    from .cli import UsageError
+
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UsageError(
+            "gpipe simulate --plot needs matplotlib: pip install 'gpipe[plot]'"
+        ) from None
+    return Figure
+
+
+def _plot(results: list[SimResult], path: str) -> None:
+    """A Gantt chart per schedule: one row per rank, F/B/W bars labelled with micro-batches."""
+    from matplotlib.patches import Patch
+
+    from .cli import UsageError
+
+    figure = _figure_class()(
+        figsize=(12, sum(0.8 + 0.3 * r.schedule.n_ranks for r in results) + 0.5),
+        layout="constrained",
+    )
+    axes = figure.subplots(len(results), 1, squeeze=False, sharex=True)[:, 0]
+    longest = max((r.makespan for r in results), default=0.0)
+    for ax, result in zip(axes, results, strict=True):
+        bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        label = len(result.events) <= 4000
+        for rank, action, start, end in result.events:
+            bars.setdefault((rank, action.kind.value), []).append((start, end - start))
+            if label and end - start >= 0.015 * longest:
+                ax.text(
+                    (start + end) / 2,
+                    rank,
+                    str(action.microbatch),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white",
+                )
+        for (rank, kind), spans in bars.items():
+            ax.broken_barh(
+                spans,
+                (rank - 0.4, 0.8),
+                facecolors=_COLOURS[kind],
+                edgecolor="white",
+                linewidth=0.5,
+            )
+        n_ranks = result.schedule.n_ranks
+        ax.set_yticks(range(n_ranks), [f"rank {r}" for r in range(n_ranks)], fontsize=8)
+        ax.set_ylim(n_ranks - 0.5, -0.5)
+        ax.set_title(
+            f"{result.schedule.name}: makespan {result.makespan:.6g}, bubble {result.bubble:.1%}",
+            fontsize=10,
+        )
+    axes[-1].set_xlabel("time")
+    kinds = ["F"]
+    kinds += ["B"] if any(r.schedule.backward for r in results) else []
+    kinds += ["W"] if any(r.schedule.split_backward for r in results) else []
+    axes[0].legend(
+        handles=[Patch(color=_COLOURS[k], label=k) for k in kinds],
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        ncol=len(kinds),
+        frameon=False,
+        fontsize=8,
+    )
+    try:
+        figure.savefig(path, dpi=120)
+    except OSError as exc:
+        raise UsageError(f"--plot {path}: {exc}") from None

@@ -1,0 +1,378 @@
+"""Cost and memory simulation of any schedule: predicted timelines, bubbles and peak memory."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields
+from numbers import Real
+from pathlib import Path
+from typing import Any
+
+from .schedule import Action, Kind, Schedule, ScheduleError, get_schedule
+from .trace import Event
+
+__all__ = [
+    "Costs",
+    "SimResult",
+    "analytic_bubble",
+    "compare",
+    "measured_costs",
+    "predict",
+    "simulate",
+]
+
+PerStage = float | Sequence[float]
+
+_PER_STAGE = ("forward", "backward", "weight", "activation_bytes")
+_SCALAR = ("latency", "message_bytes")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _check_amount(name: str, value: Any) -> float:
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"Costs.{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_per_stage(name: str, value: Any) -> float | tuple[float, ...]:
+    if _is_number(value):
+        return _check_amount(name, value)
+    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
+        raise ValueError(
+            f"Costs.{name} must be a number or a non-empty list of one number per stage, "
+            f"got {value!r}"
+        )
+    return tuple(_check_amount(f"{name}[{s}]", v) for s, v in enumerate(value))
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What a schedule's actions cost, so that schedules can be compared before anything runs.
+
+    ``forward``, ``backward``, ``weight`` (seconds) and ``activation_bytes`` are one number
+    for every stage or a list of one per stage. ``backward`` is the input-gradient part of a
+    backward and ``weight`` its weight-gradient part: a split-backward schedule runs them as
+    its B and W actions; any other schedule's B does both and takes ``backward + weight``.
+
+    A message between stages on different ranks arrives ``latency + message_bytes /
+    bandwidth`` seconds after it is sent, whatever else is in flight (links never congest);
+    between stages on one rank it arrives at once. A stage keeps ``activation_bytes`` per
+    micro-batch from the start of its forward to the end of its last backward action.
+    """
+
+    forward: PerStage
+    backward: PerStage
+    weight: PerStage = 0.0
+    latency: float = 0.0
+    bandwidth: float = math.inf
+    message_bytes: float = 0.0
+    activation_bytes: PerStage = 0.0
+
+    def __post_init__(self) -> None:
+        for name in _PER_STAGE:
+            object.__setattr__(self, name, _check_per_stage(name, getattr(self, name)))
+        for name in _SCALAR:
+            object.__setattr__(self, name, _check_amount(name, getattr(self, name)))
+        bandwidth = self.bandwidth
+        if not _is_number(bandwidth) or math.isnan(bandwidth) or bandwidth <= 0:
+            raise ValueError(
+                f"Costs.bandwidth must be a positive number of bytes per second, got {bandwidth!r}"
+            )
+        object.__setattr__(self, "bandwidth", float(bandwidth))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Costs:
+        """Read costs from a JSON object such as ``{"forward": [1, 2], "backward": 2}``."""
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object of costs, got {type(data).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"{path}: unknown cost fields {unknown}; expected some of {known}")
+        missing = [name for name in ("forward", "backward") if name not in data]
+        if missing:
+            raise ValueError(f"{path}: missing cost fields {missing}")
+        try:
+            return cls(**data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain JSON values (per-stage values as lists); ``from_file`` reads it."""
+        return {
+            f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+            for f in fields(self)
+        }
+
+    def per_stage(self, name: str, n_stages: int) -> tuple[float, ...]:
+        """The field ``name`` as one value per stage, checking a list has ``n_stages`` values."""
+        value = getattr(self, name)
+        if isinstance(value, tuple):
+            if len(value) != n_stages:
+                raise ValueError(
+                    f"Costs.{name} has {len(value)} values, but the schedule has {n_stages} stages"
+                )
+            return value
+        return (value,) * n_stages
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """The predicted run of one schedule under given costs.
+
+    ``busy`` and ``idle`` are per rank; ``bubble`` is the idle share of all ranks' time.
+    ``peak_live`` counts, per stage, the most micro-batches whose activations are held at
+    once; ``peak_activation_bytes`` is that in bytes per stage and
+    ``peak_rank_activation_bytes`` the peak of the sum over each rank's stages.
+    ``compute_times[r]`` holds start and end, in turn, of rank ``r``'s compute actions in
+    program order; ``events`` pairs them with their actions.
+    """
+
+    schedule: Schedule = field(repr=False)
+    makespan: float
+    busy: tuple[float, ...]
+    idle: tuple[float, ...]
+    bubble: float
+    peak_live: tuple[int, ...]
+    peak_activation_bytes: tuple[float, ...]
+    peak_rank_activation_bytes: tuple[float, ...]
+    compute_times: tuple[tuple[float, ...], ...] = field(repr=False)
+
+    @functools.cached_property
+    def events(self) -> list[tuple[int, Action, float, float]]:
+        """``(rank, action, start, end)`` of every compute action, rank by rank, in order.
+
+        Built on first use: a large simulation spends most of its time making these tuples.
+        """
+        events: list[tuple[int, Action, float, float]] = []
+        for rank, times in enumerate(self.compute_times):
+            actions = self.schedule.compute_only(rank)
+            events.extend(zip(itertools.repeat(rank), actions, times[::2], times[1::2]))
+        return events
+
+
+def _delays(schedule: Schedule, costs: Costs) -> tuple[list[float], list[float]]:
+    """Seconds a message takes from stage s to s + 1 (forward) and to s - 1 (backward)."""
+    rank_of = schedule.stage_to_rank
+    k = schedule.n_stages
+    wire = costs.latency + costs.message_bytes / costs.bandwidth
+    forward = [0.0 if s + 1 < k and rank_of[s + 1] == rank_of[s] else wire for s in range(k)]
+    backward = [0.0 if s > 0 and rank_of[s - 1] == rank_of[s] else wire for s in range(k)]
+    return forward, backward
+
+
+def simulate(schedule: Schedule, costs: Costs) -> SimResult:
+    """Predict when every action of ``schedule`` runs, on ranks that each run their program.
+
+    Each rank runs its actions strictly in order: a compute action takes its stage's cost, a
+    send takes no time and its message arrives after the delay given by ``costs``, a receive
+    waits until its message has arrived. The schedule is read as given (``validate`` checks
+    its shape); ranks that end up waiting on each other raise ScheduleError. Time and memory
+    are linear in the number of actions.
+    """
+    n_stages, n_mb, n_ranks = schedule.n_stages, schedule.n_microbatches, schedule.n_ranks
+    if len(schedule.stage_to_rank) != n_stages:
+        raise ScheduleError(
+            f"stage_to_rank has {len(schedule.stage_to_rank)} entries for {n_stages} stages"
+        )
+    f_cost = costs.per_stage("forward", n_stages)
+    w_cost = costs.per_stage("weight", n_stages)
+    b_cost = costs.per_stage("backward", n_stages)
+    if not schedule.split_backward:
+        b_cost = tuple(b + w for b, w in zip(b_cost, w_cost, strict=True))
+    act_bytes = costs.per_stage("activation_bytes", n_stages)
+    f_delay, b_delay = _delays(schedule, costs)
+
+    F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT
+    SEND_F, RECV_F, SEND_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B
+    release = W if schedule.split_backward else B  # the last action that needs activations
+    keeps = schedule.backward  # forward-only schedules drop activations at once
+
+    # The message to stage s about micro-batch i is slot s * n_mb + i of its kind's list.
+    f_arrival: list[float | None] = [None] * (n_stages * n_mb)
+    b_arrival: list[float | None] = [None] * (n_stages * n_mb)
+    f_waiting: dict[int, int] = {}  # slot -> the rank blocked on it
+    b_waiting: dict[int, int] = {}
+    programs = [iter(program) for program in schedule.programs]
+    blocked_at: list[Action | None] = [None] * n_ranks  # the receive a rank waits at
+    clock, busy = [0.0] * n_ranks, [0.0] * n_ranks
+    live, peak = [0] * n_stages, [0] * n_stages
+    rank_bytes, rank_peak = [0.0] * n_ranks, [0.0] * n_ranks
+    times: list[list[float]] = [[] for _ in range(n_ranks)]
+    ready = list(range(n_ranks - 1, -1, -1))
+    while ready:
+        r = ready.pop()
+        t, work = clock[r], busy[r]
+        held, held_peak = rank_bytes[r], rank_peak[r]
+        record = times[r].append
+        pending = blocked_at[r]
+        for a in programs[r] if pending is None else itertools.chain((pending,), programs[r]):
+            kind = a.kind
+            if kind is F:
+                s = a.stage
+                start = t
+                cost = f_cost[s]
+                t += cost
+                work += cost
+                record(start)
+                record(t)
+                if keeps:
+                    n = live[s] = live[s] + 1
+                    if n > peak[s]:
+                        peak[s] = n
+                    held += act_bytes[s]
+                    if held > held_peak:
+                        held_peak = held
+                else:
+                    peak[s] = 1
+                    held_peak = max(held_peak, held + act_bytes[s])
+            elif kind is SEND_F:
+                slot = (a.stage + 1) * n_mb + a.microbatch
+                f_arrival[slot] = t + f_delay[a.stage]
+                if slot in f_waiting:
+                    ready.append(f_waiting.pop(slot))
+            elif kind is RECV_F:
+                slot = a.stage * n_mb + a.microbatch
+                at = f_arrival[slot]
+                if at is None:
+                    f_waiting[slot] = r
+                    break
+                if at > t:
+                    t = at
+            elif kind is SEND_B:
+                slot = (a.stage - 1) * n_mb + a.microbatch
+                b_arrival[slot] = t + b_delay[a.stage]
+                if slot in b_waiting:
+                    ready.append(b_waiting.pop(slot))
+            elif kind is B or kind is W:
+                s = a.stage
+                start = t
+                cost = b_cost[s] if kind is B else w_cost[s]
+                t += cost
+                work += cost
+                record(start)
+                record(t)
+                if kind is release:
+                    live[s] -= 1
+                    held -= act_bytes[s]
+            else:  # RECV_B
+                slot = a.stage * n_mb + a.microbatch
+                at = b_arrival[slot]
+                if at is None:
+                    b_waiting[slot] = r
+                    break
+                if at > t:
+                    t = at
+        else:
+            a = None
+        blocked_at[r] = a
+        clock[r], busy[r] = t, work
+        rank_bytes[r], rank_peak[r] = held, held_peak
+    if any(blocked_at):
+        blocked = ", ".join(f"rank {r} waits at {a}" for r, a in enumerate(blocked_at) if a)
+        raise ScheduleError(f"{schedule.name} deadlocks: {blocked}")
+    return _result(schedule, times, clock, busy, peak, act_bytes, rank_peak)
+
+
+def _result(
+    schedule: Schedule,
+    times: list[list[float]],
+    clock: list[float],
+    busy: list[float],
+    peak: list[int],
+    act_bytes: tuple[float, ...],
+    rank_peak: list[float],
+) -> SimResult:
+    makespan = max(clock, default=0.0)
+    idle = tuple(makespan - b for b in busy)
+    bubble = sum(idle) / (len(clock) * makespan) if makespan > 0 else 0.0
+    return SimResult(
+        schedule=schedule,
+        makespan=makespan,
+        busy=tuple(busy),
+        idle=idle,
+        bubble=bubble,
+        peak_live=tuple(peak),
+        peak_activation_bytes=tuple(n * b for n, b in zip(peak, act_bytes, strict=True)),
+        peak_rank_activation_bytes=tuple(rank_peak),
+        compute_times=tuple(map(tuple, times)),
+    )
+
+
+def analytic_bubble(n_stages: int, n_microbatches: int) -> float:
+    """GPipe's (and 1F1B's) bubble with equal stages and free messages: (K-1) / (M+K-1)."""
+    for name, value in (("n_stages", n_stages), ("n_microbatches", n_microbatches)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return (n_stages - 1) / (n_microbatches + n_stages - 1)
+
+
+def compare(
+    names: Iterable[str], n_stages: int, n_microbatches: int, costs: Costs
+) -> list[dict[str, Any]]:
+    """One table row per named schedule: its makespan, bubble and peak memory under ``costs``.
+
+    A schedule whose generator rejects these sizes gets a row with only its name and a
+    ``note`` saying why, so one unsuitable schedule does not hide the others.
+    """
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        generator = get_schedule(name)
+        try:
+            schedule = generator(n_stages, n_microbatches)
+        except ValueError as exc:
+            rows.append({"schedule": name, "note": f"skipped: {exc}"})
+            continue
+        result = simulate(schedule, costs)
+        rows.append(
+            {
+                "schedule": name,
+                "makespan": result.makespan,
+                "bubble": result.bubble,
+                "peak_live": max(result.peak_live),
+                "peak_live_per_stage": result.peak_live,
+                "peak_activation_bytes": max(result.peak_rank_activation_bytes),
+            }
+        )
+    return rows
+
+
+def measured_costs(schedule: Schedule, events: Sequence[Event]) -> Costs:
+    """Each stage's mean measured time of F, B and W (0 where none ran); messages free."""
+    total: dict[tuple[int, str], float] = {}
+    count: dict[tuple[int, str], int] = {}
+    for e in events:
+        if e.is_compute:
+            key = (e.stage, e.kind)
+            total[key] = total.get(key, 0.0) + max(e.end - e.start, 0.0)
+            count[key] = count.get(key, 0) + 1
+
+    def mean(kind: str) -> list[float]:
+        return [
+            total.get((s, kind), 0.0) / count.get((s, kind), 1) for s in range(schedule.n_stages)
+        ]
+
+    return Costs(forward=mean("F"), backward=mean("B"), weight=mean("W"))
+
+
+def predict(schedule: Schedule, events: Sequence[Event]) -> list[Event]:
+    """The timeline ``schedule`` would have if each action took what it took on average.
+
+    Costs come from the compute actions in ``events`` (a measured step); messages are taken
+    as instant, so where the measured timeline lags the prediction, transfers or overheads
+    are the cause. Returns the predicted compute events in order of start.
+    """
+    result = simulate(schedule, measured_costs(schedule, events))
+    predicted = [
+        Event(rank, a.stage, a.kind.value, a.microbatch, start, end)
+        for rank, a, start, end in result.events
+    ]
+    return sorted(predicted, key=lambda e: (e.start, e.rank, e.stage))

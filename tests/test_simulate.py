@@ -1,0 +1,248 @@
+"""The simulator: GPipe's analytic bubble and memory, communication, deadlock, speed, the CLI."""
+
+import itertools
+import json
+import sys
+import time
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from gpipe.cli import main
+from gpipe.schedule import (
+    SCHEDULES,
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    forward_only,
+    gpipe,
+    validate,
+)
+from gpipe.simulate import Costs, analytic_bubble, compare, predict, simulate
+from gpipe.trace import Event
+
+F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT
+UNIT = Costs(forward=1.0, backward=1.0)
+
+
+@given(st.integers(1, 16), st.integers(1, 64))
+def test_uniform_gpipe_has_the_analytic_bubble(k, m):
+    result = simulate(gpipe(k, m), UNIT)
+    assert result.bubble == pytest.approx(analytic_bubble(k, m), abs=1e-9)
+
+
+@given(
+    st.integers(1, 8),
+    st.integers(1, 16),
+    st.floats(0.1, 10.0),
+    st.floats(0.0, 10.0),
+    st.floats(0.0, 10.0),
+)
+def test_gpipe_makespan_is_m_plus_k_minus_1_forwards_and_backwards(k, m, f, b, w):
+    result = simulate(gpipe(k, m), Costs(forward=f, backward=b, weight=w))
+    assert result.makespan == pytest.approx((m + k - 1) * (f + b + w), rel=1e-9)
+    assert result.busy == pytest.approx([m * (f + b + w)] * k, rel=1e-9)
+
+
+@given(st.integers(1, 16), st.integers(1, 64))
+def test_gpipe_keeps_every_micro_batch_on_every_stage(k, m):
+    assert simulate(gpipe(k, m), UNIT).peak_live == (m,) * k
+
+
+def test_forward_only_keeps_one_micro_batch_per_stage():
+    result = simulate(forward_only(3, 5), Costs(forward=1.0, backward=9.0, activation_bytes=4))
+    assert result.peak_live == (1, 1, 1)
+    assert result.makespan == 7
+    assert result.peak_rank_activation_bytes == (4, 4, 4)
+
+
+def test_latency_and_bandwidth_delay_each_message_between_ranks():
+    # K=2, M=1: F on rank 0, message, F and B on rank 1, message, B on rank 0
+    costs = Costs(forward=1.0, backward=2.0, latency=0.5, message_bytes=1000, bandwidth=4000)
+    result = simulate(gpipe(2, 1), costs)
+    assert result.makespan == pytest.approx(1 + 0.75 + 1 + 2 + 0.75 + 2)
+    starts = {(r, str(a)): s for r, a, s, _ in result.events}
+    assert starts == {(0, "0F0"): 0.0, (1, "1F0"): 1.75, (1, "1B0"): 2.75, (0, "0B0"): 5.5}
+
+
+def test_messages_within_a_rank_are_free():
+    first, second = gpipe(2, 1).programs  # 0F0 0SEND_F0 | 0RECV_B0 0B0, and stage 1's
+    one_rank = validate(Schedule("one-rank", 2, 1, (first[:2] + second + first[2:],), (0, 0)))
+    costs = Costs(forward=1.0, backward=1.0, latency=100.0, activation_bytes=[10, 20])
+    result = simulate(one_rank, costs)
+    assert result.makespan == 4
+    assert result.peak_activation_bytes == (10, 20)
+    assert result.peak_rank_activation_bytes == (30,)
+
+
+def test_the_slowest_stage_sets_the_pace():
+    # stage 1 takes 3 per pass: rank 0 forwards at 0-2, rank 1 forwards at 1-7 and backwards
+    # at 7-13, rank 0 backwards at 10-11 and 13-14
+    result = simulate(gpipe(2, 2), Costs(forward=[1, 3], backward=[1, 3]))
+    assert result.makespan == 14
+    assert result.busy == (4, 12)
+    assert result.idle == (10, 2)
+    assert result.bubble == pytest.approx(12 / 28)
+
+
+def test_a_deadlocking_schedule_raises():
+    a = Action
+    programs = (
+        (a(0, Kind.RECV_B, 0), a(0, F, 0), a(0, Kind.SEND_F, 0), a(0, B, 0)),
+        (a(1, Kind.RECV_F, 0), a(1, F, 0), a(1, B, 0), a(1, Kind.SEND_B, 0)),
+    )
+    with pytest.raises(ScheduleError, match="deadlocks: rank 0 waits at 0RECV_B0, rank 1"):
+        simulate(Schedule("stuck", 2, 1, programs, (0, 1)), UNIT)
+
+
+def _names_and_sizes():
+    return st.tuples(st.sampled_from(sorted(SCHEDULES)), st.integers(1, 6), st.integers(1, 12))
+
+
+def _schedule(name: str, k: int, m: int) -> Schedule:
+    try:
+        return SCHEDULES[name](k, m)
+    except ValueError:
+        assume(False)
+        raise
+
+
+@given(_names_and_sizes(), st.floats(0.0, 0.5))
+def test_every_schedule_runs_each_action_after_what_it_needs(case, latency):
+    schedule = _schedule(*case)
+    result = simulate(schedule, Costs(forward=1.0, backward=1.0, weight=0.5, latency=latency))
+    end = {a: e for _, a, _, e in result.events}
+    for rank, a, start, _ in result.events:
+        assert schedule.stage_to_rank[a.stage] == rank
+        needs = []
+        if a.kind is F and a.stage > 0:
+            needs.append(Action(a.stage - 1, F, a.microbatch))
+        if a.kind is B:
+            needs.append(Action(a.stage, F, a.microbatch))
+            if a.stage < schedule.n_stages - 1:
+                needs.append(Action(a.stage + 1, B, a.microbatch))
+        if a.kind is W:
+            needs.append(Action(a.stage, B, a.microbatch))
+        for need in needs:
+            assert start >= end[need] - 1e-9, f"{a} starts before {need} ends"
+    per_rank: dict[int, list[tuple[float, float]]] = {}
+    for rank, _, start, stop in result.events:
+        per_rank.setdefault(rank, []).append((start, stop))
+    for spans in per_rank.values():
+        assert all(s1 >= e0 - 1e-9 for (_, e0), (s1, _) in itertools.pairwise(spans))
+    assert sum(result.busy) == pytest.approx(schedule.n_stages * schedule.n_microbatches * 2.5)
+
+
+@pytest.mark.skipif("1f1b" not in SCHEDULES, reason="1F1B is not registered")
+@given(st.integers(1, 12), st.integers(1, 32))
+def test_1f1b_keeps_k_minus_s_micro_batches_and_takes_as_long_as_gpipe(k, m):
+    one_f_one_b = simulate(SCHEDULES["1f1b"](k, m), UNIT)
+    assert one_f_one_b.peak_live == tuple(min(k - s, m) for s in range(k))
+    assert one_f_one_b.makespan == pytest.approx(simulate(gpipe(k, m), UNIT).makespan)
+
+
+def test_128_stages_and_1024_micro_batches_simulate_quickly():
+    schedule = gpipe.__wrapped__(128, 1024)  # uncached: the schedule is large
+    start = time.perf_counter()
+    result = simulate(schedule, UNIT)
+    seconds = time.perf_counter() - start
+    print(
+        f"simulate gpipe K=128 M=1024 ({sum(map(len, schedule.programs))} actions): {seconds:.3f} s"
+    )
+    assert result.makespan == (1024 + 127) * 2
+    assert len(result.events) == 128 * 1024 * 2
+
+
+def test_costs_reject_what_cannot_be_a_cost():
+    with pytest.raises(ValueError, match=r"Costs.forward must be a finite number >= 0, got -1"):
+        Costs(forward=-1, backward=1)
+    with pytest.raises(ValueError, match=r"Costs.backward\[1\] must be .* got nan"):
+        Costs(forward=1, backward=[1, float("nan")])
+    with pytest.raises(ValueError, match="Costs.weight must be a number or a non-empty list"):
+        Costs(forward=1, backward=1, weight=[])
+    with pytest.raises(ValueError, match="Costs.bandwidth must be a positive number"):
+        Costs(forward=1, backward=1, bandwidth=0)
+    with pytest.raises(ValueError, match="Costs.latency must be a finite number >= 0"):
+        Costs(forward=1, backward=1, latency="1")
+    with pytest.raises(ValueError, match="Costs.forward has 3 values, but the schedule has 2"):
+        simulate(gpipe(2, 2), Costs(forward=[1, 1, 1], backward=1))
+
+
+def test_costs_round_trip_through_a_file(tmp_path):
+    costs = Costs(forward=[1, 2], backward=3, weight=0.5, latency=0.1, activation_bytes=[5, 6])
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(costs.to_dict()))
+    assert Costs.from_file(path) == costs
+    path.write_text('{"forward": 1}')
+    with pytest.raises(ValueError, match=r"missing cost fields \['backward'\]"):
+        Costs.from_file(path)
+    path.write_text('{"forward": 1, "backward": 1, "speed": 2}')
+    with pytest.raises(ValueError, match=r"unknown cost fields \['speed'\]"):
+        Costs.from_file(path)
+    path.write_text('{"forward": 1, "backward": -2}')
+    with pytest.raises(ValueError, match="costs.json: Costs.backward must be"):
+        Costs.from_file(path)
+
+
+def test_compare_notes_schedules_that_reject_the_sizes(monkeypatch):
+    def picky(n_stages: int, n_microbatches: int) -> Schedule:
+        raise ValueError("needs an even number of stages")
+
+    monkeypatch.setitem(SCHEDULES, "picky", picky)
+    rows = compare(["gpipe", "picky"], 3, 4, UNIT)
+    assert rows[0]["schedule"] == "gpipe"
+    assert rows[0]["bubble"] == pytest.approx(analytic_bubble(3, 4))
+    assert rows[0]["peak_live"] == 4
+    assert rows[1] == {"schedule": "picky", "note": "skipped: needs an even number of stages"}
+
+
+def test_predict_replays_a_schedule_with_measured_means():
+    measured = [
+        Event(s, s, k, mb, 0.0, duration)
+        for s in range(2)
+        for mb in range(2)
+        for k, duration in (("F", 1.0), ("B", 2.0), ("SEND_F", 0.5))
+    ]
+    predicted = predict(gpipe(2, 2), measured)
+    assert len(predicted) == 8
+    assert max(e.end for e in predicted) == (2 + 2 - 1) * 3
+    assert [e.start for e in predicted] == sorted(e.start for e in predicted)
+
+
+def test_cli_prints_a_table_of_every_schedule(capsys):
+    assert main(["simulate", "--stages", "4", "--chunks", "8"]) == 0
+    out = capsys.readouterr().out
+    gpipe_row = next(line for line in out.splitlines() if line.startswith("gpipe "))
+    # makespan (M+K-1)(F+B+W) = 33, bubble and analytic bubble 3/11, 8 live per stage
+    assert gpipe_row.split() == ["gpipe", "33", "27.3%", "27.3%", "8", "8", "8", "8"]
+    assert all(name in out for name in SCHEDULES)
+
+
+def test_cli_reads_costs_and_reports_bad_input_in_one_line(tmp_path, capsys):
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"forward": 1, "backward": 1, "activation_bytes": 1048576}')
+    assert main(["simulate", "--stages", "2", "--chunks", "2", "--schedule", "gpipe",
+                 "--costs", str(costs)]) == 0  # fmt: skip
+    assert "2.0 MiB" in capsys.readouterr().out
+    costs.write_text('{"forward": [1, 2, 3], "backward": 1}')
+    for bad in (["--bogus"], ["--stages", "0"], ["--schedule", "gpipe,nope"],
+                ["--costs", str(costs)], ["--costs", str(tmp_path / "none.json")]):  # fmt: skip
+        assert main(["simulate", *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("gpipe: error: ") and err.count("\n") == 1, err
+
+
+def test_cli_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "timelines.png"
+    assert main(["simulate", "--stages", "3", "--chunks", "4", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_plot_without_matplotlib_says_how_to_get_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert main(["simulate", "--plot", str(tmp_path / "t.png")]) == 2
+    assert "pip install 'gpipe[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "t.png").exists()
