@@ -41,3 +41,25 @@ def equivalence(k: int, schedule: str) -> int:
     for mode in ("always", "except_last"):
         assert all(torch.equal(a, b) for a, b in zip(grads["never"], grads[mode], strict=True))
     return cases + 1
+
+
+# two stages per process: rank r holds stages r and r + K
+INTERLEAVED = {1: [4, 4], 2: [2, 2, 2, 2], 3: [2, 1, 1, 2, 1, 1], 4: [1] * 8}
+
+
+def interleaved(k: int) -> dict:
+    """Interleaved 1F1B against un-pipelined training; micro-batches come in groups of K."""
+    cases = 0
+    for rows, chunks in [(16, k), (10, 2 * k), (2 * k, 2 * k)]:
+        for mode in MODES:
+            pipe = Pipeline(
+                mlp(), INTERLEAVED[k], chunks=chunks, checkpoint=mode, schedule="interleaved",
+                loss_fn=mse_loss,
+            )  # fmt: skip
+            _check_step(pipe, *batch(rows), **EXACT)
+            cases += 1
+    return {
+        "cases": cases,
+        "stages": list(pipe.stages),
+        "names": [n for n, _ in pipe.named_parameters()],
+    }

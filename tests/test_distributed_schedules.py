@@ -14,3 +14,12 @@ from .models import BALANCES
 def test_schedule_matches_unpipelined(schedule, k):
     results = launch(cases.equivalence, k, (k, schedule), threads=1)
     assert all(n == 22 for n in results.values())
+
+
+@pytest.mark.parametrize("k", sorted(BALANCES))
+def test_interleaved_matches_unpipelined(k):
+    results = launch(cases.interleaved, k, (k,), threads=1)
+    assert all(r["cases"] == 9 for r in results.values())
+    assert [results[r]["stages"] for r in range(k)] == [[r, r + k] for r in range(k)]
+    if k == 2:  # rank 0 holds layers 0-1 and 4-5 of the full Sequential, under their names
+        assert results[0]["names"] == ["0.weight", "0.bias", "5.weight", "5.bias"]

@@ -125,17 +125,24 @@ class Pipeline(nn.Module):
         if group is None:
             init_process_group(self.device, timeout)
         self.group = group
-        self.n_stages = dist.get_world_size(group)
-        self.stage_index = dist.get_rank(group)
+        self.n_ranks = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self.balance = (
-            even_balance(len(module), self.n_stages)
+            even_balance(len(module), self.n_ranks)
             if balance is None
             else check_balance(len(module), balance)
         )
-        if len(self.balance) != self.n_stages:
+        self.n_stages = len(self.balance)
+        if self.n_stages % self.n_ranks:
             raise ValueError(
-                f"balance has {len(self.balance)} partitions but the process group has "
-                f"{self.n_stages} processes; Pipeline runs one stage per process"
+                f"balance has {self.n_stages} partitions but the process group has "
+                f"{self.n_ranks} processes; Pipeline runs one stage per process, or the "
+                "same number of stages on each with schedule='interleaved'"
+            )
+        if self.n_stages != self.n_ranks and schedule != "interleaved":
+            raise ValueError(
+                f"balance has {self.n_stages} partitions for {self.n_ranks} processes: "
+                f"several stages per process need schedule='interleaved', not {schedule!r}"
             )
         self.chunks = chunks
         self.schedule_name = schedule
@@ -143,25 +150,33 @@ class Pipeline(nn.Module):
         self.loss_reduction = loss_reduction
         self.timeout = float(timeout)
 
-        start, stop = stage_bounds(self.balance)[self.stage_index]
-        named = list(module.named_children())[start:stop]
-        for offset, (name, layer) in enumerate(named):
-            self.add_module(name, materialize(layer, start + offset, self.device, seed))
-        partition = nn.Sequential(OrderedDict((name, self._modules[name]) for name, _ in named))
-        self._stage = Stage(self.stage_index, self.n_stages, partition, self.device, loss_fn)
+        # this rank's stages: r, r + K, r + 2K, ... (one, unless interleaved)
+        self.stages = tuple(range(self.rank, self.n_stages, self.n_ranks))
+        self.stage_index = self.stages[0]
+        children = list(module.named_children())
+        self._stages: dict[int, Stage] = {}
+        for stage in self.stages:
+            start, stop = stage_bounds(self.balance)[stage]
+            for index in range(start, stop):
+                name, layer = children[index]
+                self.add_module(name, materialize(layer, index, self.device, seed))
+            partition = nn.Sequential(
+                OrderedDict((name, self._modules[name]) for name, _ in children[start:stop])
+            )
+            self._stages[stage] = Stage(stage, self.n_stages, partition, self.device, loss_fn)
         self._transport = DistributedTransport(
-            range(self.n_stages), self.device, group, self.timeout
+            [s % self.n_ranks for s in range(self.n_stages)], self.device, group, self.timeout
         )
         self.last_step: StepTimes | None = None
-        self.recorder = Recorder(self.stage_index) if trace else None
+        self.recorder = Recorder(self.rank) if trace else None
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        return 0 in self._stages
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.n_stages - 1
+        return self.n_stages - 1 in self._stages
 
     def stage_of(self, layer: int) -> int:
         """The stage that holds layer ``layer`` of the whole model."""
@@ -170,11 +185,22 @@ class Pipeline(nn.Module):
             raise IndexError(f"layer must be in [0, {bounds[-1][1]}), got {layer}")
         return next(s for s, (start, stop) in enumerate(bounds) if start <= layer < stop)
 
-    def _global(self, stage: int) -> int:
-        return stage if self.group is None else dist.get_global_rank(self.group, stage)
+    def rank_of(self, stage: int) -> int:
+        """The rank (in the pipeline's group) that holds ``stage``."""
+        return stage % self.n_ranks
 
-    def _broadcast(self, value: Tensor, src_stage: int, what: str) -> Tensor:
-        work = dist.broadcast(value, src=self._global(src_stage), group=self.group, async_op=True)
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def _schedule(self, n_microbatches: int) -> Schedule:
+        if self.n_stages == self.n_ranks:
+            return self._schedule_fn(self.n_stages, n_microbatches)
+        return self._schedule_fn(self.n_stages, n_microbatches, self.n_ranks)  # type: ignore[call-arg]
+
+    def _broadcast(self, value: Tensor, src_rank: int, what: str) -> Tensor:
+        """Broadcast from ``src_rank``; losing it ends in StageError rather than a hang."""
+        src_stage = src_rank  # its first stage
+        work = dist.broadcast(value, src=self._global(src_rank), group=self.group, async_op=True)
         try:
             work.wait(datetime.timedelta(seconds=self.timeout))
         except RuntimeError as exc:
@@ -190,7 +216,7 @@ class Pipeline(nn.Module):
         if self.is_first:
             batch = tuple(t.to(self.device) for t in check_batch(inputs, "inputs"))
             rows[0] = batch[0].size(0)
-        if self.n_stages > 1:
+        if self.n_ranks > 1:
             self._broadcast(rows, 0, "the batch size")
         return int(rows.item()), batch
 
@@ -210,14 +236,15 @@ class Pipeline(nn.Module):
 
         try:
             run_program(
-                schedule.programs[self.stage_index],
-                {self.stage_index: self._stage},
+                schedule.programs[self.rank],
+                self._stages,
                 self._transport,
                 data,
                 on_action=timed,
             )
         except BaseException:
-            self._stage.clear()
+            for stage in self._stages.values():
+                stage.clear()
             raise
         return busy
 
@@ -236,8 +263,8 @@ class Pipeline(nn.Module):
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.is_last:
             loss += sum(data.losses[i].double() for i in range(m))
-        if self.n_stages > 1:
-            self._broadcast(loss, self.n_stages - 1, "the loss")
+        if self.n_ranks > 1:
+            self._broadcast(loss, self.rank_of(self.n_stages - 1), "the loss")
         return loss
 
     def step(self, inputs: Any = None, targets: Any = None) -> Tensor:
@@ -262,7 +289,7 @@ class Pipeline(nn.Module):
             data.inputs = scatter(batch, self.chunks)
         if self.is_last:
             self._targets(targets, rows, sizes, data)
-        busy = self._run(self._schedule_fn(self.n_stages, m), data)
+        busy = self._run(self._schedule(m), data)
         loss = self._loss(data, m)
         self.last_step = StepTimes(perf_counter() - started, busy)
         return loss
@@ -279,7 +306,7 @@ class Pipeline(nn.Module):
             data.inputs = scatter(batch, self.chunks)
         if self.is_last:
             self._targets(targets, rows, sizes, data)
-        self._run(forward_only(self.n_stages, len(sizes)), data)
+        self._run(forward_only(self.n_stages, len(sizes), self.n_ranks), data)
         return self._loss(data, len(sizes))
 
     @torch.no_grad()
@@ -290,7 +317,7 @@ class Pipeline(nn.Module):
         data = StepData(n_stages=self.n_stages, build_graph=False)
         if batch is not None:
             data.inputs = scatter(batch, self.chunks)
-        self._run(forward_only(self.n_stages, m), data)
+        self._run(forward_only(self.n_stages, m, self.n_ranks), data)
         if not self.is_last:
             return None
         return unpack(gather([data.outputs[i] for i in range(m)]))
@@ -302,7 +329,7 @@ class Pipeline(nn.Module):
         """
         if self.recorder is None:
             raise RuntimeError("timeline() needs a recording; pass trace=True to Pipeline")
-        gathered: list[list[Event] | None] = [None] * self.n_stages
+        gathered: list[list[Event] | None] = [None] * self.n_ranks
         dist.all_gather_object(gathered, self.recorder.events(), group=self.group)
         return merge([events or [] for events in gathered])
 
@@ -342,7 +369,7 @@ class Pipeline(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"stage={self.stage_index}/{self.n_stages}, balance={self.balance}, "
+            f"stages={list(self.stages)} of {self.n_stages}, balance={self.balance}, "
             f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
             f"schedule={self.schedule_name!r}, device={self.device}"
         )
