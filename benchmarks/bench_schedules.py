@@ -2,7 +2,8 @@
 
 Workload: the MLP of bench_mlp (8 blocks of Linear(1024, 4096) -> GELU -> Linear(4096,
 1024), batch 1024, MSE), K = 2 processes with one thread each, 8 micro-batches, no
-re-materialization. Every schedule runs in the same pair of processes, one step each in turn.
+re-materialization; interleaved with 2 stages of 2 blocks per process. Every schedule runs
+in the same pair of processes, one step each in turn.
 
 - step time: the slowest process's, median over the measured cycles.
 - measured bubble: 1 - (time in forward/backward/weight actions) / (step time), all ranks.
@@ -29,14 +30,19 @@ from torch import Tensor, nn
 from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline, launch
-from gpipe.schedule import get_schedule
+from gpipe.schedule import get_schedule, interleaved
 from gpipe.simulate import measured_costs, simulate
 
 from .bench_mlp import _data, _model
 from .common import machine, summary, write_results
 
 K = 2
-SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved")
+V = 2  # stages per process of the interleaved schedule
+
+
+def _stages(name: str) -> int:
+    return K * V if name == "interleaved" else K
 
 
 class _Held:
@@ -96,13 +102,15 @@ def run(cfg: dict) -> dict:
     for name in SCHEDULES:
         model = _model(cfg["width"], cfg["hidden"], cfg["blocks"])
         pipes[name] = Pipeline(
-            model, [cfg["blocks"] // K] * K, chunks=cfg["chunks"], checkpoint="never",
+            model, [cfg["blocks"] // _stages(name)] * _stages(name), chunks=cfg["chunks"],
+            checkpoint="never",
             schedule=name, loss_fn=mse_loss, trace=True,
         )  # fmt: skip
         meters[name] = _SavedBytes(list(pipes[name].parameters()))
     out: dict = {name: {"seconds": [], "busy": [], "events": None} for name in SCHEDULES}
     for cycle in range(cfg["warmup"] + cfg["steps"]):
-        order = SCHEDULES[cycle % 3 :] + SCHEDULES[: cycle % 3]
+        turn = cycle % len(SCHEDULES)
+        order = SCHEDULES[turn:] + SCHEDULES[:turn]
         for name in order:
             pipe = pipes[name]
             pipe.zero_grad()
@@ -142,7 +150,11 @@ def main() -> None:
             1 - b / (K * s) for b, s in zip(busy, seconds, strict=True)
         )
         events = [e for r in per_rank.values() for e in r[name]["events"]]
-        schedule = get_schedule(name)(K, cfg["chunks"])
+        schedule = (
+            interleaved(K * V, cfg["chunks"], K)
+            if name == "interleaved"
+            else get_schedule(name)(K, cfg["chunks"])
+        )
         simulated = simulate(schedule, measured_costs(schedule, events))
         report["schedules"][name] = {
             "seconds_per_step": summary(seconds),
@@ -160,8 +172,10 @@ def main() -> None:
     med = {n: report["schedules"][n]["seconds_per_step"]["median"] for n in SCHEDULES}
     report["zero_bubble_over_1f1b"] = med["zero-bubble"] / med["1f1b"]
     report["1f1b_over_gpipe"] = med["1f1b"] / med["gpipe"]
+    report["interleaved_over_1f1b"] = med["interleaved"] / med["1f1b"]
     path = write_results("schedules-quick" if args.quick else "schedules", report)
-    print(json.dumps({k: report[k] for k in ("zero_bubble_over_1f1b", "1f1b_over_gpipe")}))
+    ratios = ("zero_bubble_over_1f1b", "1f1b_over_gpipe", "interleaved_over_1f1b")
+    print(json.dumps({k: report[k] for k in ratios}))
     print(f"written to {path}")
 
 

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from .schedule import SCHEDULES, get_schedule
-from .simulate import Costs, SimResult, analytic_bubble, compare, simulate
+from .simulate import Costs, SimResult, analytic_bubble, compare, scenario, simulate
 
 __all__ = ["simulate_parser"]
 
@@ -43,6 +43,14 @@ def simulate_parser(sub: Any) -> None:
         help='JSON costs, e.g. {"forward": [1, 2], "backward": 2, "weight": 1, '
         '"latency": 0.1, "message_bytes": 1e6, "bandwidth": 1e9, "activation_bytes": 1e8}',
     )
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=2,
+        metavar="V",
+        help="stages per rank for the interleaved schedule, each with 1/V of the rank's "
+        "costs (default 2)",
+    )
     p.add_argument("--plot", metavar="PNG", help="also draw each schedule's predicted timeline")
     p.set_defaults(command=_simulate)
 
@@ -50,20 +58,24 @@ def simulate_parser(sub: Any) -> None:
 def _simulate(args: argparse.Namespace) -> int:
     from .cli import UsageError
 
-    for flag in ("stages", "chunks"):
+    for flag in ("stages", "chunks", "virtual_stages"):
         if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
+            raise UsageError(
+                f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}"
+            )
     names = _schedule_names(args.schedule)
     costs = DEFAULT_COSTS if args.costs is None else _read_costs(args.costs, args.stages)
     if args.plot is not None:
         _figure_class()  # fail before simulating, not after
-    rows = compare(names, args.stages, args.chunks, costs)
+    rows = compare(names, args.stages, args.chunks, costs, args.virtual_stages)
     source = args.costs or "default: forward 1, backward 1, weight 1 per stage"
     print(f"{args.stages} stages, {args.chunks} micro-batches, costs {source}")
     print(_table(rows, args.stages, args.chunks, costs))
     if args.plot is not None:
         results = [
-            simulate(get_schedule(row["schedule"])(args.stages, args.chunks), costs)
+            simulate(
+                *scenario(row["schedule"], args.stages, args.chunks, costs, args.virtual_stages)
+            )
             for row in rows
             if "note" not in row
         ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -22,6 +23,7 @@ __all__ = [
     "compare",
     "measured_costs",
     "predict",
+    "scenario",
     "simulate",
 ]
 
@@ -315,23 +317,46 @@ def analytic_bubble(n_stages: int, n_microbatches: int) -> float:
     return (n_stages - 1) / (n_microbatches + n_stages - 1)
 
 
+def scenario(
+    name: str, n_ranks: int, n_microbatches: int, costs: Costs, virtual_stages: int = 2
+) -> tuple[Schedule, Costs]:
+    """Schedule ``name`` on ``n_ranks`` ranks, with costs that describe one rank's share of
+    the model. Interleaved schedules cut that share into ``virtual_stages`` stages, each
+    costing its part; the others run one stage per rank."""
+    if name != "interleaved" or virtual_stages == 1:
+        return get_schedule(name)(n_ranks, n_microbatches), costs
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
+    n_stages = n_ranks * virtual_stages
+    split = {
+        field: [v / virtual_stages for v in costs.per_stage(field, n_ranks)] * virtual_stages
+        for field in _PER_STAGE
+    }
+    schedule = get_schedule(name)(n_stages, n_microbatches, n_ranks)  # type: ignore[call-arg]
+    return schedule, dataclasses.replace(costs, **split)
+
+
 def compare(
-    names: Iterable[str], n_stages: int, n_microbatches: int, costs: Costs
+    names: Iterable[str],
+    n_stages: int,
+    n_microbatches: int,
+    costs: Costs,
+    virtual_stages: int = 2,
 ) -> list[dict[str, Any]]:
     """One table row per named schedule: its makespan, bubble and peak memory under ``costs``.
 
-    A schedule whose generator rejects these sizes gets a row with only its name and a
+    ``n_stages`` is the number of ranks; see ``scenario`` for interleaved schedules. A
+    schedule whose generator rejects these sizes gets a row with only its name and a
     ``note`` saying why, so one unsuitable schedule does not hide the others.
     """
     rows: list[dict[str, Any]] = []
     for name in names:
-        generator = get_schedule(name)
         try:
-            schedule = generator(n_stages, n_microbatches)
+            schedule, cost = scenario(name, n_stages, n_microbatches, costs, virtual_stages)
         except ValueError as exc:
             rows.append({"schedule": name, "note": f"skipped: {exc}"})
             continue
-        result = simulate(schedule, costs)
+        result = simulate(schedule, cost)
         rows.append(
             {
                 "schedule": name,

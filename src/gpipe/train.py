@@ -114,9 +114,9 @@ class _Tied:
         self.embedding = named.get(f"{embedding}.{embedding_name}")
         self.head = named.get(f"{head}.{head_name}")
         if pipe.n_stages > 1:  # collective: every rank creates the group
-            stages = pipe.stage_of(embedding), pipe.stage_of(head)
-            if stages[0] != stages[1]:
-                self.group = dist.new_group(sorted(stages))
+            ranks = pipe.rank_of(pipe.stage_of(embedding)), pipe.rank_of(pipe.stage_of(head))
+            if ranks[0] != ranks[1]:
+                self.group = dist.new_group(sorted(ranks))
 
     def sync_grads(self) -> None:
         """Sum the gradients of the two copies, so both take the same optimizer step."""
