@@ -133,6 +133,12 @@ def test_bad_options_end_in_one_line_and_exit_code_2(capsys, tmp_path):
         capsys, "train", "--checkpoint", "sometimes", *out
     )
     assert "unknown preset 'huge'" in _usage_error(capsys, "train", "--preset", "huge", *out)
+    assert "--virtual-stages 2 needs --schedule interleaved" in _usage_error(
+        capsys, "train", "--virtual-stages", "2", *out
+    )
+    assert "needs --chunks a multiple of --stages (2)" in _usage_error(
+        capsys, "train", "--schedule", "interleaved", "--chunks", "3", *out
+    )
     assert not (tmp_path / "new").exists()
 
 
@@ -175,10 +181,13 @@ def test_under_torchrun_the_stages_are_torchruns_processes(tmp_path):
     assert json.loads((out / "run.json").read_text())["train"]["stages"] == 2
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
-def test_every_schedule_trains_and_traces(tmp_path, schedule):
+@pytest.mark.parametrize(
+    ("schedule", "more"),
+    [("1f1b", []), ("zero-bubble", []), ("interleaved", ["--virtual-stages", "2"])],
+)
+def test_every_schedule_trains_and_traces(tmp_path, schedule, more):
     out = tmp_path / "run"
-    code = main(["train", *TINY, "--steps", "3", "--schedule", schedule, "--trace",
+    code = main(["train", *TINY, "--steps", "3", "--schedule", schedule, *more, "--trace",
                  "--out", str(out)])  # fmt: skip
     assert code == 0
     trace = json.loads((out / "trace.json").read_text())

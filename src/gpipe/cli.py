@@ -71,7 +71,13 @@ def _train_parser(sub: Any) -> None:
     pipe.add_argument("--stages", type=int, help="pipeline stages, one process each (default 2)")
     pipe.add_argument("--chunks", type=int, help="micro-batches per mini-batch (default 8)")
     pipe.add_argument("--checkpoint", help="re-materialization: always, except_last, never")
-    pipe.add_argument("--schedule", help="pipeline schedule (default gpipe)")
+    pipe.add_argument(
+        "--schedule",
+        help="pipeline schedule: gpipe, 1f1b, zero-bubble, interleaved (default gpipe)",
+    )
+    pipe.add_argument(
+        "--virtual-stages", type=int, help="stages per process with --schedule interleaved"
+    )
     pipe.add_argument("--device", choices=["cpu", "cuda"], help="where stages run (default cpu)")
     run = p.add_argument_group("training")
     run.add_argument("--steps", type=int, help="optimizer steps in all (default 200)")
@@ -143,15 +149,41 @@ def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> An
 
 
 def _check(config: Any, opts: Any) -> None:
-    for name in ("stages", "chunks", "steps", "batch_size", "seq_len", "eval_every"):
+    for name in (
+        "stages",
+        "chunks",
+        "steps",
+        "batch_size",
+        "seq_len",
+        "eval_every",
+        "virtual_stages",
+    ):
         _positive(name.replace("_", "-"), getattr(opts, name))
     if opts.warmup < 0 or opts.save_every < 0:
         raise UsageError("--warmup and --save-every must not be negative")
     layers = config.n_layer + 2
+    if opts.virtual_stages > 1 and opts.schedule != "interleaved":
+        raise UsageError(
+            f"--virtual-stages {opts.virtual_stages} needs --schedule interleaved, "
+            f"not {opts.schedule}"
+        )
+    if opts.schedule == "interleaved" and (
+        opts.chunks % opts.stages or opts.batch_size < opts.chunks
+    ):
+        raise UsageError(
+            f"--schedule interleaved needs --chunks a multiple of --stages ({opts.stages}) and "
+            f"--batch-size at least --chunks, got --chunks {opts.chunks} and --batch-size "
+            f"{opts.batch_size}"
+        )
     if opts.stages > layers:
         raise UsageError(
             f"--stages {opts.stages} is more than the model's {layers} layers "
             f"({config.n_layer} blocks, embedding and head); at most {layers} stages"
+        )
+    if opts.stages * opts.virtual_stages > layers:
+        raise UsageError(
+            f"--stages {opts.stages} x --virtual-stages {opts.virtual_stages} is more than the "
+            f"model's {layers} layers ({config.n_layer} blocks, embedding and head)"
         )
     if opts.seq_len is not None and opts.seq_len > config.seq_len:
         raise UsageError(

@@ -192,7 +192,8 @@ class Pipeline(nn.Module):
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def _schedule(self, n_microbatches: int) -> Schedule:
+    def schedule_for(self, n_microbatches: int) -> Schedule:
+        """The schedule a step with ``n_microbatches`` micro-batches runs."""
         if self.n_stages == self.n_ranks:
             return self._schedule_fn(self.n_stages, n_microbatches)
         return self._schedule_fn(self.n_stages, n_microbatches, self.n_ranks)  # type: ignore[call-arg]
@@ -289,7 +290,7 @@ class Pipeline(nn.Module):
             data.inputs = scatter(batch, self.chunks)
         if self.is_last:
             self._targets(targets, rows, sizes, data)
-        busy = self._run(self._schedule(m), data)
+        busy = self._run(self.schedule_for(m), data)
         loss = self._loss(data, m)
         self.last_step = StepTimes(perf_counter() - started, busy)
         return loss

@@ -27,8 +27,8 @@ from .distributed import Pipeline
 from .errors import StageError
 from .microbatch import split_sizes
 from .models.gpt import GPTConfig, build_gpt, lm_loss, tied_weights
+from .partition import even_balance
 from .saving import latest_checkpoint, load_checkpoint, save_checkpoint
-from .schedule import get_schedule
 from .simulate import predict
 from .trace import Event, plot_gantt, to_chrome
 
@@ -43,6 +43,7 @@ class TrainOptions:
     chunks: int = 8
     checkpoint: str = "except_last"
     schedule: str = "gpipe"
+    virtual_stages: int = 1  # stages per process, for the interleaved schedule
     steps: int = 200
     batch_size: int = 32
     seq_len: int | None = None  # default: the model's maximum
@@ -113,7 +114,7 @@ class _Tied:
         named = dict(pipe.named_parameters())
         self.embedding = named.get(f"{embedding}.{embedding_name}")
         self.head = named.get(f"{head}.{head_name}")
-        if pipe.n_stages > 1:  # collective: every rank creates the group
+        if pipe.n_ranks > 1:  # collective: every rank creates the group
             ranks = pipe.rank_of(pipe.stage_of(embedding)), pipe.rank_of(pipe.stage_of(head))
             if ranks[0] != ranks[1]:
                 self.group = dist.new_group(sorted(ranks))
@@ -139,9 +140,9 @@ class _Tied:
 def _check_same_text(corpus: bytes, pipe: Pipeline) -> None:
     """Inputs come from the first stage's copy of the text and targets from the last's: on
     several machines, make sure every copy is the same."""
-    if pipe.n_stages == 1:
+    if pipe.n_ranks == 1:
         return
-    digests: list[str | None] = [None] * pipe.n_stages
+    digests: list[str | None] = [None] * pipe.n_ranks
     dist.all_gather_object(digests, hashlib.sha256(corpus).hexdigest())
     for stage, digest in enumerate(digests):
         if digest != digests[0]:
@@ -155,7 +156,7 @@ def _check_same_text(corpus: bytes, pipe: Pipeline) -> None:
 def _write_timeline(out: Path, events: list[Event], pipe: Pipeline, n_microbatches: int) -> None:
     """The measured step as a Chrome/Perfetto trace and, with matplotlib, a Gantt chart,
     each beside the simulator's prediction from the step's own measured costs."""
-    schedule = get_schedule(pipe.schedule_name)(pipe.n_stages, n_microbatches)
+    schedule = pipe.schedule_for(n_microbatches)
     predicted = predict(schedule, events)
     to_chrome(events, out / "trace.json", predicted=predicted)
     try:
@@ -184,8 +185,8 @@ def _sample(
         if pipe.is_last:
             probs = torch.softmax(logits[0, -1].float().cpu(), dim=-1)
             token[0, 0] = torch.multinomial(probs, 1, generator=generator).item()
-        if pipe.n_stages > 1:
-            dist.broadcast(token, src=pipe.n_stages - 1)
+        if pipe.n_ranks > 1:
+            dist.broadcast(token, src=pipe.rank_of(pipe.n_stages - 1))
         context = torch.cat([context, token.cpu()], dim=1)
     pipe.train()
     return decode(context[0].tolist())
@@ -247,6 +248,7 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
     layers = build_gpt(config, device="meta", init_seed=opts.seed)
     pipe = Pipeline(
         layers,
+        even_balance(len(layers), opts.stages * opts.virtual_stages),
         chunks=opts.chunks,
         checkpoint=opts.checkpoint,
         schedule=opts.schedule,
@@ -256,7 +258,7 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
         timeout=opts.timeout,
         trace=opts.trace,
     )
-    rank, k = pipe.stage_index, pipe.n_stages
+    rank, k = pipe.rank, pipe.n_ranks
     tied = _Tied(pipe, layers)
     optimizer = _optimizer(pipe, opts, device)
 

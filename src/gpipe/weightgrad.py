@@ -92,9 +92,8 @@ class WeightGradients:
         covered: set[int] = set()
         for part in self._parts:
             if part.grads and not any(id(p) in missed for p in part.params):
-                torch.autograd.backward(
-                    [part.edge], [sum(part.grads)], inputs=part.params, retain_graph=True
-                )
+                grad = part.grads[0] if len(part.grads) == 1 else torch.stack(part.grads).sum(0)
+                torch.autograd.backward([part.edge], [grad], inputs=part.params, retain_graph=True)
                 covered.update(id(p) for p in part.params)
         rest = [p for p in module.parameters() if p.requires_grad and id(p) not in covered]
         if rest:
