@@ -142,10 +142,12 @@ def main() -> None:
         cfg |= {"width": 64, "hidden": 256, "rows": 64, "steps": 3, "warmup": 1}
     per_rank = launch(run, K, (cfg,), threads=1)
     report: dict = {"workload": cfg, "machine": machine(), "schedules": {}}
+    cycles: dict[str, list[float]] = {}
     for name in SCHEDULES:
         ranks = per_rank.values()
         seconds = [max(ts) for ts in zip(*(r[name]["seconds"] for r in ranks), strict=True)]
         busy = [sum(bs) for bs in zip(*(r[name]["busy"] for r in ranks), strict=True)]
+        cycles[name] = seconds
         measured_bubble = statistics.median(
             1 - b / (K * s) for b, s in zip(busy, seconds, strict=True)
         )
@@ -173,8 +175,15 @@ def main() -> None:
     report["zero_bubble_over_1f1b"] = med["zero-bubble"] / med["1f1b"]
     report["1f1b_over_gpipe"] = med["1f1b"] / med["gpipe"]
     report["interleaved_over_1f1b"] = med["interleaved"] / med["1f1b"]
+    # the same ratios within each cycle of consecutive steps, where drifts hit both alike
+    report["per_cycle"] = {
+        f"{a.replace('-', '_')}_over_{b}": summary(
+            [x / y for x, y in zip(cycles[a], cycles[b], strict=True)]
+        )
+        for a, b in (("zero-bubble", "1f1b"), ("1f1b", "gpipe"), ("interleaved", "1f1b"))
+    }
     path = write_results("schedules-quick" if args.quick else "schedules", report)
-    ratios = ("zero_bubble_over_1f1b", "1f1b_over_gpipe", "interleaved_over_1f1b")
+    ratios = ("zero_bubble_over_1f1b", "1f1b_over_gpipe", "interleaved_over_1f1b", "per_cycle")
     print(json.dumps({k: report[k] for k in ratios}))
     print(f"written to {path}")
 
