@@ -20,7 +20,7 @@ from gpipe.schedule import (
     gpipe,
     validate,
 )
-from gpipe.simulate import Costs, analytic_bubble, compare, predict, simulate
+from gpipe.simulate import Costs, analytic_bubble, compare, predict, scenario, simulate
 from gpipe.trace import Event
 
 F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT
@@ -246,3 +246,14 @@ def test_cli_plot_without_matplotlib_says_how_to_get_it(tmp_path, capsys, monkey
     assert main(["simulate", "--plot", str(tmp_path / "t.png")]) == 2
     assert "pip install 'gpipe[plot]'" in capsys.readouterr().err
     assert not (tmp_path / "t.png").exists()
+
+
+@given(k=st.integers(1, 8), v=st.integers(1, 4), groups=st.integers(1, 6))
+def test_interleaved_divides_the_bubble_by_v(k, v, groups):
+    """Equal costs split over v stages per rank: bubble (K-1)/v / (M + (K-1)/v)."""
+    m = k * groups
+    schedule, costs = scenario("interleaved", k, m, Costs(forward=1.0, backward=2.0), v)
+    assert schedule.n_stages == k * v
+    assert list(schedule.stage_to_rank) == [s % k for s in range(k * v)]
+    expected = (k - 1) / v / (m + (k - 1) / v)
+    assert simulate(schedule, costs).bubble == pytest.approx(expected, abs=1e-9)
