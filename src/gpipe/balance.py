@@ -1,0 +1,192 @@
+"""Where to cut a model: balances from per-layer costs, measured or counted.
+
+``balance_by_time``, ``balance_by_size`` and ``balance_by_params`` take the arguments of
+torchgpipe's functions of the same names, so scripts written for it keep working. All of
+them end in ``partition``, which cuts a list of costs into contiguous parts so that the most
+expensive part costs as little as possible.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import statistics
+import time
+from collections.abc import Sequence
+from itertools import accumulate
+
+import torch
+from torch import Tensor, nn
+
+from .microbatch import as_tuple
+from .partition import as_sequential
+
+__all__ = ["balance_by_params", "balance_by_size", "balance_by_time", "partition"]
+
+
+def _parts_needed(prefix: list[float], limit: float) -> list[int]:
+    """need[i]: fewest parts that cover layers i.. with no part above ``limit``."""
+    n = len(prefix) - 1
+    need = [0] * (n + 1)
+    end = n
+    for i in range(n - 1, -1, -1):
+        while end > i and prefix[end] - prefix[i] > limit:  # the longest first part from i
+            end -= 1
+        need[i] = 1 + need[end] if end > i else n + 1  # a layer above limit: impossible
+    return need
+
+
+def partition(costs: Sequence[float], parts: int) -> list[int]:
+    """Layers per part: contiguous, none empty, the largest part sum as small as possible;
+    among equally good cuts, parts as even as it can make them."""
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"parts must be a positive integer, got {parts!r}")
+    if len(costs) < parts:
+        raise ValueError(f"cannot cut {len(costs)} layers into {parts} non-empty partitions")
+    if any(not c >= 0 for c in costs):
+        raise ValueError(f"costs must be non-negative numbers, got {list(costs)}")
+    prefix = [0.0, *accumulate(float(c) for c in costs)]
+    lo, hi = max(costs, default=0.0) - 1e-12, prefix[-1]
+    for _ in range(200):  # bisection on the bottleneck until it cannot move
+        mid = (lo + hi) / 2
+        if not lo < mid < hi:
+            break
+        if _parts_needed(prefix, mid)[0] <= parts:
+            hi = mid
+        else:
+            lo = mid
+    need = _parts_needed(prefix, hi)
+    n, start, sizes = len(costs), 0, []
+    for left in range(parts, 0, -1):
+        if left == 1:
+            sizes.append(n - start)
+            break
+        # ends that keep this part under the bottleneck and the rest coverable
+        last = bisect.bisect_right(prefix, prefix[start] + hi) - 1
+        last = min(last, n - (left - 1))
+        first = start + 1
+        while first < last and need[first] > left - 1:
+            first += 1
+        target = prefix[start] + (prefix[n] - prefix[start]) / left
+        even = (n - start) / left  # layers per part, for ties in cost
+
+        def unevenness(e: int, start: int = start, target: float = target, even: float = even):
+            return abs(prefix[e] - target), abs(e - start - even)
+
+        end = min(range(first, last + 1), key=unevenness)
+        sizes.append(end - start)
+        start = end
+    return sizes
+
+
+def balance_by_params(
+    partitions: int, module: nn.Sequential, *, requires_grad: bool = True
+) -> list[int]:
+    """Balance by parameter count (no profiling): even memory for weights and optimizer."""
+    layers = as_sequential(module)
+    costs = [
+        sum(p.numel() for p in layer.parameters() if p.requires_grad or not requires_grad)
+        for layer in layers
+    ]
+    return partition(costs, partitions)
+
+
+def _sandbox(module: nn.Module, device: torch.device) -> nn.Sequential:
+    """A copy to profile, so the model's weights, gradients and buffers stay untouched."""
+    return copy.deepcopy(as_sequential(module)).to(device).train(module.training)
+
+
+def _inputs(sample: Tensor | Sequence[Tensor], device: torch.device) -> tuple[Tensor, ...]:
+    return tuple(
+        t.detach().to(device).requires_grad_(t.is_floating_point()) for t in as_tuple(sample)
+    )
+
+
+def _run_layer(layer: nn.Module, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """Forward and backward of one layer; returns its (detached) outputs for the next."""
+    outputs = as_tuple(layer(inputs[0] if len(inputs) == 1 else inputs))
+    roots = [t for t in outputs if t.requires_grad]
+    if roots:
+        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+    return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in outputs)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def balance_by_time(
+    partitions: int,
+    module: nn.Sequential,
+    sample: Tensor | Sequence[Tensor],
+    *,
+    timeout: float = 1.0,
+    device: torch.device | str | None = None,
+) -> list[int]:
+    """Balance by each layer's measured forward + backward time on ``sample`` (one
+    micro-batch): the median over repeats for about ``timeout`` seconds, after a warm-up."""
+    device = torch.device(device) if device is not None else _default_device()
+    layers = _sandbox(module, device)
+    times: list[list[float]] = [[] for _ in layers]
+    deadline = time.perf_counter() + timeout
+    rounds = 0
+    while rounds < 2 or (time.perf_counter() < deadline and rounds < 100):
+        x = _inputs(sample, device)
+        for i, layer in enumerate(layers):
+            _synchronize(device)
+            start = time.perf_counter()
+            x = _run_layer(layer, x)
+            _synchronize(device)
+            if rounds > 0:  # the first round warms up
+                times[i].append(time.perf_counter() - start)
+        rounds += 1
+    return partition([statistics.median(t) for t in times], partitions)
+
+
+def _saved_bytes(layer: nn.Module, inputs: tuple[Tensor, ...]) -> tuple[int, tuple[Tensor, ...]]:
+    """Bytes autograd keeps for the backward of ``layer`` (parameters left out)."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in params:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outputs = _run_layer(layer, inputs)
+    return sum(seen.values()), outputs
+
+
+def balance_by_size(
+    partitions: int,
+    module: nn.Sequential,
+    input: Tensor | Sequence[Tensor],
+    *,
+    chunks: int = 1,
+    param_scale: float = 2.0,
+    device: torch.device | str | None = None,
+) -> list[int]:
+    """Balance by memory: activations kept for backward, measured on ``input`` (one
+    mini-batch, split into ``chunks``), plus parameters times ``param_scale`` (2 for SGD:
+    weights and gradients; 4 for Adam: with two moments)."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    if param_scale < 0:
+        raise ValueError(f"param_scale must not be negative, got {param_scale!r}")
+    device = torch.device(device) if device is not None else _default_device()
+    layers = _sandbox(module, device)
+    sample = tuple(t[: max(1, t.size(0) // chunks)] for t in as_tuple(input))
+    x = _inputs(sample, device)
+    costs = []
+    for layer in layers:
+        activations, x = _saved_bytes(layer, x)
+        weights = sum(p.numel() * p.element_size() for p in layer.parameters())
+        costs.append(activations + param_scale * weights)
+    return partition(costs, partitions)
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
