@@ -194,3 +194,23 @@ def traced() -> dict:
     step = pipe.timeline()
     pipe.evaluate(x, y)
     return {"step": step, "evaluate": pipe.timeline()}
+
+
+def balanced_by_time() -> dict:
+    """balance=None with a sample: one slow layer before five cheap ones; the rank that is
+    not first passes no sample and still gets the first rank's decision."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(
+        nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 256)),
+        *[nn.Identity() for _ in range(5)],
+    )
+    init_process_group(torch.device("cpu"))
+    sample = torch.randn(256, 256) if dist.get_rank() == 0 else None
+    rng = torch.get_rng_state()
+    timed = Pipeline(layers, sample=sample, chunks=2, loss_fn=mse_loss)
+    untimed = Pipeline(layers, chunks=2, loss_fn=mse_loss)
+    return {
+        "timed": timed.balance,
+        "untimed": untimed.balance,
+        "rng_untouched": torch.equal(rng, torch.get_rng_state()),
+    }

@@ -11,7 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from gpipe.balance import balance_by_params, balance_by_size, balance_by_time, partition
+from gpipe.balance import (
+    balance_by_params,
+    balance_by_size,
+    balance_by_time,
+    layer_times,
+    partition,
+)
 
 
 def _best(costs, parts):
@@ -85,3 +91,28 @@ def test_profiling_leaves_the_model_untouched(balance):
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # BatchNorm stats included
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_profiling_leaves_the_random_state_untouched():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8))
+    sample = torch.randn(4, 8)
+    state = torch.get_rng_state()
+    balance_by_time(2, model, sample, timeout=0.05, device="cpu")
+    balance_by_size(2, model, sample, device="cpu")
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_a_model_on_the_meta_device_is_profiled_layer_by_layer():
+    from gpipe.models.gpt import GPTConfig, build_gpt
+
+    layers = build_gpt(GPTConfig(n_layer=4, d_model=32, n_head=2, seq_len=16), device="meta")
+    tokens = torch.randint(0, 256, (2, 16))
+    times = layer_times(layers, tokens, timeout=0.1, device="cpu")
+    assert len(times) == 6 and all(t > 0 for t in times)
+    assert sum(balance_by_time(3, layers, tokens, timeout=0.1, device="cpu")) == 6
+    assert all(p.is_meta for p in layers.parameters())  # the model itself stays unallocated
+
+
+def test_layer_times_rejects_a_bad_timeout():
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds, got 0"):
+        layer_times(_model(), torch.randn(4, 8), timeout=0)

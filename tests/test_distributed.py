@@ -98,3 +98,11 @@ def test_stages_reading_different_text_refuse_to_train():
     errors = launch(cases.different_text, 2)
     assert errors[0] == errors[1]
     assert errors[0].startswith("StageError: stage 1: reads different training text")
+
+
+def test_balance_none_is_measured_on_the_first_rank_and_shared():
+    results = launch(cases.balanced_by_time, 2, threads=1)
+    for rank in (0, 1):
+        assert results[rank]["timed"] == [1, 5]  # the slow layer alone; an even cut is [3, 3]
+        assert results[rank]["untimed"] == [3, 3]  # no sample: even by layer count
+        assert results[rank]["rng_untouched"]

@@ -12,16 +12,22 @@ import bisect
 import copy
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import accumulate
 
 import torch
 from torch import Tensor, nn
 
 from .microbatch import as_tuple
-from .partition import as_sequential
+from .partition import as_sequential, materialize
 
-__all__ = ["balance_by_params", "balance_by_size", "balance_by_time", "partition"]
+__all__ = [
+    "balance_by_params",
+    "balance_by_size",
+    "balance_by_time",
+    "layer_times",
+    "partition",
+]
 
 
 def _parts_needed(prefix: list[float], limit: float) -> list[int]:
@@ -91,9 +97,12 @@ def balance_by_params(
     return partition(costs, partitions)
 
 
-def _sandbox(module: nn.Module, device: torch.device) -> nn.Sequential:
-    """A copy to profile, so the model's weights, gradients and buffers stay untouched."""
-    return copy.deepcopy(as_sequential(module)).to(device).train(module.training)
+def _sandbox(module: nn.Module, device: torch.device) -> Iterator[nn.Module]:
+    """Copies of the layers, one at a time, to profile: the model's weights, gradients and
+    buffers stay untouched, and at most one layer more than the model is ever allocated.
+    Layers built on the meta device are allocated and initialized on ``device``."""
+    for index, layer in enumerate(as_sequential(module)):
+        yield materialize(copy.deepcopy(layer), index, device, seed=0)
 
 
 def _inputs(sample: Tensor | Sequence[Tensor], device: torch.device) -> tuple[Tensor, ...]:
@@ -116,6 +125,46 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _time_layer(
+    layer: nn.Module, x: tuple[Tensor, ...], budget: float, device: torch.device
+) -> tuple[float, tuple[Tensor, ...]]:
+    """Median seconds of forward + backward over repeats for about ``budget`` seconds (at
+    least three, at most a hundred), after one warm-up run."""
+    outputs = _run_layer(layer, x)
+    times: list[float] = []
+    deadline = time.perf_counter() + budget
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 100):
+        _synchronize(device)
+        start = time.perf_counter()
+        _run_layer(layer, x)
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), outputs
+
+
+def layer_times(
+    module: nn.Sequential,
+    sample: Tensor | Sequence[Tensor],
+    *,
+    timeout: float = 1.0,
+    device: torch.device | str | None = None,
+) -> list[float]:
+    """Seconds of forward + backward of each layer on ``sample`` (one micro-batch), spending
+    about ``timeout`` seconds in all; the global random state is left as it was."""
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    device = torch.device(device) if device is not None else _default_device()
+    n_layers = len(as_sequential(module))
+    budget = timeout / max(1, n_layers)
+    costs = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        x = _inputs(sample, device)
+        for layer in _sandbox(module, device):
+            cost, x = _time_layer(layer, x, budget, device)
+            costs.append(cost)
+    return costs
+
+
 def balance_by_time(
     partitions: int,
     module: nn.Sequential,
@@ -125,23 +174,8 @@ def balance_by_time(
     device: torch.device | str | None = None,
 ) -> list[int]:
     """Balance by each layer's measured forward + backward time on ``sample`` (one
-    micro-batch): the median over repeats for about ``timeout`` seconds, after a warm-up."""
-    device = torch.device(device) if device is not None else _default_device()
-    layers = _sandbox(module, device)
-    times: list[list[float]] = [[] for _ in layers]
-    deadline = time.perf_counter() + timeout
-    rounds = 0
-    while rounds < 2 or (time.perf_counter() < deadline and rounds < 100):
-        x = _inputs(sample, device)
-        for i, layer in enumerate(layers):
-            _synchronize(device)
-            start = time.perf_counter()
-            x = _run_layer(layer, x)
-            _synchronize(device)
-            if rounds > 0:  # the first round warms up
-                times[i].append(time.perf_counter() - start)
-        rounds += 1
-    return partition([statistics.median(t) for t in times], partitions)
+    micro-batch): the median over repeats, about ``timeout`` seconds in all, after a warm-up."""
+    return partition(layer_times(module, sample, timeout=timeout, device=device), partitions)
 
 
 def _saved_bytes(layer: nn.Module, inputs: tuple[Tensor, ...]) -> tuple[int, tuple[Tensor, ...]]:
@@ -177,14 +211,14 @@ def balance_by_size(
     if param_scale < 0:
         raise ValueError(f"param_scale must not be negative, got {param_scale!r}")
     device = torch.device(device) if device is not None else _default_device()
-    layers = _sandbox(module, device)
     sample = tuple(t[: max(1, t.size(0) // chunks)] for t in as_tuple(input))
-    x = _inputs(sample, device)
     costs = []
-    for layer in layers:
-        activations, x = _saved_bytes(layer, x)
-        weights = sum(p.numel() * p.element_size() for p in layer.parameters())
-        costs.append(activations + param_scale * weights)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        x = _inputs(sample, device)
+        for layer in _sandbox(module, device):
+            activations, x = _saved_bytes(layer, x)
+            weights = sum(p.numel() * p.element_size() for p in layer.parameters())
+            costs.append(activations + param_scale * weights)
     return partition(costs, partitions)
 
 

@@ -78,6 +78,11 @@ def _train_parser(sub: Any) -> None:
     pipe.add_argument(
         "--virtual-stages", type=int, help="stages per process with --schedule interleaved"
     )
+    pipe.add_argument(
+        "--balance",
+        help="where to cut: time (measured, the default), params, even, or layers per stage "
+        "such as 3,3",
+    )
     pipe.add_argument("--device", choices=["cpu", "cuda"], help="where stages run (default cpu)")
     run = p.add_argument_group("training")
     run.add_argument("--steps", type=int, help="optimizer steps in all (default 200)")
@@ -149,6 +154,8 @@ def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> An
 
 
 def _check(config: Any, opts: Any) -> None:
+    from .train import parse_balance
+
     for name in (
         "stages",
         "chunks",
@@ -193,6 +200,7 @@ def _check(config: Any, opts: Any) -> None:
     try:
         check_checkpoint(opts.checkpoint)
         get_schedule(opts.schedule)
+        parse_balance(opts.balance, opts.stages * opts.virtual_stages, layers)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if opts.device == "cuda" and not torch.cuda.is_available():
@@ -287,7 +295,10 @@ def _train(args: argparse.Namespace) -> int:
         prepare()
     spec = RunSpec(model=asdict(config), train=asdict(opts), out=str(out), resume=bool(saved))
     if torchrun:
+        from .distributed import finish_process_group
+
         summary = run_stage(spec)
+        finish_process_group()
     else:
         threads = max(1, (os.cpu_count() or 1) // opts.stages) if opts.device == "cpu" else None
         summary = launch(run_stage, opts.stages, (spec,), threads=threads)[0]

@@ -6,6 +6,7 @@ program of the schedule, and exchanges boundary tensors with its neighbours poin
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from collections import OrderedDict
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .balance import balance_by_time
 from .checkpointing import check_checkpoint, should_checkpoint
 from .errors import StageError
 from .executor import StepData, run_program
@@ -28,7 +30,13 @@ from .stage import LossFn, Stage
 from .trace import Event, Recorder, merge
 from .transport import DistributedTransport
 
-__all__ = ["Pipeline", "StepTimes", "init_process_group"]
+__all__ = [
+    "Pipeline",
+    "StepTimes",
+    "agreed_balance",
+    "finish_process_group",
+    "init_process_group",
+]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -71,6 +79,50 @@ def init_process_group(device: torch.device, timeout: float = 60.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 60.0)))
 
 
+def finish_process_group() -> None:
+    """Leave the default process group cleanly before the process exits.
+
+    A rank that exits while its peer is still reading the last collective's bytes can make
+    gloo abort the peer; waiting at a barrier and destroying the group first prevents that.
+    A peer that has failed already does not make this one fail too.
+    """
+    if not dist.is_initialized():
+        return
+    # A peer that is gone already (DistBackendError is a RuntimeError) leaves nothing to wait for.
+    with contextlib.suppress(RuntimeError):
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def agreed_balance(
+    layers: nn.Sequential | Iterable[nn.Module],
+    parts: int,
+    sample: Batch | None,
+    *,
+    device: torch.device | str,
+    group: dist.ProcessGroup | None = None,
+    timeout: float = 1.0,
+) -> list[int]:
+    """Layers per stage, decided once for all ranks of ``group``: its first rank measures each
+    layer's time on ``sample`` (``balance_by_time``; as even as possible by layer count if it
+    has no sample) and tells the others, who agree even where their clocks would not."""
+    module = as_sequential(layers)
+    decision: list[Any] = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            if sample is None:
+                decision = [even_balance(len(module), parts)]
+            else:
+                decision = [balance_by_time(parts, module, sample, timeout=timeout, device=device)]
+        except Exception as exc:  # every rank must hear of it, or the others would wait
+            decision = [f"{type(exc).__name__}: {exc}"]
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(decision, src=source, group=group)
+    if isinstance(decision[0], str):
+        raise ValueError(f"balancing by time on rank 0 failed: {decision[0]}")
+    return list(decision[0])
+
+
 class Pipeline(nn.Module):
     """This rank's stage of a pipeline over ``layers``; ``step`` trains on one mini-batch.
 
@@ -79,7 +131,12 @@ class Pipeline(nn.Module):
             rank. Build it on the meta device to allocate only this rank's layers: they are then
             initialized by ``reset_parameters`` from ``seed`` and the layer's index, so the
             weights do not depend on the number of stages.
-        balance: layers per stage, one stage per process (default: as even as possible).
+        balance: layers per stage, one stage per process. ``None`` measures each layer's
+            forward and backward time on ``sample`` and cuts where the slowest stage is
+            fastest (``gpipe.balance.balance_by_time``, on the first rank, told to the others);
+            without a sample, as even as possible by layer count.
+        sample: one micro-batch of the model's input, for ``balance=None``; read on the first
+            rank only, so the others may pass None.
         chunks: micro-batches per mini-batch.
         checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"``.
         schedule: the schedule's name (``"gpipe"``).
@@ -98,6 +155,7 @@ class Pipeline(nn.Module):
         layers: nn.Sequential | Iterable[nn.Module],
         balance: list[int] | None = None,
         *,
+        sample: Batch | None = None,
         chunks: int = 1,
         checkpoint: str = "except_last",
         schedule: str = "gpipe",
@@ -127,11 +185,14 @@ class Pipeline(nn.Module):
         self.group = group
         self.n_ranks = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.balance = (
-            even_balance(len(module), self.n_ranks)
-            if balance is None
-            else check_balance(len(module), balance)
-        )
+        if balance is None:
+            if self.n_ranks == 1:
+                balance = [len(module)]
+            else:
+                balance = agreed_balance(
+                    module, self.n_ranks, sample, device=self.device, group=group
+                )
+        self.balance = check_balance(len(module), balance)
         self.n_stages = len(self.balance)
         if self.n_stages % self.n_ranks:
             raise ValueError(

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from .distributed import finish_process_group
 from .errors import PipelineError
 
 __all__ = ["LaunchError", "launch"]
@@ -23,7 +24,9 @@ class LaunchError(PipelineError):
 def _entry(fn: Callable[..., Any], threads: int | None, *args: Any) -> Any:
     if threads is not None:
         torch.set_num_threads(threads)
-    return fn(*args)
+    result = fn(*args)
+    finish_process_group()
+    return result
 
 
 def _reason(failure: Any) -> str:

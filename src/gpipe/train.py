@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .balance import balance_by_params
 from .data import BatchSampler, ByteDataset, decode, encode, load_text, stdlib_corpus
-from .distributed import Pipeline
+from .distributed import Pipeline, agreed_balance, init_process_group
 from .errors import StageError
 from .microbatch import split_sizes
 from .models.gpt import GPTConfig, build_gpt, lm_loss, tied_weights
 from .partition import even_balance
-from .saving import latest_checkpoint, load_checkpoint, save_checkpoint
+from .saving import latest_checkpoint, load_checkpoint, read_description, save_checkpoint
 from .simulate import predict
 from .trace import Event, plot_gantt, to_chrome
 
@@ -44,6 +45,7 @@ class TrainOptions:
     checkpoint: str = "except_last"
     schedule: str = "gpipe"
     virtual_stages: int = 1  # stages per process, for the interleaved schedule
+    balance: str = "time"  # time, params, even, or layers per stage such as "3,3"
     steps: int = 200
     batch_size: int = 32
     seq_len: int | None = None  # default: the model's maximum
@@ -234,6 +236,56 @@ class _Reporter:
             self.log.close()
 
 
+BALANCE_MODES = ("time", "params", "even")
+
+
+def parse_balance(value: str, parts: int, n_layers: int) -> list[int] | None:
+    """Layers per stage from ``--balance``: a list for explicit counts, None for a mode."""
+    if value in BALANCE_MODES:
+        return None
+    try:
+        counts = [int(v) for v in value.split(",")]
+    except ValueError:
+        counts = []
+    if len(counts) != parts or sum(counts) != n_layers or min(counts, default=0) < 1:
+        raise ValueError(
+            f"--balance must be time, params, even, or {parts} positive layer counts that add "
+            f"up to the model's {n_layers} layers (such as "
+            f"{','.join(map(str, even_balance(n_layers, parts)))}), got {value!r}"
+        )
+    return counts
+
+
+def _choose_balance(
+    opts: TrainOptions,
+    layers: nn.Sequential,
+    config: GPTConfig,
+    seq_len: int,
+    device: torch.device,
+    saved: Any,
+) -> list[int]:
+    """Layers per stage, the same on every rank. By time, the first rank profiles a
+    micro-batch of random tokens; a resumed run keeps the balance it was measured with."""
+    parts = opts.stages * opts.virtual_stages
+    explicit = parse_balance(opts.balance, parts, len(layers))
+    if explicit is not None:
+        return explicit
+    if parts == 1:
+        return [len(layers)]
+    if opts.balance == "even":
+        return even_balance(len(layers), parts)
+    if opts.balance == "params":
+        return balance_by_params(parts, layers)
+    if saved is not None and len(saved) == parts:
+        return list(saved)
+    init_process_group(device, opts.timeout)
+    rows = math.ceil(opts.batch_size / opts.chunks)
+    generator = torch.Generator().manual_seed(opts.seed)
+    sample = torch.randint(0, config.vocab_size, (rows, seq_len), generator=generator)
+    first = dist.get_rank() == 0
+    return agreed_balance(layers, parts, sample if first else None, device=device)
+
+
 def run_stage(spec: RunSpec) -> dict[str, Any] | None:
     """Train this rank's stage; returns the run's summary on rank 0 and None elsewhere."""
     opts = TrainOptions(**spec.train)
@@ -246,9 +298,11 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
 
     torch.manual_seed(opts.seed)
     layers = build_gpt(config, device="meta", init_seed=opts.seed)
+    checkpoint = latest_checkpoint(out / "checkpoints") if spec.resume else None
+    measured = read_description(checkpoint).get("balance") if checkpoint else None
     pipe = Pipeline(
         layers,
-        even_balance(len(layers), opts.stages * opts.virtual_stages),
+        _choose_balance(opts, layers, config, seq_len, device, measured),
         chunks=opts.chunks,
         checkpoint=opts.checkpoint,
         schedule=opts.schedule,
@@ -287,7 +341,12 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
         return sum(losses) / len(losses)
 
     def save() -> None:
-        description = {"model": asdict(config), "train": asdict(opts), "stages": k}
+        description = {
+            "model": asdict(config),
+            "train": asdict(opts),
+            "stages": k,
+            "balance": pipe.balance,
+        }
         extra = {"sampler": sampler.state_dict(), "step": step}
         save_checkpoint(out / "checkpoints", step, pipe, optimizer, extra, description)
 
