@@ -51,7 +51,10 @@ class _Held:
     __slots__ = ("key", "meter", "tensor")
 
     def __init__(self, meter: _SavedBytes, tensor: Tensor) -> None:
-        self.meter, self.tensor = meter, tensor
+        self.meter, self.tensor = (
+            meter,
+            tensor.detach(),
+        )  # not the tensor: it would tie an output to its own graph
         self.key = tensor.untyped_storage().data_ptr()
         meter.hold(self.key, tensor.untyped_storage().nbytes())
 

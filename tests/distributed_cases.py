@@ -214,3 +214,57 @@ def balanced_by_time() -> dict:
         "untimed": untimed.balance,
         "rng_untouched": torch.equal(rng, torch.get_rng_state()),
     }
+
+
+MEMORY_SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved")
+
+
+def memory_workload(name: str, device: str = "cpu"):
+    """The model, its balance per schedule, a mini-batch and the loss of a memory check."""
+    from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
+
+    generator = torch.Generator().manual_seed(0)
+    if name == "mlp":
+        with torch.device(device):
+            model = nn.Sequential(
+                *[
+                    nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+                    for _ in range(4)
+                ]
+            )
+        x = torch.randn(64, 64, generator=generator)
+        y = torch.randn(64, 64, generator=generator)
+        return model, x, y, mse_loss
+    config = GPTConfig(n_layer=4, d_model=64, n_head=4, seq_len=64, dropout=0.1)
+    x, y = torch.randint(0, 256, (2, 32, 64), generator=generator)
+    return build_gpt(config, device=device), x, y, lm_loss
+
+
+def memory_balance(n_layers: int, schedule: str) -> list[int]:
+    half = n_layers // 2
+    if schedule == "interleaved":
+        return [half // 2, half - half // 2, half // 2, n_layers - half - half // 2]
+    return [half, n_layers - half]
+
+
+def measured_memory(name: str) -> dict:
+    """Peak activation bytes of this rank, measured in one step of every schedule and mode."""
+    from gpipe.memory import ActivationMeter
+
+    init_process_group(torch.device("cpu"))
+    model, x, y, loss_fn = memory_workload(name, device="meta")
+    out = {}
+    for schedule in MEMORY_SCHEDULES:
+        for checkpoint in ("never", "except_last", "always"):
+            pipe = Pipeline(
+                model,
+                memory_balance(len(model), schedule),
+                chunks=8,
+                checkpoint=checkpoint,
+                schedule=schedule,
+                loss_fn=loss_fn,
+            )
+            with ActivationMeter(pipe) as meter:
+                pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+            out[f"{schedule}/{checkpoint}"] = meter.peak
+    return out

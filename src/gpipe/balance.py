@@ -187,7 +187,7 @@ def _saved_bytes(layer: nn.Module, inputs: tuple[Tensor, ...]) -> tuple[int, tup
         key = t.untyped_storage().data_ptr()
         if key not in params:
             seen[key] = t.untyped_storage().nbytes()
-        return t
+        return t.detach()  # the tensor itself would tie an output to its own graph
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outputs = _run_layer(layer, inputs)

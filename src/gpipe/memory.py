@@ -1,0 +1,441 @@
+"""What fits: peak memory per stage, predicted before a run and measured during one.
+
+A stage's memory is its parameters, their gradients and the optimizer's state, plus the
+activations it holds for backward. The activations come from a profile: one forward of a small
+micro-batch records every storage autograd saves, and each layer's input and output, so the
+bytes a stage holds for one micro-batch are known exactly for any cut, then scaled to the real
+micro-batch size (the profile runs at two sizes to find what grows with the rows and what
+does not). The schedule and the re-materialization mode say how many micro-batches a stage
+holds at once, and which of them keep only their input: ``plan`` walks each process's program
+in order and takes the peak.
+
+``ActivationMeter`` measures the same thing in a run: the live bytes of tensors saved for
+backward and of every layer's inputs and outputs, parameters left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+
+from .checkpointing import check_checkpoint, should_checkpoint
+from .microbatch import as_tuple, split_sizes
+from .partition import as_sequential, check_balance, stage_bounds
+from .schedule import Kind, Schedule, get_schedule
+
+__all__ = [
+    "OPTIMIZER_STATES",
+    "ActivationMeter",
+    "MemoryPlan",
+    "Profile",
+    "StagePlan",
+    "plan",
+    "profile",
+]
+
+# Tensors of optimizer state per parameter, each the parameter's size and dtype.
+OPTIMIZER_STATES = {
+    "sgd": 0,
+    "momentum": 1,  # SGD with momentum: the momentum buffer
+    "adagrad": 1,  # the sum of squares
+    "rmsprop": 1,  # the running mean of squares (no momentum, not centered)
+    "adam": 2,  # first and second moments
+    "adamw": 2,
+}
+
+
+def _key(t: Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if value is None:
+        return []
+    return [t for t in as_tuple(value) if isinstance(t, Tensor)]
+
+
+class _FusedAttention(TorchFunctionMode):
+    """On the meta device, attention as the CPU runs it: the fused kernel where the CPU would
+    choose it (it keeps inputs, output and log-sum-exp), the unfused formula with its T x T
+    weights otherwise (with dropout, for one). Meta tensors alone always take the latter."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args and args[0].is_meta:
+            q, k, v, *rest = args
+            options = dict(
+                zip(("attn_mask", "dropout_p", "is_causal", "scale"), rest, strict=False)
+            )
+            options |= kwargs
+            dropout, causal = options.get("dropout_p", 0.0), options.get("is_causal", False)
+            if options.get("attn_mask") is None and not options.get("enable_gqa", False):
+                probe = torch.empty(1, 1, 2, q.size(-1), dtype=q.dtype)
+                fused = torch._fused_sdp_choice(
+                    probe, probe, probe, dropout_p=dropout, is_causal=causal
+                )
+                if fused == int(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                        q, k, v, dropout, causal, scale=options.get("scale")
+                    )[0]
+        return func(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One profiled forward: storage sizes, and which layers saved, took or made each."""
+
+    sizes: dict[int, int]
+    saved: list[frozenset[int]]  # per layer; the loss's saved storages go to the last layer
+    inputs: list[frozenset[int]]
+    outputs: list[frozenset[int]]
+    batch: frozenset[int]  # the sample and target: parts of the user's mini-batch
+
+    def _bytes(self, keys: Iterable[int]) -> int:
+        return sum(self.sizes[k] for k in keys)
+
+    def held(self, start: int, stop: int) -> tuple[int, int, int]:
+        """Bytes of one micro-batch's graph over layers [start, stop) (saved storages, its
+        input and output), of its input, and of its output. The model's input and target
+        are views of the mini-batch, whose memory ``batch_bytes`` counts once."""
+        graph = set(self.inputs[start]) | self.outputs[stop - 1]
+        for layer in range(start, stop):
+            graph |= self.saved[layer]
+        graph -= self.batch
+        return (
+            self._bytes(graph),
+            self._bytes(self.inputs[start] - self.batch),
+            self._bytes(self.outputs[stop - 1]),
+        )
+
+    def batch_bytes(self, start: int, stop: int) -> int:
+        """Bytes of the sample (first stage) and of the saved target (last stage) in the
+        range's graph."""
+        keys = set(self.inputs[start]) | set().union(*self.saved[start:stop])
+        return self._bytes(keys & self.batch)
+
+
+def _profile_run(
+    layers: nn.Sequential,
+    sample: tuple[Tensor, ...],
+    target: Any,
+    loss_fn: Callable[..., Tensor] | None,
+) -> _Run:
+    skip = {_key(t) for t in [*layers.parameters(), *layers.buffers()]}
+    sizes: dict[int, int] = {}
+    saved: list[set[int]] = [set() for _ in layers]
+    inputs: list[frozenset[int]] = []
+    outputs: list[frozenset[int]] = []
+    keep: list[Any] = []  # every tensor stays alive, so no storage key is reused
+    current = [0]
+
+    def note(tensors: Iterable[Tensor]) -> frozenset[int]:
+        keys = set()
+        for t in tensors:
+            key = _key(t)
+            if key not in skip:
+                sizes[key] = t.untyped_storage().nbytes()
+                keys.add(key)
+        return frozenset(keys)
+
+    def pack(t: Tensor) -> Tensor:
+        saved[current[0]] |= note([t])
+        keep.append(t)
+        return t.detach()  # the tensor itself would tie an output to its own graph
+
+    batch = note([*sample, *_tensors(target)])
+    x: Any = sample if len(sample) > 1 else sample[0]
+    mode = _FusedAttention() if any(t.is_meta for t in sample) else contextlib.nullcontext()
+    with torch.enable_grad(), mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for index, layer in enumerate(layers):
+            current[0] = index
+            inputs.append(note(_tensors(x)))
+            x = layer(x)
+            outputs.append(note(_tensors(x)))
+            keep.append(x)
+        if loss_fn is not None and target is not None:
+            keep.append(loss_fn(x, target))
+    return _Run(sizes, [frozenset(s) for s in saved], inputs, outputs, batch)
+
+
+def _rows(batch: Any) -> int:
+    return _tensors(batch)[0].size(0)
+
+
+def _first_rows(batch: Any, rows: int) -> Any:
+    """A copy of the first ``rows`` rows, in storage of its own."""
+    if isinstance(batch, Tensor):
+        return batch[:rows].clone()
+    return type(batch)(t[:rows].clone() if isinstance(t, Tensor) else t for t in batch)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-layer parameter counts and bytes, and activations measured at two micro-batch
+    sizes; ``held`` extrapolates a stage's activations to any micro-batch size."""
+
+    params: tuple[int, ...]
+    param_bytes: tuple[int, ...]
+    rows: tuple[int, int]
+    runs: tuple[_Run, _Run]
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def _scaled(self, small: Sequence[float], large: Sequence[float], rows: int) -> list[float]:
+        r0, r1 = self.rows
+        if r0 == r1:
+            return [x * rows / r0 for x in small]
+        return [x + (y - x) / (r1 - r0) * (rows - r0) for x, y in zip(small, large, strict=True)]
+
+    def held(self, start: int, stop: int, rows: int) -> tuple[float, float, float]:
+        """Bytes of one micro-batch of ``rows`` on layers [start, stop): its whole graph,
+        its input, its output."""
+        a, b = self.runs
+        graph, inp, out = self._scaled(a.held(start, stop), b.held(start, stop), rows)
+        return graph, inp, out
+
+    def batch_bytes(self, start: int, stop: int, rows: int) -> float:
+        """Bytes of the mini-batch of ``rows`` that layers [start, stop) read or keep."""
+        a, b = self.runs
+        return self._scaled([a.batch_bytes(start, stop)], [b.batch_bytes(start, stop)], rows)[0]
+
+
+def profile(
+    layers: nn.Sequential | Iterable[nn.Module],
+    sample: Any,
+    *,
+    target: Any = None,
+    loss_fn: Callable[..., Tensor] | None = None,
+) -> Profile:
+    """Profile ``layers`` on ``sample``, one micro-batch as the first layer takes it, on the
+    device of the layers: the meta device (no memory, no compute; attention counted as the
+    fused kernel) or a real one. ``target`` and ``loss_fn`` add the loss's saved tensors to
+    the last layer. The layers' parameters and gradients are not touched."""
+    module = as_sequential(layers)
+    rows = _rows(sample)
+    if rows < 1:
+        raise ValueError("sample must have at least one row")
+    half = max(1, rows // 2)
+    runs = tuple(
+        _profile_run(
+            module,
+            tuple(_tensors(_first_rows(sample, r))),
+            None if target is None else _first_rows(target, r),
+            loss_fn,
+        )
+        for r in (half, rows)
+    )
+    params = tuple(sum(p.numel() for p in layer.parameters()) for layer in module)
+    param_bytes = tuple(
+        sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in module
+    )
+    return Profile(params, param_bytes, (half, rows), runs)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Predicted peak bytes of one process (its stages together)."""
+
+    rank: int
+    stages: tuple[int, ...]
+    layers: int
+    params: int
+    param_bytes: float  # the parameters themselves
+    state_bytes: float  # their gradients and the optimizer's state
+    activation_bytes: float  # peak of what is held for backward
+    peak_live: int  # most micro-batches held at once
+
+    @property
+    def total_bytes(self) -> float:
+        return self.param_bytes + self.state_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    balance: tuple[int, ...]
+    schedule: str
+    checkpoint: str
+    chunks: int
+    optimizer: str
+    ranks: tuple[StagePlan, ...]
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(r.total_bytes for r in self.ranks)
+
+    def fits(self, device_bytes: float) -> bool:
+        return self.peak_bytes <= device_bytes
+
+
+def _schedule(name: str, n_stages: int, n_ranks: int, chunks: int) -> Schedule:
+    make = get_schedule(name)
+    if n_stages == n_ranks:
+        return make(n_stages, chunks)
+    return make(n_stages, chunks, n_ranks)  # type: ignore[call-arg]
+
+
+def _activation_peak(
+    program: Sequence[Any],
+    split: bool,
+    held: dict[int, list[tuple[float, float, float]]],
+    sends: Sequence[bool],
+    checkpointed: Callable[[int], bool],
+) -> tuple[float, int]:
+    """Walk one process's program: the most activation bytes and micro-batches it holds.
+
+    A micro-batch holds its whole graph from F to B (to W with a split backward), or only
+    its input if it is recomputed, and then the whole graph again during its B. An output
+    sent to another process stays until the end of the step, when the sends are completed.
+    """
+    now = peak = 0.0
+    live = most = 0
+    for a in program:
+        if a.kind not in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT):
+            continue
+        graph, inp, out = held[a.stage][a.microbatch]
+        kept = out if sends[a.stage] else 0.0  # the sent output, until the step ends
+        ckpt = checkpointed(a.microbatch)
+        if a.kind is Kind.FORWARD:
+            live += 1
+            most = max(most, live)
+            now += inp + kept if ckpt else graph
+            peak = max(peak, now + out - kept if ckpt else now)
+            continue
+        if a.kind is Kind.BACKWARD:
+            if not split:
+                live -= 1
+            if ckpt:  # recomputed from the kept input: a new graph, the input shared
+                peak = max(peak, now - inp + graph)
+                now += graph - inp if split else -inp
+                continue
+            if split:
+                continue
+        else:
+            live -= 1
+            if ckpt:  # the recomputed graph, whose output was not sent
+                now -= graph
+                continue
+        now -= graph - kept
+    return peak, most
+
+
+def plan(
+    prof: Profile,
+    balance: Sequence[int],
+    *,
+    batch_size: int,
+    chunks: int,
+    schedule: str = "gpipe",
+    checkpoint: str = "except_last",
+    optimizer: str = "adam",
+    n_ranks: int | None = None,
+) -> MemoryPlan:
+    """Predicted peak memory of every process for a mini-batch of ``batch_size`` rows cut
+    into ``chunks`` micro-batches. ``n_ranks`` below ``len(balance)`` puts several stages on
+    each process (the interleaved schedule)."""
+    balance = check_balance(len(prof), list(balance))
+    check_checkpoint(checkpoint)
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    n_stages = len(balance)
+    n_ranks = n_stages if n_ranks is None else n_ranks
+    sizes = split_sizes(batch_size, chunks)
+    sched = _schedule(schedule, n_stages, n_ranks, len(sizes))
+    bounds = stage_bounds(balance)
+    held = {s: [prof.held(a, b, rows) for rows in sizes] for s, (a, b) in enumerate(bounds)}
+    rank_of = sched.stage_to_rank
+    sends = [s + 1 < n_stages and rank_of[s + 1] != rank_of[s] for s in range(n_stages)]
+    states = 1 + OPTIMIZER_STATES[optimizer]  # gradient + optimizer state
+    ranks = []
+    for rank in range(n_ranks):
+        stages = tuple(s for s in range(n_stages) if sched.stage_to_rank[s] == rank)
+        layers = [i for s in stages for i in range(*bounds[s])]
+        weights = sum(prof.param_bytes[i] for i in layers)
+        peak, live = _activation_peak(
+            sched.programs[rank],
+            sched.split_backward,
+            held,
+            sends,
+            lambda i: should_checkpoint(checkpoint, i, len(sizes)),
+        )
+        peak += sum(prof.batch_bytes(*bounds[s], batch_size) for s in stages)
+        ranks.append(
+            StagePlan(
+                rank=rank,
+                stages=stages,
+                layers=len(layers),
+                params=sum(prof.params[i] for i in layers),
+                param_bytes=weights,
+                state_bytes=weights * states,
+                activation_bytes=peak,
+                peak_live=live,
+            )
+        )
+    return MemoryPlan(tuple(balance), schedule, checkpoint, chunks, optimizer, tuple(ranks))
+
+
+class ActivationMeter:
+    """Peak live bytes of activations in a run: tensors autograd saves for backward and the
+    inputs and outputs of ``module``'s layers, each storage once, parameters and buffers
+    left out. ``with meter: ...`` watches a region; ``peak`` and ``saved_peak`` (saved
+    tensors alone) hold the largest values seen."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+        self._skip = {_key(t) for t in [*module.parameters(), *module.buffers()]}
+        self._live: dict[int, tuple[StorageWeakRef, int, bool]] = {}
+        self.peak = 0
+        self.saved_peak = 0
+        self._stack = contextlib.ExitStack()
+
+    def _track(self, tensors: Iterable[Tensor], saved: bool) -> None:
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in self._skip or t.is_meta:
+                continue
+            known = self._live.get(key)
+            if known is None or known[0].expired():
+                self._live[key] = (StorageWeakRef(storage), storage.nbytes(), saved)
+            elif saved and not known[2]:
+                self._live[key] = (known[0], known[1], True)
+        self._sample()
+
+    def _sample(self) -> None:
+        total = saved = 0
+        for key, (ref, nbytes, was_saved) in list(self._live.items()):
+            if ref.expired():
+                del self._live[key]
+                continue
+            total += nbytes
+            saved += nbytes if was_saved else 0
+        self.peak = max(self.peak, total)
+        self.saved_peak = max(self.saved_peak, saved)
+
+    def __enter__(self) -> ActivationMeter:
+        def pack(t: Tensor) -> Tensor:
+            self._track([t], saved=True)
+            return t.detach()  # the tensor itself would tie an output to its own graph
+
+        def after(layer: nn.Module, args: Any, output: Any) -> None:
+            self._track([*_tensors(args), *_tensors(output)], saved=False)
+
+        stack = self._stack
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        for layer in self._module.children():
+            stack.callback(layer.register_forward_hook(after).remove)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+        self._stack = contextlib.ExitStack()
