@@ -1,4 +1,5 @@
-"""The ``gpipe`` command: ``gpipe train`` trains a pipelined GPT, ``gpipe sample`` reads one."""
+"""The ``gpipe`` command: ``gpipe train`` trains a pipelined GPT, ``gpipe sample`` reads one;
+``gpipe simulate`` and ``gpipe plan`` predict time and memory without running."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, NoReturn
 import torch
 
 from .checkpointing import check_checkpoint
+from .cli_plan import plan_parser
 from .cli_simulate import simulate_parser
 from .errors import PipelineError
 from .schedule import get_schedule
@@ -379,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     _train_parser(sub)
     _sample_parser(sub)
     simulate_parser(sub)
+    plan_parser(sub)
     try:
         args = parser.parse_args(argv)
         return args.command(args)

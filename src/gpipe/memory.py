@@ -115,6 +115,25 @@ class _Run:
             self._bytes(self.outputs[stop - 1]),
         )
 
+    def repeat(self, layer: int, times: int) -> _Run:
+        """This run with ``layer`` run ``times`` times in a row, each copy's storages its own
+        and each copy's input the previous copy's output."""
+        (read,), (made,) = self.inputs[layer], self.outputs[layer]
+        own = (self.saved[layer] | self.outputs[layer]) - self.inputs[layer]
+        sizes: dict[Any, int] = dict(self.sizes)
+        saved, inputs, outputs = (list(x[:layer]) for x in (self.saved, self.inputs, self.outputs))
+        for copy in range(times):
+            names = {k: (k, copy) for k in own}
+            if copy:
+                names[read] = (made, copy - 1)  # what the copy before returned
+            sizes.update({name: self.sizes[k] for k, name in names.items()})
+            for into, keys in ((saved, self.saved), (inputs, self.inputs), (outputs, self.outputs)):
+                into.append(frozenset(names.get(k, k) for k in keys[layer]))
+        last = {k: (k, times - 1) for k in own}
+        for into, keys in ((saved, self.saved), (inputs, self.inputs), (outputs, self.outputs)):
+            into += [frozenset(last.get(k, k) for k in x) for x in keys[layer + 1 :]]
+        return _Run(sizes, saved, inputs, outputs, self.batch)
+
     def batch_bytes(self, start: int, stop: int) -> int:
         """Bytes of the sample (first stage) and of the saved target (last stage) in the
         range's graph."""
@@ -201,6 +220,24 @@ class Profile:
         a, b = self.runs
         graph, inp, out = self._scaled(a.held(start, stop), b.held(start, stop), rows)
         return graph, inp, out
+
+    def repeat(self, layer: int, times: int) -> Profile:
+        """The profile of the model with ``layer`` repeated ``times`` times, such as the
+        transformer blocks of a deeper model, without running it: each copy holds what the
+        original held, and reads what the copy before it returned."""
+        if not 0 < layer < len(self) - 1 or times < 1:
+            raise ValueError(
+                f"cannot repeat layer {layer} of {len(self)} {times} times: only a layer "
+                "between the first and the last, at least once"
+            )
+        if any(len(run.inputs[layer]) != 1 or len(run.outputs[layer]) != 1 for run in self.runs):
+            raise ValueError(f"layer {layer} must take one tensor and return one to be repeated")
+
+        def spread(values: tuple[int, ...]) -> tuple[int, ...]:
+            return values[:layer] + (values[layer],) * times + values[layer + 1 :]
+
+        runs = tuple(run.repeat(layer, times) for run in self.runs)
+        return Profile(spread(self.params), spread(self.param_bytes), self.rows, runs)  # type: ignore[arg-type]
 
     def batch_bytes(self, start: int, stop: int, rows: int) -> float:
         """Bytes of the mini-batch of ``rows`` that layers [start, stop) read or keep."""

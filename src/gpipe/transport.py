@@ -177,19 +177,8 @@ class DistributedTransport:
         return 2 * dst + (0 if kind in (Kind.SEND_F, Kind.RECV_F) else 1)
 
     def _isend(self, tensor: Tensor, peer: int, tag: int) -> None:
-        self._reap()
         work = dist.isend(tensor, dst=peer, group=self._group, tag=tag)
         self._pending.append((work, tensor))
-
-    def _reap(self) -> None:
-        """Let go of the tensors of sends that are done, so a sent activation does not stay
-        in memory until the end of the step; ``wait`` on a finished send returns at once,
-        or raises the error it met."""
-        if self._pending and self._pending[0][0].is_completed():
-            done = [(w, t) for w, t in self._pending if w.is_completed()]
-            self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
-            for work, _ in done:
-                work.wait(self._timeout)
 
     def send(self, message: Message, src: int, dst: int, microbatch: int, kind: Kind) -> None:
         peer, tag = self._peer(dst), self._tag(kind, dst)
@@ -231,7 +220,6 @@ class DistributedTransport:
                 return self._local[tag].popleft()
             except (KeyError, IndexError):
                 raise StageError(dst, f"nothing sent yet: {_what(kind, microbatch, src)}") from None
-        self._reap()
         where = (dst, src, microbatch, kind)
         header = torch.empty(_HEADER, dtype=torch.int64, device=self._device)
         words = self._irecv(header, peer, tag, *where).tolist()

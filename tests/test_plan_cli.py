@@ -1,0 +1,70 @@
+"""`gpipe plan`: the per-stage table, and --max-layers finds the largest model that fits."""
+
+import re
+
+import pytest
+
+from gpipe.cli import main
+from gpipe.cli_plan import parse_bytes
+
+MODEL = ["plan", "--d-model", "256", "--n-head", "4", "--vocab-size", "1000", "--seq-len", "128",
+         "--stages", "4", "--chunks", "8", "--batch-size", "16"]  # fmt: skip
+
+
+def _rows(out: str) -> list[list[str]]:
+    lines = out.strip().splitlines()
+    return [re.split(r"\s{2,}", line.strip()) for line in lines[2:]]
+
+
+def test_the_table_has_a_row_per_stage(capsys):
+    code = main([*MODEL, "--n-layer", "6", "--device-memory", "1GiB", "--optimizer", "rmsprop"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "blocks 6" in out and "balance [2, 2, 2, 2]" in out and "rmsprop" in out
+    rows = _rows(out)
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"]
+    assert all(r[-1] == "yes" for r in rows)
+
+
+def _most(capsys, *more: str) -> int:
+    code = main([*MODEL, "--device-memory", "256MiB", "--max-layers", *more])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return int(re.search(r"most blocks that fit (\d+)", out).group(1))
+
+
+def test_max_layers_is_the_edge_of_fitting(capsys):
+    most = _most(capsys)
+    for n_layer, fits in ((most, 0), (most + 1, 1)):
+        code = main([*MODEL, "--n-layer", str(n_layer), "--device-memory", "256MiB"])
+        capsys.readouterr()
+        assert code == fits, n_layer  # exit code 1: does not fit
+
+
+def test_recomputation_fits_more_layers(capsys):
+    never = _most(capsys, "--checkpoint", "never")
+    always = _most(capsys, "--checkpoint", "always")
+    assert always > never
+
+
+def test_sizes_and_bad_input():
+    assert parse_bytes("16GiB") == 16 * 2**30
+    assert parse_bytes("80 GB") == 80 * 10**9
+    assert parse_bytes("1.5mib") == int(1.5 * 2**20)
+    with pytest.raises(ValueError, match="--device-memory must be a size such as 16GiB"):
+        parse_bytes("lots")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device-memory", "lots"], "--device-memory must be a size"),
+        (["--n-layer", "0"], "--n-layer must be a positive integer, got 0"),
+        (["--n-head", "3"], "--d-model 256 must be a multiple of --n-head 3"),
+        (["--balance", "1,1"], "--balance must be time, params, even, or 4 positive"),
+        (["--stages", "9", "--n-layer", "2"], "--stages 9 x --virtual-stages 1 is more than"),
+    ],
+)
+def test_bad_options_end_in_one_line(capsys, args, message):
+    assert main([*MODEL, *args]) == 2
+    assert message in capsys.readouterr().err
