@@ -1,5 +1,6 @@
 """The ``gpipe`` command: ``gpipe train`` trains a pipelined GPT, ``gpipe sample`` reads one;
-``gpipe simulate`` and ``gpipe plan`` predict time and memory without running."""
+``gpipe simulate`` and ``gpipe plan`` predict time and memory without running; ``gpipe
+bench`` measures them against other tools."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, NoReturn
 import torch
 
 from .checkpointing import check_checkpoint
+from .cli_bench import bench_parser
 from .cli_plan import plan_parser
 from .cli_simulate import simulate_parser
 from .errors import PipelineError
@@ -382,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     _sample_parser(sub)
     simulate_parser(sub)
     plan_parser(sub)
+    bench_parser(sub)
     try:
         args = parser.parse_args(argv)
         return args.command(args)

@@ -16,6 +16,7 @@ backward and of every layer's inputs and outputs, parameters left out.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -425,7 +426,11 @@ class ActivationMeter:
     """Peak live bytes of activations in a run: tensors autograd saves for backward and the
     inputs and outputs of ``module``'s layers, each storage once, parameters and buffers
     left out. ``with meter: ...`` watches a region; ``peak`` and ``saved_peak`` (saved
-    tensors alone) hold the largest values seen."""
+    tensors alone) hold the largest values seen.
+
+    What the layers save is seen on whichever thread runs them (saved-tensor hooks are
+    per thread, so each layer call installs them for itself); what is saved outside the
+    layers, a loss for one, only on the thread that entered the meter."""
 
     def __init__(self, module: nn.Module) -> None:
         self._module = module
@@ -452,7 +457,7 @@ class ActivationMeter:
         total = saved = 0
         for key, (ref, nbytes, was_saved) in list(self._live.items()):
             if ref.expired():
-                del self._live[key]
+                self._live.pop(key, None)  # another thread may have dropped it already
                 continue
             total += nbytes
             saved += nbytes if was_saved else 0
@@ -464,12 +469,24 @@ class ActivationMeter:
             self._track([t], saved=True)
             return t.detach()  # the tensor itself would tie an output to its own graph
 
+        local = threading.local()
+
+        def enter(layer: nn.Module, args: Any) -> None:
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            hooks.__enter__()
+            local.__dict__.setdefault("hooks", []).append(hooks)
+
+        def leave(layer: nn.Module, args: Any, output: Any) -> None:
+            local.hooks.pop().__exit__(None, None, None)
+
         def after(layer: nn.Module, args: Any, output: Any) -> None:
             self._track([*_tensors(args), *_tensors(output)], saved=False)
 
         stack = self._stack
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
         for layer in self._module.children():
+            stack.callback(layer.register_forward_pre_hook(enter).remove)
+            stack.callback(layer.register_forward_hook(leave, always_call=True).remove)
             stack.callback(layer.register_forward_hook(after).remove)
         return self
 

@@ -1,0 +1,246 @@
+"""Everything a benchmark compares, built the same way: one step of training on a workload.
+
+A contender runs either in every process (a pipeline, or the "stages at once" baseline) or
+in the first process alone while the others wait (the single-process baselines and
+libraries). Each hands back a ``step`` and the layers each of its stages holds on this
+process, so that its activation memory can be metered stage by stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..checkpointing import CHECKPOINT_MODES
+from ..distributed import Pipeline
+from ..partition import stage_bounds
+from ..pipe import GPipe
+from ..schedule import SCHEDULES
+from .workloads import Workload
+
+__all__ = ["Contender", "Runner", "contenders"]
+
+K = 2  # processes: the machine this runs on in CI has two cores
+
+
+@dataclass
+class Runner:
+    """One contender, built in this process: ``step`` runs one training step (gradients
+    zeroed first); ``stages`` lists (stage, its layers here) for the activation meter."""
+
+    step: Callable[[], None]
+    stages: list[tuple[int, nn.Module]]
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    group: str  # "baseline", "gpipe", "pytorch" or "torchgpipe"
+    single: bool  # runs in the first process only
+    build: Callable[[Workload, int, Tensor, Tensor], Runner]
+    counterpart: str | None = None  # the contender this one is compared with
+    schedule: str | None = None
+    checkpoint: str | None = None
+
+
+def _layers(model: nn.Sequential, balance: tuple[int, ...], stage: int) -> nn.Sequential:
+    start, stop = stage_bounds(list(balance))[stage]
+    return model[start:stop]
+
+
+def _per_stage(model: nn.Sequential, balance: tuple[int, ...]) -> list[tuple[int, nn.Module]]:
+    return [(s, _layers(model, balance, s)) for s in range(len(balance))]
+
+
+# --- baselines --------------------------------------------------------------------------------
+
+
+def _full_batch(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
+    model = w.build()
+
+    def step() -> None:
+        model.zero_grad()
+        w.loss_fn(model(x), y).backward()
+
+    return Runner(step, _per_stage(model, w.balance))
+
+
+def _accumulation(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
+    model = w.build()
+    pairs = list(zip(x.chunk(chunks), y.chunk(chunks), strict=True))
+
+    def step() -> None:
+        model.zero_grad()
+        for xm, ym in pairs:
+            (w.loss_fn(model(xm), ym) * (len(xm) / len(x))).backward()
+
+    return Runner(step, _per_stage(model, w.balance))
+
+
+def _at_once(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
+    """Each process runs its own stage over the micro-batches as plain accumulation, all at
+    once and without communication: what the machine can do when nobody waits."""
+    rank = dist.get_rank()
+    model = w.build()
+    part = _layers(model, w.balance, rank)
+    last = rank == K - 1
+    if rank == 0:
+        inputs = list(x.chunk(chunks))
+    else:  # the stage's real input: the previous stage's output
+        with torch.no_grad():
+            inputs = list(_layers(model, w.balance, rank - 1)(x).chunk(chunks))
+    targets = list(y.chunk(chunks))
+    with torch.no_grad():
+        grad = torch.ones_like(part(inputs[0]))
+
+    def step() -> None:
+        part.zero_grad()
+        for xm, ym in zip(inputs, targets, strict=True):
+            h = xm.detach().requires_grad_(rank > 0 and xm.is_floating_point())
+            out = part(h)
+            if last:
+                (w.loss_fn(out, ym) * (len(xm) / len(x))).backward()
+            else:
+                out.backward(grad)
+
+    return Runner(step, [(rank, part)])
+
+
+# --- gpipe ------------------------------------------------------------------------------------
+
+
+def _pipeline(schedule: str, checkpoint: str) -> Callable[..., Runner]:
+    def build(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
+        balance = w.interleaved_balance if schedule == "interleaved" else w.balance
+        pipe = Pipeline(
+            w.build(),
+            list(balance),
+            chunks=chunks,
+            checkpoint=checkpoint,
+            schedule=schedule,
+            loss_fn=w.loss_fn,
+            device="cpu",
+        )
+        inputs = x if pipe.is_first else None
+        targets = y if pipe.is_last else None
+
+        def step() -> None:
+            pipe.zero_grad()
+            pipe.step(inputs, targets)
+
+        return Runner(step, [(pipe.rank, pipe)])
+
+    return build
+
+
+def _gpipe_one_process(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
+    pipe = GPipe(
+        w.build(), list(w.balance), devices=["cpu"] * K, chunks=chunks, checkpoint="except_last"
+    )
+
+    def step() -> None:
+        pipe.zero_grad()
+        w.loss_fn(pipe(x), y).backward()
+
+    return Runner(step, list(enumerate(pipe.partitions)))
+
+
+# --- PyTorch's torch.distributed.pipelining ------------------------------------------------
+
+
+def _pytorch(schedule_name: str) -> Callable[..., Runner]:
+    def build(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
+        from torch.distributed import pipelining
+
+        rank = dist.get_rank()
+        model = w.build()
+        interleaved = schedule_name == "ScheduleInterleaved1F1B"
+        balance = w.interleaved_balance if interleaved else w.balance
+        n_stages = len(balance)
+        mine = list(range(rank, n_stages, K))
+        parts = {s: _layers(model, balance, s) for s in mine}
+        stages = [
+            pipelining.PipelineStage(parts[s], s, n_stages, torch.device("cpu")) for s in mine
+        ]
+        schedule_class = getattr(pipelining, schedule_name)
+        schedule = schedule_class(stages if interleaved else stages[0], chunks, loss_fn=w.loss_fn)
+        holds_first, holds_last = 0 in mine, n_stages - 1 in mine
+
+        def step() -> None:
+            for part in parts.values():
+                part.zero_grad()
+            args = (x,) if holds_first else ()
+            kwargs = {"target": y, "losses": []} if holds_last else {}
+            schedule.step(*args, **kwargs, return_outputs=False)
+
+        layers = nn.ModuleList([layer for part in parts.values() for layer in part])
+        return Runner(step, [(rank, layers)])
+
+    return build
+
+
+# --- torchgpipe ----------------------------------------------------------------------------
+
+
+def _torchgpipe(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
+    from torchgpipe import GPipe as TorchGPipe
+
+    pipe = TorchGPipe(
+        w.build(), list(w.balance), devices=["cpu"] * K, chunks=chunks, checkpoint="except_last"
+    )
+
+    def step() -> None:
+        pipe.zero_grad()
+        w.loss_fn(pipe(x), y).backward()
+
+    return Runner(step, list(enumerate(pipe.partitions)))
+
+
+def contenders(
+    schedules: tuple[str, ...] = tuple(SCHEDULES), modes: tuple[str, ...] = CHECKPOINT_MODES
+) -> list[Contender]:
+    """Every contender, in the order reports list them."""
+    out = [
+        Contender("full-batch", "baseline", True, _full_batch),
+        Contender("accumulation", "baseline", True, _accumulation),
+        Contender("at-once", "baseline", False, _at_once),
+    ]
+    counterpart = {
+        "gpipe": "pytorch/ScheduleGPipe",
+        "1f1b": "pytorch/Schedule1F1B",
+        "zero-bubble": "pytorch/Schedule1F1B",
+        "interleaved": "pytorch/ScheduleInterleaved1F1B",
+    }
+    for schedule in schedules:
+        for mode in modes:
+            out.append(
+                Contender(
+                    f"gpipe/{schedule}/{mode}",
+                    "gpipe",
+                    False,
+                    _pipeline(schedule, mode),
+                    counterpart=counterpart[schedule],
+                    schedule=schedule,
+                    checkpoint=mode,
+                )
+            )
+    out.append(
+        Contender(
+            "gpipe/GPipe-1-process",
+            "gpipe",
+            True,
+            _gpipe_one_process,
+            counterpart="torchgpipe",
+            checkpoint="except_last",
+        )
+    )
+    wanted = {counterpart[s] for s in schedules}
+    for name in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"):
+        if f"pytorch/{name}" in wanted or name != "ScheduleInterleaved1F1B":
+            out.append(Contender(f"pytorch/{name}", "pytorch", False, _pytorch(name)))
+    out.append(Contender("torchgpipe", "torchgpipe", True, _torchgpipe, checkpoint="except_last"))
+    return out

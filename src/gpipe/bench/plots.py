@@ -1,0 +1,104 @@
+"""The report's pictures: step time against the number of micro-batches, and activation
+memory per stage for each schedule and re-materialization mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..checkpointing import CHECKPOINT_MODES
+
+__all__ = ["plot_memory", "plot_step_times"]
+
+MiB = 2**20
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_step_times(w: dict[str, Any], path: Path) -> Path:
+    plt = _pyplot()
+    chunk_counts = [int(m) for m in w["chunks"]]
+    names = list(next(iter(w["chunks"].values()))["contenders"])
+    styles = {"gpipe": "-", "pytorch": "--", "torchgpipe": "-.", "baseline": ":"}
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for name in names:
+        seconds = [w["chunks"][str(m)]["contenders"][name]["seconds"] for m in chunk_counts]
+        group = name.split("/")[0] if "/" in name or name == "torchgpipe" else "baseline"
+        ax.errorbar(
+            chunk_counts,
+            [s["median"] for s in seconds],
+            yerr=[
+                [s["median"] - s["min"] for s in seconds],
+                [s["max"] - s["median"] for s in seconds],
+            ],
+            linestyle=styles.get(group, "-"),
+            marker="o",
+            markersize=3,
+            capsize=2,
+            label=name,
+        )
+    ideal = [w["chunks"][str(m)]["ideal"] for m in chunk_counts]
+    if all(v is not None for v in ideal):
+        ax.plot(chunk_counts, ideal, color="black", linewidth=2, label="ideal")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(chunk_counts, [str(m) for m in chunk_counts])
+    ax.set_xlabel("micro-batches M")
+    ax.set_ylabel("seconds per step (median; bars: smallest to largest)")
+    ax.set_title(f"{w['workload']}: {w['description']}", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_memory(w: dict[str, Any], path: Path) -> Path:
+    """Grouped bars per stage: for each gpipe schedule, one bar per re-materialization mode;
+    PyTorch's schedules and the baselines as reference lines."""
+    plt = _pyplot()
+    memory = w["memory"]
+    schedules = list(
+        dict.fromkeys(
+            n.split("/")[1] for n in memory if n.count("/") == 2 and n.startswith("gpipe/")
+        )
+    )
+    n_stages = max((len(m["activations"]) for m in memory.values()), default=0)
+    fig, axes = plt.subplots(1, n_stages, figsize=(6 * n_stages, 5), squeeze=False)
+    width = 0.8 / len(CHECKPOINT_MODES)
+    references = [
+        n for n in memory if n.startswith("pytorch/") or n in ("accumulation", "torchgpipe")
+    ]
+    for stage, ax in enumerate(axes[0]):
+        for i, mode in enumerate(CHECKPOINT_MODES):
+            xs, heights = [], []
+            for j, schedule in enumerate(schedules):
+                m = memory.get(f"gpipe/{schedule}/{mode}")
+                if m is not None and stage < len(m["activations"]):
+                    xs.append(j + (i - 1) * width)
+                    heights.append(m["activations"][stage] / MiB)
+            ax.bar(xs, heights, width, label=f"gpipe, checkpoint {mode}")
+        for k, name in enumerate(references):
+            values = memory[name]["activations"]
+            if stage < len(values):
+                ax.axhline(
+                    values[stage] / MiB, linestyle="--", color=f"C{k + 3}", linewidth=1, label=name
+                )
+        ax.set_xticks(range(len(schedules)), schedules)
+        ax.set_ylabel("peak activation MiB (saved for backward + layer inputs/outputs)")
+        ax.set_title(
+            f"{w['workload']}, M = {w['memory_chunks']}: stage {stage} "
+            "(for interleaved: process, both of its stages)",
+            fontsize=9,
+        )
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

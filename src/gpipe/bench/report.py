@@ -1,0 +1,273 @@
+"""From the processes' raw timings and memory to the figures a reader compares: medians and
+spread, throughput, ratios to the ideal and to PyTorch, bubble, memory; and the targets."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from ..simulate import analytic_bubble
+from .contenders import Contender, K
+from .workloads import Workload
+
+__all__ = ["figures", "markdown", "targets"]
+
+MiB = 2**20
+
+
+def _summary(samples: list[float]) -> dict[str, float]:
+    return {
+        "median": statistics.median(samples),
+        "min": min(samples),
+        "max": max(samples),
+        "n": len(samples),
+    }
+
+
+def _schedule_bubble(c: Contender, chunks: int) -> float | None:
+    if c.schedule is None:
+        return None
+    if c.schedule == "interleaved":  # two stages per process: the fill is half as long
+        return (K - 1) / (2 * chunks + K - 1)
+    return analytic_bubble(K, chunks)
+
+
+def _at(chunks: int, c: Contender, per_rank: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per measured cycle: the step's wall time (its slowest process) and CPU time summed
+    over the processes."""
+    runs = [r["chunks"][str(chunks)] for r in per_rank]
+    wall = [max(ts) for ts in zip(*(r["seconds"][c.name] for r in runs), strict=True)]
+    cpu = [sum(ts) for ts in zip(*(r["cpu"][c.name] for r in runs), strict=True)]
+    return {"wall": wall, "cpu": cpu}
+
+
+def figures(
+    workload: Workload,
+    chosen: list[Contender],
+    timing: list[dict[str, Any]],
+    memory: dict[str, list[dict[str, Any]]],
+    chunk_counts: list[int],
+    memory_chunks: int | None,
+) -> dict[str, Any]:
+    """Everything reported about one workload; ``timing`` and ``memory`` are per process."""
+    skipped = timing[0]["skipped"]
+    ran = [c for c in chosen if c.name not in skipped]
+    by_name = {c.name: c for c in ran}
+    out: dict[str, Any] = {
+        "workload": workload.name,
+        "description": workload.description,
+        "config": workload.config,
+        "balance": list(workload.balance),
+        "interleaved_balance": list(workload.interleaved_balance),
+        "skipped": skipped,
+        "memory_chunks": memory_chunks,
+        "chunks": {},
+        "memory": {},
+    }
+    for chunks in chunk_counts:
+        cycles = {c.name: _at(chunks, c, timing) for c in ran}
+        med = {n: statistics.median(v["wall"]) for n, v in cycles.items()}
+        ideal = med["at-once"] * (chunks + K - 1) / chunks if "at-once" in med else None
+        naive = (
+            med["accumulation"] * (chunks + K - 1) / (chunks * K) if "accumulation" in med else None
+        )
+        rows: dict[str, Any] = {}
+        for name, cyc in cycles.items():
+            c = by_name[name]
+            seconds = med[name]
+            row: dict[str, Any] = {
+                "seconds": _summary(cyc["wall"]),
+                "samples_per_s": workload.batch / seconds,
+                "tokens_per_s": workload.batch * workload.tokens_per_sample / seconds,
+                "over_ideal": None if ideal is None else seconds / ideal,
+                "over_naive_ideal": None if naive is None else seconds / naive,
+                # share of the K processes' time not spent computing (CPU time / wall time)
+                "bubble": statistics.median(
+                    1 - cpu / (K * wall) for cpu, wall in zip(cyc["cpu"], cyc["wall"], strict=True)
+                ),
+                "schedule_bubble": _schedule_bubble(c, chunks),
+                "counterpart": c.counterpart if c.counterpart in cycles else None,
+                "over_counterpart": None,
+                "over_counterpart_per_cycle": None,
+            }
+            if row["counterpart"] is not None:
+                other = cycles[c.counterpart]["wall"]
+                row["over_counterpart"] = seconds / med[c.counterpart]
+                row["over_counterpart_per_cycle"] = _summary(
+                    [a / b for a, b in zip(cyc["wall"], other, strict=True)]
+                )
+            rows[name] = row
+        out["chunks"][str(chunks)] = {"ideal": ideal, "naive_ideal": naive, "contenders": rows}
+    for name, per_rank in memory.items():
+        stages: dict[str, dict[str, int]] = {}
+        for r in per_rank:
+            stages.update(r["stages"])
+        out["memory"][name] = {
+            "rss_start": [r["rss_start"] for r in per_rank],
+            "rss_peak": [r["rss_peak"] for r in per_rank],
+            "activations": [stages[s]["activations"] for s in sorted(stages, key=int)],
+            "saved": [stages[s]["saved"] for s in sorted(stages, key=int)],
+        }
+    return out
+
+
+def _target(text: str, figure: str, met: bool | None) -> dict[str, Any]:
+    return {"target": text, "figure": figure, "met": met}
+
+
+def targets(results: dict[str, Any], memory_chunks: int) -> list[dict[str, Any]]:
+    """The issue's targets, each with the figure it was judged on; ``met`` is None where
+    this run did not measure what the target needs."""
+    out = []
+    for name, w in results.items():
+        for chunks, at in w["chunks"].items():
+            if int(chunks) < 4:
+                continue
+            for cname, row in at["contenders"].items():
+                if not cname.endswith("/never") or row["over_counterpart"] is None:
+                    continue
+                per_cycle = row["over_counterpart_per_cycle"]["median"]
+                out.append(
+                    _target(
+                        f"{name}, M={chunks}: {cname} / {row['counterpart']} <= 1.00",
+                        f"{row['over_counterpart']:.3f} (per cycle {per_cycle:.3f})",
+                        row["over_counterpart"] <= 1.0,
+                    )
+                )
+    mlp = results.get("mlp", {}).get("chunks", {}).get("8", {}).get("contenders", {})
+    row = mlp.get("gpipe/gpipe/never")
+    if row is not None and row["over_ideal"] is not None:
+        out.append(
+            _target(
+                "mlp, M=8: gpipe/gpipe/never <= 1.05 x ideal",
+                f"{row['over_ideal']:.3f}",
+                row["over_ideal"] <= 1.05,
+            )
+        )
+    gpt = results.get("gpt")
+    if gpt is not None:
+        mem = gpt["memory"]
+        never, always = mem.get("gpipe/gpipe/never"), mem.get("gpipe/gpipe/always")
+        if never and always and memory_chunks == 8:
+            shares = [
+                a / n for a, n in zip(always["activations"], never["activations"], strict=True)
+            ]
+            out.append(
+                _target(
+                    "gpt, M=8: activations per stage, checkpoint always / never <= 0.25",
+                    ", ".join(f"{s:.3f}" for s in shares),
+                    max(shares) <= 0.25,
+                )
+            )
+        times = gpt["chunks"].get("8", {}).get("contenders", {})
+        if "gpipe/gpipe/never" in times and "gpipe/gpipe/always" in times:
+            cost = (
+                times["gpipe/gpipe/always"]["seconds"]["median"]
+                / times["gpipe/gpipe/never"]["seconds"]["median"]
+            )
+            out.append(
+                _target(
+                    "gpt, M=8: step time, checkpoint always / never <= 1.35",
+                    f"{cost:.3f}",
+                    cost <= 1.35,
+                )
+            )
+        one_f = mem.get("pytorch/Schedule1F1B")
+        if always and one_f and memory_chunks == 8:
+            ours, theirs = max(always["rss_peak"]), max(one_f["rss_peak"])
+            out.append(
+                _target(
+                    "gpt, M=8: peak RSS per process, gpipe/gpipe/always <= pytorch/Schedule1F1B",
+                    f"{ours / MiB:.0f} MiB against {theirs / MiB:.0f} MiB",
+                    ours <= theirs,
+                )
+            )
+    return out
+
+
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+def _mib(values: list[int]) -> str:
+    return ", ".join(f"{v / MiB:.0f}" for v in values)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown: per workload, step time against M, then every figure at the
+    memory pass's M; then the targets."""
+    lines = [
+        "# gpipe bench",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items()),
+        "",
+        f"K = {K} processes, {report['settings']['threads']} thread each; "
+        f"{report['settings']['warmup']} warm-up and {report['settings']['repeats']} measured "
+        "steps per contender, one step each in turn; medians, spread = smallest to largest.",
+    ]
+    for w in report["workloads"].values():
+        chunk_counts = list(w["chunks"])
+        names = list(next(iter(w["chunks"].values()))["contenders"])
+        lines += ["", f"## {w['workload']}: {w['description']}", ""]
+        lines += [f"Stages: {w['balance']} layers (interleaved: {w['interleaved_balance']})."]
+        for name, reason in w["skipped"].items():
+            lines += ["", f"- {name} did not run: {reason}"]
+        lines += ["", "Median seconds per step:", ""]
+        lines += ["| contender | " + " | ".join(f"M={m}" for m in chunk_counts) + " |"]
+        lines += ["|---" * (len(chunk_counts) + 1) + "|"]
+        for name in names:
+            cells = [
+                f"{w['chunks'][m]['contenders'][name]['seconds']['median']:.3f}"
+                for m in chunk_counts
+            ]
+            lines += [f"| {name} | " + " | ".join(cells) + " |"]
+        ideal = [w["chunks"][m]["ideal"] for m in chunk_counts]
+        naive = [w["chunks"][m]["naive_ideal"] for m in chunk_counts]
+        lines += ["| *ideal* | " + " | ".join(_ratio(v) for v in ideal) + " |"]
+        lines += ["| *naive ideal* | " + " | ".join(_ratio(v) for v in naive) + " |"]
+        for m in chunk_counts:
+            lines += _detail(w, m)
+    lines += ["", "## Targets", "", "| target | figure | met |", "|---|---|---|"]
+    for t in report["targets"]:
+        met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+        lines += [f"| {t['target']} | {t['figure']} | {met} |"]
+    return "\n".join(lines) + "\n"
+
+
+def _detail(w: dict[str, Any], chunks: str) -> list[str]:
+    at = w["chunks"][chunks]
+    per_s = "tokens/s" if w["workload"] == "gpt" else "samples/s"
+    lines = [
+        "",
+        f"### {w['workload']}, M = {chunks}",
+        "",
+        f"ideal {_ratio(at['ideal'])} s (at-once x (M+K-1)/M), naive ideal "
+        f"{_ratio(at['naive_ideal'])} s (accumulation x (M+K-1)/(M K)).",
+        "",
+        f"| contender | s/step | spread | {per_s} | x ideal | x naive ideal | vs | x it "
+        "(per cycle) | bubble (schedule) | peak RSS MiB | activations MiB | saved MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in at["contenders"].items():
+        s = row["seconds"]
+        rate = row["tokens_per_s"] if w["workload"] == "gpt" else row["samples_per_s"]
+        vs = row["counterpart"] or ""
+        against = ""
+        if row["over_counterpart"] is not None:
+            per_cycle = row["over_counterpart_per_cycle"]["median"]
+            against = f"{row['over_counterpart']:.3f} ({per_cycle:.3f})"
+        bubble = f"{row['bubble']:.1%}"
+        if row["schedule_bubble"] is not None:
+            bubble += f" ({row['schedule_bubble']:.1%})"
+        mem = w["memory"].get(name) if chunks == str(w["memory_chunks"]) else None
+        rss = _mib(mem["rss_peak"]) if mem else ""
+        act = _mib(mem["activations"]) if mem else ""
+        saved = _mib(mem["saved"]) if mem else ""
+        lines.append(
+            f"| {name} | {s['median']:.3f} | {s['min']:.3f} to {s['max']:.3f} | {rate:,.0f} | "
+            f"{_ratio(row['over_ideal'])} | {_ratio(row['over_naive_ideal'])} | {vs} | "
+            f"{against} | {bubble} | {rss} | {act} | {saved} |"
+        )
+    return lines

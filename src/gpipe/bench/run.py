@@ -1,0 +1,171 @@
+"""``gpipe bench`` end to end: the timing pass, the memory passes, the report on disk."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpointing import CHECKPOINT_MODES
+from ..launch import launch
+from ..schedule import SCHEDULES
+from .contenders import K, contenders
+from .measure import memory_pass, timing_pass
+from .report import figures, markdown, targets
+from .workloads import get_workload
+
+__all__ = ["BenchOptions", "machine", "run_bench"]
+
+
+@dataclass
+class BenchOptions:
+    workloads: tuple[str, ...] = ("mlp", "gpt")
+    size: str = "full"  # or "tiny": seconds instead of an hour, to check that it all runs
+    chunks: tuple[int, ...] = (2, 4, 8, 16)
+    memory_chunks: int | None = 8  # None: no memory pass
+    repeats: int = 3
+    warmup: int = 1
+    schedules: tuple[str, ...] = tuple(SCHEDULES)
+    modes: tuple[str, ...] = CHECKPOINT_MODES
+    skip: tuple[str, ...] = ()  # contender names (or name prefixes) left out
+    threads: int = 1
+    out: Path = Path("benchmarks/results")
+    plots: bool = True
+    command: str = "gpipe bench"
+    # "fork" starts the processes in a fraction of a second, but only a parent that has run
+    # no multi-threaded torch work may fork (OpenMP is not fork-safe): the gpipe command's
+    # process qualifies; from a Python session that has trained, use "spawn".
+    start_method: str = "fork"
+    progress: Callable[[str], None] = field(default=print)
+
+
+def machine() -> dict[str, Any]:
+    """Enough about the machine to read a figure against."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory = None
+    with contextlib.suppress(ValueError, OSError):
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        from importlib.metadata import version
+
+        versions["torchgpipe"] = version("torchgpipe")
+    except Exception:
+        versions["torchgpipe"] = None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": None if memory is None else round(memory / 2**30, 1),
+        **versions,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def _skipped(name: str, skip: tuple[str, ...]) -> bool:
+    return any(name == s or name.startswith(s.rstrip("/") + "/") for s in skip)
+
+
+def run_bench(options: BenchOptions) -> dict[str, Any]:
+    """Run every pass, write ``bench.json``, ``bench.md`` and the plots into
+    ``options.out``, and return the report."""
+    say = options.progress
+    chosen = [
+        c
+        for c in contenders(options.schedules, options.modes)
+        if not _skipped(c.name, options.skip)
+    ]
+    for needed, what in (("at-once", "ideal"), ("accumulation", "naive ideal")):
+        if needed not in {c.name for c in chosen}:
+            say(f"note: without {needed} there is no {what}")
+    spec_base = {
+        "size": options.size,
+        "chunks": list(options.chunks),
+        "memory_chunks": options.memory_chunks,
+        "repeats": options.repeats,
+        "warmup": options.warmup,
+        "schedules": list(options.schedules),
+        "modes": list(options.modes),
+        "contenders": [c.name for c in chosen],
+    }
+    results: dict[str, Any] = {}
+    for name in options.workloads:
+        workload = get_workload(name, options.size)
+        spec = {**spec_base, "workload": name}
+        say(f"{name}: {workload.description}")
+        say(
+            f"{name}: timing {len(chosen)} contenders at M = "
+            f"{', '.join(map(str, options.chunks))}, {options.warmup} + {options.repeats} "
+            "steps each"
+        )
+        started = time.perf_counter()
+        per_rank = launch(
+            timing_pass, K, (spec,), threads=options.threads, start_method=options.start_method
+        )
+        timing = [per_rank[r] for r in range(K)]
+        say(f"{name}: timing done in {time.perf_counter() - started:.0f} s")
+        memory: dict[str, list[dict[str, Any]]] = {}
+        if options.memory_chunks is not None:
+            for c in chosen:
+                if c.name in timing[0]["skipped"]:
+                    continue
+                per_rank = launch(
+                    memory_pass,
+                    K,
+                    (spec, c.name),
+                    threads=options.threads,
+                    start_method=options.start_method,
+                )
+                memory[c.name] = [per_rank[r] for r in range(K)]
+                peak = max(r["rss_peak"] for r in memory[c.name]) / 2**20
+                say(f"{name}: memory of {c.name}: peak RSS {peak:.0f} MiB")
+        results[name] = figures(
+            workload, chosen, timing, memory, list(options.chunks), options.memory_chunks
+        )
+    report = {
+        "command": options.command,
+        "machine": machine(),
+        "settings": {
+            "processes": K,
+            "threads": options.threads,
+            "size": options.size,
+            "repeats": options.repeats,
+            "warmup": options.warmup,
+            "chunks": list(options.chunks),
+            "memory_chunks": options.memory_chunks,
+        },
+        "workloads": results,
+        "targets": targets(results, options.memory_chunks),
+    }
+    _write(report, options)
+    return report
+
+
+def _write(report: dict[str, Any], options: BenchOptions) -> None:
+    out = options.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "bench.md").write_text(markdown(report))
+    report["files"] = [str(out / "bench.json"), str(out / "bench.md")]
+    if options.plots:
+        from .plots import plot_memory, plot_step_times
+
+        for name, w in report["workloads"].items():
+            report["files"].append(str(plot_step_times(w, out / f"bench-{name}-step-time.png")))
+            if w["memory"]:
+                report["files"].append(str(plot_memory(w, out / f"bench-{name}-memory.png")))
