@@ -1,6 +1,8 @@
 """The memory planner: its predictions against what a run holds, measured in real processes,
 and its accounting of parameters and optimizer state against real optimizers."""
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -101,6 +103,34 @@ def test_the_meter_counts_each_storage_once_and_leaves_out_parameters():
     assert meter.peak == 2 * 4 * 8 * 4  # x (input, saved) and y (output, saved)
     assert meter.saved_peak == meter.peak
     del z
+
+
+def test_the_meter_sees_layers_run_on_other_threads():
+    """GPipe runs partitions on worker threads, where a saved-tensor hook installed by the
+    caller would see nothing: each stage's meter must count what its layers save there."""
+    from gpipe import GPipe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)))
+    x = torch.randn(16, 8)
+
+    def peaks(run) -> list[int]:
+        meters = [ActivationMeter(model[0:2]), ActivationMeter(model[2:4])]
+        with meters[0], meters[1]:
+            out = run(x)
+        out.sum().backward()
+        return [m.saved_peak for m in meters]
+
+    plain = peaks(model)
+    # two distinct CPU devices: the first partition gets a worker thread of its own
+    pipe = GPipe(model, [2, 2], devices=["cpu:0", "cpu"], chunks=4, checkpoint="never")
+    ran_on = []
+    hook = model[0].register_forward_hook(lambda *_: ran_on.append(threading.current_thread()))
+    piped = peaks(pipe)
+    hook.remove()
+    assert ran_on and all(t is not threading.main_thread() for t in ran_on)
+    assert plain[0] > 0 and plain[1] > 0
+    assert piped == plain  # no re-materialization: all 4 micro-batches held, as one batch
 
 
 def test_bad_plans_are_named():

@@ -1,0 +1,155 @@
+"""`gpipe bench`: the report's structure on a tiny run, its arithmetic on made-up timings,
+and clear errors for bad options. No timing is asserted: figures depend on the machine."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gpipe.bench.contenders import K, contenders
+from gpipe.bench.report import NOT_MEASURED, figures, targets
+from gpipe.bench.workloads import get_workload
+from gpipe.cli import main
+
+
+def _has_torchgpipe() -> bool:
+    try:
+        import torchgpipe  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    command = [sys.executable, "-m", "gpipe.cli", "bench", "--size", "tiny", "--chunks", "2"]
+    command += ["--memory-chunks", "2", "--repeats", "1", "--warmup", "0", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out, json.loads((out / "bench.json").read_text()), done.stdout
+
+
+def test_every_contender_is_timed_and_measured(tiny_report):
+    _, report, _ = tiny_report
+    names = [c.name for c in contenders()]
+    assert len(names) == 20
+    assert set(report["workloads"]) == {"mlp", "gpt"}
+    for w in report["workloads"].values():
+        skipped = set(w["skipped"])
+        assert skipped == (set() if _has_torchgpipe() else {"torchgpipe"})
+        rows = w["chunks"]["2"]["contenders"]
+        assert set(rows) | skipped == set(names)
+        assert set(w["memory"]) | skipped == set(names)
+        for name, row in rows.items():
+            assert row["seconds"]["median"] > 0 and row["seconds"]["n"] == 1, name
+            assert row["samples_per_s"] > 0 and row["tokens_per_s"] >= row["samples_per_s"]
+            assert row["over_ideal"] > 0 and row["over_naive_ideal"] > 0, name
+            assert -0.5 < row["bubble"] < 1, name
+        for name, mem in w["memory"].items():
+            assert len(mem["rss_peak"]) == K and min(mem["rss_peak"]) > 0, name
+            assert all(p >= s for p, s in zip(mem["rss_peak"], mem["rss_start"], strict=True))
+            assert len(mem["activations"]) == K, name
+            # every stage holds something for backward, and saved tensors are part of it
+            assert all(a >= s > 0 for a, s in zip(mem["activations"], mem["saved"], strict=True))
+        assert w["chunks"]["2"]["ideal"] > 0 and w["chunks"]["2"]["naive_ideal"] > 0
+
+
+def test_pipelines_are_compared_with_their_pytorch_counterpart(tiny_report):
+    _, report, _ = tiny_report
+    rows = report["workloads"]["gpt"]["chunks"]["2"]["contenders"]
+    expected = {
+        "gpipe/gpipe/never": "pytorch/ScheduleGPipe",
+        "gpipe/1f1b/always": "pytorch/Schedule1F1B",
+        "gpipe/zero-bubble/except_last": "pytorch/Schedule1F1B",
+        "gpipe/interleaved/never": "pytorch/ScheduleInterleaved1F1B",
+    }
+    for name, counterpart in expected.items():
+        row = rows[name]
+        assert row["counterpart"] == counterpart
+        theirs = rows[counterpart]["seconds"]["median"]
+        assert row["over_counterpart"] == pytest.approx(row["seconds"]["median"] / theirs)
+        assert row["schedule_bubble"] > 0
+    assert rows["at-once"]["counterpart"] is None and rows["at-once"]["schedule_bubble"] is None
+
+
+def test_the_report_is_written_as_markdown_and_plots(tiny_report):
+    out, report, stdout = tiny_report
+    text = (out / "bench.md").read_text()
+    for name in report["workloads"]["mlp"]["chunks"]["2"]["contenders"]:
+        assert f"| {name} |" in text
+    assert "## Targets" in text and "Machine:" in text
+    for name in ("mlp", "gpt"):
+        for kind in ("step-time", "memory"):
+            png = out / f"bench-{name}-{kind}.png"
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # every target is listed; at M = 2 none can be judged, and the report says so
+    assert len(report["targets"]) == 5
+    assert all(t["met"] is None and t["figure"] == NOT_MEASURED for t in report["targets"])
+    assert text.count("| not measured |") == 5
+    assert "written:" in stdout
+
+
+def _fake_timing(names, chunks, wall, cpu):
+    """Both processes report the same step times; CPU time split evenly between them."""
+    run = {
+        "seconds": {n: list(wall[n]) for n in names},
+        "cpu": {n: [c / K for c in cpu[n]] for n in names},
+    }
+    return [{"skipped": {}, "chunks": {str(chunks): run}} for _ in range(K)]
+
+
+def test_ideal_ratios_and_bubble_follow_their_definitions():
+    workload = get_workload("mlp", "tiny")
+    chosen = [
+        c
+        for c in contenders(("gpipe",), ("never",))
+        if c.name in ("accumulation", "at-once", "gpipe/gpipe/never", "pytorch/ScheduleGPipe")
+    ]
+    names = [c.name for c in chosen]
+    wall = {
+        "accumulation": [4.0, 4.0, 5.0],
+        "at-once": [2.0, 2.2, 2.4],
+        "gpipe/gpipe/never": [3.0, 2.7, 3.3],
+        "pytorch/ScheduleGPipe": [3.0, 3.0, 3.0],
+    }
+    cpu = {n: [w * K * 0.75 for w in wall[n]] for n in names}  # a quarter of the time idle
+    timing = _fake_timing(names, 4, wall, cpu)
+    out = figures(workload, chosen, timing, {}, [4], None)
+    at = out["chunks"]["4"]
+    assert at["ideal"] == pytest.approx(2.2 * 5 / 4)
+    assert at["naive_ideal"] == pytest.approx(4.0 * 5 / (4 * 2))
+    row = at["contenders"]["gpipe/gpipe/never"]
+    assert row["over_ideal"] == pytest.approx(3.0 / 2.75)
+    assert row["over_counterpart"] == pytest.approx(1.0)
+    assert row["over_counterpart_per_cycle"]["median"] == pytest.approx(1.0)
+    assert row["over_counterpart_per_cycle"]["min"] == pytest.approx(0.9)
+    assert row["bubble"] == pytest.approx(0.25)
+    assert row["schedule_bubble"] == pytest.approx(1 / 5)
+    assert row["samples_per_s"] == pytest.approx(workload.batch / 3.0)
+    judged = targets({"mlp": out}, None)
+    assert judged[0] == {
+        "target": "mlp, M=4: gpipe/gpipe/never / pytorch/ScheduleGPipe <= 1.00",
+        "figure": "1.000 (per cycle 1.000)",
+        "met": True,
+    }
+    assert [t["met"] for t in judged[1:]] == [None] * 4  # nothing at M = 8, no memory pass
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workload", "resnet"], "--workload: unknown 'resnet'; expected mlp, gpt"),
+        (["--chunks", "0"], "--chunks must be positive integers, got '0'"),
+        (["--chunks", "two"], "--chunks must be a comma list of integers, got 'two'"),
+        (["--schedules", "gpipe,pipedream"], "--schedules: unknown 'pipedream'"),
+        (["--skip", "deepspeed"], "--skip: 'deepspeed' names no contender"),
+        (["--repeats", "0"], "--repeats must be a positive integer, got 0"),
+        (["--memory-chunks", "-1"], "--memory-chunks must be 0 (no memory pass) or more, got -1"),
+    ],
+)
+def test_bad_options_are_one_line_errors(capsys, args, message):
+    assert main(["bench", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
