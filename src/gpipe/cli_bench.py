@@ -22,7 +22,7 @@ def bench_parser(sub: Any) -> None:
         description="Time every contender on an MLP and a GPT in 2 processes of one thread "
         "each, one step each in turn over several cycles, for several micro-batch counts; "
         "then measure each contender's peak memory in fresh processes. Writes bench.json, "
-        "bench.md and PNG plots. The full default run takes about an hour on 2 cores.",
+        "bench.md and PNG plots. The full default run takes about 70 minutes on 2 cores.",
     )
     p.add_argument(
         "--workload",

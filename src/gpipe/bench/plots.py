@@ -22,39 +22,77 @@ def _pyplot() -> Any:
     return plt
 
 
+_SCHEDULE_COLOURS = {"gpipe": "C0", "1f1b": "C1", "zero-bubble": "C2", "interleaved": "C3"}
+_COUNTERPART = {
+    "ScheduleGPipe": "gpipe",
+    "Schedule1F1B": "1f1b",
+    "ScheduleInterleaved1F1B": "interleaved",
+}
+_MODE_STYLES = {"never": "-", "except_last": "-.", "always": ":"}
+
+
+def _style(name: str) -> dict[str, Any]:
+    """gpipe's schedules in one colour each, PyTorch's counterpart dashed in the same colour;
+    baselines and the one-process libraries in greys and purples."""
+    parts = name.split("/")
+    if parts[0] == "gpipe" and len(parts) == 3:
+        return {"color": _SCHEDULE_COLOURS[parts[1]], "linestyle": _MODE_STYLES[parts[2]]}
+    if parts[0] == "pytorch":
+        return {"color": _SCHEDULE_COLOURS[_COUNTERPART.get(parts[1], "gpipe")], "linestyle": "--"}
+    others = {
+        "full-batch": ("0.55", ":"),
+        "accumulation": ("0.35", ":"),
+        "at-once": ("0.15", ":"),
+        "gpipe/GPipe-1-process": ("C4", "-"),
+        "torchgpipe": ("C4", "--"),
+    }
+    color, linestyle = others.get(name, ("C5", "-"))
+    return {"color": color, "linestyle": linestyle}
+
+
 def plot_step_times(w: dict[str, Any], path: Path) -> Path:
+    """Two panels: without re-materialization (gpipe against PyTorch, the baselines and the
+    ideal), and gpipe's schedules under each re-materialization mode."""
     plt = _pyplot()
     chunk_counts = [int(m) for m in w["chunks"]]
     names = list(next(iter(w["chunks"].values()))["contenders"])
-    styles = {"gpipe": "-", "pytorch": "--", "torchgpipe": "-.", "baseline": ":"}
-    fig, ax = plt.subplots(figsize=(9, 6))
-    for name in names:
-        seconds = [w["chunks"][str(m)]["contenders"][name]["seconds"] for m in chunk_counts]
-        group = name.split("/")[0] if "/" in name or name == "torchgpipe" else "baseline"
-        ax.errorbar(
-            chunk_counts,
-            [s["median"] for s in seconds],
-            yerr=[
-                [s["median"] - s["min"] for s in seconds],
-                [s["max"] - s["median"] for s in seconds],
-            ],
-            linestyle=styles.get(group, "-"),
-            marker="o",
-            markersize=3,
-            capsize=2,
-            label=name,
-        )
-    ideal = [w["chunks"][str(m)]["ideal"] for m in chunk_counts]
-    if all(v is not None for v in ideal):
-        ax.plot(chunk_counts, ideal, color="black", linewidth=2, label="ideal")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(chunk_counts, [str(m) for m in chunk_counts])
-    ax.set_xlabel("micro-batches M")
-    ax.set_ylabel("seconds per step (median; bars: smallest to largest)")
-    ax.set_title(f"{w['workload']}: {w['description']}", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    panels = {
+        "no re-materialization; baselines; one-process libraries": [
+            n for n in names if not n.startswith("gpipe/") or n.endswith(("/never", "process"))
+        ],
+        "gpipe: checkpoint never (solid), except_last (dash-dot), always (dotted)": [
+            n for n in names if n.startswith("gpipe/") and n.count("/") == 2
+        ],
+    }
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6), sharey=True)
+    for ax, (title, chosen) in zip(axes, panels.items(), strict=True):
+        for name in chosen:
+            seconds = [w["chunks"][str(m)]["contenders"][name]["seconds"] for m in chunk_counts]
+            ax.errorbar(
+                chunk_counts,
+                [s["median"] for s in seconds],
+                yerr=[
+                    [s["median"] - s["min"] for s in seconds],
+                    [s["max"] - s["median"] for s in seconds],
+                ],
+                marker="o",
+                markersize=3,
+                capsize=2,
+                label=name,
+                **_style(name),
+            )
+        ideal = [w["chunks"][str(m)]["ideal"] for m in chunk_counts]
+        if all(v is not None for v in ideal):
+            ax.plot(chunk_counts, ideal, color="black", linewidth=2.5, label="ideal")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(chunk_counts, [str(m) for m in chunk_counts])
+        ax.set_xlabel("micro-batches M")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7, ncol=2)
+    axes[0].set_ylabel("seconds per step (median; bars: smallest to largest)")
+    fig.suptitle(f"{w['workload']}: {w['description']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
