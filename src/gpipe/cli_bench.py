@@ -103,7 +103,7 @@ def _counts(flag: str, value: str) -> tuple[int, ...]:
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench.contenders import contenders
-    from .bench.run import BenchOptions, run_bench
+    from .bench.run import BenchOptions, matches, run_bench
     from .bench.workloads import WORKLOADS
     from .cli import UsageError
 
@@ -123,7 +123,7 @@ def _bench(args: argparse.Namespace) -> int:
     skip = _names("skip", args.skip, None)
     known = [c.name for c in contenders(schedules, modes)]
     for s in skip:
-        if not any(n == s or n.startswith(s.rstrip("/") + "/") for n in known):
+        if not any(matches(n, s) for n in known):
             raise UsageError(f"--skip: {s!r} names no contender; contenders: {', '.join(known)}")
     if not args.no_plots:
         try:

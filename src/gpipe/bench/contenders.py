@@ -137,16 +137,25 @@ def _pipeline(schedule: str, checkpoint: str) -> Callable[..., Runner]:
     return build
 
 
-def _gpipe_one_process(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
-    pipe = GPipe(
-        w.build(), list(w.balance), devices=["cpu"] * K, chunks=chunks, checkpoint="except_last"
-    )
+def _one_process(library: str) -> Callable[..., Runner]:
+    """``gpipe.GPipe`` or ``torchgpipe.GPipe``: both partitions on the CPU in this process."""
 
-    def step() -> None:
-        pipe.zero_grad()
-        w.loss_fn(pipe(x), y).backward()
+    def build(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
+        if library == "torchgpipe":
+            from torchgpipe import GPipe as wrapper
+        else:
+            wrapper = GPipe
+        pipe = wrapper(
+            w.build(), list(w.balance), devices=["cpu"] * K, chunks=chunks, checkpoint="except_last"
+        )
 
-    return Runner(step, list(enumerate(pipe.partitions)))
+        def step() -> None:
+            pipe.zero_grad()
+            w.loss_fn(pipe(x), y).backward()
+
+        return Runner(step, list(enumerate(pipe.partitions)))
+
+    return build
 
 
 # --- PyTorch's torch.distributed.pipelining ------------------------------------------------
@@ -183,23 +192,6 @@ def _pytorch(schedule_name: str) -> Callable[..., Runner]:
     return build
 
 
-# --- torchgpipe ----------------------------------------------------------------------------
-
-
-def _torchgpipe(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
-    from torchgpipe import GPipe as TorchGPipe
-
-    pipe = TorchGPipe(
-        w.build(), list(w.balance), devices=["cpu"] * K, chunks=chunks, checkpoint="except_last"
-    )
-
-    def step() -> None:
-        pipe.zero_grad()
-        w.loss_fn(pipe(x), y).backward()
-
-    return Runner(step, list(enumerate(pipe.partitions)))
-
-
 def contenders(
     schedules: tuple[str, ...] = tuple(SCHEDULES), modes: tuple[str, ...] = CHECKPOINT_MODES
 ) -> list[Contender]:
@@ -233,14 +225,19 @@ def contenders(
             "gpipe/GPipe-1-process",
             "gpipe",
             True,
-            _gpipe_one_process,
+            _one_process("gpipe"),
             counterpart="torchgpipe",
             checkpoint="except_last",
         )
     )
-    wanted = {counterpart[s] for s in schedules}
-    for name in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"):
-        if f"pytorch/{name}" in wanted or name != "ScheduleInterleaved1F1B":
-            out.append(Contender(f"pytorch/{name}", "pytorch", False, _pytorch(name)))
-    out.append(Contender("torchgpipe", "torchgpipe", True, _torchgpipe, checkpoint="except_last"))
+    pytorch = ["ScheduleGPipe", "Schedule1F1B"]
+    if "interleaved" in schedules:  # two stages per process: only as gpipe's counterpart
+        pytorch.append("ScheduleInterleaved1F1B")
+    for name in pytorch:
+        out.append(Contender(f"pytorch/{name}", "pytorch", False, _pytorch(name)))
+    out.append(
+        Contender(
+            "torchgpipe", "torchgpipe", True, _one_process("torchgpipe"), checkpoint="except_last"
+        )
+    )
     return out

@@ -22,7 +22,7 @@ from .measure import memory_pass, timing_pass
 from .report import figures, markdown, targets
 from .workloads import get_workload
 
-__all__ = ["BenchOptions", "machine", "run_bench"]
+__all__ = ["BenchOptions", "machine", "matches", "run_bench"]
 
 
 @dataclass
@@ -77,8 +77,10 @@ def machine() -> dict[str, Any]:
     }
 
 
-def _skipped(name: str, skip: tuple[str, ...]) -> bool:
-    return any(name == s or name.startswith(s.rstrip("/") + "/") for s in skip)
+def matches(name: str, pattern: str) -> bool:
+    """Whether contender ``name`` is ``pattern`` or lies under it ("pytorch" matches
+    "pytorch/Schedule1F1B")."""
+    return name == pattern or name.startswith(pattern.rstrip("/") + "/")
 
 
 def run_bench(options: BenchOptions) -> dict[str, Any]:
@@ -88,7 +90,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     chosen = [
         c
         for c in contenders(options.schedules, options.modes)
-        if not _skipped(c.name, options.skip)
+        if not any(matches(c.name, s) for s in options.skip)
     ]
     for needed, what in (("at-once", "ideal"), ("accumulation", "naive ideal")):
         if needed not in {c.name for c in chosen}:
