@@ -87,7 +87,7 @@ def timing_pass(spec: dict[str, Any]) -> dict[str, Any]:
                 if cycle >= spec["warmup"]:
                     seconds[c.name].append(time.perf_counter() - start)
                     cpu[c.name].append(time.process_time() - cpu_start)
-            if rank == 0 and spec.get("progress", True):
+            if rank == 0:
                 print(
                     f"  {spec['workload']}, M={chunks}: cycle {cycle + 1}/{cycles} done",
                     flush=True,
