@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from gpipe.skip import Namespace, pop, skippable, stash
+
 N_IN, N_OUT = 6, 4
 
 
@@ -31,5 +33,88 @@ SPLITS = [(16, 1), (16, 2), (16, 4), (16, 8), (10, 4), (3, 8)]
 def batch(rows: int, dtype: torch.dtype = torch.float64, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, N_IN, dtype=dtype, generator=g)
+    y = torch.randn(rows, N_OUT, dtype=dtype, generator=g)
+    return x, y
+
+
+# --- a U-Net-like model whose skips span 1, 2 and 3 stage boundaries -------------------------
+
+WIDTH = 6
+
+
+@skippable(stash=["skip"])
+class Encode(nn.Module):
+    """Keeps its input for the matching Decode, then transforms it."""
+
+    def __init__(self, width: int = WIDTH):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        yield stash("skip", x)
+        return torch.tanh(self.linear(x))
+
+
+@skippable(pop=["skip"])
+class Decode(nn.Module):
+    """Adds what the matching Encode kept to its transformed input."""
+
+    def __init__(self, width: int = WIDTH):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        skip = yield pop("skip")
+        return torch.tanh(self.linear(x)) + skip
+
+
+@skippable(stash=["mask", "nothing"])
+class StashMask(nn.Module):
+    """Stashes a tensor that needs no gradient, and None."""
+
+    def forward(self, x):
+        yield stash("mask", (x.detach() > 0).to(x.dtype))
+        yield stash("nothing", None)
+        return x
+
+
+@skippable(pop=["mask", "nothing"])
+class ApplyMask(nn.Module):
+    def forward(self, x):
+        mask = yield pop("mask")
+        nothing = yield pop("nothing")
+        assert nothing is None
+        return x * (1 + mask)
+
+
+def unet(
+    dtype: torch.dtype = torch.float64, seed: int = 0, dropout: float = 0.0, width: int = WIDTH
+) -> nn.Sequential:
+    """Nine layers; with UNET_BALANCES the skip 'a' crosses 3 boundaries at K = 4, 'b' and the
+    mask 2, and 'c' 1."""
+    torch.manual_seed(seed)
+    a, b, c = Namespace(), Namespace(), Namespace()
+    layers = [
+        Encode(width).isolate(a),
+        Encode(width).isolate(b),
+        StashMask(),
+        Encode(width).isolate(c),
+        Decode(width).isolate(c),
+        Decode(width).isolate(b),
+        ApplyMask(),
+        Decode(width).isolate(a),
+        nn.Sequential(nn.Dropout(dropout), nn.Linear(width, N_OUT)),
+    ]
+    return nn.Sequential(*layers).to(dtype)
+
+
+UNET_BALANCES = {1: [9], 2: [4, 5], 3: [3, 3, 3], 4: [2, 2, 2, 3]}
+# two stages per rank, for the interleaved schedule
+UNET_INTERLEAVED = {1: [4, 5], 2: [2, 2, 2, 3], 3: [2, 2, 1, 2, 1, 1], 4: [2, 1, 1, 1, 1, 1, 1, 1]}
+
+
+def unet_batch(rows: int, dtype: torch.dtype = torch.float64, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, WIDTH, dtype=dtype, generator=g)
     y = torch.randn(rows, N_OUT, dtype=dtype, generator=g)
     return x, y

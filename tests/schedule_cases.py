@@ -7,7 +7,16 @@ from torch.nn.functional import mse_loss
 from gpipe import Pipeline
 
 from .distributed_cases import MODES, _check_step
-from .models import BALANCES, SPLITS, batch, mlp
+from .models import (
+    BALANCES,
+    SPLITS,
+    UNET_BALANCES,
+    UNET_INTERLEAVED,
+    batch,
+    mlp,
+    unet,
+    unet_batch,
+)
 
 EXACT = {"rtol": 1e-12, "atol": 1e-14}
 
@@ -63,3 +72,51 @@ def interleaved(k: int) -> dict:
         "stages": list(pipe.stages),
         "names": [n for n, _ in pipe.named_parameters()],
     }
+
+
+def _unet_reference(x, y):
+    reference = unet()
+    loss = mse_loss(reference(x), y)
+    loss.backward()
+    return reference, loss
+
+
+def _check_unet_step(pipe, x, y):
+    reference, ref_loss = _unet_reference(x, y)
+    torch.testing.assert_close(pipe.step(x, y), ref_loss.double(), **EXACT)
+    ref_params = dict(reference.named_parameters())
+    names = [name for name, _ in pipe.named_parameters()]
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **EXACT)
+    out = pipe(x)
+    if pipe.is_last:
+        torch.testing.assert_close(out, reference(x), **EXACT)
+    torch.testing.assert_close(pipe.evaluate(x, y), ref_loss.double(), **EXACT)
+    return names
+
+
+def skips(k: int) -> dict:
+    """The U-Net-like model, its skips spanning 1, 2 and 3 stage boundaries, under every
+    schedule and checkpoint mode, against un-pipelined training; returns the parameter names
+    this rank holds, to check that every one was compared."""
+    cases, names = 0, set()
+    for schedule in ("gpipe", "1f1b", "zero-bubble", "interleaved"):
+        interleaved = schedule == "interleaved"
+        balance = UNET_INTERLEAVED[k] if interleaved else UNET_BALANCES[k]
+        splits = [(4 * k, 2 * k), (2 * k, 2 * k)] if interleaved else [(16, 4), (10, 4), (3, 8)]
+        for rows, chunks in splits:
+            for mode in MODES:
+                pipe = Pipeline(
+                    unet(), balance, chunks=chunks, checkpoint=mode, schedule=schedule,
+                    loss_fn=mse_loss,
+                )  # fmt: skip
+                names.update(_check_unet_step(pipe, *unet_batch(rows)))
+                cases += 1
+        # shapes that change between steps: (B, T, features)
+        pipe = Pipeline(unet(), balance, chunks=2 * k, schedule=schedule, loss_fn=mse_loss)
+        for rows, length in [(2 * k, 3), (4 * k, 2)]:
+            x, y = unet_batch(rows * length)
+            pipe.zero_grad()
+            _check_unet_step(pipe, x.view(rows, length, -1), y.view(rows, length, -1))
+            cases += 1
+    return {"cases": cases, "names": sorted(names)}

@@ -137,7 +137,7 @@ def test_bad_options_end_in_one_line_and_exit_code_2(capsys, tmp_path):
     assert "--seq-len 64 is above the model's maximum of 32" in _usage_error(
         capsys, "train", "--preset", "tiny", "--seq-len", "64", *out
     )
-    assert "checkpoint must be one of" in _usage_error(
+    assert "checkpoint is not one of" in _usage_error(
         capsys, "train", "--checkpoint", "sometimes", *out
     )
     assert "unknown preset 'huge'" in _usage_error(capsys, "train", "--preset", "huge", *out)

@@ -6,7 +6,7 @@ import pytest
 from gpipe import launch
 
 from . import schedule_cases as cases
-from .models import BALANCES
+from .models import BALANCES, UNET_BALANCES, unet
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
@@ -23,3 +23,13 @@ def test_interleaved_matches_unpipelined(k):
     assert [results[r]["stages"] for r in range(k)] == [[r, r + k] for r in range(k)]
     if k == 2:  # rank 0 holds layers 0-1 and 4-5 of the full Sequential, under their names
         assert results[0]["names"] == ["0.weight", "0.bias", "5.weight", "5.bias"]
+
+
+@pytest.mark.parametrize("k", sorted(UNET_BALANCES))
+def test_skips_across_stages_match_unpipelined_under_every_schedule(k):
+    """Skips go straight from the stashing process to the popping one and back, under every
+    schedule and checkpoint mode; every parameter of the model is compared on some rank."""
+    results = launch(cases.skips, k, (k,), threads=1)
+    assert all(r["cases"] == 3 * 9 + 2 * 3 + 4 * 2 for r in results.values())
+    compared = set().union(*(r["names"] for r in results.values()))
+    assert compared == {name for name, _ in unet().named_parameters()}

@@ -14,7 +14,7 @@ from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 from . import distributed_cases as cases
 
 
-@pytest.fixture(scope="module", params=["mlp", "gpt"])
+@pytest.fixture(scope="module", params=["mlp", "gpt", "unet"])
 def measured(request):
     return request.param, launch(cases.measured_memory, 2, (request.param,), threads=1)
 
@@ -141,5 +141,5 @@ def test_bad_plans_are_named():
         plan(prof, [1, 1], batch_size=0, chunks=1)
     with pytest.raises(ValueError, match="balance"):
         plan(prof, [1, 2], batch_size=2, chunks=1)
-    with pytest.raises(ValueError, match="checkpoint must be one of"):
+    with pytest.raises(ValueError, match="checkpoint is not one of"):
         plan(prof, [1, 1], batch_size=2, chunks=1, checkpoint="sometimes")

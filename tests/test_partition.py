@@ -45,7 +45,7 @@ def test_partitions_keep_the_layer_names():
 
 def test_shared_layers_and_non_sequential_modules_are_refused():
     layer = nn.Linear(2, 2)
-    message = "duplicate children.*layer .2. shares itself with layer .0."
+    message = "duplicate children.*layer .2. is layer .0."
     with pytest.raises(ValueError, match=message):
         as_sequential(nn.Sequential(layer, nn.ReLU(), layer))
     with pytest.raises(TypeError, match="must be nn.Sequential"):

@@ -25,14 +25,15 @@ def test_b_then_w_equals_one_backward(checkpoint):
     g = torch.randn(4, 8, dtype=torch.float64)
 
     stage = Stage(1, 3, layers, torch.device("cpu"))
-    stage.forward(0, (x,), build_graph=True, checkpoint=checkpoint, split_backward=True)
+    stage.forward(0, x, build_graph=True, checkpoint=checkpoint, split_backward=True)
     reached = []
-    (input_grad,) = stage.backward_input(0, (g,))
+    (input_grad,), skip_grads = stage.backward_input(0, (g,))
+    assert skip_grads == {}
     assert all(p.grad is None for p in layers.parameters())  # B computes no weight gradient
 
     # W must not go back through the graph as far as the input
     saved = stage._saved[0]
-    saved.inputs[0].register_hook(reached.append)
+    saved.inputs.register_hook(reached.append)
     stage.backward_weight(0)
     assert reached == []
 

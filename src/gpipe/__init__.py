@@ -1,5 +1,6 @@
 """gpipe: pipeline-parallel training of models too large for one device (arXiv:1811.06965)."""
 
+from .checkpointing import is_checkpointing, is_recomputing
 from .distributed import Pipeline
 from .errors import BalanceError, MovingDenied, PipelineError, StageError
 from .launch import LaunchError, launch
@@ -13,6 +14,8 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "StageError",
+    "is_checkpointing",
+    "is_recomputing",
     "launch",
 ]
 __version__ = "0.1.0"

@@ -18,7 +18,7 @@ from itertools import accumulate
 import torch
 from torch import Tensor, nn
 
-from .microbatch import as_tuple
+from .microbatch import Batch, as_tuple, like
 from .partition import as_sequential, materialize
 
 __all__ = [
@@ -98,26 +98,39 @@ def balance_by_params(
 
 
 def _sandbox(module: nn.Module, device: torch.device) -> Iterator[nn.Module]:
-    """Copies of the layers, one at a time, to profile: the model's weights, gradients and
-    buffers stay untouched, and at most one layer more than the model is ever allocated.
-    Layers built on the meta device are allocated and initialized on ``device``."""
-    for index, layer in enumerate(as_sequential(module)):
-        yield materialize(copy.deepcopy(layer), index, device, seed=0)
+    """Copies of the layers, one at a time, in training mode, to profile: the model's
+    weights, gradients, buffers and mode stay untouched, and at most one layer more than the
+    model is ever allocated. Layers built on the meta device are allocated and initialized on
+    ``device``. A model whose parameters already hold gradients is refused: profiling would
+    time and measure with them around."""
+    layers = as_sequential(module)
+    if any(p.grad is not None for p in layers.parameters()):
+        raise ValueError("some parameter already has gradient")
+    for index, layer in enumerate(layers):
+        yield materialize(copy.deepcopy(layer), index, device, seed=0).train()
 
 
-def _inputs(sample: Tensor | Sequence[Tensor], device: torch.device) -> tuple[Tensor, ...]:
-    return tuple(
-        t.detach().to(device).requires_grad_(t.is_floating_point()) for t in as_tuple(sample)
+def _inputs(sample: Tensor | Sequence[Tensor], device: torch.device) -> Batch:
+    batch = sample if isinstance(sample, Tensor) else tuple(sample)
+    return like(
+        batch,
+        [t.detach().to(device).requires_grad_(t.is_floating_point()) for t in as_tuple(batch)],
     )
 
 
-def _run_layer(layer: nn.Module, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+def _run_layer(layer: nn.Module, inputs: Batch) -> Batch:
     """Forward and backward of one layer; returns its (detached) outputs for the next."""
-    outputs = as_tuple(layer(inputs[0] if len(inputs) == 1 else inputs))
-    roots = [t for t in outputs if t.requires_grad]
+    return _backward(layer(inputs))
+
+
+def _backward(outputs: Batch) -> Batch:
+    """Backward from a layer's outputs; returns them detached, as the next layer's inputs."""
+    roots = [t for t in as_tuple(outputs) if t.requires_grad]
     if roots:
         torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
-    return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in outputs)
+    return like(
+        outputs, [t.detach().requires_grad_(t.is_floating_point()) for t in as_tuple(outputs)]
+    )
 
 
 def _synchronize(device: torch.device) -> None:
@@ -126,8 +139,8 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _time_layer(
-    layer: nn.Module, x: tuple[Tensor, ...], budget: float, device: torch.device
-) -> tuple[float, tuple[Tensor, ...]]:
+    layer: nn.Module, x: Batch, budget: float, device: torch.device
+) -> tuple[float, Batch]:
     """Median seconds of forward + backward over repeats for about ``budget`` seconds (at
     least three, at most a hundred), after one warm-up run."""
     outputs = _run_layer(layer, x)
@@ -178,20 +191,44 @@ def balance_by_time(
     return partition(layer_times(module, sample, timeout=timeout, device=device), partitions)
 
 
-def _saved_bytes(layer: nn.Module, inputs: tuple[Tensor, ...]) -> tuple[int, tuple[Tensor, ...]]:
-    """Bytes autograd keeps for the backward of ``layer`` (parameters left out)."""
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+def _graph_leaves(outputs: Batch) -> list[Tensor]:
+    """Leaf tensors the autograd graph of ``outputs`` holds (e.g. tensors a layer made that
+    require a gradient): memory the layer keeps besides its saved tensors."""
+    stack = [t.grad_fn for t in as_tuple(outputs)]
+    visited, leaves = set(), []
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, Tensor):
+            leaves.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
+def _saved_bytes(layer: nn.Module, inputs: Batch) -> tuple[int, Batch]:
+    """Bytes the autograd graph of ``layer`` keeps for its backward: saved tensors and leaves
+    it made (parameters and the layer's input left out)."""
+    skipped = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    skipped |= {t.untyped_storage().data_ptr() for t in as_tuple(inputs)}
     seen: dict[int, int] = {}
 
-    def pack(t: Tensor) -> Tensor:
+    def count(t: Tensor) -> None:
         key = t.untyped_storage().data_ptr()
-        if key not in params:
+        if key not in skipped:
             seen[key] = t.untyped_storage().nbytes()
+
+    def pack(t: Tensor) -> Tensor:
+        count(t)
         return t.detach()  # the tensor itself would tie an output to its own graph
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        outputs = _run_layer(layer, inputs)
-    return sum(seen.values()), outputs
+        outputs = layer(inputs)
+    for leaf in _graph_leaves(outputs):
+        count(leaf)
+    return sum(seen.values()), _backward(outputs)
 
 
 def balance_by_size(
@@ -211,7 +248,8 @@ def balance_by_size(
     if param_scale < 0:
         raise ValueError(f"param_scale must not be negative, got {param_scale!r}")
     device = torch.device(device) if device is not None else _default_device()
-    sample = tuple(t[: max(1, t.size(0) // chunks)] for t in as_tuple(input))
+    batch = input if isinstance(input, Tensor) else tuple(input)
+    sample = like(batch, [t[: max(1, t.size(0) // chunks)] for t in as_tuple(batch)])
     costs = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         x = _inputs(sample, device)

@@ -20,12 +20,24 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .balance import balance_by_time
+from .batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
 from .checkpointing import check_checkpoint, should_checkpoint
 from .errors import StageError
 from .executor import StepData, run_program
-from .microbatch import Batch, check_batch, gather, scatter, split_sizes, unpack
+from .microbatch import (
+    Batch,
+    as_tuple,
+    check_batch,
+    check_chunks,
+    gather,
+    like,
+    scatter,
+    split_sizes,
+)
 from .partition import as_sequential, check_balance, even_balance, materialize, stage_bounds
-from .schedule import Action, Schedule, forward_only, get_schedule
+from .schedule import Action, Schedule, add_skips, forward_only, get_schedule
+from .skip.layout import SkipLayout
+from .skip.skippable import find_skips
 from .stage import LossFn, Stage
 from .trace import Event, Recorder, merge
 from .transport import DistributedTransport
@@ -145,9 +157,15 @@ class Pipeline(nn.Module):
             loss is then weighted by its share of the rows), ``"sum"`` if it adds up.
         device: this rank's device (default: ``cuda:LOCAL_RANK`` if CUDA is available, else CPU).
         group: the process group of the pipeline's ranks (default: the whole world).
+        deferred_batch_norm: replace every BatchNorm by ``gpipe.batchnorm.DeferredBatchNorm``,
+            so running statistics are tracked once per mini-batch, as without the pipeline.
         seed: seed of the initialization of layers built on the meta device.
         timeout: seconds a stage waits for a neighbour before it raises StageError.
         trace: record what this rank runs when, for ``timeline`` (``self.recorder``).
+
+    Layers may be ``gpipe.skip.skippable``: a skip that crosses stages is sent straight from
+    the stage that stashes it to the stage that pops it, and its gradient comes back the same
+    way.
     """
 
     def __init__(
@@ -163,13 +181,13 @@ class Pipeline(nn.Module):
         loss_reduction: str = "mean",
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
+        deferred_batch_norm: bool = False,
         seed: int = 0,
         timeout: float = 60.0,
         trace: bool = False,
     ) -> None:
         super().__init__()
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
-            raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+        chunks = check_chunks(chunks)
         self.checkpoint = check_checkpoint(checkpoint)
         self._schedule_fn = get_schedule(schedule)
         if loss_reduction not in LOSS_REDUCTIONS:
@@ -179,6 +197,7 @@ class Pipeline(nn.Module):
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         module = as_sequential(layers)
+        skips = find_skips(module)  # a bad skip is refused before any process group work
         self.device = _default_device() if device is None else torch.device(device)
         if group is None:
             init_process_group(self.device, timeout)
@@ -206,6 +225,8 @@ class Pipeline(nn.Module):
                 f"several stages per process need schedule='interleaved', not {schedule!r}"
             )
         self.chunks = chunks
+        self.deferred_batch_norm = deferred_batch_norm
+        self.skip_layout = SkipLayout.of(skips, self.balance)
         self.schedule_name = schedule
         self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
@@ -220,11 +241,20 @@ class Pipeline(nn.Module):
             start, stop = stage_bounds(self.balance)[stage]
             for index in range(start, stop):
                 name, layer = children[index]
+                if deferred_batch_norm:
+                    layer = convert_deferred_batch_norm(layer, chunks)
                 self.add_module(name, materialize(layer, index, self.device, seed))
             partition = nn.Sequential(
                 OrderedDict((name, self._modules[name]) for name, _ in children[start:stop])
             )
-            self._stages[stage] = Stage(stage, self.n_stages, partition, self.device, loss_fn)
+            self._stages[stage] = Stage(
+                stage,
+                self.n_stages,
+                partition,
+                self.device,
+                loss_fn,
+                ports=self.skip_layout.ports(stage),
+            )
         self._transport = DistributedTransport(
             [s % self.n_ranks for s in range(self.n_stages)], self.device, group, self.timeout
         )
@@ -256,8 +286,14 @@ class Pipeline(nn.Module):
     def schedule_for(self, n_microbatches: int) -> Schedule:
         """The schedule a step with ``n_microbatches`` micro-batches runs."""
         if self.n_stages == self.n_ranks:
-            return self._schedule_fn(self.n_stages, n_microbatches)
-        return self._schedule_fn(self.n_stages, n_microbatches, self.n_ranks)  # type: ignore[call-arg]
+            schedule = self._schedule_fn(self.n_stages, n_microbatches)
+        else:
+            schedule = self._schedule_fn(self.n_stages, n_microbatches, self.n_ranks)  # type: ignore[call-arg]
+        return add_skips(schedule, self.skip_layout.routes)
+
+    def _forward_schedule(self, n_microbatches: int) -> Schedule:
+        schedule = forward_only(self.n_stages, n_microbatches, self.n_ranks)
+        return add_skips(schedule, self.skip_layout.routes)
 
     def _broadcast(self, value: Tensor, src_rank: int, what: str) -> Tensor:
         """Broadcast from ``src_rank``; losing it ends in StageError rather than a hang."""
@@ -276,8 +312,9 @@ class Pipeline(nn.Module):
         batch = None
         rows = torch.zeros(1, dtype=torch.int64, device=self.device)
         if self.is_first:
-            batch = tuple(t.to(self.device) for t in check_batch(inputs, "inputs"))
-            rows[0] = batch[0].size(0)
+            given = check_batch(inputs, "inputs")
+            batch = like(given, [t.to(self.device) for t in as_tuple(given)])
+            rows[0] = as_tuple(batch)[0].size(0)
         if self.n_ranks > 1:
             self._broadcast(rows, 0, "the batch size")
         return int(rows.item()), batch
@@ -308,14 +345,19 @@ class Pipeline(nn.Module):
             for stage in self._stages.values():
                 stage.clear()
             raise
+        if self.deferred_batch_norm and self.training:
+            for stage in self._stages.values():
+                commit_deferred_batch_norm(stage.module)
         return busy
 
     def _targets(self, targets: Any, rows: int, sizes: list[int], data: StepData) -> None:
         """Give the last stage each micro-batch's target and the weight of its loss."""
-        target = tuple(t.to(self.device) for t in check_batch(targets, "targets"))
-        if target[0].size(0) != rows:
-            raise ValueError(f"targets have {target[0].size(0)} rows but inputs have {rows}")
-        data.targets = [unpack(mb) for mb in scatter(target, self.chunks)]
+        given = check_batch(targets, "targets")
+        target = like(given, [t.to(self.device) for t in as_tuple(given)])
+        n = as_tuple(target)[0].size(0)
+        if n != rows:
+            raise ValueError(f"targets have {n} rows but inputs have {rows}")
+        data.targets = scatter(target, self.chunks)
         data.loss_weights = (
             [n / rows for n in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
         )
@@ -368,7 +410,7 @@ class Pipeline(nn.Module):
             data.inputs = scatter(batch, self.chunks)
         if self.is_last:
             self._targets(targets, rows, sizes, data)
-        self._run(forward_only(self.n_stages, len(sizes), self.n_ranks), data)
+        self._run(self._forward_schedule(len(sizes)), data)
         return self._loss(data, len(sizes))
 
     @torch.no_grad()
@@ -379,10 +421,10 @@ class Pipeline(nn.Module):
         data = StepData(n_stages=self.n_stages, build_graph=False)
         if batch is not None:
             data.inputs = scatter(batch, self.chunks)
-        self._run(forward_only(self.n_stages, m, self.n_ranks), data)
+        self._run(self._forward_schedule(m), data)
         if not self.is_last:
             return None
-        return unpack(gather([data.outputs[i] for i in range(m)]))
+        return gather([data.outputs[i] for i in range(m)])
 
     def timeline(self) -> list[Event]:
         """What every rank ran in the last ``step``, ``evaluate`` or forward, merged.

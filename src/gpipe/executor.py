@@ -7,6 +7,7 @@ over torch.distributed.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -14,13 +15,15 @@ from typing import Any
 
 from torch import Tensor
 
-from .errors import PipelineError, StageError
+from .errors import PipelineError
 from .microbatch import Batch
 from .schedule import Action, Kind
 from .stage import Grads, Stage
-from .transport import Message, Transport
+from .transport import Transport
 
 __all__ = ["StepData", "run_program"]
+
+_WHAT = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.WEIGHT: "weight gradients"}
 
 
 @dataclass
@@ -44,49 +47,76 @@ class StepData:
     input_grads: dict[int, Grads] = field(default_factory=dict)
 
 
-def _compute(
-    action: Action, stage: Stage, data: StepData, held: dict[Action, Message], split: bool
+def _received(
+    held: dict[Action, Any], stage: int, kind: Kind, mb: int, peers: Mapping[int, Any]
+) -> dict[int, Grads]:
+    """The skip messages (or their gradients) parked for this compute action, by peer stage."""
+    return {peer: held.pop(Action(stage, kind, mb, peer)) for peer in peers}
+
+
+def _forward(
+    action: Action, stage: Stage, data: StepData, held: dict[Action, Any], split: bool
 ) -> None:
     s, mb = action.stage, action.microbatch
     last = s == data.n_stages - 1
-    if action.kind is Kind.WEIGHT:
-        stage.backward_weight(mb)
-        return
-    if action.kind is Kind.FORWARD:
-        if s == 0:
-            if data.inputs is None:
-                raise PipelineError("stage 0 was given no inputs")
-            inputs = data.inputs[mb]
-        else:
-            inputs = held.pop(Action(s, Kind.RECV_F, mb))  # type: ignore[assignment]
-        target = data.targets[mb] if last and data.targets is not None else None
-        weight = data.loss_weights[mb] if last and data.loss_weights is not None else 1.0
-        outputs, loss = stage.forward(
-            mb,
-            inputs,  # type: ignore[arg-type]
-            build_graph=data.build_graph,
-            checkpoint=data.build_graph and data.checkpoint(mb),
-            target=target,
-            weight=weight,
-            split_backward=split,
-        )
-        if last:
-            if loss is not None:
-                data.losses[mb] = loss
-            if data.keep_outputs:
-                data.outputs[mb] = outputs
-        else:
-            held[Action(s, Kind.SEND_F, mb)] = outputs
+    if s == 0:
+        if data.inputs is None:
+            raise PipelineError("stage 0 was given no inputs")
+        inputs = data.inputs[mb]
     else:
-        if last:
-            grads = data.grad_outputs[mb] if data.grad_outputs is not None else None
-        else:
-            grads = held.pop(Action(s, Kind.RECV_B, mb))
-        input_grads = stage.backward_input(mb, grads) if split else stage.backward(mb, grads)
-        if s == 0:
-            data.input_grads[mb] = input_grads
-        else:
-            held[Action(s, Kind.SEND_B, mb)] = input_grads
+        inputs = held.pop(Action(s, Kind.RECV_F, mb))  # type: ignore[assignment]
+    skips = _received(held, s, Kind.RECV_SKIP, mb, stage.ports.imports)
+    target = data.targets[mb] if last and data.targets is not None else None
+    weight = data.loss_weights[mb] if last and data.loss_weights is not None else 1.0
+    outputs, sent_skips, loss = stage.forward(
+        mb,
+        inputs,
+        skips,
+        build_graph=data.build_graph,
+        checkpoint=data.build_graph and data.checkpoint(mb),
+        target=target,
+        weight=weight,
+        split_backward=split,
+    )
+    for dst, message in sent_skips.items():
+        held[Action(s, Kind.SEND_SKIP, mb, dst)] = message
+    if last:
+        if loss is not None:
+            data.losses[mb] = loss
+        if data.keep_outputs:
+            data.outputs[mb] = outputs
+    else:
+        held[Action(s, Kind.SEND_F, mb)] = outputs
+
+
+def _backward(
+    action: Action, stage: Stage, data: StepData, held: dict[Action, Any], split: bool
+) -> None:
+    s, mb = action.stage, action.microbatch
+    if s == data.n_stages - 1:
+        grads = data.grad_outputs[mb] if data.grad_outputs is not None else None
+    else:
+        grads = held.pop(Action(s, Kind.RECV_B, mb))  # type: ignore[assignment]
+    skip_grads = _received(held, s, Kind.RECV_SKIP_B, mb, stage.ports.exports)
+    run = stage.backward_input if split else stage.backward
+    input_grads, sent = run(mb, grads, skip_grads)
+    for src, message in sent.items():
+        held[Action(s, Kind.SEND_SKIP_B, mb, src)] = message
+    if s == 0:
+        data.input_grads[mb] = input_grads
+    else:
+        held[Action(s, Kind.SEND_B, mb)] = input_grads
+
+
+def _compute(
+    action: Action, stage: Stage, data: StepData, held: dict[Action, Any], split: bool
+) -> None:
+    if action.kind is Kind.WEIGHT:
+        stage.backward_weight(action.microbatch)
+    elif action.kind is Kind.FORWARD:
+        _forward(action, stage, data, held, split)
+    else:
+        _backward(action, stage, data, held, split)
 
 
 def run_program(
@@ -95,38 +125,41 @@ def run_program(
     transport: Transport,
     data: StepData,
     on_action: Callable[[Action, float, float], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> None:
-    """Run ``program`` in order. Failures of a stage are raised as StageError naming it."""
-    held: dict[Action, Message] = {}
+    """Run ``program`` in order.
+
+    An exception raised inside a stage reaches the caller as it was raised, with a note
+    naming the stage, the pass and the micro-batch. ``stop``, when set by a failing peer,
+    ends the program before its next compute action.
+    """
+    held: dict[Action, Any] = {}
     split = any(a.kind is Kind.WEIGHT for a in program)  # backward comes as B, then W
     for action in program:
         stage = stages[action.stage]
         kind = action.kind
         start = perf_counter() if on_action is not None else 0.0
-        if kind is Kind.RECV_F:
-            held[action] = transport.recv(action.stage - 1, action.stage, action.microbatch, kind)
-        elif kind is Kind.RECV_B:
-            held[action] = transport.recv(action.stage + 1, action.stage, action.microbatch, kind)
-        elif kind is Kind.SEND_F:
-            message = held.pop(action)
-            transport.send(message, action.stage, action.stage + 1, action.microbatch, kind)
-        elif kind is Kind.SEND_B:
-            message = held.pop(action)
-            transport.send(message, action.stage, action.stage - 1, action.microbatch, kind)
-        else:
+        if action.is_compute:
+            if stop is not None and stop.is_set():
+                raise PipelineError(f"stage {action.stage}: stopped because another stage failed")
             try:
                 _compute(action, stage, data, held, split)
             except PipelineError:
                 raise
             except Exception as exc:
-                what = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward"}.get(
-                    kind, "weight gradients"
+                exc.add_note(
+                    f"raised in pipeline stage {action.stage}, {_WHAT[kind]} of micro-batch "
+                    f"{action.microbatch}"
                 )
-                raise StageError(
-                    action.stage,
-                    f"{what} of micro-batch {action.microbatch} failed: "
-                    f"{type(exc).__name__}: {exc}",
-                ) from exc
+                raise
+        elif kind in (Kind.RECV_F, Kind.RECV_B, Kind.RECV_SKIP, Kind.RECV_SKIP_B):
+            src = action.other_stage
+            assert src is not None
+            held[action] = transport.recv(src, action.stage, action.microbatch, kind)
+        else:
+            dst = action.other_stage
+            assert dst is not None
+            transport.send(held.pop(action), action.stage, dst, action.microbatch, kind)
         if on_action is not None:
             on_action(action, start, perf_counter())
     transport.flush()

@@ -31,6 +31,7 @@ from .checkpointing import check_checkpoint, should_checkpoint
 from .microbatch import as_tuple, split_sizes
 from .partition import as_sequential, check_balance, stage_bounds
 from .schedule import Kind, Schedule, get_schedule
+from .skip.tracker import observe, use_tracker
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -98,42 +99,75 @@ class _Run:
     inputs: list[frozenset[int]]
     outputs: list[frozenset[int]]
     batch: frozenset[int]  # the sample and target: parts of the user's mini-batch
+    # skips (gpipe.skip): (layer that stashed, layer that popped, storages), in stash order
+    skips: tuple[tuple[int, int, frozenset[int]], ...] = ()
 
     def _bytes(self, keys: Iterable[int]) -> int:
         return sum(self.sizes[k] for k in keys)
 
     def held(self, start: int, stop: int) -> tuple[int, int, int]:
         """Bytes of one micro-batch's graph over layers [start, stop) (saved storages, its
-        input and output), of its input, and of its output. The model's input and target
-        are views of the mini-batch, whose memory ``batch_bytes`` counts once."""
-        graph = set(self.inputs[start]) | self.outputs[stop - 1]
+        input and output, and skip tensors it sends on), of its input, and of its output.
+        Skip tensors it receives are left out (``skip_bytes``: whether they cost anything
+        depends on where they come from). The model's input and target are views of the
+        mini-batch, whose memory ``batch_bytes`` counts once."""
+        sent = set().union(*(k for a, b, k in self.skips if start <= a < stop <= b))
+        received = set().union(*(k for a, b, k in self.skips if a < start <= b < stop))
+        graph = set(self.inputs[start]) | self.outputs[stop - 1] | sent
         for layer in range(start, stop):
             graph |= self.saved[layer]
-        graph -= self.batch
+        graph -= self.batch | received
         return (
             self._bytes(graph),
             self._bytes(self.inputs[start] - self.batch),
             self._bytes(self.outputs[stop - 1]),
         )
 
+    def skip_bytes(
+        self, bounds: Sequence[tuple[int, int]]
+    ) -> dict[tuple[int, int], tuple[int, int]]:
+        """Per skip route between the stages ``bounds`` cut, the bytes of one micro-batch's
+        skip tensors as the destination receives them (in storage of its own), and as the
+        source holds them (views of the mini-batch left out, ``batch_bytes`` counts it)."""
+
+        def stage(layer: int) -> int:
+            return next(j for j, (lo, hi) in enumerate(bounds) if lo <= layer < hi)
+
+        routes: dict[tuple[int, int], tuple[int, int]] = {}
+        for stashed, popped, keys in self.skips:
+            route = (stage(stashed), stage(popped))
+            if route[0] != route[1]:
+                got, kept = routes.get(route, (0, 0))
+                routes[route] = (got + self._bytes(keys), kept + self._bytes(keys - self.batch))
+        return routes
+
     def repeat(self, layer: int, times: int) -> _Run:
         """This run with ``layer`` run ``times`` times in a row, each copy's storages its own
         and each copy's input the previous copy's output."""
         (read,), (made,) = self.inputs[layer], self.outputs[layer]
         own = (self.saved[layer] | self.outputs[layer]) - self.inputs[layer]
+        if any(layer in (a, b) for a, b, _ in self.skips):
+            raise ValueError(f"layer {layer} stashes or pops a skip and cannot be repeated")
         sizes: dict[Any, int] = dict(self.sizes)
-        saved, inputs, outputs = (list(x[:layer]) for x in (self.saved, self.inputs, self.outputs))
+        per_layer = (self.saved, self.inputs, self.outputs)
+        copies: tuple[list[frozenset[Any]], ...] = tuple(list(x[:layer]) for x in per_layer)
         for copy in range(times):
             names = {k: (k, copy) for k in own}
             if copy:
                 names[read] = (made, copy - 1)  # what the copy before returned
             sizes.update({name: self.sizes[k] for k, name in names.items()})
-            for into, keys in ((saved, self.saved), (inputs, self.inputs), (outputs, self.outputs)):
+            for into, keys in zip(copies, per_layer, strict=True):
                 into.append(frozenset(names.get(k, k) for k in keys[layer]))
         last = {k: (k, times - 1) for k in own}
-        for into, keys in ((saved, self.saved), (inputs, self.inputs), (outputs, self.outputs)):
+        for into, keys in zip(copies, per_layer, strict=True):
             into += [frozenset(last.get(k, k) for k in x) for x in keys[layer + 1 :]]
-        return _Run(sizes, saved, inputs, outputs, self.batch)
+        saved, inputs, outputs = copies
+
+        def moved(index: int) -> int:
+            return index if index < layer else index + times - 1
+
+        skips = tuple((moved(a), moved(b), keys) for a, b, keys in self.skips)
+        return _Run(sizes, saved, inputs, outputs, self.batch, skips)
 
     def batch_bytes(self, start: int, stop: int) -> int:
         """Bytes of the sample (first stage) and of the saved target (last stage) in the
@@ -142,9 +176,29 @@ class _Run:
         return self._bytes(keys & self.batch)
 
 
+class _SkipRecorder:
+    """A standalone skip tracker that notes which layer stashed and which popped what."""
+
+    def __init__(self, layer: list[int], note: Callable[[Iterable[Tensor]], frozenset[int]]):
+        self._layer, self._note = layer, note
+        self._tensors: dict[Any, tuple[int, Tensor | None]] = {}
+        self.skips: list[tuple[int, int, frozenset[int]]] = []
+
+    def save(self, key: Any, tensor: Tensor | None) -> None:
+        self._tensors[key] = (self._layer[0], tensor)
+
+    def load(self, key: Any) -> Tensor | None:
+        if key not in self._tensors:
+            raise RuntimeError(f"skip {key[1]!r} was popped before it was stashed")
+        stashed, tensor = self._tensors.pop(key)
+        keys = frozenset() if tensor is None else self._note([tensor])
+        self.skips.append((stashed, self._layer[0], keys))
+        return tensor
+
+
 def _profile_run(
     layers: nn.Sequential,
-    sample: tuple[Tensor, ...],
+    sample: Any,
     target: Any,
     loss_fn: Callable[..., Tensor] | None,
 ) -> _Run:
@@ -170,10 +224,17 @@ def _profile_run(
         keep.append(t)
         return t.detach()  # the tensor itself would tie an output to its own graph
 
-    batch = note([*sample, *_tensors(target)])
-    x: Any = sample if len(sample) > 1 else sample[0]
-    mode = _FusedAttention() if any(t.is_meta for t in sample) else contextlib.nullcontext()
-    with torch.enable_grad(), mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    batch = note([*_tensors(sample), *_tensors(target)])
+    x: Any = sample
+    meta = any(t.is_meta for t in _tensors(sample))
+    mode = _FusedAttention() if meta else contextlib.nullcontext()
+    skips = _SkipRecorder(current, note)
+    with (
+        torch.enable_grad(),
+        mode,
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        use_tracker(skips),
+    ):
         for index, layer in enumerate(layers):
             current[0] = index
             inputs.append(note(_tensors(x)))
@@ -182,7 +243,10 @@ def _profile_run(
             keep.append(x)
         if loss_fn is not None and target is not None:
             keep.append(loss_fn(x, target))
-    return _Run(sizes, [frozenset(s) for s in saved], inputs, outputs, batch)
+    keep.append(skips)
+    return _Run(
+        sizes, [frozenset(s) for s in saved], inputs, outputs, batch, tuple(sorted(skips.skips))
+    )
 
 
 def _rows(batch: Any) -> int:
@@ -221,6 +285,17 @@ class Profile:
         a, b = self.runs
         graph, inp, out = self._scaled(a.held(start, stop), b.held(start, stop), rows)
         return graph, inp, out
+
+    def skip_bytes(
+        self, bounds: Sequence[tuple[int, int]], rows: int
+    ) -> dict[tuple[int, int], tuple[float, float]]:
+        """Per skip route between stages, the bytes of one micro-batch of ``rows`` as its
+        destination receives them and as its source holds them (``_Run.skip_bytes``)."""
+        a, b = (run.skip_bytes(bounds) for run in self.runs)
+        return {
+            route: tuple(self._scaled(a[route], b[route], rows))  # type: ignore[misc]
+            for route in a
+        }
 
     def repeat(self, layer: int, times: int) -> Profile:
         """The profile of the model with ``layer`` repeated ``times`` times, such as the
@@ -265,7 +340,7 @@ def profile(
     runs = tuple(
         _profile_run(
             module,
-            tuple(_tensors(_first_rows(sample, r))),
+            _first_rows(sample, r),
             None if target is None else _first_rows(target, r),
             loss_fn,
         )
@@ -320,48 +395,67 @@ def _schedule(name: str, n_stages: int, n_ranks: int, chunks: int) -> Schedule:
     return make(n_stages, chunks, n_ranks)  # type: ignore[call-arg]
 
 
+@dataclass(frozen=True)
+class _Held:
+    """What one stage holds for one micro-batch (bytes): its graph, its input, its output;
+    skip tensors received and kept while its graph is (``skip_in``: those copied from
+    another process) or while only its input is (``skip_in_ckpt``: also those of a stage of
+    this process, whose graph no longer holds them); and what it sends away and keeps until
+    the step ends (``kept``)."""
+
+    graph: float
+    inp: float
+    out: float
+    skip_in: float
+    skip_in_ckpt: float
+    kept: float
+
+
 def _activation_peak(
     program: Sequence[Any],
     split: bool,
-    held: dict[int, list[tuple[float, float, float]]],
-    sends: Sequence[bool],
+    held: dict[int, list[_Held]],
     checkpointed: Callable[[int], bool],
 ) -> tuple[float, int]:
     """Walk one process's program: the most activation bytes and micro-batches it holds.
 
     A micro-batch holds its whole graph from F to B (to W with a split backward), or only
-    its input if it is recomputed, and then the whole graph again during its B. An output
-    sent to another process stays until the end of the step, when the sends are completed.
+    its input if it is recomputed, and then the whole graph again during its B. What is sent
+    to another process stays until the end of the step, when the sends are completed.
     """
     now = peak = 0.0
     live = most = 0
     for a in program:
         if a.kind not in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT):
             continue
-        graph, inp, out = held[a.stage][a.microbatch]
-        kept = out if sends[a.stage] else 0.0  # the sent output, until the step ends
+        h = held[a.stage][a.microbatch]
         ckpt = checkpointed(a.microbatch)
+        inp = h.inp + h.skip_in_ckpt if ckpt else 0.0  # what a recomputed micro-batch keeps
         if a.kind is Kind.FORWARD:
             live += 1
             most = max(most, live)
-            now += inp + kept if ckpt else graph
-            peak = max(peak, now + out - kept if ckpt else now)
+            if ckpt:
+                now += inp + h.kept
+                peak = max(peak, now + h.out - min(h.out, h.kept))  # the output, briefly
+            else:
+                now += h.graph + h.skip_in
+                peak = max(peak, now)
             continue
         if a.kind is Kind.BACKWARD:
             if not split:
                 live -= 1
             if ckpt:  # recomputed from the kept input: a new graph, the input shared
-                peak = max(peak, now - inp + graph)
-                now += graph - inp if split else -inp
+                peak = max(peak, now - h.inp + h.graph)
+                now += h.graph - h.inp if split else -inp
                 continue
             if split:
                 continue
         else:
             live -= 1
             if ckpt:  # the recomputed graph, whose output was not sent
-                now -= graph
+                now -= h.graph + h.skip_in_ckpt
                 continue
-        now -= graph - kept
+        now -= h.graph + h.skip_in - h.kept
     return peak, most
 
 
@@ -390,9 +484,32 @@ def plan(
     sizes = split_sizes(batch_size, chunks)
     sched = _schedule(schedule, n_stages, n_ranks, len(sizes))
     bounds = stage_bounds(balance)
-    held = {s: [prof.held(a, b, rows) for rows in sizes] for s, (a, b) in enumerate(bounds)}
     rank_of = sched.stage_to_rank
     sends = [s + 1 < n_stages and rank_of[s + 1] != rank_of[s] for s in range(n_stages)]
+    held: dict[int, list[_Held]] = {s: [] for s in range(n_stages)}
+    for rows in sizes:
+        routes = prof.skip_bytes(bounds, rows)
+        for s, (start, stop) in enumerate(bounds):
+            graph, inp, out = prof.held(start, stop, rows)
+            remote_in = sum(
+                r[0] for (a, b), r in routes.items() if b == s and rank_of[a] != rank_of[s]
+            )
+            local_in = sum(
+                r[0] for (a, b), r in routes.items() if b == s and rank_of[a] == rank_of[s]
+            )
+            remote_out = sum(
+                r[1] for (a, b), r in routes.items() if a == s and rank_of[b] != rank_of[s]
+            )
+            held[s].append(
+                _Held(
+                    graph=graph,
+                    inp=inp,
+                    out=out,
+                    skip_in=remote_in,
+                    skip_in_ckpt=remote_in + local_in,
+                    kept=(out if sends[s] else 0.0) + remote_out,
+                )
+            )
     states = 1 + OPTIMIZER_STATES[optimizer]  # gradient + optimizer state
     ranks = []
     for rank in range(n_ranks):
@@ -403,7 +520,6 @@ def plan(
             sched.programs[rank],
             sched.split_backward,
             held,
-            sends,
             lambda i: should_checkpoint(checkpoint, i, len(sizes)),
         )
         peak += sum(prof.batch_bytes(*bounds[s], batch_size) for s in stages)
@@ -423,10 +539,10 @@ def plan(
 
 
 class ActivationMeter:
-    """Peak live bytes of activations in a run: tensors autograd saves for backward and the
-    inputs and outputs of ``module``'s layers, each storage once, parameters and buffers
-    left out. ``with meter: ...`` watches a region; ``peak`` and ``saved_peak`` (saved
-    tensors alone) hold the largest values seen.
+    """Peak live bytes of activations in a run: tensors autograd saves for backward, the
+    inputs and outputs of ``module``'s layers and the tensors its skippable layers stash and
+    pop, each storage once, parameters and buffers left out. ``with meter: ...`` watches a
+    region; ``peak`` and ``saved_peak`` (saved tensors alone) hold the largest values seen.
 
     What the layers save is seen on whichever thread runs them (saved-tensor hooks are
     per thread, so each layer call installs them for itself); what is saved outside the
@@ -484,6 +600,7 @@ class ActivationMeter:
 
         stack = self._stack
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        stack.enter_context(observe(lambda t: self._track([t], saved=False)))  # skip tensors
         for layer in self._module.children():
             stack.callback(layer.register_forward_pre_hook(enter).remove)
             stack.callback(layer.register_forward_hook(leave, always_call=True).remove)

@@ -1,4 +1,8 @@
-"""Splitting a mini-batch into micro-batches along dim 0 and joining the results back."""
+"""Splitting a mini-batch into micro-batches along dim 0 and joining the results back.
+
+A batch is what a layer takes and returns at a stage boundary: one tensor, or a tuple of
+tensors (a 1-tuple stays a 1-tuple), as in torchgpipe.
+"""
 
 from __future__ import annotations
 
@@ -7,42 +11,71 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "as_tuple", "check_batch", "gather", "scatter", "split_sizes", "unpack"]
+__all__ = [
+    "Batch",
+    "as_tuple",
+    "check_batch",
+    "check_chunks",
+    "gather",
+    "like",
+    "scatter",
+    "split_sizes",
+]
 
-# A micro-batch as the pipeline carries it: always a tuple of tensors.
-Batch = tuple[Tensor, ...]
+Batch = Tensor | tuple[Tensor, ...]
 
 
-def as_tuple(value: Tensor | Sequence[Tensor]) -> Batch:
-    return (value,) if isinstance(value, Tensor) else tuple(value)
+def as_tuple(batch: Tensor | Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """The tensors of ``batch``, as a tuple."""
+    return (batch,) if isinstance(batch, Tensor) else tuple(batch)
 
 
-def unpack(batch: Batch) -> Tensor | Batch:
-    """What a layer receives: the tensor itself for a batch of one tensor, else the tuple."""
-    return batch[0] if len(batch) == 1 else batch
+def like(batch: Batch, items: Sequence[Tensor]) -> Batch:
+    """``items`` in the shape of ``batch``: a tensor if it is one, else a tuple."""
+    if isinstance(batch, Tensor):
+        (item,) = items
+        return item
+    return tuple(items)
 
 
-def check_batch(value: object, name: str = "input") -> Batch:
-    """A tensor or a non-empty tuple/list of tensors, each with a batch dimension."""
+def _describe(value: object) -> str:
+    given = type(value).__name__
+    if isinstance(value, (tuple, list)):
+        given += "[" + ", ".join(type(v).__name__ for v in value) + "]"
+    return given
+
+
+def check_batch(value: object, name: str = "input", *, batched: bool = True) -> Batch:
+    """A tensor or a non-empty tuple of tensors (a list is taken as a tuple); with
+    ``batched``, each has a batch dimension and they share its size."""
     if isinstance(value, Tensor):
-        items: Batch = (value,)
+        batch: Batch = value
     elif isinstance(value, (tuple, list)) and value and all(isinstance(v, Tensor) for v in value):
-        items = tuple(value)
+        batch = tuple(value)
     else:
-        given = type(value).__name__
-        if isinstance(value, (tuple, list)):
-            given += "[" + ", ".join(type(v).__name__ for v in value) + "]"
-        raise TypeError(f"{name} must be a Tensor or a tuple of Tensors, got {given}")
+        raise TypeError(f"{name} must be a Tensor or a tuple of Tensors, got {_describe(value)}")
+    if not batched:
+        return batch
+    items = as_tuple(batch)
     for k, t in enumerate(items):
         if t.dim() == 0:
-            raise ValueError(f"{name}[{k}] is a 0-d tensor; it needs a batch dimension (dim 0)")
+            where = name if isinstance(batch, Tensor) else f"{name}[{k}]"
+            raise ValueError(f"{where} is a 0-d tensor; it needs a batch dimension (dim 0)")
     rows = {t.size(0) for t in items}
     if len(rows) > 1:
         sizes = [t.size(0) for t in items]
         raise ValueError(f"{name} tensors must share their batch size (dim 0), got {sizes}")
     if items[0].size(0) == 0:
         raise ValueError(f"{name} has an empty batch (dim 0 is 0)")
-    return items
+    return batch
+
+
+def check_chunks(chunks: object) -> int:
+    """``chunks`` as an int; an integral float such as ``42.0`` is taken, as torchgpipe does."""
+    integral = isinstance(chunks, int) or (isinstance(chunks, float) and chunks.is_integer())
+    if isinstance(chunks, bool) or not integral or chunks <= 0:  # type: ignore[operator]
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    return int(chunks)  # type: ignore[call-overload]
 
 
 def split_sizes(rows: int, chunks: int) -> list[int]:
@@ -59,13 +92,16 @@ def split_sizes(rows: int, chunks: int) -> list[int]:
 
 def scatter(batch: Batch, chunks: int) -> list[Batch]:
     """Split every tensor of ``batch`` along dim 0 into at most ``chunks`` micro-batches."""
-    sizes = split_sizes(batch[0].size(0), chunks)
-    parts = [t.split(sizes, dim=0) for t in batch]
-    return [tuple(p[i] for p in parts) for i in range(len(sizes))]
+    items = as_tuple(batch)
+    sizes = split_sizes(items[0].size(0), chunks)
+    parts = [t.split(sizes, dim=0) for t in items]
+    return [like(batch, [p[i] for p in parts]) for i in range(len(sizes))]
 
 
 def gather(microbatches: Sequence[Batch]) -> Batch:
     """Concatenate micro-batch outputs back into one batch along dim 0."""
+    first = microbatches[0]
     if len(microbatches) == 1:
-        return microbatches[0]
-    return tuple(torch.cat(parts, dim=0) for parts in zip(*microbatches, strict=True))
+        return first
+    columns = zip(*(as_tuple(mb) for mb in microbatches), strict=True)
+    return like(first, [torch.cat(parts, dim=0) for parts in columns])

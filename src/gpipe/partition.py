@@ -39,32 +39,45 @@ def as_sequential(layers: nn.Sequential | Iterable[nn.Module]) -> nn.Sequential:
     for name, child in module._modules.items():
         if child is None:
             continue
-        for tensor in [child, *child.parameters()]:
-            if id(tensor) in owner:
+        if id(child) in owner:
+            raise ValueError(
+                f"module with duplicate children is not supported: layer {name!r} is layer "
+                f"{owner[id(child)]!r}"
+            )
+        for param in child.parameters():
+            if id(param) in owner:
                 raise ValueError(
-                    "module with duplicate children is not supported: layer "
-                    f"{name!r} shares {'itself' if tensor is child else 'a parameter'} "
-                    f"with layer {owner[id(tensor)]!r}"
+                    "module with duplicate parameters in distinct children is not supported: "
+                    f"layer {name!r} shares a parameter with layer {owner[id(param)]!r}"
                 )
         owner.update((id(t), name) for t in [child, *child.parameters()])
     return module
 
 
+_SEE_BALANCE = (
+    "gpipe.balance chooses one from measured costs, e.g. "
+    "balance = gpipe.balance.balance_by_time(partitions, model, sample)"
+)
+
+
 def check_balance(n_layers: int, balance: object) -> list[int]:
-    """``balance`` as a list of positive ints summing to ``n_layers``, or a BalanceError."""
+    """``balance`` (a list or tuple) as a list of positive ints summing to ``n_layers``, or a
+    BalanceError that points to ``gpipe.balance``."""
     if balance is None:
-        raise BalanceError("balance is required: the number of layers in each partition")
+        raise BalanceError(
+            f"balance is required: the number of layers in each partition; {_SEE_BALANCE}"
+        )
     if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
         raise BalanceError(f"balance must be a list of ints, got {balance!r}")
     items = list(balance)
-    if not items:
+    if not items and n_layers:
         raise BalanceError("balance must name at least one partition, got []")
     if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in items):
         raise BalanceError(f"all balance numbers must be positive integers (balance: {items})")
     if sum(items) != n_layers:
         raise BalanceError(
             "module and sum of balance have different length "
-            f"(module: {n_layers}, sum of balance: {sum(items)})"
+            f"(module: {n_layers}, sum of balance: {sum(items)}); {_SEE_BALANCE}"
         )
     return items
 

@@ -15,12 +15,23 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
 from .checkpointing import check_checkpoint, should_checkpoint
 from .errors import MovingDenied, PipelineError
 from .executor import StepData, run_program
-from .microbatch import Batch, check_batch, gather, scatter
+from .microbatch import Batch, as_tuple, check_batch, check_chunks, gather, like, scatter
 from .partition import as_sequential, check_balance, split_sequential
-from .schedule import Action, Kind, Schedule, execution_order, forward_only, gpipe
+from .schedule import (
+    FORWARD_KINDS,
+    Action,
+    Schedule,
+    add_skips,
+    execution_order,
+    forward_only,
+    gpipe,
+)
+from .skip.layout import SkipLayout
+from .skip.skippable import find_skips
 from .stage import Stage
 from .trace import Event, Recorder
 from .transport import InProcessTransport
@@ -40,21 +51,31 @@ def _default_devices(n: int) -> list[torch.device]:
     return [torch.device("cpu")] * n
 
 
+def _clock_cycle(schedule: Schedule) -> Callable[[Action], tuple[int, int]]:
+    """GPipe's clock cycle of an action, then its stage: at forward cycle c stage j runs
+    micro-batch c - j, and the backward mirrors it. Devices run their actions in this order,
+    so that a failure stops every stage at the same cycle."""
+    k, m = schedule.n_stages, schedule.n_microbatches
+
+    def key(action: Action) -> tuple[int, int]:
+        if action.kind in FORWARD_KINDS:
+            return action.microbatch + action.stage, action.stage
+        return (m - 1 - action.microbatch) + (k - 1 - action.stage), action.stage
+
+    return key
+
+
 class _Run:
     """The in-process machinery of one GPipe: stages, per-device programs and their workers."""
 
     def __init__(
         self,
-        partitions: Sequence[nn.Module],
-        devices: Sequence[torch.device],
+        stages: Sequence[Stage],
         timeout: float,
         on_action: Callable[[Action, float, float], None] | None = None,
     ) -> None:
-        self.devices = list(devices)
-        self.stages = [
-            Stage(j, len(partitions), p, d)
-            for j, (p, d) in enumerate(zip(partitions, devices, strict=True))
-        ]
+        self.stages = list(stages)
+        self.devices = [stage.device for stage in self.stages]
         self.timeout = timeout
         self.on_action = on_action
         self._groups = list(dict.fromkeys(self.devices))  # one worker per distinct device
@@ -62,11 +83,10 @@ class _Run:
         self._lock = threading.Lock()
 
     def _programs(self, schedule: Schedule, phase: str) -> dict[torch.device, list[Action]]:
-        """Each device's actions in one global order that cannot deadlock, for one phase."""
-        forward_kinds = (Kind.RECV_F, Kind.FORWARD, Kind.SEND_F)
+        """Each device's actions of one phase, in clock-cycle order (which cannot deadlock)."""
         programs: dict[torch.device, list[Action]] = {d: [] for d in self._groups}
-        for action in execution_order(schedule):
-            if (action.kind in forward_kinds) == (phase == "forward"):
+        for action in sorted(execution_order(schedule), key=_clock_cycle(schedule)):
+            if (action.kind in FORWARD_KINDS) == (phase == "forward"):
                 programs[self.devices[action.stage]].append(action)
         return programs
 
@@ -78,7 +98,10 @@ class _Run:
 
     def run(self, schedule: Schedule, phase: str, data: StepData) -> None:
         """Run one phase on all devices at once; the last stage's device runs on this thread
-        (in backward, autograd already occupies that device's thread with this very call)."""
+        (in backward, autograd already occupies that device's thread with this very call).
+
+        The first exception raised in a stage is re-raised here as it was, with a note naming
+        the stage and micro-batch; the other devices stop before their next micro-batch."""
         transport = InProcessTransport(self.devices, self.timeout)
         stages = dict(enumerate(self.stages))
         programs = self._programs(schedule, phase)
@@ -88,7 +111,9 @@ class _Run:
         def work(program: list[Action]) -> None:
             try:
                 with torch.set_grad_enabled(grad_mode):
-                    run_program(program, stages, transport, data, self.on_action)
+                    run_program(
+                        program, stages, transport, data, self.on_action, stop=transport.abort
+                    )
             except BaseException:
                 transport.abort.set()
                 transport.wake()
@@ -122,14 +147,21 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, run: _Run, schedule: Schedule, data: StepData, phony: Tensor, *inputs: Tensor
+        ctx: Any,
+        run: _Run,
+        schedule: Schedule,
+        data: StepData,
+        shape: list[Batch],
+        phony: Tensor,
+        *inputs: Tensor,
     ) -> tuple[Tensor, ...]:
         run.run(schedule, "forward", data)
-        outputs = gather([data.outputs[i] for i in range(schedule.n_microbatches)])
-        outputs = tuple(t.detach() for t in outputs)
+        microbatches = [data.outputs[i] for i in range(schedule.n_microbatches)]
+        shape.append(microbatches[0])  # a tensor or a tuple: the caller returns the same
+        outputs = tuple(t.detach() for t in as_tuple(gather(microbatches)))
         ctx.mark_non_differentiable(*[t for t in outputs if not t.is_floating_point()])
         ctx.run, ctx.schedule, ctx.data = run, schedule, data
-        ctx.sizes = [b[0].size(0) for b in data.outputs.values()]
+        ctx.sizes = [as_tuple(b)[0].size(0) for b in microbatches]
         data.outputs.clear()
         return outputs
 
@@ -148,19 +180,23 @@ class _PipelineFunction(torch.autograd.Function):
             None if any(g is None for g in grads) else torch.cat(grads, dim=0)
             for grads in per_input
         )
-        return (None, None, None, None, *input_grads)
+        return (None, None, None, None, None, *input_grads)
 
 
 class GPipe(nn.Module):
     """Wraps an ``nn.Sequential`` for GPipe pipeline parallelism in one process.
 
     Args:
-        module: the model, an ``nn.Sequential`` cut into consecutive partitions.
-        balance: number of layers in each partition.
+        module: the model, an ``nn.Sequential`` cut into consecutive partitions. Its layers
+            may be ``gpipe.skip.skippable``: a skip that crosses partitions is copied straight
+            to the partition that pops it.
+        balance: number of layers in each partition (a list or tuple); ``gpipe.balance``
+            chooses one from measured costs.
         devices: one device per partition (default: every CUDA device, else CPU).
         chunks: number of micro-batches a mini-batch is split into.
         checkpoint: when to re-materialize: ``"always"``, ``"except_last"`` or ``"never"``.
-        deferred_batch_norm: not supported yet; ``True`` raises NotImplementedError.
+        deferred_batch_norm: replace every BatchNorm by ``gpipe.batchnorm.DeferredBatchNorm``,
+            so running statistics are tracked once per mini-batch, as without the pipeline.
         timeout: seconds a stage waits for its neighbour before it gives up.
         trace: record what each stage runs when, for ``timeline`` (``self.recorder``).
     """
@@ -178,15 +214,11 @@ class GPipe(nn.Module):
         trace: bool = False,
     ) -> None:
         super().__init__()
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
-            raise ValueError(f"number of chunks must be positive integer, got {chunks!r}")
-        check_checkpoint(checkpoint)
-        if deferred_batch_norm:
-            raise NotImplementedError(
-                "deferred_batch_norm=True is not supported yet; use deferred_batch_norm=False"
-            )
+        chunks = check_chunks(chunks)
+        checkpoint = check_checkpoint(checkpoint)
         module = as_sequential(module)
         self.balance = check_balance(len(module), None if balance is None else list(balance))
+        skips = find_skips(module)
         all_devices = (
             _default_devices(len(self.balance))
             if devices is None
@@ -197,16 +229,24 @@ class GPipe(nn.Module):
                 "too few devices to hold given partitions "
                 f"(devices: {len(all_devices)}, partitions: {len(self.balance)})"
             )
+        if deferred_batch_norm:
+            module = convert_deferred_batch_norm(module, chunks)  # type: ignore[assignment]
         self.devices = all_devices[: len(self.balance)]
         self.chunks = chunks
         self.checkpoint = checkpoint
+        self.deferred_batch_norm = deferred_batch_norm
         parts = split_sequential(module, self.balance)
         self.partitions = nn.ModuleList(
             [nn.Module.to(p, d) for p, d in zip(parts, self.devices, strict=True)]
         )
+        self.skip_layout = SkipLayout.of(skips, self.balance)
+        stages = [
+            Stage(j, len(parts), p, d, ports=self.skip_layout.ports(j))
+            for j, (p, d) in enumerate(zip(self.partitions, self.devices, strict=True))
+        ]
         self.recorder = Recorder(0) if trace else None
         hook = None if self.recorder is None else self.recorder.on_action
-        self._run = _Run(list(self.partitions), self.devices, timeout, hook)
+        self._run = _Run(stages, timeout, hook)
 
     # -- Sequential-like access to the layers -------------------------------------------------
     def __len__(self) -> int:
@@ -249,28 +289,41 @@ class GPipe(nn.Module):
 
     # -- Running -----------------------------------------------------------------------------
     def forward(self, input: Tensor | tuple[Tensor, ...]) -> Any:
-        """Pipelined forward over micro-batches; the output is on the last device."""
+        """Pipelined forward over micro-batches; the output is on the last device, a tensor
+        or a tuple as the last partition returns it."""
+        if not self.partitions:  # an empty Sequential is the identity
+            return check_batch(input, batched=False)
         if self.recorder is not None:
             self.recorder.step()  # a step is this forward and the backward of its output
         batch = check_batch(input)
-        batch = tuple(t.to(self.devices[0]) for t in batch)
+        batch = like(batch, [t.to(self.devices[0]) for t in as_tuple(batch)])
         microbatches = scatter(batch, self.chunks)
         m, k = len(microbatches), len(self.partitions)
-        mode = self.checkpoint if self.training else "never"
+        routes = self.skip_layout.routes
         if not torch.is_grad_enabled():
             data = StepData(n_stages=k, build_graph=False, inputs=microbatches)
-            self._run.run(forward_only(k, m), "forward", data)
-            outputs: Batch = gather([data.outputs[i] for i in range(m)])
-        else:
-            data = StepData(
-                n_stages=k,
-                build_graph=True,
-                checkpoint=lambda mb: should_checkpoint(mode, mb, m),
-                inputs=microbatches,
-            )
-            phony = torch.empty(0, device=self.devices[0], requires_grad=True)
-            outputs = _PipelineFunction.apply(self._run, gpipe(k, m), data, phony, *batch)
-        return outputs[0] if len(outputs) == 1 else outputs
+            self._run.run(add_skips(forward_only(k, m), routes), "forward", data)
+            self._commit()
+            return gather([data.outputs[i] for i in range(m)])
+        mode = self.checkpoint if self.training else "never"
+        data = StepData(
+            n_stages=k,
+            build_graph=True,
+            checkpoint=lambda mb: should_checkpoint(mode, mb, m),
+            inputs=microbatches,
+        )
+        phony = torch.empty(0, device=self.devices[0], requires_grad=True)
+        schedule = add_skips(gpipe(k, m), routes)
+        shape: list[Batch] = []
+        outputs = _PipelineFunction.apply(self._run, schedule, data, shape, phony, *as_tuple(batch))
+        self._commit()
+        return like(shape[0], outputs)
+
+    def _commit(self) -> None:
+        """After a training forward, fold the micro-batches' BatchNorm statistics in."""
+        if self.deferred_batch_norm and self.training:
+            for partition in self.partitions:
+                commit_deferred_batch_norm(partition)
 
     def timeline(self) -> list[Event]:
         """What every stage ran in the last step: the last forward and its backward, if run."""

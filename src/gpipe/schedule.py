@@ -8,6 +8,7 @@ this one representation, so what is checked is exactly what runs.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from collections import deque
@@ -19,6 +20,7 @@ __all__ = [
     "Kind",
     "Schedule",
     "ScheduleError",
+    "add_skips",
     "clock_cycles",
     "execution_order",
     "forward_only",
@@ -44,25 +46,49 @@ class Kind(enum.Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    # skip connections: tensors sent straight to a later stage, their gradients back
+    SEND_SKIP = "SEND_SKIP"
+    RECV_SKIP = "RECV_SKIP"
+    SEND_SKIP_B = "SEND_SKIP_B"
+    RECV_SKIP_B = "RECV_SKIP_B"
 
 
 _COMPUTE = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
+_SENDS = (Kind.SEND_F, Kind.SEND_B, Kind.SEND_SKIP, Kind.SEND_SKIP_B)
+_RECVS = (Kind.RECV_F, Kind.RECV_B, Kind.RECV_SKIP, Kind.RECV_SKIP_B)
+RECV_OF = dict(zip(_SENDS, _RECVS, strict=True))  # the receive that matches each send
+_NEIGHBOUR = {Kind.SEND_F: 1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: 1}
+FORWARD_KINDS = frozenset({Kind.FORWARD, Kind.SEND_F, Kind.RECV_F, Kind.SEND_SKIP, Kind.RECV_SKIP})
 
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """One step of one stage on one micro-batch; printed compactly, e.g. ``1F0`` or ``0RECV_B3``."""
+    """One step of one stage on one micro-batch; printed compactly, e.g. ``1F0`` or ``0RECV_B3``.
+
+    A skip action also names the stage at the other end: ``0SEND_SKIP3@2`` is stage 0 sending
+    micro-batch 3's skip tensors to stage 2.
+    """
 
     stage: int
     kind: Kind
     microbatch: int
+    peer: int | None = None  # the other stage of a skip action; neighbours are implied
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.microbatch}"
+        text = f"{self.stage}{self.kind.value}{self.microbatch}"
+        return text if self.peer is None else f"{text}@{self.peer}"
 
     @property
     def is_compute(self) -> bool:
         return self.kind in _COMPUTE
+
+    @property
+    def other_stage(self) -> int | None:
+        """The stage a communication action sends to or receives from; None for compute."""
+        if self.peer is not None:
+            return self.peer
+        step = _NEIGHBOUR.get(self.kind)
+        return None if step is None else self.stage + step
 
 
 @dataclass(frozen=True)
@@ -73,6 +99,8 @@ class Schedule:
     which rank holds stage ``s``. ``backward`` is False for forward-only (inference) schedules.
     With ``split_backward`` every backward is two actions: ``B`` computes the gradients of the
     stage's inputs (what the previous stage waits for) and ``W`` those of its weights.
+    ``skips`` lists the (source, destination) stage pairs that exchange skip tensors
+    (``add_skips``).
     """
 
     name: str
@@ -82,6 +110,7 @@ class Schedule:
     stage_to_rank: tuple[int, ...]
     backward: bool = True
     split_backward: bool = False
+    skips: tuple[tuple[int, int], ...] = ()
 
     @property
     def n_ranks(self) -> int:
@@ -295,6 +324,50 @@ def _interleaved(n_stages: int, n_microbatches: int, k: int) -> Schedule:
     )
 
 
+@functools.lru_cache(maxsize=256)
+def add_skips(schedule: Schedule, routes: tuple[tuple[int, int], ...]) -> Schedule:
+    """``schedule`` with skip connections: for every (source, destination) stage pair in
+    ``routes``, the source sends its skip tensors right after each forward and receives their
+    gradients right before each backward; the destination receives them right before its
+    forward and sends the gradients right after its backward.
+
+    A skip travels straight between the two stages, never through the ones in between.
+    """
+    routes = tuple(sorted(set(routes)))
+    if not routes:
+        return schedule
+    for src, dst in routes:
+        if not 0 <= src < dst < schedule.n_stages:
+            raise ScheduleError(
+                f"a skip route goes from an earlier to a later stage of {schedule.n_stages}, "
+                f"got {src} -> {dst}"
+            )
+    sources: dict[int, list[int]] = {}
+    dests: dict[int, list[int]] = {}
+    for src, dst in routes:
+        dests.setdefault(src, []).append(dst)
+        sources.setdefault(dst, []).append(src)
+    programs = []
+    for program in schedule.programs:
+        out: list[Action] = []
+        after: list[Action] = []  # skip sends that follow the compute action's own send
+        for a in program:
+            s, i = a.stage, a.microbatch
+            if after and not (a.kind in (Kind.SEND_F, Kind.SEND_B) and a.stage == after[0].stage):
+                out += after
+                after = []
+            if a.kind is Kind.FORWARD:
+                out += [Action(s, Kind.RECV_SKIP, i, src) for src in sources.get(s, [])]
+                after = [Action(s, Kind.SEND_SKIP, i, dst) for dst in dests.get(s, [])]
+            elif a.kind is Kind.BACKWARD:
+                out += [Action(s, Kind.RECV_SKIP_B, i, dst) for dst in dests.get(s, [])]
+                after = [Action(s, Kind.SEND_SKIP_B, i, src) for src in sources.get(s, [])]
+            out.append(a)
+        out += after
+        programs.append(tuple(out))
+    return dataclasses.replace(schedule, programs=tuple(programs), skips=routes)
+
+
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
@@ -315,24 +388,29 @@ def get_schedule(name: str) -> Callable[[int, int], Schedule]:
 # Validation
 
 
-def _requirements(action: Action, n_stages: int) -> list[Action]:
+def _requirements(action: Action, schedule: Schedule) -> list[Action]:
     """The actions that must have run before ``action`` can run."""
     s, i = action.stage, action.microbatch
     kind = action.kind
-    if kind is Kind.RECV_F:
-        return [Action(s - 1, Kind.SEND_F, i)]
-    if kind is Kind.RECV_B:
-        return [Action(s + 1, Kind.SEND_B, i)]
+    if kind in _RECVS:
+        send = {r: k for k, r in RECV_OF.items()}[kind]
+        other = action.other_stage
+        assert other is not None
+        peer = None if action.peer is None else s
+        return [Action(other, send, i, peer)]
     if kind is Kind.FORWARD:
-        return [Action(s, Kind.RECV_F, i)] if s > 0 else []
+        need = [Action(s, Kind.RECV_F, i)] if s > 0 else []
+        need += [Action(s, Kind.RECV_SKIP, i, src) for src, dst in schedule.skips if dst == s]
+        return need
     if kind is Kind.BACKWARD:
         need = [Action(s, Kind.FORWARD, i)]
-        if s < n_stages - 1:
+        if s < schedule.n_stages - 1:
             need.append(Action(s, Kind.RECV_B, i))
+        need += [Action(s, Kind.RECV_SKIP_B, i, dst) for src, dst in schedule.skips if src == s]
         return need
-    if kind is Kind.SEND_F:
+    if kind in (Kind.SEND_F, Kind.SEND_SKIP):
         return [Action(s, Kind.FORWARD, i)]
-    return [Action(s, Kind.BACKWARD, i)]  # SEND_B and WEIGHT
+    return [Action(s, Kind.BACKWARD, i)]  # SEND_B, SEND_SKIP_B and WEIGHT
 
 
 def _expected_actions(schedule: Schedule) -> set[Action]:
@@ -352,27 +430,37 @@ def _expected_actions(schedule: Schedule) -> set[Action]:
             if schedule.split_backward:
                 kinds.append(Kind.WEIGHT)
         expected.update(Action(s, k, i) for k in kinds for i in range(schedule.n_microbatches))
+    for src, dst in schedule.skips:
+        kinds = [(src, Kind.SEND_SKIP, dst), (dst, Kind.RECV_SKIP, src)]
+        if schedule.backward:
+            kinds += [(dst, Kind.SEND_SKIP_B, src), (src, Kind.RECV_SKIP_B, dst)]
+        expected.update(
+            Action(stage, kind, i, peer)
+            for stage, kind, peer in kinds
+            for i in range(schedule.n_microbatches)
+        )
     return expected
 
 
 def _check_fifo(schedule: Schedule) -> None:
     """Point-to-point transports deliver in order: sends and receives must agree on it."""
-    sent: dict[tuple[int, Kind], list[int]] = {}
-    received: dict[tuple[int, Kind], list[int]] = {}
-    pair = {Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B}
+    sent: dict[tuple[int, int, Kind], list[int]] = {}
+    received: dict[tuple[int, int, Kind], list[int]] = {}
     for program in schedule.programs:
         for a in program:
-            if a.kind in pair:
-                dst = a.stage + 1 if a.kind is Kind.SEND_F else a.stage - 1
-                sent.setdefault((dst, pair[a.kind]), []).append(a.microbatch)
-            elif a.kind in (Kind.RECV_F, Kind.RECV_B):
-                received.setdefault((a.stage, a.kind), []).append(a.microbatch)
+            other = a.other_stage
+            if a.kind in RECV_OF:
+                assert other is not None
+                sent.setdefault((a.stage, other, RECV_OF[a.kind]), []).append(a.microbatch)
+            elif a.kind in _RECVS:
+                assert other is not None
+                received.setdefault((other, a.stage, a.kind), []).append(a.microbatch)
     for key, order in received.items():
         if sent.get(key) != order:
-            stage, kind = key
+            src, dst, kind = key
             raise ScheduleError(
-                f"stage {stage} receives {kind.value} in micro-batch order {order}, "
-                f"but they are sent in order {sent.get(key)}"
+                f"stage {dst} receives {kind.value} from stage {src} in micro-batch order "
+                f"{order}, but they are sent in order {sent.get(key)}"
             )
 
 
@@ -391,8 +479,10 @@ def execution_order(schedule: Schedule) -> list[Action]:
     seen: set[Action] = set()
     for rank, program in enumerate(schedule.programs):
         for a in program:
-            if not (0 <= a.stage < schedule.n_stages) or not (
-                0 <= a.microbatch < schedule.n_microbatches
+            if (
+                not (0 <= a.stage < schedule.n_stages)
+                or not (0 <= a.microbatch < schedule.n_microbatches)
+                or not (a.other_stage is None or 0 <= a.other_stage < schedule.n_stages)
             ):
                 raise ScheduleError(f"rank {rank}: action {a} is out of range")
             if rank_of[a.stage] != rank:
@@ -418,9 +508,7 @@ def execution_order(schedule: Schedule) -> list[Action]:
     while any(queues):
         progressed = False
         for queue in queues:
-            while queue and all(
-                need in done for need in _requirements(queue[0], schedule.n_stages)
-            ):
+            while queue and all(need in done for need in _requirements(queue[0], schedule)):
                 action = queue.popleft()
                 done.add(action)
                 order.append(action)
@@ -428,7 +516,7 @@ def execution_order(schedule: Schedule) -> list[Action]:
         if not progressed:
             blocked = ", ".join(
                 f"rank {r} waits at {q[0]} (needs "
-                + " ".join(str(n) for n in _requirements(q[0], schedule.n_stages) if n not in done)
+                + " ".join(str(n) for n in _requirements(q[0], schedule) if n not in done)
                 + ")"
                 for r, q in enumerate(queues)
                 if q

@@ -7,7 +7,7 @@ import functools
 import itertools
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from numbers import Real
 from pathlib import Path
@@ -28,6 +28,7 @@ __all__ = [
 ]
 
 PerStage = float | Sequence[float]
+Route = tuple[int, int]
 
 _PER_STAGE = ("forward", "backward", "weight", "activation_bytes")
 _SCALAR = ("latency", "message_bytes")
@@ -54,6 +55,32 @@ def _check_per_stage(name: str, value: Any) -> float | tuple[float, ...]:
     return tuple(_check_amount(f"{name}[{s}]", v) for s, v in enumerate(value))
 
 
+def _check_skip_bytes(value: Any) -> dict[Route, float]:
+    """``{(src, dst): bytes}``; ``"src->dst"`` keys (as JSON writes them) are read too."""
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"Costs.skip_bytes must map (source, destination) stages to bytes, got {value!r}"
+        )
+    routes: dict[Route, float] = {}
+    for key, nbytes in value.items():
+        route = key
+        if isinstance(key, str):
+            parts = key.split("->")
+            route = tuple(int(p) for p in parts) if all(p.strip().isdigit() for p in parts) else key
+        if not (
+            isinstance(route, tuple)
+            and len(route) == 2
+            and all(isinstance(s, int) and not isinstance(s, bool) for s in route)
+            and 0 <= route[0] < route[1]
+        ):
+            raise ValueError(
+                f"Costs.skip_bytes keys are (source, destination) stages with source < "
+                f"destination, or 'source->destination', got {key!r}"
+            )
+        routes[route] = _check_amount(f"skip_bytes[{key!r}]", nbytes)  # type: ignore[index]
+    return routes
+
+
 @dataclass(frozen=True)
 class Costs:
     """What a schedule's actions cost, so that schedules can be compared before anything runs.
@@ -67,6 +94,11 @@ class Costs:
     bandwidth`` seconds after it is sent, whatever else is in flight (links never congest);
     between stages on one rank it arrives at once. A stage keeps ``activation_bytes`` per
     micro-batch from the start of its forward to the end of its last backward action.
+
+    ``skip_bytes`` maps a skip route ``(source, destination)`` to the bytes of one
+    micro-batch's skip tensors on it (``gpipe.skip``): that message and its gradient take
+    ``latency + skip_bytes / bandwidth``, and the destination holds those bytes, besides its
+    activations, from its forward to its backward.
     """
 
     forward: PerStage
@@ -76,12 +108,14 @@ class Costs:
     bandwidth: float = math.inf
     message_bytes: float = 0.0
     activation_bytes: PerStage = 0.0
+    skip_bytes: Mapping[Route, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in _PER_STAGE:
             object.__setattr__(self, name, _check_per_stage(name, getattr(self, name)))
         for name in _SCALAR:
             object.__setattr__(self, name, _check_amount(name, getattr(self, name)))
+        object.__setattr__(self, "skip_bytes", _check_skip_bytes(self.skip_bytes))
         bandwidth = self.bandwidth
         if not _is_number(bandwidth) or math.isnan(bandwidth) or bandwidth <= 0:
             raise ValueError(
@@ -108,11 +142,27 @@ class Costs:
             raise ValueError(f"{path}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as plain JSON values (per-stage values as lists); ``from_file`` reads it."""
-        return {
-            f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
-            for f in fields(self)
-        }
+        """The fields as plain JSON values (per-stage values as lists, skip routes as
+        ``"src->dst"`` keys); ``from_file`` reads it."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "skip_bytes":
+                value = {f"{src}->{dst}": v for (src, dst), v in value.items()}
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def skip_into(self, n_stages: int) -> tuple[float, ...]:
+        """Per stage, the skip bytes it receives for one micro-batch."""
+        into = [0.0] * n_stages
+        for (src, dst), nbytes in self.skip_bytes.items():
+            if dst >= n_stages:
+                raise ValueError(
+                    f"Costs.skip_bytes has route {src}->{dst}, but the schedule has "
+                    f"{n_stages} stages"
+                )
+            into[dst] += nbytes
+        return tuple(into)
 
     def per_stage(self, name: str, n_stages: int) -> tuple[float, ...]:
         """The field ``name`` as one value per stage, checking a list has ``n_stages`` values."""
@@ -190,11 +240,21 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     b_cost = costs.per_stage("backward", n_stages)
     if not schedule.split_backward:
         b_cost = tuple(b + w for b, w in zip(b_cost, w_cost, strict=True))
-    act_bytes = costs.per_stage("activation_bytes", n_stages)
+    skip_in = costs.skip_into(n_stages)
+    act_bytes = tuple(
+        a + b for a, b in zip(costs.per_stage("activation_bytes", n_stages), skip_in, strict=True)
+    )
     f_delay, b_delay = _delays(schedule, costs)
+    rank_of = schedule.stage_to_rank
+
+    def skip_delay(src: int, dst: int) -> float:
+        if rank_of[src] == rank_of[dst]:
+            return 0.0
+        return costs.latency + costs.skip_bytes.get((src, dst), 0.0) / costs.bandwidth
 
     F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT
-    SEND_F, RECV_F, SEND_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B
+    SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+    SEND_SKIP, SEND_SKIP_B = Kind.SEND_SKIP, Kind.SEND_SKIP_B
     release = W if schedule.split_backward else B  # the last action that needs activations
     keeps = schedule.backward  # forward-only schedules drop activations at once
 
@@ -203,6 +263,9 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     b_arrival: list[float | None] = [None] * (n_stages * n_mb)
     f_waiting: dict[int, int] = {}  # slot -> the rank blocked on it
     b_waiting: dict[int, int] = {}
+    # skip messages: (forward?, destination, source, micro-batch) -> arrival / blocked rank
+    s_arrival: dict[tuple[bool, int, int, int], float] = {}
+    s_waiting: dict[tuple[bool, int, int, int], int] = {}
     programs = [iter(program) for program in schedule.programs]
     blocked_at: list[Action | None] = [None] * n_ranks  # the receive a rank waits at
     clock, busy = [0.0] * n_ranks, [0.0] * n_ranks
@@ -265,11 +328,24 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
                 if kind is release:
                     live[s] -= 1
                     held -= act_bytes[s]
-            else:  # RECV_B
+            elif kind is RECV_B:
                 slot = a.stage * n_mb + a.microbatch
                 at = b_arrival[slot]
                 if at is None:
                     b_waiting[slot] = r
+                    break
+                if at > t:
+                    t = at
+            elif kind is SEND_SKIP or kind is SEND_SKIP_B:
+                key = (kind is SEND_SKIP, a.peer, a.stage, a.microbatch)
+                s_arrival[key] = t + skip_delay(a.stage, a.peer)  # type: ignore[arg-type]
+                if key in s_waiting:
+                    ready.append(s_waiting.pop(key))
+            else:  # RECV_SKIP, RECV_SKIP_B
+                key = (kind is Kind.RECV_SKIP, a.stage, a.peer, a.microbatch)
+                at = s_arrival.get(key)  # type: ignore[arg-type]
+                if at is None:
+                    s_waiting[key] = r  # type: ignore[index]
                     break
                 if at > t:
                     t = at

@@ -3,32 +3,42 @@
 Between a micro-batch's forward and its backward the stage keeps either the autograd graph
 (no re-materialization) or only its input and random state (re-materialization), and nothing
 else. Gradients of parameters accumulate in ``.grad`` across micro-batches.
+
+Besides the batch it hands to the next stage, a stage may receive skip tensors from earlier
+stages and send skips to later ones (``gpipe.skip``); their gradients travel back the same
+way, so each stage's backward still ends at its own boundary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .checkpointing import RNGState
-from .microbatch import Batch, as_tuple, unpack
+from .checkpointing import RNGState, checkpointing, recomputing
+from .microbatch import Batch, as_tuple, check_batch, like
+from .skip.layout import StagePorts
+from .skip.namespace import SkipKey
+from .skip.tracker import StageTracker, use_tracker
 from .weightgrad import WeightGradients
 
-__all__ = ["LossFn", "Stage"]
+__all__ = ["Grads", "LossFn", "Stage"]
 
 LossFn = Callable[..., Tensor]
 Grads = tuple[Tensor | None, ...]
+Skips = dict[SkipKey, Tensor | None]
 
 
 @dataclass
 class _Saved:
     inputs: Batch
-    outputs: Batch | None = None  # None when the forward is to be recomputed
+    imported: Skips = field(default_factory=dict)
+    # the outputs, then the skips sent on, with their graph; None while to be recomputed
+    outputs: list[Tensor | None] | None = None
     loss: Tensor | None = None
     rng: RNGState | None = None
     target: Any = None
@@ -44,11 +54,22 @@ def _leaf(t: Tensor) -> Tensor:
     return t.detach().requires_grad_(t.requires_grad)
 
 
+def _announced(t: Tensor) -> Tensor:
+    """A tensor sent after a graph-free pass: recomputation will give every floating tensor a
+    graph, so the receiver is told to expect a gradient for it."""
+    return t.detach().requires_grad_(t.is_floating_point())
+
+
+def _maybe(fn: Callable[[Tensor], Tensor], t: Tensor | None) -> Tensor | None:
+    return None if t is None else fn(t)
+
+
 class Stage:
     """Partition ``index`` of ``n_stages``, holding ``module`` on ``device``.
 
     The last stage may own the loss: ``forward`` then also takes the micro-batch's target and
     the weight of its loss in the mini-batch loss, and ``backward`` starts from that loss.
+    ``ports`` says which skip tensors the stage receives from and sends to which stages.
     """
 
     def __init__(
@@ -58,73 +79,116 @@ class Stage:
         module: nn.Module,
         device: torch.device,
         loss_fn: LossFn | None = None,
+        ports: StagePorts | None = None,
     ) -> None:
         self.index = index
         self.n_stages = n_stages
         self.module = module
         self.device = device
         self.loss_fn = loss_fn
+        self.ports = ports if ports is not None else StagePorts()
         self._saved: dict[int, _Saved] = {}
 
     @property
     def is_last(self) -> bool:
         return self.index == self.n_stages - 1
 
-    def _run(self, inputs: Batch, saved: _Saved) -> tuple[Batch, Tensor | None]:
-        outputs = as_tuple(self.module(unpack(inputs)))
-        if not all(isinstance(t, Tensor) for t in outputs):
-            kinds = [type(t).__name__ for t in outputs]
-            raise TypeError(
-                f"partition returned {kinds}; a stage must return a Tensor or a tuple of Tensors"
-            )
+    # -- skips in and out, in the order of ``ports`` ----------------------------------------
+    def _imported(self, skips: Mapping[int, Grads]) -> Skips:
+        imported: Skips = {}
+        for src, keys in self.ports.imports.items():
+            message = skips.get(src)
+            if message is None or len(message) != len(keys):
+                got = "nothing" if message is None else f"{len(message)} tensors"
+                raise RuntimeError(
+                    f"stage {self.index} expected {len(keys)} skip tensors from stage {src}, "
+                    f"got {got}"
+                )
+            imported.update(zip(keys, message, strict=True))
+        return imported
+
+    def _exported(self, stashed: Skips, microbatch: int) -> list[Tensor | None]:
+        out = []
+        for keys in self.ports.exports.values():
+            for key in keys:
+                if key not in stashed:
+                    raise RuntimeError(
+                        f"skip {key[1]!r} is popped on a later stage, but no layer of stage "
+                        f"{self.index} stashed it in micro-batch {microbatch}"
+                    )
+                out.append(stashed[key])
+        return out
+
+    def _by_destination(self, exported: list[Tensor | None]) -> dict[int, Grads]:
+        out, start = {}, 0
+        for dst, keys in self.ports.exports.items():
+            out[dst] = tuple(exported[start : start + len(keys)])
+            start += len(keys)
+        return out
+
+    # -- forward --------------------------------------------------------------------------
+    def _run(
+        self, inputs: Batch, imported: Skips, saved: _Saved, microbatch: int
+    ) -> tuple[Batch, list[Tensor | None], Tensor | None]:
+        tracker = StageTracker(imported)
+        with use_tracker(tracker):
+            raw = self.module(inputs)
+        outputs = check_batch(raw, f"the output of stage {self.index}", batched=False)
+        exported = self._exported(tracker.stashed, microbatch)
         loss = None
         if self.is_last and self.loss_fn is not None and saved.target is not None:
-            loss = self.loss_fn(unpack(outputs), saved.target)
+            loss = self.loss_fn(outputs, saved.target)
             if not isinstance(loss, Tensor) or loss.dim() != 0:
                 shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
                 raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
             loss = loss * saved.weight
-        return outputs, loss
+        return outputs, exported, loss
 
     def forward(
         self,
         microbatch: int,
         inputs: Batch,
+        skips: Mapping[int, Grads] | None = None,
         *,
         build_graph: bool,
         checkpoint: bool = False,
         target: Any = None,
         weight: float = 1.0,
         split_backward: bool = False,
-    ) -> tuple[Batch, Tensor | None]:
-        """Run one micro-batch; returns its outputs and, on a loss stage, its weighted loss.
+    ) -> tuple[Batch, dict[int, Grads], Tensor | None]:
+        """Run one micro-batch; returns its outputs, the skips to send (by destination stage)
+        and, on a loss stage, its weighted loss.
 
-        With ``build_graph`` the stage keeps what the backward of this micro-batch needs; the
-        outputs it returns are then detached leaves that say by ``requires_grad`` whether a
-        gradient is expected back for them. With ``split_backward`` the backward comes in two
-        halves, ``backward_input`` and then ``backward_weight``.
+        ``skips`` holds what earlier stages sent, by source stage. With ``build_graph`` the
+        stage keeps what the backward of this micro-batch needs; the tensors it returns are
+        then detached leaves that say by ``requires_grad`` whether a gradient is expected
+        back for them. With ``split_backward`` the backward comes in two halves,
+        ``backward_input`` and then ``backward_weight``.
         """
-        saved = _Saved(inputs=inputs, target=target, weight=weight)
+        imported = self._imported(skips or {})
+        saved = _Saved(inputs=inputs, imported=imported, target=target, weight=weight)
         if split_backward and build_graph:
             saved.weights = WeightGradients()
         if not build_graph:
             with torch.no_grad():
-                outputs, loss = self._run(inputs, saved)
-            return outputs, loss
-        saved.inputs = tuple(_leaf(t) for t in inputs)
+                outputs, exported, loss = self._run(inputs, imported, saved, microbatch)
+            return outputs, self._by_destination(exported), loss
+        saved.inputs = like(inputs, [_leaf(t) for t in as_tuple(inputs)])
+        saved.imported = {key: _maybe(_leaf, t) for key, t in imported.items()}
         if checkpoint:
             saved.rng = RNGState(self.device)
-            with torch.no_grad():
-                outputs, loss = self._run(saved.inputs, saved)
-            # Recomputation will give every floating output a graph; say so to the next stage.
-            sent = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in outputs)
+            with torch.no_grad(), checkpointing():
+                outputs, exported, loss = self._run(saved.inputs, saved.imported, saved, microbatch)
+            sent = like(outputs, [_announced(t) for t in as_tuple(outputs)])
+            sent_skips = [_maybe(_announced, t) for t in exported]
         else:
             with torch.enable_grad(), self._capturing(saved):
-                outputs, loss = self._run(saved.inputs, saved)
-            saved.outputs, saved.loss = outputs, loss
-            sent = tuple(_leaf(t) for t in outputs)
+                outputs, exported, loss = self._run(saved.inputs, saved.imported, saved, microbatch)
+            saved.outputs, saved.loss = [*as_tuple(outputs), *exported], loss
+            sent = like(outputs, [_leaf(t) for t in as_tuple(outputs)])
+            sent_skips = [_maybe(_leaf, t) for t in exported]
         self._saved[microbatch] = saved
-        return sent, None if loss is None else loss.detach()
+        return sent, self._by_destination(sent_skips), None if loss is None else loss.detach()
 
     def _capturing(self, saved: _Saved) -> Any:
         return saved.weights.capturing(self.module) if saved.weights is not None else nullcontext()
@@ -138,42 +202,86 @@ class Stage:
                 f"backward of micro-batch {microbatch} without a forward that kept its graph"
             ) from None
         if saved.rng is not None:
-            with saved.rng.replay(), torch.enable_grad(), self._capturing(saved):
-                saved.outputs, saved.loss = self._run(saved.inputs, saved)
+            with saved.rng.replay(), torch.enable_grad(), recomputing(), self._capturing(saved):
+                outputs, exported, saved.loss = self._run(
+                    saved.inputs, saved.imported, saved, microbatch
+                )
+            saved.outputs = [*as_tuple(outputs), *exported]
             saved.rng = None
-        assert saved.outputs is not None
         return saved
 
+    # -- backward -------------------------------------------------------------------------
     def _roots(
-        self, saved: _Saved, microbatch: int, grad_outputs: Grads | None
+        self,
+        saved: _Saved,
+        microbatch: int,
+        grad_outputs: Grads | None,
+        skip_grads: Mapping[int, Grads],
     ) -> tuple[list[Tensor], list[Tensor] | None]:
-        """Where this micro-batch's backward starts: its loss, or its outputs and their
-        gradients from the next stage."""
+        """Where this micro-batch's backward starts: its loss, or its outputs and the skips
+        it sent, with their gradients from later stages."""
+        assert saved.outputs is not None
         if saved.loss is not None and grad_outputs is None:
             return [saved.loss], None
-        if grad_outputs is None or len(grad_outputs) != len(saved.outputs):
+        n_skips = sum(len(keys) for keys in self.ports.exports.values())
+        n_outputs = len(saved.outputs) - n_skips
+        if grad_outputs is None or len(grad_outputs) != n_outputs:
             got = "none" if grad_outputs is None else len(grad_outputs)
             raise ValueError(
-                f"expected {len(saved.outputs)} output gradients for micro-batch "
-                f"{microbatch}, got {got}"
+                f"expected {n_outputs} output gradients for micro-batch {microbatch}, got {got}"
             )
+        grads = list(grad_outputs)
+        for dst, keys in self.ports.exports.items():
+            message = skip_grads.get(dst)
+            if message is None or len(message) != len(keys):
+                raise RuntimeError(
+                    f"stage {self.index} expected {len(keys)} skip gradients from stage {dst} "
+                    f"for micro-batch {microbatch}"
+                )
+            grads += message
         pairs = [
             (o, g)
-            for o, g in zip(saved.outputs, grad_outputs, strict=True)
-            if g is not None and o.requires_grad
+            for o, g in zip(saved.outputs, grads, strict=True)
+            if g is not None and o is not None and o.requires_grad
         ]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
-    def backward(self, microbatch: int, grad_outputs: Grads | None) -> Grads:
-        """Backward of one micro-batch from its loss or from ``grad_outputs``; returns the
-        gradients of the stage's inputs (None where an input needs none)."""
+    def _input_grads(
+        self, saved: _Saved, grad_of: Callable[[Tensor], Tensor | None]
+    ) -> tuple[Grads, dict[int, Grads]]:
+        """Gradients of the batch input and, by source stage, of the skips received."""
+
+        def of(t: Tensor | None) -> Tensor | None:
+            return grad_of(t) if t is not None and t.requires_grad else None
+
+        batch = tuple(of(t) for t in as_tuple(saved.inputs))
+        skips = {
+            src: tuple(of(saved.imported[key]) for key in keys)
+            for src, keys in self.ports.imports.items()
+        }
+        return batch, skips
+
+    def backward(
+        self,
+        microbatch: int,
+        grad_outputs: Grads | None,
+        skip_grads: Mapping[int, Grads] | None = None,
+    ) -> tuple[Grads, dict[int, Grads]]:
+        """Backward of one micro-batch from its loss or from ``grad_outputs`` (and the
+        gradients of the skips it sent, by destination stage); returns the gradients of the
+        stage's inputs (None where one needs none) and of the skips it received."""
         saved = self._graph(microbatch, pop=True)
-        roots, grads = self._roots(saved, microbatch, grad_outputs)
+        roots, grads = self._roots(saved, microbatch, grad_outputs, skip_grads or {})
         if roots:
             torch.autograd.backward(roots, grads)
-        return tuple(t.grad if t.requires_grad else None for t in saved.inputs)
+        return self._input_grads(saved, lambda t: t.grad)
 
-    def backward_input(self, microbatch: int, grad_outputs: Grads | None) -> Grads:
+    def backward_input(
+        self,
+        microbatch: int,
+        grad_outputs: Grads | None,
+        skip_grads: Mapping[int, Grads] | None = None,
+    ) -> tuple[Grads, dict[int, Grads]]:
         """B of a split backward: only the gradients of the stage's inputs; the graph is kept
         for ``backward_weight``."""
         saved = self._graph(microbatch, pop=False)
@@ -181,15 +289,16 @@ class Stage:
             raise RuntimeError(
                 f"micro-batch {microbatch} was run forward without split_backward=True"
             )
-        roots, grads = self._roots(saved, microbatch, grad_outputs)
-        wanted = [t for t in saved.inputs if t.requires_grad]
+        roots, grads = self._roots(saved, microbatch, grad_outputs, skip_grads or {})
+        leaves = [*as_tuple(saved.inputs), *saved.imported.values()]
+        wanted = [t for t in leaves if t is not None and t.requires_grad]
         found: dict[int, Tensor | None] = {}
         if roots and wanted:
             got = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
             found = {id(t): g for t, g in zip(wanted, got, strict=True)}
             saved.b_ran = True
         saved.roots, saved.root_grads = roots, grads
-        return tuple(found.get(id(t)) for t in saved.inputs)
+        return self._input_grads(saved, lambda t: found.get(id(t)))
 
     def backward_weight(self, microbatch: int) -> None:
         """W of a split backward: the weight gradients, accumulated into ``.grad``."""

@@ -1,8 +1,9 @@
 """Moving boundary tensors between stages: in one process, or across processes.
 
-Both transports carry a tuple whose items are tensors or None (a gradient nobody needs), and
-keep each tensor's ``requires_grad`` so the receiving stage knows which gradients to send
-back. Every wait is bounded: a peer that never answers ends in a StageError naming the stage.
+Both transports carry a tensor, or a tuple whose items are tensors or None (a gradient nobody
+needs), keep that shape (a 1-tuple stays a 1-tuple), and keep each tensor's
+``requires_grad`` so the receiving stage knows which gradients to send back. Every wait is
+bounded: a peer that never answers ends in a StageError naming the stage.
 """
 
 from __future__ import annotations
@@ -19,24 +20,34 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .errors import PipelineError, StageError
-from .schedule import Kind
+from .schedule import RECV_OF, Kind
 
 __all__ = ["DistributedTransport", "InProcessTransport", "Message", "Transport"]
 
-Message = tuple[Tensor | None, ...]
+Message = Tensor | tuple[Tensor | None, ...]
+
+_CARRIED = {
+    Kind.RECV_F: "activations",
+    Kind.RECV_B: "gradients",
+    Kind.RECV_SKIP: "skip tensors",
+    Kind.RECV_SKIP_B: "skip gradients",
+}
 
 
 def _what(kind: Kind, microbatch: int, src: int) -> str:
-    carried = "activations" if kind is Kind.RECV_F else "gradients"
-    return f"{carried} of micro-batch {microbatch} from stage {src}"
+    return f"{_CARRIED[kind]} of micro-batch {microbatch} from stage {src}"
+
+
+def _items(message: Message) -> tuple[Tensor | None, ...]:
+    return (message,) if isinstance(message, Tensor) else tuple(message)
 
 
 class Transport(Protocol):
     def send(self, message: Message, src: int, dst: int, microbatch: int, kind: Kind) -> None:
-        """Send ``message`` from stage ``src`` to stage ``dst``; ``kind`` is SEND_F or SEND_B."""
+        """Send ``message`` from stage ``src`` to stage ``dst``; ``kind`` is a send kind."""
 
     def recv(self, src: int, dst: int, microbatch: int, kind: Kind) -> Message:
-        """Receive what stage ``src`` sent to stage ``dst``; ``kind`` is RECV_F or RECV_B."""
+        """Receive what stage ``src`` sent to stage ``dst``; ``kind`` is the matching receive."""
 
     def flush(self) -> None:
         """Wait until every send has left, so its tensors may be freed or reused."""
@@ -57,9 +68,8 @@ class InProcessTransport:
         self.abort = threading.Event()
 
     def send(self, message: Message, src: int, dst: int, microbatch: int, kind: Kind) -> None:
-        recv_kind = Kind.RECV_F if kind is Kind.SEND_F else Kind.RECV_B
         with self._cond:
-            self._box[(src, dst, recv_kind, microbatch)] = message
+            self._box[(src, dst, RECV_OF[kind], microbatch)] = message
             self._cond.notify_all()
 
     def recv(self, src: int, dst: int, microbatch: int, kind: Kind) -> Message:
@@ -79,12 +89,13 @@ class InProcessTransport:
                 self._cond.wait(min(left, 0.1))
             message = self._box.pop(key)
         device = self._devices[dst]
-        return tuple(
-            None
-            if t is None
-            else t.detach().to(device, non_blocking=True).requires_grad_(t.requires_grad)
-            for t in message
-        )
+
+        def moved(t: Tensor) -> Tensor:
+            return t.detach().to(device, non_blocking=True).requires_grad_(t.requires_grad)
+
+        if isinstance(message, Tensor):
+            return moved(message)
+        return tuple(None if t is None else moved(t) for t in message)
 
     def flush(self) -> None:
         pass
@@ -97,6 +108,8 @@ class InProcessTransport:
 
 # --------------------------------------------------------------------------------------------
 # Across processes: a fixed-size header says what follows, then one message per tensor.
+# The header is [number of items, 1 if the message is a bare tensor, then per item its dtype
+# code, requires_grad, number of dimensions and sizes, or -1 for None].
 
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
@@ -117,8 +130,9 @@ _HEADER = 32  # int64 slots; a longer description follows in a second message
 
 
 def _describe(message: Message) -> list[int]:
-    words = [len(message)]
-    for t in message:
+    items = _items(message)
+    words = [len(items), int(isinstance(message, Tensor))]
+    for t in items:
         if t is None:
             words.append(-1)
             continue
@@ -128,9 +142,10 @@ def _describe(message: Message) -> list[int]:
     return words
 
 
-def _parse(words: list[int]) -> list[tuple[torch.dtype, bool, list[int]] | None]:
+def _parse(words: list[int]) -> tuple[bool, list[tuple[torch.dtype, bool, list[int]] | None]]:
+    """Whether the message is a bare tensor, and each item's dtype, requires_grad and shape."""
     items: list[tuple[torch.dtype, bool, list[int]] | None] = []
-    pos = 1
+    pos = 2
     for _ in range(words[0]):
         code = words[pos]
         if code < 0:
@@ -140,7 +155,7 @@ def _parse(words: list[int]) -> list[tuple[torch.dtype, bool, list[int]] | None]
         ndim = words[pos + 2]
         items.append((_DTYPES[code], bool(words[pos + 1]), words[pos + 3 : pos + 3 + ndim]))
         pos += 3 + ndim
-    return items
+    return bool(words[1]), items
 
 
 class DistributedTransport:
@@ -172,16 +187,21 @@ class DistributedTransport:
         rank = self._stage_to_rank[stage]
         return rank if self._group is None else dist.get_global_rank(self._group, rank)
 
-    @staticmethod
-    def _tag(kind: Kind, dst: int) -> int:
-        return 2 * dst + (0 if kind in (Kind.SEND_F, Kind.RECV_F) else 1)
+    def _tag(self, kind: Kind, src: int, dst: int) -> int:
+        """One tag per channel: forward and backward traffic into each stage, and each pair of
+        stages that exchange skips, so that their messages never match each other's."""
+        backward = kind in (Kind.SEND_B, Kind.RECV_B, Kind.SEND_SKIP_B, Kind.RECV_SKIP_B)
+        if kind in (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B):
+            return 2 * dst + backward
+        n = len(self._stage_to_rank)
+        return 2 * n + 2 * (src * n + dst) + backward
 
     def _isend(self, tensor: Tensor, peer: int, tag: int) -> None:
         work = dist.isend(tensor, dst=peer, group=self._group, tag=tag)
         self._pending.append((work, tensor))
 
     def send(self, message: Message, src: int, dst: int, microbatch: int, kind: Kind) -> None:
-        peer, tag = self._peer(dst), self._tag(kind, dst)
+        peer, tag = self._peer(dst), self._tag(kind, src, dst)
         if peer == self._me:
             self._local.setdefault(tag, deque()).append(message)
             return
@@ -194,7 +214,7 @@ class DistributedTransport:
             header[0] = -len(words)
             self._isend(header.to(self._device), peer, tag)
             self._isend(torch.tensor(words, dtype=torch.int64, device=self._device), peer, tag)
-        for t in message:
+        for t in _items(message):
             if t is not None:
                 self._isend(t.detach().contiguous(), peer, tag)
 
@@ -214,7 +234,7 @@ class DistributedTransport:
         return buffer
 
     def recv(self, src: int, dst: int, microbatch: int, kind: Kind) -> Message:
-        peer, tag = self._peer(src), self._tag(kind, dst)
+        peer, tag = self._peer(src), self._tag(kind, src, dst)
         if peer == self._me:
             try:
                 return self._local[tag].popleft()
@@ -226,15 +246,16 @@ class DistributedTransport:
         if words[0] < 0:
             extended = torch.empty(-words[0], dtype=torch.int64, device=self._device)
             words = self._irecv(extended, peer, tag, *where).tolist()
+        bare, items = _parse(words)
         message: list[Tensor | None] = []
-        for item in _parse(words):
+        for item in items:
             if item is None:
                 message.append(None)
                 continue
             dtype, requires_grad, shape = item
             buffer = torch.empty(shape, dtype=dtype, device=self._device)
             message.append(self._irecv(buffer, peer, tag, *where).requires_grad_(requires_grad))
-        return tuple(message)
+        return message[0] if bare else tuple(message)  # type: ignore[return-value]
 
     def flush(self) -> None:
         pending, self._pending = self._pending, []
