@@ -1,5 +1,6 @@
 """The simulator: GPipe's analytic bubble and memory, communication, deadlock, speed, the CLI."""
 
+import dataclasses
 import itertools
 import json
 import sys
@@ -16,6 +17,7 @@ from gpipe.schedule import (
     Kind,
     Schedule,
     ScheduleError,
+    add_skips,
     forward_only,
     gpipe,
     validate,
@@ -257,3 +259,44 @@ def test_interleaved_divides_the_bubble_by_v(k, v, groups):
     assert list(schedule.stage_to_rank) == [s % k for s in range(k * v)]
     expected = (k - 1) / v / (m + (k - 1) / v)
     assert simulate(schedule, costs).bubble == pytest.approx(expected, abs=1e-9)
+
+
+def test_a_skip_over_a_slow_link_delays_the_stage_that_pops_it():
+    """K=3, M=1: stage 0 sends a skip straight to stage 2; a big one arrives after the
+    regular chain does, and stage 2 waits for it."""
+    routes = ((0, 2),)
+    cheap = Costs(forward=1.0, backward=1.0, latency=0.25, bandwidth=1000.0)
+    costly = dataclasses.replace(cheap, skip_bytes={(0, 2): 4000})
+    plain = simulate(add_skips(gpipe(3, 1), routes), cheap)
+    slow = simulate(add_skips(gpipe(3, 1), routes), costly)
+    starts = {str(a): s for _, a, s, _ in slow.events}
+    assert starts["2F0"] == pytest.approx(1 + 4.25)  # the skip, not the chain (2.5)
+    assert starts["0B0"] == pytest.approx(starts["2B0"] + 1 + 4.25)  # its gradient comes back
+    assert slow.makespan > plain.makespan
+
+
+@given(_names_and_sizes())
+def test_skips_keep_every_schedule_valid_and_are_held_where_they_arrive(case):
+    schedule = _schedule(*case)
+    k = schedule.n_stages
+    assume(k >= 2)
+    routes = tuple((s, d) for s in range(k) for d in range(s + 1, k))
+    with_skips = validate(add_skips(schedule, routes))
+    costs = Costs(forward=1.0, backward=1.0, activation_bytes=10.0, skip_bytes={(0, k - 1): 5})
+    result = simulate(with_skips, costs)
+    plain = simulate(schedule, dataclasses.replace(costs, skip_bytes={}))
+    assert result.peak_live == plain.peak_live
+    last = result.peak_activation_bytes[-1]
+    assert last == plain.peak_activation_bytes[-1] * 15 / 10  # its skips, for each micro-batch
+
+
+def test_skip_bytes_read_from_a_file_and_refuse_bad_routes(tmp_path):
+    costs = Costs(forward=1, backward=1, skip_bytes={(0, 2): 8.0})
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(costs.to_dict()))
+    assert '"0->2": 8.0' in path.read_text()
+    assert Costs.from_file(path) == costs
+    with pytest.raises(ValueError, match="source < destination.*got '2->1'"):
+        Costs(forward=1, backward=1, skip_bytes={"2->1": 1})
+    with pytest.raises(ValueError, match="route 0->5, but the schedule has 3 stages"):
+        simulate(gpipe(3, 2), Costs(forward=1, backward=1, skip_bytes={(0, 5): 1}))

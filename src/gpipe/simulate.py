@@ -247,10 +247,11 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     f_delay, b_delay = _delays(schedule, costs)
     rank_of = schedule.stage_to_rank
 
-    def skip_delay(src: int, dst: int) -> float:
-        if rank_of[src] == rank_of[dst]:
+    def skip_delay(a: int, b: int) -> float:
+        """A skip between stages a and b, or its gradient: the route's bytes either way."""
+        if rank_of[a] == rank_of[b]:
             return 0.0
-        return costs.latency + costs.skip_bytes.get((src, dst), 0.0) / costs.bandwidth
+        return costs.latency + costs.skip_bytes.get((min(a, b), max(a, b)), 0.0) / costs.bandwidth
 
     F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT
     SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
