@@ -8,12 +8,16 @@ from pathlib import Path
 README = Path(__file__).parent.parent / "README.md"
 
 
-def _examples() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+def _example(marker: str) -> str:
+    """The README's one Python example that contains ``marker``."""
+    (code,) = [
+        c for c in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if marker in c
+    ]
+    return code
 
 
 def test_gpipe_example_runs():
-    code = _examples()[0]
+    code = _example("gpipe.GPipe(layers")
     assert 'devices=["cuda:0", "cuda:1"]' in code
     code = re.sub(r'"cuda:\d"', '"cpu"', code)
     exec(compile(code, "README.md", "exec"), {})
@@ -21,5 +25,9 @@ def test_gpipe_example_runs():
 
 def test_pipeline_example_runs(tmp_path):
     script = tmp_path / "example.py"
-    script.write_text(_examples()[1])
+    script.write_text(_example("gpipe.launch(train"))
     subprocess.run([sys.executable, str(script)], check=True, timeout=120)
+
+
+def test_skip_and_batchnorm_example_runs():
+    exec(compile(_example("@skippable"), "README.md", "exec"), {})

@@ -155,3 +155,12 @@ def test_unet_runs_unpipelined_and_pipelined_alike():
     reference = unet()
     pipe = GPipe(copy.deepcopy(reference), [4, 5], devices=["cpu"] * 2, chunks=2)
     torch.testing.assert_close(pipe(x), reference(x), rtol=1e-12, atol=1e-14)
+
+
+def test_pipeline_refuses_a_bad_model_before_any_process_group_work(monkeypatch):
+    from gpipe import Pipeline
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)  # a process group would be an error of its own
+    with pytest.raises(TypeError, match="no module declared 'x' as poppable but stashed"):
+        Pipeline(nn.Sequential(Keep(), nn.Identity()), [1, 1])
