@@ -173,3 +173,33 @@ def test_the_balancing_profilers_leave_running_statistics_alone():
     balance_by_size(2, model, sample, device="cpu")
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+class _Fails(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("fails on its second micro-batch")
+        return x
+
+
+def test_a_failed_step_leaves_no_statistics_behind():
+    failing = _Fails()
+    pipe = GPipe(
+        nn.Sequential(_bn_model(), failing), [1, 1], devices=["cpu"] * 2, chunks=4,
+        deferred_batch_norm=True,
+    )  # fmt: skip
+    reference = convert_deferred_batch_norm(_bn_model(), chunks=4)
+    x = torch.randn(16, 5, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="second micro-batch"):
+        pipe(x)
+    pipe(x).sum().backward()  # the next step counts its own micro-batches only
+    _chunked(reference, x, 4)
+    for mine, theirs in zip(pipe[0], reference, strict=True):
+        if isinstance(theirs, DeferredBatchNorm):
+            assert mine.num_batches_tracked == 1
+            torch.testing.assert_close(mine.running_mean, theirs.running_mean, rtol=1e-12, atol=0)

@@ -5,13 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def test_resnet_digits_trains_pipelined_as_well_as_without_the_pipeline():
-    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn ('.[examples]')")
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / "resnet_digits.py")],
         capture_output=True,

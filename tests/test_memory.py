@@ -39,7 +39,8 @@ def test_predicted_activations_match_a_measured_step(measured, schedule, checkpo
         got = by_rank[rank][f"{schedule}/{checkpoint}"]
         want = predicted.ranks[rank].activation_bytes
         print(f"{name} {schedule}/{checkpoint} rank {rank}: {want:.0f} predicted, {got} measured")
-        assert want == pytest.approx(got, rel=0.15)
+        # exact for the MLP and the GPT; skips shared within a process are approximated
+        assert want == pytest.approx(got, rel=0.10 if name == "unet" else 0.01)
 
 
 def test_recomputation_holds_a_fraction_of_the_activations():

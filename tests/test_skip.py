@@ -124,7 +124,7 @@ def test_a_bad_model_is_refused_before_any_step():
 
 
 def test_the_layout_routes_skips_between_stages():
-    layout = SkipLayout.of(find_skips(unet()), UNET_BALANCES[4])
+    layout = SkipLayout(find_skips(unet()), UNET_BALANCES[4])
     assert layout.routes == ((0, 2), (0, 3), (1, 2), (1, 3))
     ports = layout.ports(2)
     assert sorted(ports.imports) == [0, 1] and not ports.exports
@@ -164,3 +164,38 @@ def test_pipeline_refuses_a_bad_model_before_any_process_group_work(monkeypatch)
         monkeypatch.delenv(name, raising=False)  # a process group would be an error of its own
     with pytest.raises(TypeError, match="no module declared 'x' as poppable but stashed"):
         Pipeline(nn.Sequential(Keep(), nn.Identity()), [1, 1])
+
+
+@skippable(stash=["h"])
+class StashComputed(nn.Module):
+    """Stashes a tensor it computed, not its input: its graph is this layer's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6).double()
+
+    def forward(self, x):
+        h = torch.tanh(self.linear(x))
+        yield stash("h", h)
+        return h * 2
+
+
+@skippable(pop=["h"])
+class PopComputed(nn.Module):
+    def forward(self, x):
+        h = yield pop("h")
+        return x + h
+
+
+@pytest.mark.parametrize("profile", ["time", "size"])
+def test_balancing_profiles_skip_models_layer_by_layer(profile):
+    from gpipe.balance import balance_by_size, balance_by_time
+
+    model = nn.Sequential(StashComputed(), nn.Linear(6, 6).double(), PopComputed(), *unet())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    balance = (
+        balance_by_time(3, model, x, timeout=0.3, device="cpu")
+        if profile == "time"
+        else balance_by_size(3, model, x, device="cpu")
+    )
+    assert sum(balance) == len(model) and len(balance) == 3

@@ -20,6 +20,8 @@ from torch import Tensor, nn
 
 from .microbatch import Batch, as_tuple, like
 from .partition import as_sequential, materialize
+from .skip.namespace import SkipKey
+from .skip.tracker import use_tracker
 
 __all__ = [
     "balance_by_params",
@@ -97,6 +99,27 @@ def balance_by_params(
     return partition(costs, partitions)
 
 
+class _ProfilingTracker:
+    """Skips while layers are profiled one at a time, each run several times: a stash keeps
+    a detached copy of the tensor (the stashing layer's graph is freed by its own backward)
+    and every pop reads it, so a popping layer can run as often as it is timed."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[SkipKey, Tensor | None] = {}
+
+    def save(self, key: SkipKey, tensor: Tensor | None) -> None:
+        self._tensors[key] = None if tensor is None else _leaf_like(tensor)
+
+    def load(self, key: SkipKey) -> Tensor | None:
+        if key not in self._tensors:
+            raise RuntimeError(f"skip {key[1]!r} was popped before it was stashed")
+        return self._tensors[key]
+
+
+def _leaf_like(t: Tensor) -> Tensor:
+    return t.detach().requires_grad_(t.is_floating_point())
+
+
 def _sandbox(module: nn.Module, device: torch.device) -> Iterator[nn.Module]:
     """Copies of the layers, one at a time, in training mode, to profile: the model's
     weights, gradients, buffers and mode stay untouched, and at most one layer more than the
@@ -112,10 +135,7 @@ def _sandbox(module: nn.Module, device: torch.device) -> Iterator[nn.Module]:
 
 def _inputs(sample: Tensor | Sequence[Tensor], device: torch.device) -> Batch:
     batch = sample if isinstance(sample, Tensor) else tuple(sample)
-    return like(
-        batch,
-        [t.detach().to(device).requires_grad_(t.is_floating_point()) for t in as_tuple(batch)],
-    )
+    return like(batch, [_leaf_like(t.to(device)) for t in as_tuple(batch)])
 
 
 def _run_layer(layer: nn.Module, inputs: Batch) -> Batch:
@@ -128,9 +148,7 @@ def _backward(outputs: Batch) -> Batch:
     roots = [t for t in as_tuple(outputs) if t.requires_grad]
     if roots:
         torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
-    return like(
-        outputs, [t.detach().requires_grad_(t.is_floating_point()) for t in as_tuple(outputs)]
-    )
+    return like(outputs, [_leaf_like(t) for t in as_tuple(outputs)])
 
 
 def _synchronize(device: torch.device) -> None:
@@ -170,7 +188,10 @@ def layer_times(
     n_layers = len(as_sequential(module))
     budget = timeout / max(1, n_layers)
     costs = []
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with (
+        torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+        use_tracker(_ProfilingTracker()),
+    ):
         x = _inputs(sample, device)
         for layer in _sandbox(module, device):
             cost, x = _time_layer(layer, x, budget, device)
@@ -251,7 +272,10 @@ def balance_by_size(
     batch = input if isinstance(input, Tensor) else tuple(input)
     sample = like(batch, [t[: max(1, t.size(0) // chunks)] for t in as_tuple(batch)])
     costs = []
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with (
+        torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+        use_tracker(_ProfilingTracker()),
+    ):
         x = _inputs(sample, device)
         for layer in _sandbox(module, device):
             activations, x = _saved_bytes(layer, x)

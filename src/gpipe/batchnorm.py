@@ -9,8 +9,14 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .checkpointing import is_recomputing
+from .microbatch import check_chunks
 
-__all__ = ["DeferredBatchNorm", "commit_deferred_batch_norm", "convert_deferred_batch_norm"]
+__all__ = [
+    "DeferredBatchNorm",
+    "commit_deferred_batch_norm",
+    "convert_deferred_batch_norm",
+    "discard_deferred_batch_norm",
+]
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -37,12 +43,11 @@ class DeferredBatchNorm(_BatchNorm):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, True, device, dtype)
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-        self.chunks = chunks
-        self._reset_pending()
+        self.chunks = check_chunks(chunks)
+        self.discard()
 
-    def _reset_pending(self) -> None:
+    def discard(self) -> None:
+        """Forget the micro-batches counted since the last commit (a step that failed)."""
         self._calls = 0
         self._count = 0  # values per channel seen since the last commit
         self._mean: Tensor | None = None
@@ -93,7 +98,7 @@ class DeferredBatchNorm(_BatchNorm):
             for running, stat in ((self.running_mean, self._mean), (self.running_var, var)):
                 updated = factor * stat + (1.0 - factor) * running.to(stat.dtype)
                 running.copy_(updated)
-        self._reset_pending()
+        self.discard()
 
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
@@ -147,3 +152,10 @@ def commit_deferred_batch_norm(module: nn.Module) -> None:
     for layer in module.modules():
         if isinstance(layer, DeferredBatchNorm):
             layer.commit()
+
+
+def discard_deferred_batch_norm(module: nn.Module) -> None:
+    """Forget what every DeferredBatchNorm inside ``module`` counted (a step that failed)."""
+    for layer in module.modules():
+        if isinstance(layer, DeferredBatchNorm):
+            layer.discard()

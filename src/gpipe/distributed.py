@@ -20,7 +20,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .balance import balance_by_time
-from .batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
+from .batchnorm import (
+    commit_deferred_batch_norm,
+    convert_deferred_batch_norm,
+    discard_deferred_batch_norm,
+)
 from .checkpointing import check_checkpoint, should_checkpoint
 from .errors import StageError
 from .executor import StepData, run_program
@@ -158,7 +162,7 @@ class Pipeline(nn.Module):
         device: this rank's device (default: ``cuda:LOCAL_RANK`` if CUDA is available, else CPU).
         group: the process group of the pipeline's ranks (default: the whole world).
         deferred_batch_norm: replace every BatchNorm by ``gpipe.batchnorm.DeferredBatchNorm``,
-            so running statistics are tracked once per mini-batch, as without the pipeline.
+            so running statistics are tracked once per mini-batch, from all its micro-batches.
         seed: seed of the initialization of layers built on the meta device.
         timeout: seconds a stage waits for a neighbour before it raises StageError.
         trace: record what this rank runs when, for ``timeline`` (``self.recorder``).
@@ -212,6 +216,8 @@ class Pipeline(nn.Module):
                     module, self.n_ranks, sample, device=self.device, group=group
                 )
         self.balance = check_balance(len(module), balance)
+        if not self.balance:
+            raise ValueError("Pipeline needs at least one layer: layers is empty")
         self.n_stages = len(self.balance)
         if self.n_stages % self.n_ranks:
             raise ValueError(
@@ -226,7 +232,7 @@ class Pipeline(nn.Module):
             )
         self.chunks = chunks
         self.deferred_batch_norm = deferred_batch_norm
-        self.skip_layout = SkipLayout.of(skips, self.balance)
+        self.skip_layout = SkipLayout(skips, self.balance)
         self.schedule_name = schedule
         self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
@@ -344,6 +350,7 @@ class Pipeline(nn.Module):
         except BaseException:
             for stage in self._stages.values():
                 stage.clear()
+                discard_deferred_batch_norm(stage.module)
             raise
         if self.deferred_batch_norm and self.training:
             for stage in self._stages.values():

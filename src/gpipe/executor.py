@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .errors import PipelineError
 from .microbatch import Batch
-from .schedule import Action, Kind
+from .schedule import RECV_KINDS, Action, Kind
 from .stage import Grads, Stage
 from .transport import Transport
 
@@ -152,7 +152,7 @@ def run_program(
                     f"{action.microbatch}"
                 )
                 raise
-        elif kind in (Kind.RECV_F, Kind.RECV_B, Kind.RECV_SKIP, Kind.RECV_SKIP_B):
+        elif kind in RECV_KINDS:
             src = action.other_stage
             assert src is not None
             held[action] = transport.recv(src, action.stage, action.microbatch, kind)

@@ -6,6 +6,7 @@ tensors (a 1-tuple stays a 1-tuple), as in torchgpipe.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -38,7 +39,7 @@ def like(batch: Batch, items: Sequence[Tensor]) -> Batch:
     return tuple(items)
 
 
-def _describe(value: object) -> str:
+def _type_names(value: object) -> str:
     given = type(value).__name__
     if isinstance(value, (tuple, list)):
         given += "[" + ", ".join(type(v).__name__ for v in value) + "]"
@@ -53,7 +54,7 @@ def check_batch(value: object, name: str = "input", *, batched: bool = True) -> 
     elif isinstance(value, (tuple, list)) and value and all(isinstance(v, Tensor) for v in value):
         batch = tuple(value)
     else:
-        raise TypeError(f"{name} must be a Tensor or a tuple of Tensors, got {_describe(value)}")
+        raise TypeError(f"{name} must be a Tensor or a tuple of Tensors, got {_type_names(value)}")
     if not batched:
         return batch
     items = as_tuple(batch)
@@ -71,11 +72,16 @@ def check_batch(value: object, name: str = "input", *, batched: bool = True) -> 
 
 
 def check_chunks(chunks: object) -> int:
-    """``chunks`` as an int; an integral float such as ``42.0`` is taken, as torchgpipe does."""
-    integral = isinstance(chunks, int) or (isinstance(chunks, float) and chunks.is_integer())
-    if isinstance(chunks, bool) or not integral or chunks <= 0:  # type: ignore[operator]
+    """``chunks`` as an int: any integer type, or an integral float such as ``42.0``, is taken,
+    as torchgpipe takes them."""
+    try:
+        value = operator.index(chunks)  # type: ignore[arg-type]
+    except TypeError:
+        integral = isinstance(chunks, float) and chunks.is_integer()
+        value = int(chunks) if integral else 0  # type: ignore[arg-type]
+    if isinstance(chunks, bool) or value <= 0:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-    return int(chunks)  # type: ignore[call-overload]
+    return value
 
 
 def split_sizes(rows: int, chunks: int) -> list[int]:

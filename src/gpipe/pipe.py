@@ -15,7 +15,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
+from .batchnorm import (
+    commit_deferred_batch_norm,
+    convert_deferred_batch_norm,
+    discard_deferred_batch_norm,
+)
 from .checkpointing import check_checkpoint, should_checkpoint
 from .errors import MovingDenied, PipelineError
 from .executor import StepData, run_program
@@ -137,6 +141,7 @@ class _Run:
         if errors:
             for stage in self.stages:
                 stage.clear()
+                discard_deferred_batch_norm(stage.module)
             # The first failure is the cause; the others only stopped because of it.
             real = [e for e in errors if type(e) is not PipelineError] or errors
             raise real[0]
@@ -196,7 +201,7 @@ class GPipe(nn.Module):
         chunks: number of micro-batches a mini-batch is split into.
         checkpoint: when to re-materialize: ``"always"``, ``"except_last"`` or ``"never"``.
         deferred_batch_norm: replace every BatchNorm by ``gpipe.batchnorm.DeferredBatchNorm``,
-            so running statistics are tracked once per mini-batch, as without the pipeline.
+            so running statistics are tracked once per mini-batch, from all its micro-batches.
         timeout: seconds a stage waits for its neighbour before it gives up.
         trace: record what each stage runs when, for ``timeline`` (``self.recorder``).
     """
@@ -239,7 +244,7 @@ class GPipe(nn.Module):
         self.partitions = nn.ModuleList(
             [nn.Module.to(p, d) for p, d in zip(parts, self.devices, strict=True)]
         )
-        self.skip_layout = SkipLayout.of(skips, self.balance)
+        self.skip_layout = SkipLayout(skips, self.balance)
         stages = [
             Stage(j, len(parts), p, d, ports=self.skip_layout.ports(j))
             for j, (p, d) in enumerate(zip(self.partitions, self.devices, strict=True))

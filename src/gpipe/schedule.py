@@ -16,6 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "FORWARD_KINDS",
+    "RECV_KINDS",
+    "RECV_OF",
+    "SEND_KINDS",
+    "SEND_OF",
     "Action",
     "Kind",
     "Schedule",
@@ -54,9 +59,10 @@ class Kind(enum.Enum):
 
 
 _COMPUTE = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
-_SENDS = (Kind.SEND_F, Kind.SEND_B, Kind.SEND_SKIP, Kind.SEND_SKIP_B)
-_RECVS = (Kind.RECV_F, Kind.RECV_B, Kind.RECV_SKIP, Kind.RECV_SKIP_B)
-RECV_OF = dict(zip(_SENDS, _RECVS, strict=True))  # the receive that matches each send
+SEND_KINDS = (Kind.SEND_F, Kind.SEND_B, Kind.SEND_SKIP, Kind.SEND_SKIP_B)
+RECV_KINDS = (Kind.RECV_F, Kind.RECV_B, Kind.RECV_SKIP, Kind.RECV_SKIP_B)
+RECV_OF = dict(zip(SEND_KINDS, RECV_KINDS, strict=True))  # the receive that matches a send
+SEND_OF = dict(zip(RECV_KINDS, SEND_KINDS, strict=True))
 _NEIGHBOUR = {Kind.SEND_F: 1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: 1}
 FORWARD_KINDS = frozenset({Kind.FORWARD, Kind.SEND_F, Kind.RECV_F, Kind.SEND_SKIP, Kind.RECV_SKIP})
 
@@ -392,12 +398,11 @@ def _requirements(action: Action, schedule: Schedule) -> list[Action]:
     """The actions that must have run before ``action`` can run."""
     s, i = action.stage, action.microbatch
     kind = action.kind
-    if kind in _RECVS:
-        send = {r: k for k, r in RECV_OF.items()}[kind]
+    if kind in RECV_KINDS:
         other = action.other_stage
         assert other is not None
         peer = None if action.peer is None else s
-        return [Action(other, send, i, peer)]
+        return [Action(other, SEND_OF[kind], i, peer)]
     if kind is Kind.FORWARD:
         need = [Action(s, Kind.RECV_F, i)] if s > 0 else []
         need += [Action(s, Kind.RECV_SKIP, i, src) for src, dst in schedule.skips if dst == s]
@@ -452,7 +457,7 @@ def _check_fifo(schedule: Schedule) -> None:
             if a.kind in RECV_OF:
                 assert other is not None
                 sent.setdefault((a.stage, other, RECV_OF[a.kind]), []).append(a.microbatch)
-            elif a.kind in _RECVS:
+            elif a.kind in RECV_KINDS:
                 assert other is not None
                 received.setdefault((other, a.stage, a.kind), []).append(a.microbatch)
     for key, order in received.items():

@@ -55,8 +55,11 @@ def _check_per_stage(name: str, value: Any) -> float | tuple[float, ...]:
     return tuple(_check_amount(f"{name}[{s}]", v) for s, v in enumerate(value))
 
 
-def _check_skip_bytes(value: Any) -> dict[Route, float]:
-    """``{(src, dst): bytes}``; ``"src->dst"`` keys (as JSON writes them) are read too."""
+def _check_skip_bytes(value: Any) -> tuple[tuple[Route, float], ...]:
+    """``{(src, dst): bytes}`` (or its pairs) as sorted pairs; ``"src->dst"`` keys (as JSON
+    writes them) are read too."""
+    if isinstance(value, tuple):
+        value = dict(value)
     if not isinstance(value, Mapping):
         raise ValueError(
             f"Costs.skip_bytes must map (source, destination) stages to bytes, got {value!r}"
@@ -78,7 +81,7 @@ def _check_skip_bytes(value: Any) -> dict[Route, float]:
                 f"destination, or 'source->destination', got {key!r}"
             )
         routes[route] = _check_amount(f"skip_bytes[{key!r}]", nbytes)  # type: ignore[index]
-    return routes
+    return tuple(sorted(routes.items()))
 
 
 @dataclass(frozen=True)
@@ -96,9 +99,10 @@ class Costs:
     micro-batch from the start of its forward to the end of its last backward action.
 
     ``skip_bytes`` maps a skip route ``(source, destination)`` to the bytes of one
-    micro-batch's skip tensors on it (``gpipe.skip``): that message and its gradient take
-    ``latency + skip_bytes / bandwidth``, and the destination holds those bytes, besides its
-    activations, from its forward to its backward.
+    micro-batch's skip tensors on it (``gpipe.skip``; kept as sorted pairs, so that costs
+    stay hashable): between ranks, that message and its gradient take ``latency +
+    skip_bytes / bandwidth`` and the destination holds its copy, besides its activations,
+    from its forward to its backward; within a rank the skip is shared, free and instant.
     """
 
     forward: PerStage
@@ -108,7 +112,7 @@ class Costs:
     bandwidth: float = math.inf
     message_bytes: float = 0.0
     activation_bytes: PerStage = 0.0
-    skip_bytes: Mapping[Route, float] = field(default_factory=dict)
+    skip_bytes: Mapping[Route, float] | tuple[tuple[Route, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in _PER_STAGE:
@@ -148,21 +152,9 @@ class Costs:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "skip_bytes":
-                value = {f"{src}->{dst}": v for (src, dst), v in value.items()}
+                value = {f"{src}->{dst}": v for (src, dst), v in value}
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
-
-    def skip_into(self, n_stages: int) -> tuple[float, ...]:
-        """Per stage, the skip bytes it receives for one micro-batch."""
-        into = [0.0] * n_stages
-        for (src, dst), nbytes in self.skip_bytes.items():
-            if dst >= n_stages:
-                raise ValueError(
-                    f"Costs.skip_bytes has route {src}->{dst}, but the schedule has "
-                    f"{n_stages} stages"
-                )
-            into[dst] += nbytes
-        return tuple(into)
 
     def per_stage(self, name: str, n_stages: int) -> tuple[float, ...]:
         """The field ``name`` as one value per stage, checking a list has ``n_stages`` values."""
@@ -240,18 +232,26 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     b_cost = costs.per_stage("backward", n_stages)
     if not schedule.split_backward:
         b_cost = tuple(b + w for b, w in zip(b_cost, w_cost, strict=True))
-    skip_in = costs.skip_into(n_stages)
+    rank_of = schedule.stage_to_rank
+    skip_bytes = dict(costs.skip_bytes)
+    skip_in = [0.0] * n_stages  # what a stage holds of skips copied from another rank
+    for (src, dst), nbytes in skip_bytes.items():
+        if dst >= n_stages:
+            raise ValueError(
+                f"Costs.skip_bytes has route {src}->{dst}, but the schedule has {n_stages} stages"
+            )
+        if rank_of[src] != rank_of[dst]:
+            skip_in[dst] += nbytes
     act_bytes = tuple(
         a + b for a, b in zip(costs.per_stage("activation_bytes", n_stages), skip_in, strict=True)
     )
     f_delay, b_delay = _delays(schedule, costs)
-    rank_of = schedule.stage_to_rank
 
     def skip_delay(a: int, b: int) -> float:
         """A skip between stages a and b, or its gradient: the route's bytes either way."""
         if rank_of[a] == rank_of[b]:
             return 0.0
-        return costs.latency + costs.skip_bytes.get((min(a, b), max(a, b)), 0.0) / costs.bandwidth
+        return costs.latency + skip_bytes.get((min(a, b), max(a, b)), 0.0) / costs.bandwidth
 
     F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT
     SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B

@@ -129,7 +129,7 @@ _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 _HEADER = 32  # int64 slots; a longer description follows in a second message
 
 
-def _describe(message: Message) -> list[int]:
+def _header_words(message: Message) -> list[int]:
     items = _items(message)
     words = [len(items), int(isinstance(message, Tensor))]
     for t in items:
@@ -205,7 +205,7 @@ class DistributedTransport:
         if peer == self._me:
             self._local.setdefault(tag, deque()).append(message)
             return
-        words = _describe(message)
+        words = _header_words(message)
         header = torch.zeros(_HEADER, dtype=torch.int64)
         if len(words) <= _HEADER:
             header[: len(words)] = torch.tensor(words)

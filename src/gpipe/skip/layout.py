@@ -28,12 +28,12 @@ class StagePorts:
 class SkipLayout:
     """A model's skips placed on stages by ``balance`` (layers per stage)."""
 
-    skips: tuple[Skip, ...]
-    balance: tuple[int, ...]
+    skips: Sequence[Skip]
+    balance: Sequence[int]
 
-    @classmethod
-    def of(cls, skips: Sequence[Skip], balance: Sequence[int]) -> SkipLayout:
-        return cls(tuple(skips), tuple(balance))
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "skips", tuple(self.skips))
+        object.__setattr__(self, "balance", tuple(self.balance))
 
     def stage_of(self, layer: int) -> int:
         start = 0

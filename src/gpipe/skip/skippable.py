@@ -82,10 +82,14 @@ class Skippable(nn.Module):
         if inspect.isgenerator(result):
             result = self._drive(result, done)
         owner = type(self).__name__
-        for name in sorted(self.stashable_names - done):
-            raise RuntimeError(f"{owner} declared {name!r} as stashable but did not stash it")
-        for name in sorted(self.poppable_names - done):
-            raise RuntimeError(f"{owner} declared {name!r} as poppable but did not pop it")
+        unstashed = sorted(self.stashable_names - done)
+        if unstashed:
+            raise RuntimeError(
+                f"{owner} declared {unstashed[0]!r} as stashable but did not stash it"
+            )
+        unpopped = sorted(self.poppable_names - done)
+        if unpopped:
+            raise RuntimeError(f"{owner} declared {unpopped[0]!r} as poppable but did not pop it")
         return result
 
     def _drive(self, generator: Any, done: set[str]) -> Any:
