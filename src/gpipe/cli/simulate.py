@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .schedule import SCHEDULES, get_schedule
-from .simulate import Costs, SimResult, analytic_bubble, compare, scenario, simulate
+from ..schedule import SCHEDULES, get_schedule
+from ..simulate import Costs, SimResult, analytic_bubble, compare, scenario, simulate
+from .common import UsageError
 
-__all__ = ["simulate_parser"]
+__all__ = ["add_parser"]
 
 # One unit of compute per forward, per input-gradient backward and per weight-gradient
 # backward: a whole backward then costs twice a forward, as it roughly does in practice.
@@ -17,7 +18,7 @@ DEFAULT_COSTS = Costs(forward=1.0, backward=1.0, weight=1.0)
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 
 
-def simulate_parser(sub: Any) -> None:
+def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "simulate",
         help="compare schedules' predicted time and memory",
@@ -56,8 +57,6 @@ def simulate_parser(sub: Any) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .cli import UsageError
-
     for flag in ("stages", "chunks", "virtual_stages"):
         if getattr(args, flag) < 1:
             raise UsageError(
@@ -87,8 +86,6 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _schedule_names(given: list[str] | None) -> list[str]:
-    from .cli import UsageError
-
     if not given:
         return list(SCHEDULES)
     names = [name.strip() for value in given for name in value.split(",") if name.strip()]
@@ -101,8 +98,6 @@ def _schedule_names(given: list[str] | None) -> list[str]:
 
 
 def _read_costs(path: str, n_stages: int) -> Costs:
-    from .cli import UsageError
-
     try:
         costs = Costs.from_file(path)
         for name in ("forward", "backward", "weight", "activation_bytes"):
@@ -161,8 +156,6 @@ def _bytes(n: float) -> str:
 
 
 def _figure_class() -> Any:
-    from .cli import UsageError
-
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -175,8 +168,6 @@ def _figure_class() -> Any:
 def _plot(results: list[SimResult], path: str) -> None:
     """A Gantt chart per schedule: one row per rank, F/B/W bars labelled with micro-batches."""
     from matplotlib.patches import Patch
-
-    from .cli import UsageError
 
     figure = _figure_class()(
         figsize=(12, sum(0.8 + 0.3 * r.schedule.n_ranks for r in results) + 0.5),
