@@ -5,7 +5,19 @@ from __future__ import annotations
 import argparse
 from typing import Any, NoReturn
 
-__all__ = ["Parser", "UsageError", "positive"]
+from ..simulate import Costs
+
+__all__ = ["PAGE_OPTIONS", "Parser", "UsageError", "positive", "read_costs"]
+
+# The options that set each of the page's settings (gpipe.view.check_settings names them).
+PAGE_OPTIONS = {
+    "stages": "--stages",
+    "chunks": "--chunks",
+    "schedule": "--schedule",
+    "virtual_stages": "--virtual-stages",
+    "checkpoint": "--checkpoint",
+    "costs": "--costs",
+}
 
 
 class UsageError(Exception):
@@ -23,3 +35,14 @@ def positive(name: str, value: Any) -> None:
     """Refuse ``--name value`` unless it is unset or at least 1."""
     if value is not None and value < 1:
         raise UsageError(f"--{name} must be a positive integer, got {value}")
+
+
+def read_costs(path: str, n_stages: int) -> Costs:
+    """``--costs FILE``: the cost model in JSON, with one value per stage where it is a list."""
+    try:
+        costs = Costs.from_file(path)
+        for name in ("forward", "backward", "weight", "activation_bytes"):
+            costs.per_stage(name, n_stages)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--costs {path}: {exc}") from None
+    return costs

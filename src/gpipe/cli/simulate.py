@@ -7,7 +7,9 @@ from typing import Any
 
 from ..schedule import SCHEDULES, get_schedule
 from ..simulate import Costs, SimResult, analytic_bubble, compare, scenario, simulate
-from .common import UsageError
+from ..view import Settings, check_settings
+from ..view import write as write_page
+from .common import PAGE_OPTIONS, UsageError, read_costs
 
 __all__ = ["add_parser"]
 
@@ -53,6 +55,12 @@ def add_parser(sub: Any) -> None:
         "costs (default 2)",
     )
     p.add_argument("--plot", metavar="PNG", help="also draw each schedule's predicted timeline")
+    p.add_argument(
+        "--html",
+        metavar="FILE",
+        help="also write the interactive page (as gpipe view) for this case, starting on the "
+        "first schedule named",
+    )
     p.set_defaults(command=_simulate)
 
 
@@ -63,9 +71,10 @@ def _simulate(args: argparse.Namespace) -> int:
                 f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}"
             )
     names = _schedule_names(args.schedule)
-    costs = DEFAULT_COSTS if args.costs is None else _read_costs(args.costs, args.stages)
+    costs = DEFAULT_COSTS if args.costs is None else read_costs(args.costs, args.stages)
     if args.plot is not None:
         _figure_class()  # fail before simulating, not after
+    page = None if args.html is None else _page_settings(args, names[0], costs)
     rows = compare(names, args.stages, args.chunks, costs, args.virtual_stages)
     source = args.costs or "default: forward 1, backward 1, weight 1 per stage"
     print(f"{args.stages} stages, {args.chunks} micro-batches, costs {source}")
@@ -82,7 +91,19 @@ def _simulate(args: argparse.Namespace) -> int:
             raise UsageError(f"--plot {args.plot}: no schedule runs at these sizes")
         _plot(results, args.plot)
         print(f"timelines: {args.plot}")
+    if page is not None:
+        print(f"page: {write_page(args.html, page)}")
     return 0
+
+
+def _page_settings(args: argparse.Namespace, schedule: str, costs: Costs) -> Settings:
+    """The page's starting point for this case; refused before simulating if it cannot play it."""
+    try:
+        check_settings(args.stages, args.chunks, schedule, args.virtual_stages, "never", costs,
+                       names=PAGE_OPTIONS)  # fmt: skip
+    except ValueError as exc:
+        raise UsageError(f"--html: {exc}") from None
+    return Settings(args.stages, args.chunks, schedule, args.virtual_stages, "never", costs)
 
 
 def _schedule_names(given: list[str] | None) -> list[str]:
@@ -95,16 +116,6 @@ def _schedule_names(given: list[str] | None) -> list[str]:
         except ValueError as exc:
             raise UsageError(f"--schedule: {exc}") from None
     return list(dict.fromkeys(names))
-
-
-def _read_costs(path: str, n_stages: int) -> Costs:
-    try:
-        costs = Costs.from_file(path)
-        for name in ("forward", "backward", "weight", "activation_bytes"):
-            costs.per_stage(name, n_stages)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--costs {path}: {exc}") from None
-    return costs
 
 
 def _table(rows: list[dict[str, Any]], n_stages: int, n_microbatches: int, costs: Costs) -> str:

@@ -93,7 +93,8 @@ def add_parser(sub: Any) -> None:
     out.add_argument(
         "--trace",
         action="store_true",
-        help="write the last step's timeline (trace.json, timeline.png) into the run folder",
+        help="write the last step's timeline (trace.json, timeline.png, view.html) into the "
+        "run folder",
     )
     p.set_defaults(command=_train)
 
