@@ -279,7 +279,10 @@ def test_screenshots_at_desktop_and_phone_width(browser, tmp_path):
     _key(browser, Keys.END)
     width = browser.execute_script("return [document.documentElement.scrollWidth, innerWidth]")
     assert width[0] <= width[1], "the page scrolls sideways at phone width"
-    for element_id in ("play", "bubble", "predicted"):
+    for element_id in ("play", "bubble", "lanes", "per-stage", "stages"):
         box = browser.find_element(By.ID, element_id).rect
         assert box["x"] >= 0 and box["x"] + box["width"] <= 390, element_id
+    # The lanes scroll sideways instead, so that every compute block keeps its label.
+    labels = browser.find_elements(By.CSS_SELECTOR, "#predicted .label:not(.pending)")
+    assert len(labels) == 4 * 8 * 3 + 4 * 7  # F, B and W of every stage and micro-batch, and R
     _screenshot(browser, tmp_path, "view-phone.png")

@@ -180,17 +180,19 @@
         const where = oneStageEach ? `stage ${a.stage}` : `rank ${rank}, stage ${a.stage}`;
         if (span.recomputed) {
           const cut = span.start + span.recompute;
-          blocks.push(block("R", a, span.start, cut, where));
-          blocks.push(block(a.kind, a, cut, span.end, where));
+          blocks.push(block("R", a, span.start, cut, where, !oneStageEach));
+          blocks.push(block(a.kind, a, cut, span.end, where, !oneStageEach));
         } else {
-          blocks.push(block(a.kind, a, span.start, span.end, where));
+          blocks.push(block(a.kind, a, span.start, span.end, where, !oneStageEach));
         }
       }
       return { label: oneStageEach ? `stage ${rank}` : `rank ${rank}`, blocks };
     });
   }
 
-  function block(kind, a, start, end, where) {
+  // A block's label is its kind and micro-batch ("F3"), led by its stage where a rank holds
+  // several ("2F3", as gpipe prints actions).
+  function block(kind, a, start, end, where, withStage) {
     let what = `${KIND_NAMES[kind] || kind}, micro-batch ${a.microbatch}\n${where}`;
     if (kind.startsWith("SEND")) what += `, to stage ${kind === "SEND_F" ? a.stage + 1 : a.stage - 1}`;
     if (kind.startsWith("RECV")) {
@@ -205,7 +207,7 @@
       kind,
       start,
       end,
-      text: kind.length === 1 ? `${kind}${a.microbatch}` : "",
+      text: kind.length === 1 ? `${withStage ? a.stage : ""}${kind}${a.microbatch}` : "",
       tip: `${kind}${a.microbatch}: ${what}\n${spanText}`,
     };
   }
@@ -222,7 +224,9 @@
     for (const [, stage, kind, mb, start, end] of measured.events) {
       const rank = rankOf[stage];
       const where = oneStageEach ? `stage ${stage}` : `rank ${rank}, stage ${stage}`;
-      lanes[rank].blocks.push(block(kind, { stage, microbatch: mb }, start, end, where));
+      lanes[rank].blocks.push(
+        block(kind, { stage, microbatch: mb }, start, end, where, !oneStageEach),
+      );
     }
     return lanes;
   }
@@ -273,6 +277,9 @@
   }
 
   const GUTTER = 62;
+  const NARROW = 700; // px: below this the lanes keep their labels and scroll instead
+  const LABEL_ROOM = 26; // px a block needs for a label such as "F12"
+  const MAX_WIDTH = 4000;
   const LANE = 30;
   const BAR = 19;
   const MSG = 5;
@@ -283,6 +290,7 @@
     const height = top + lanes.length * LANE + 22;
     const svg = el("svg", {
       viewBox: `0 0 ${width} ${height}`,
+      width,
       height,
       role: "img",
       "aria-label": `${title || "timeline"}: ${lanes.length} lanes`,
@@ -343,6 +351,22 @@
     return { svg, blocks, byStart, x, cursor, shown: 0 };
   }
 
+  // The lanes fit the panel; on a narrow screen they may grow (and the panel scroll sideways)
+  // until the shortest compute block is wide enough for its label.
+  function lanesWidth(room, lanes, end) {
+    const fit = Math.max(room, 280);
+    if (room >= NARROW || !(end > 0)) return fit;
+    let shortest = Infinity;
+    for (const lane of lanes) {
+      for (const b of lane.blocks) {
+        if (b.kind.length === 1 && b.end > b.start) shortest = Math.min(shortest, b.end - b.start);
+      }
+    }
+    if (!Number.isFinite(shortest)) return fit;
+    const wanted = GUTTER + 8 + (end / shortest) * LABEL_ROOM;
+    return Math.round(Math.min(Math.max(fit, wanted), MAX_WIDTH));
+  }
+
   function ticks(end, count) {
     if (!(end > 0)) return [0];
     const raw = end / count;
@@ -381,12 +405,16 @@
       return [];
     }
     const h = 44;
+    const rankOf = result.schedule.stageToRank;
+    const oneStageEach = rankOf.length === result.memory.length;
     return result.memory.map((points, rank) => {
+      const stages = rankOf.flatMap((r, s) => (r === rank ? [s] : []));
+      const who = oneStageEach ? `stage ${rank}` : `rank ${rank} (stages ${stages.join(", ")})`;
       const div = document.createElement("div");
       div.className = "mem-rank";
       div.dataset.peak = String(result.peakRankActivationBytes[rank]);
       const caption = document.createElement("p");
-      caption.textContent = `rank ${rank}: peak ${fmtBytes(result.peakRankActivationBytes[rank])}`;
+      caption.textContent = `${who}: peak ${fmtBytes(result.peakRankActivationBytes[rank])}`;
       div.appendChild(caption);
       const svg = el("svg", { viewBox: `0 0 ${width} ${h}`, height: h, role: "img" });
       svg.setAttribute("aria-label", caption.textContent);
@@ -517,7 +545,6 @@
     current = run;
     const box = $("lanes");
     box.textContent = "";
-    const width = Math.max(box.clientWidth, 280);
     const simulated = simulatedLanes(run.result);
     let end = run.result.makespan;
     let measuredEnd = 0;
@@ -525,6 +552,8 @@
       for (const lane of run.measured) for (const b of lane.blocks) measuredEnd = Math.max(measuredEnd, b.end);
       end = Math.max(end, measuredEnd);
     }
+    view.room = box.clientWidth;
+    const width = lanesWidth(view.room, simulated, end);
     view.end = end;
     view.panels = [];
     if (run.measured) {
@@ -576,6 +605,7 @@
       panel.cursor.setAttribute("x1", cx);
       panel.cursor.setAttribute("x2", cx);
     }
+    follow();
     for (const chart of view.memory || []) {
       const cx = chart.x(player.t);
       chart.cursor.setAttribute("x1", cx);
@@ -584,6 +614,17 @@
     $("clock").textContent = `t = ${fmtTime(player.t)} of ${fmtTime(view.end)}`;
     $("clock").dataset.value = String(player.t);
     $("scrub").value = view.end > 0 ? String(Math.round((player.t / view.end) * 1000)) : "0";
+  }
+
+  // Where the lanes scroll sideways, keep the clock's cursor in sight.
+  function follow() {
+    const box = $("lanes");
+    const panel = view.panels[0];
+    if (!panel || box.scrollWidth <= box.clientWidth) return;
+    const cx = panel.x(player.t);
+    if (cx < box.scrollLeft + GUTTER || cx > box.scrollLeft + box.clientWidth - 20) {
+      box.scrollLeft = Math.max(0, cx - box.clientWidth / 3);
+    }
   }
 
   function frame(now) {
@@ -741,6 +782,7 @@
     addEventListener("resize", () => {
       clearTimeout(resizing);
       resizing = setTimeout(() => {
+        if ($("lanes").clientWidth === view.room) return; // phones resize as their bars slide
         const t = player.t;
         const playing = player.playing;
         render(false);
