@@ -38,7 +38,7 @@ def test_the_page_is_one_file_that_needs_no_network():
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
     assert not re.search(r"@import|url\(\s*['\"]?(https?:)?//", page)
     assert "<script src" not in page and "<link" not in page
-    for name in ("schedule.js", "simulate.js", "app.js", "view.css"):
+    for name in ("schedule.js", "simulate.js", "controls.js", "lanes.js", "app.js", "view.css"):
         assert asset(name) in page  # inline, exactly the files the parity test runs
     assert "@" + "DATA@" not in page and "@" + "CSS@" not in page
 

@@ -39,7 +39,8 @@ DEFAULT_COSTS = Costs(
     forward=1.0, backward=1.0, weight=1.0, message_bytes=4 * 2**20, activation_bytes=64 * 2**20
 )
 
-_SCRIPTS = ("schedule.js", "simulate.js", "app.js")  # in order: each needs those before it
+# Inlined in this order: each script uses what those before it define.
+_SCRIPTS = ("schedule.js", "simulate.js", "controls.js", "lanes.js", "app.js")
 _PER_RANK = ("forward", "backward", "weight", "activation_bytes")
 
 
