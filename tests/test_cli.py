@@ -219,3 +219,10 @@ def test_every_schedule_trains_and_traces(tmp_path, schedule, more):
                if e["ph"] == "M")  # fmt: skip
     if importlib.util.find_spec("matplotlib"):
         assert (out / "timeline.png").stat().st_size > 0
+    page = (out / "view.html").read_text()  # the interactive page, for the same step
+    data = json.loads(re.search(r'id="gpipe-data">(.*?)</script>', page, re.S).group(1))
+    ranks = {e["pid"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["args"].get("name", "").startswith("rank")}  # fmt: skip
+    measured = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] in ranks]
+    assert len(data["measured"]["events"]) == len(measured)
+    assert data["measured"]["schedule"]["name"] == schedule

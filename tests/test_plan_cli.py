@@ -5,7 +5,7 @@ import re
 import pytest
 
 from gpipe.cli import main
-from gpipe.cli_plan import parse_bytes
+from gpipe.cli.plan import parse_bytes
 
 MODEL = ["plan", "--d-model", "256", "--n-head", "4", "--vocab-size", "1000", "--seq-len", "128",
          "--stages", "4", "--chunks", "8", "--batch-size", "16"]  # fmt: skip

@@ -22,7 +22,15 @@ from gpipe.schedule import (
     gpipe,
     validate,
 )
-from gpipe.simulate import Costs, analytic_bubble, compare, predict, scenario, simulate
+from gpipe.simulate import (
+    Costs,
+    analytic_bubble,
+    closed_form_bubble,
+    compare,
+    predict,
+    scenario,
+    simulate,
+)
 from gpipe.trace import Event
 
 F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT
@@ -300,3 +308,86 @@ def test_skip_bytes_read_from_a_file_and_refuse_bad_routes(tmp_path):
         Costs(forward=1, backward=1, skip_bytes={"2->1": 1})
     with pytest.raises(ValueError, match="route 0->5, but the schedule has 3 stages"):
         simulate(gpipe(3, 2), Costs(forward=1, backward=1, skip_bytes={(0, 5): 1}))
+
+
+def test_checkpoint_never_is_the_default_and_changes_nothing():
+    costs = Costs(forward=1.0, backward=2.0, activation_bytes=10, message_bytes=1)
+    for name in SCHEDULES:
+        schedule, cost = scenario(name, 2, 4, costs)
+        assert simulate(schedule, cost, "never") == simulate(schedule, cost)
+
+
+@pytest.mark.parametrize(
+    ("mode", "makespan", "stage0_b"),
+    [("always", 9, [(5, 7), (7, 9)]), ("except_last", 8, [(4, 5), (6, 8)])],
+)
+def test_a_recomputed_backward_runs_the_forward_again_and_holds_only_the_input_before(
+    mode, makespan, stage0_b
+):
+    """K = 2, M = 2, F = B = 1: B of a recomputed micro-batch takes F + B = 2; between its
+    forward and its backward a micro-batch keeps message_bytes (1), then its graph (10)."""
+    costs = Costs(forward=1.0, backward=1.0, activation_bytes=10, message_bytes=1)
+    result = simulate(gpipe(2, 2), costs, checkpoint=mode)
+    assert result.makespan == makespan
+    assert [(s, e) for r, a, s, e in result.events if r == 0 and a.kind is B] == stage0_b
+    assert result.peak_live == (2, 2)
+    assert result.peak_activation_bytes == (11, 11)  # one graph rebuilt, one input kept
+    assert result.peak_rank_activation_bytes == (11, 11)
+    assert result.checkpoint == mode
+
+
+@given(_names_and_sizes(), st.sampled_from(["always", "except_last"]), st.floats(0.1, 3.0))
+def test_recomputation_costs_one_forward_per_recomputed_micro_batch(case, mode, f):
+    schedule = _schedule(*case)
+    k, m = schedule.n_stages, schedule.n_microbatches
+    plain = simulate(schedule, Costs(forward=f, backward=1.0, weight=0.5))
+    result = simulate(schedule, Costs(forward=f, backward=1.0, weight=0.5), checkpoint=mode)
+    recomputed = m if mode == "always" else m - 1
+    assert sum(result.busy) == pytest.approx(sum(plain.busy) + k * recomputed * f)
+    assert result.peak_live == plain.peak_live
+    assert result.makespan >= plain.makespan - 1e-9
+
+
+@given(st.sampled_from(["gpipe", "1f1b"]), st.integers(1, 6), st.integers(1, 12))
+def test_always_recomputing_holds_one_graph_and_the_other_inputs(name, k, m):
+    """Without a split backward a graph lives from its recomputation to the end of its B."""
+    costs = Costs(forward=1.0, backward=2.0, activation_bytes=100, message_bytes=3)
+    result = simulate(SCHEDULES[name](k, m), costs, checkpoint="always")
+    assert result.peak_activation_bytes == tuple(100 + (n - 1) * 3 for n in result.peak_live)
+    assert result.peak_rank_activation_bytes == result.peak_activation_bytes
+
+
+def test_forward_only_recomputes_nothing_and_a_bad_mode_is_named():
+    costs = Costs(forward=1.0, backward=9.0, activation_bytes=4)
+    assert simulate(forward_only(3, 5), costs, "always").makespan == 7
+    with pytest.raises(ValueError, match="checkpoint is not one of .* got 'sometimes'"):
+        simulate(gpipe(2, 2), costs, "sometimes")
+
+
+@given(
+    st.sampled_from(sorted(SCHEDULES)),
+    st.integers(1, 5),
+    st.integers(1, 12),
+    st.integers(1, 3),
+    st.sampled_from([0.5, 1.0, 2.0]),
+    st.sampled_from([0.5, 1.0, 2.0]),
+    st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+)
+def test_each_schedule_has_its_own_closed_form_bubble_and_the_simulator_gives_it(
+    name, k, m, v, f, b, w
+):
+    closed = closed_form_bubble(name, k, m, v, f, b, w)
+    assume(closed is not None)
+    schedule, costs = scenario(name, k, m, Costs(forward=f, backward=b, weight=w), v)
+    assert simulate(schedule, costs).bubble == pytest.approx(closed, abs=1e-9)
+
+
+def test_closed_form_bubbles_where_they_hold_and_none_where_not():
+    assert closed_form_bubble("gpipe", 4, 8) == closed_form_bubble("1f1b", 4, 8) == 3 / 11
+    assert closed_form_bubble("interleaved", 4, 8, 2) == 3 / 19
+    assert closed_form_bubble("interleaved", 4, 6, 2) is None  # M not a multiple of K
+    assert closed_form_bubble("zero-bubble", 4, 8, 1, 1, 1, 1) == 3 / 27
+    assert closed_form_bubble("zero-bubble", 4, 3, 1, 1, 1, 1) is None  # M < K
+    assert closed_form_bubble("zero-bubble", 4, 8, 1, 1, 1, 2) is None  # W > F, B
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        closed_form_bubble("nope", 4, 8)

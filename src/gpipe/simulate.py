@@ -13,6 +13,7 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
+from .checkpointing import check_checkpoint, should_checkpoint
 from .schedule import Action, Kind, Schedule, ScheduleError, get_schedule
 from .trace import Event
 
@@ -20,6 +21,7 @@ __all__ = [
     "Costs",
     "SimResult",
     "analytic_bubble",
+    "closed_form_bubble",
     "compare",
     "measured_costs",
     "predict",
@@ -96,13 +98,16 @@ class Costs:
     A message between stages on different ranks arrives ``latency + message_bytes /
     bandwidth`` seconds after it is sent, whatever else is in flight (links never congest);
     between stages on one rank it arrives at once. A stage keeps ``activation_bytes`` per
-    micro-batch from the start of its forward to the end of its last backward action.
+    micro-batch from the start of its forward to the end of its last backward action; a
+    re-materialized micro-batch (``simulate``'s ``checkpoint``) keeps only its input,
+    taken to be a message's size, ``message_bytes``, until its backward recomputes the rest.
 
     ``skip_bytes`` maps a skip route ``(source, destination)`` to the bytes of one
     micro-batch's skip tensors on it (``gpipe.skip``; kept as sorted pairs, so that costs
     stay hashable): between ranks, that message and its gradient take ``latency +
     skip_bytes / bandwidth`` and the destination holds its copy, besides its activations,
-    from its forward to its backward; within a rank the skip is shared, free and instant.
+    from its forward to its backward (re-materialized or not); within a rank the skip is
+    shared, free and instant.
     """
 
     forward: PerStage
@@ -177,7 +182,9 @@ class SimResult:
     once; ``peak_activation_bytes`` is that in bytes per stage and
     ``peak_rank_activation_bytes`` the peak of the sum over each rank's stages.
     ``compute_times[r]`` holds start and end, in turn, of rank ``r``'s compute actions in
-    program order; ``events`` pairs them with their actions.
+    program order; ``events`` pairs them with their actions. ``checkpoint`` is the
+    re-materialization mode simulated: a recomputed micro-batch's B span starts with the
+    recomputation of its forward.
     """
 
     schedule: Schedule = field(repr=False)
@@ -189,6 +196,7 @@ class SimResult:
     peak_activation_bytes: tuple[float, ...]
     peak_rank_activation_bytes: tuple[float, ...]
     compute_times: tuple[tuple[float, ...], ...] = field(repr=False)
+    checkpoint: str = "never"
 
     @functools.cached_property
     def events(self) -> list[tuple[int, Action, float, float]]:
@@ -213,7 +221,7 @@ def _delays(schedule: Schedule, costs: Costs) -> tuple[list[float], list[float]]
     return forward, backward
 
 
-def simulate(schedule: Schedule, costs: Costs) -> SimResult:
+def simulate(schedule: Schedule, costs: Costs, checkpoint: str = "never") -> SimResult:
     """Predict when every action of ``schedule`` runs, on ranks that each run their program.
 
     Each rank runs its actions strictly in order: a compute action takes its stage's cost, a
@@ -221,7 +229,14 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     waits until its message has arrived. The schedule is read as given (``validate`` checks
     its shape); ranks that end up waiting on each other raise ScheduleError. Time and memory
     are linear in the number of actions.
+
+    ``checkpoint`` is a re-materialization mode (``gpipe.checkpointing``): the micro-batches
+    it picks keep only ``message_bytes`` (their input) after their forward, and their B
+    first recomputes the forward, which costs the stage's forward time and holds
+    ``activation_bytes`` again from then on, as the executor does. ``"never"`` (the
+    default) recomputes nothing; so does a forward-only schedule, which keeps nothing.
     """
+    check_checkpoint(checkpoint)
     n_stages, n_mb, n_ranks = schedule.n_stages, schedule.n_microbatches, schedule.n_ranks
     if len(schedule.stage_to_rank) != n_stages:
         raise ScheduleError(
@@ -246,6 +261,9 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
         a + b for a, b in zip(costs.per_stage("activation_bytes", n_stages), skip_in, strict=True)
     )
     f_delay, b_delay = _delays(schedule, costs)
+    # what a re-materialized micro-batch keeps: its input and the skips it received
+    light = [costs.message_bytes + skip_in[s] for s in range(n_stages)]
+    recompute = [schedule.backward and should_checkpoint(checkpoint, i, n_mb) for i in range(n_mb)]
 
     def skip_delay(a: int, b: int) -> float:
         """A skip between stages a and b, or its gradient: the route's bytes either way."""
@@ -271,6 +289,8 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     blocked_at: list[Action | None] = [None] * n_ranks  # the receive a rank waits at
     clock, busy = [0.0] * n_ranks, [0.0] * n_ranks
     live, peak = [0] * n_stages, [0] * n_stages
+    kept = [0] * n_stages  # of the live micro-batches, those holding only their input
+    stage_peak = [0.0] * n_stages
     rank_bytes, rank_peak = [0.0] * n_ranks, [0.0] * n_ranks
     times: list[list[float]] = [[] for _ in range(n_ranks)]
     ready = list(range(n_ranks - 1, -1, -1))
@@ -294,11 +314,19 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
                     n = live[s] = live[s] + 1
                     if n > peak[s]:
                         peak[s] = n
-                    held += act_bytes[s]
+                    if recompute[a.microbatch]:
+                        kept[s] += 1
+                        held += light[s]
+                    else:
+                        held += act_bytes[s]
                     if held > held_peak:
                         held_peak = held
+                    now = (n - kept[s]) * act_bytes[s] + kept[s] * light[s]
+                    if now > stage_peak[s]:
+                        stage_peak[s] = now
                 else:
                     peak[s] = 1
+                    stage_peak[s] = act_bytes[s]
                     held_peak = max(held_peak, held + act_bytes[s])
             elif kind is SEND_F:
                 slot = (a.stage + 1) * n_mb + a.microbatch
@@ -322,6 +350,15 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
                 s = a.stage
                 start = t
                 cost = b_cost[s] if kind is B else w_cost[s]
+                if kind is B and recompute[a.microbatch]:  # the forward again, graph and all
+                    cost = f_cost[s] + cost
+                    kept[s] -= 1
+                    held += act_bytes[s] - light[s]
+                    if held > held_peak:
+                        held_peak = held
+                    now = (live[s] - kept[s]) * act_bytes[s] + kept[s] * light[s]
+                    if now > stage_peak[s]:
+                        stage_peak[s] = now
                 t += cost
                 work += cost
                 record(start)
@@ -358,7 +395,7 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     if any(blocked_at):
         blocked = ", ".join(f"rank {r} waits at {a}" for r, a in enumerate(blocked_at) if a)
         raise ScheduleError(f"{schedule.name} deadlocks: {blocked}")
-    return _result(schedule, times, clock, busy, peak, act_bytes, rank_peak)
+    return _result(schedule, times, clock, busy, peak, stage_peak, rank_peak, checkpoint)
 
 
 def _result(
@@ -367,8 +404,9 @@ def _result(
     clock: list[float],
     busy: list[float],
     peak: list[int],
-    act_bytes: tuple[float, ...],
+    stage_peak: list[float],
     rank_peak: list[float],
+    checkpoint: str,
 ) -> SimResult:
     makespan = max(clock, default=0.0)
     idle = tuple(makespan - b for b in busy)
@@ -380,9 +418,10 @@ def _result(
         idle=idle,
         bubble=bubble,
         peak_live=tuple(peak),
-        peak_activation_bytes=tuple(n * b for n, b in zip(peak, act_bytes, strict=True)),
+        peak_activation_bytes=tuple(stage_peak),
         peak_rank_activation_bytes=tuple(rank_peak),
         compute_times=tuple(map(tuple, times)),
+        checkpoint=checkpoint,
     )
 
 
@@ -392,6 +431,39 @@ def analytic_bubble(n_stages: int, n_microbatches: int) -> float:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return (n_stages - 1) / (n_microbatches + n_stages - 1)
+
+
+def closed_form_bubble(
+    name: str,
+    n_ranks: int,
+    n_microbatches: int,
+    virtual_stages: int = 1,
+    forward: float = 1.0,
+    backward: float = 1.0,
+    weight: float = 0.0,
+) -> float | None:
+    """Schedule ``name``'s bubble in closed form, or None where it has none.
+
+    For K ranks of equal cost (``forward``, ``backward`` and ``weight`` per rank, as in
+    ``Costs``), free messages and no recomputation: gpipe and 1f1b (K-1)/(M+K-1);
+    interleaved with v stages per rank (K-1)/(vM+K-1), M a multiple of K; zero-bubble
+    (ZB-H1), whose deferred W fill the drain, (K-1)(F+B-W) / (M(F+B+W) + (K-1)(F+B-W)) when
+    M >= K and W <= F, B (None otherwise). ``simulate`` gives these exactly.
+    """
+    get_schedule(name)
+    analytic_bubble(n_ranks, n_microbatches)  # checks the sizes
+    k, m, v = n_ranks, n_microbatches, virtual_stages
+    if name in ("gpipe", "1f1b"):
+        return (k - 1) / (m + k - 1)
+    if name == "interleaved":
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"virtual_stages must be a positive integer, got {v!r}")
+        return (k - 1) / (v * m + k - 1) if m % k == 0 else None
+    if name == "zero-bubble" and m >= k and weight <= min(forward, backward):
+        drain = (k - 1) * (forward + backward - weight)
+        total = m * (forward + backward + weight) + drain
+        return drain / total if total > 0 else None
+    return None
 
 
 def scenario(

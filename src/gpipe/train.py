@@ -32,6 +32,8 @@ from .partition import even_balance
 from .saving import latest_checkpoint, load_checkpoint, read_description, save_checkpoint
 from .simulate import predict
 from .trace import Event, plot_gantt, to_chrome
+from .view import Measured
+from .view import write as write_page
 
 __all__ = ["TrainOptions", "RunSpec", "load_corpus", "run_stage"]
 
@@ -156,11 +158,13 @@ def _check_same_text(corpus: bytes, pipe: Pipeline) -> None:
 
 
 def _write_timeline(out: Path, events: list[Event], pipe: Pipeline, n_microbatches: int) -> None:
-    """The measured step as a Chrome/Perfetto trace and, with matplotlib, a Gantt chart,
-    each beside the simulator's prediction from the step's own measured costs."""
+    """The measured step as a Chrome/Perfetto trace, as the interactive page and, with
+    matplotlib, as a Gantt chart, each beside the simulator's prediction from the step's own
+    measured costs."""
     schedule = pipe.schedule_for(n_microbatches)
     predicted = predict(schedule, events)
     to_chrome(events, out / "trace.json", predicted=predicted)
+    write_page(out / "view.html", measured=Measured(schedule, events, pipe.checkpoint))
     try:
         plot_gantt(events, out / "timeline.png", predicted=predicted, title=schedule.name)
     except ImportError as exc:

@@ -1,6 +1,5 @@
-"""The ``gpipe`` command: ``gpipe train`` trains a pipelined GPT, ``gpipe sample`` reads one;
-``gpipe simulate`` and ``gpipe plan`` predict time and memory without running; ``gpipe
-bench`` measures them against other tools."""
+"""``gpipe train``: a GPT language model trained in pipeline stages, one process each, from a
+run folder it can resume."""
 
 from __future__ import annotations
 
@@ -8,39 +7,24 @@ import argparse
 import json
 import os
 import shutil
-import sys
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
-from .checkpointing import check_checkpoint
-from .cli_bench import bench_parser
-from .cli_plan import plan_parser
-from .cli_simulate import simulate_parser
-from .errors import PipelineError
-from .schedule import get_schedule
+from ..checkpointing import check_checkpoint
+from ..schedule import get_schedule
+from .common import UsageError, positive
 
-__all__ = ["main"]
+__all__ = ["add_parser"]
 
 RUN_FILE = "run.json"  # the run's model config and options, written when it starts
-
-
-class UsageError(Exception):
-    """Bad input on the command line; reported in one line with exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
 
 
 def _under_torchrun() -> bool:
     return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
-
-# --- gpipe train ---------------------------------------------------------------------------
 
 _MODEL_FLAGS = {  # flag -> GPTConfig field
     "n_layer": "n_layer",
@@ -52,7 +36,7 @@ _MODEL_FLAGS = {  # flag -> GPTConfig field
 }
 
 
-def _train_parser(sub: Any) -> None:
+def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "train",
         help="train a GPT language model, pipelined over several processes",
@@ -109,18 +93,14 @@ def _train_parser(sub: Any) -> None:
     out.add_argument(
         "--trace",
         action="store_true",
-        help="write the last step's timeline (trace.json, timeline.png) into the run folder",
+        help="write the last step's timeline (trace.json, timeline.png, view.html) into the "
+        "run folder",
     )
     p.set_defaults(command=_train)
 
 
-def _positive(name: str, value: Any) -> None:
-    if value is not None and value < 1:
-        raise UsageError(f"--{name} must be a positive integer, got {value}")
-
-
 def _model_config(args: argparse.Namespace, saved: dict[str, Any] | None) -> Any:
-    from .models.gpt import GPTConfig, config_from_preset
+    from ..models.gpt import GPTConfig, config_from_preset
 
     overrides = {
         field_: getattr(args, flag)
@@ -144,7 +124,7 @@ def _model_config(args: argparse.Namespace, saved: dict[str, Any] | None) -> Any
 
 
 def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> Any:
-    from .train import TrainOptions
+    from ..train import TrainOptions
 
     values = dict(saved or {})
     for f in fields(TrainOptions):
@@ -158,7 +138,7 @@ def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> An
 
 
 def _check(config: Any, opts: Any) -> None:
-    from .train import parse_balance
+    from ..train import parse_balance
 
     for name in (
         "stages",
@@ -169,7 +149,7 @@ def _check(config: Any, opts: Any) -> None:
         "eval_every",
         "virtual_stages",
     ):
-        _positive(name.replace("_", "-"), getattr(opts, name))
+        positive(name.replace("_", "-"), getattr(opts, name))
     if opts.warmup < 0 or opts.save_every < 0:
         raise UsageError("--warmup and --save-every must not be negative")
     layers = config.n_layer + 2
@@ -212,8 +192,8 @@ def _check(config: Any, opts: Any) -> None:
 
 
 def _check_data(opts: Any, seq_len: int) -> None:
-    from .data import ByteDataset
-    from .train import load_corpus
+    from ..data import ByteDataset
+    from ..train import load_corpus
 
     try:
         dataset = ByteDataset.split(load_corpus(opts.data))
@@ -243,7 +223,7 @@ def _prepare_folder(out: Path, resume: bool, force: bool, run: dict[str, Any]) -
 def _saved_run(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.resume is None:
         return None
-    from .saving import latest_checkpoint
+    from ..saving import latest_checkpoint
 
     folder = Path(args.resume)
     if not (folder / RUN_FILE).is_file() or latest_checkpoint(folder / "checkpoints") is None:
@@ -255,7 +235,7 @@ def _agree_on_folder(prepare: Any, device: str) -> None:
     """Under torchrun, rank 0 prepares the run folder and every rank learns the outcome."""
     import torch.distributed as dist
 
-    from .distributed import init_process_group
+    from ..distributed import init_process_group
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     init_process_group(
@@ -273,8 +253,8 @@ def _agree_on_folder(prepare: Any, device: str) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .launch import launch
-    from .train import RunSpec, run_stage
+    from ..launch import launch
+    from ..train import RunSpec, run_stage
 
     saved = _saved_run(args)
     config = _model_config(args, saved and saved["model"])
@@ -299,7 +279,7 @@ def _train(args: argparse.Namespace) -> int:
         prepare()
     spec = RunSpec(model=asdict(config), train=asdict(opts), out=str(out), resume=bool(saved))
     if torchrun:
-        from .distributed import finish_process_group
+        from ..distributed import finish_process_group
 
         summary = run_stage(spec)
         finish_process_group()
@@ -323,78 +303,3 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
         f"sample:\n{summary['sample']}"
     )
     (out / "sample.txt").write_text(summary["sample"])
-
-
-# --- gpipe sample --------------------------------------------------------------------------
-
-
-def _sample_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "sample",
-        help="generate text from a checkpoint",
-        description="Generate text from a gpipe checkpoint (a run folder or one of its "
-        "checkpoints), with the whole model in this process.",
-    )
-    p.add_argument("path", metavar="DIR", help="run folder or checkpoint folder")
-    p.add_argument("--prompt", default="def ", help="text to continue")
-    p.add_argument("--tokens", type=int, default=300, help="bytes to generate")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(command=_sample)
-
-
-def _sample(args: argparse.Namespace) -> int:
-    from .data import decode, encode
-    from .models.gpt import GPTConfig, build_gpt, generate
-    from .saving import DESCRIPTION, latest_checkpoint, load_model_weights, read_description
-
-    folder = Path(args.path)
-    path = folder if (folder / DESCRIPTION).is_file() else latest_checkpoint(folder / "checkpoints")
-    if path is None:
-        raise UsageError(f"{folder}: no gpipe checkpoint there")
-    _positive("tokens", args.tokens)
-    _positive("top-k", args.top_k)
-    if args.temperature <= 0:
-        raise UsageError(f"--temperature must be positive, got {args.temperature}")
-    config = GPTConfig.from_dict(read_description(path)["model"])
-    model = build_gpt(config)
-    load_model_weights(path, model)
-    model.eval()
-    prompt = encode(args.prompt).view(1, -1)
-    generator = torch.Generator().manual_seed(args.seed)
-    with torch.no_grad():
-        tokens = generate(
-            model,
-            prompt,
-            args.tokens,
-            config.seq_len,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            generator=generator,
-        )
-    print(decode(tokens[0].tolist()))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="gpipe", description="Pipeline-parallel training on PyTorch.")
-    sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
-    _train_parser(sub)
-    _sample_parser(sub)
-    simulate_parser(sub)
-    plan_parser(sub)
-    bench_parser(sub)
-    try:
-        args = parser.parse_args(argv)
-        return args.command(args)
-    except UsageError as exc:
-        print(f"gpipe: error: {exc}", file=sys.stderr)
-        return 2
-    except PipelineError as exc:
-        print(f"gpipe: failed: {exc}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .checkpointing import CHECKPOINT_MODES
-from .schedule import SCHEDULES
+from ..checkpointing import CHECKPOINT_MODES
+from ..schedule import SCHEDULES
+from .common import UsageError
 
-__all__ = ["bench_parser"]
+__all__ = ["add_parser"]
 
 
-def bench_parser(sub: Any) -> None:
+def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmark gpipe against baselines, PyTorch's pipelining and torchgpipe",
@@ -75,8 +76,6 @@ def bench_parser(sub: Any) -> None:
 
 
 def _names(flag: str, value: str, allowed: tuple[str, ...] | None) -> tuple[str, ...]:
-    from .cli import UsageError
-
     names = tuple(n.strip() for n in value.split(",") if n.strip())
     if not names and allowed is not None:
         raise UsageError(f"--{flag} needs at least one of {', '.join(allowed)}")
@@ -90,8 +89,6 @@ def _names(flag: str, value: str, allowed: tuple[str, ...] | None) -> tuple[str,
 
 
 def _counts(flag: str, value: str) -> tuple[int, ...]:
-    from .cli import UsageError
-
     try:
         counts = tuple(int(v) for v in value.split(",") if v.strip())
     except ValueError:
@@ -102,10 +99,9 @@ def _counts(flag: str, value: str) -> tuple[int, ...]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench.contenders import contenders
-    from .bench.run import BenchOptions, matches, run_bench
-    from .bench.workloads import WORKLOADS
-    from .cli import UsageError
+    from ..bench.contenders import contenders
+    from ..bench.run import BenchOptions, matches, run_bench
+    from ..bench.workloads import WORKLOADS
 
     workloads = _names("workload", args.workload, tuple(WORKLOADS))
     schedules = _names("schedules", args.schedules, tuple(SCHEDULES))

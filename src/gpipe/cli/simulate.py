@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .schedule import SCHEDULES, get_schedule
-from .simulate import Costs, SimResult, analytic_bubble, compare, scenario, simulate
+from ..schedule import SCHEDULES, get_schedule
+from ..simulate import Costs, SimResult, analytic_bubble, compare, scenario, simulate
+from ..view import Settings, check_settings
+from ..view import write as write_page
+from .common import PAGE_OPTIONS, UsageError, read_costs
 
-__all__ = ["simulate_parser"]
+__all__ = ["add_parser"]
 
 # One unit of compute per forward, per input-gradient backward and per weight-gradient
 # backward: a whole backward then costs twice a forward, as it roughly does in practice.
@@ -17,7 +20,7 @@ DEFAULT_COSTS = Costs(forward=1.0, backward=1.0, weight=1.0)
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 
 
-def simulate_parser(sub: Any) -> None:
+def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "simulate",
         help="compare schedules' predicted time and memory",
@@ -52,21 +55,26 @@ def simulate_parser(sub: Any) -> None:
         "costs (default 2)",
     )
     p.add_argument("--plot", metavar="PNG", help="also draw each schedule's predicted timeline")
+    p.add_argument(
+        "--html",
+        metavar="FILE",
+        help="also write the interactive page (as gpipe view) for this case, starting on the "
+        "first schedule named",
+    )
     p.set_defaults(command=_simulate)
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .cli import UsageError
-
     for flag in ("stages", "chunks", "virtual_stages"):
         if getattr(args, flag) < 1:
             raise UsageError(
                 f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}"
             )
     names = _schedule_names(args.schedule)
-    costs = DEFAULT_COSTS if args.costs is None else _read_costs(args.costs, args.stages)
+    costs = DEFAULT_COSTS if args.costs is None else read_costs(args.costs, args.stages)
     if args.plot is not None:
         _figure_class()  # fail before simulating, not after
+    page = None if args.html is None else _page_settings(args, names[0], costs)
     rows = compare(names, args.stages, args.chunks, costs, args.virtual_stages)
     source = args.costs or "default: forward 1, backward 1, weight 1 per stage"
     print(f"{args.stages} stages, {args.chunks} micro-batches, costs {source}")
@@ -83,12 +91,22 @@ def _simulate(args: argparse.Namespace) -> int:
             raise UsageError(f"--plot {args.plot}: no schedule runs at these sizes")
         _plot(results, args.plot)
         print(f"timelines: {args.plot}")
+    if page is not None:
+        print(f"page: {write_page(args.html, page)}")
     return 0
 
 
-def _schedule_names(given: list[str] | None) -> list[str]:
-    from .cli import UsageError
+def _page_settings(args: argparse.Namespace, schedule: str, costs: Costs) -> Settings:
+    """The page's starting point for this case; refused before simulating if it cannot play it."""
+    try:
+        check_settings(args.stages, args.chunks, schedule, args.virtual_stages, "never", costs,
+                       names=PAGE_OPTIONS)  # fmt: skip
+    except ValueError as exc:
+        raise UsageError(f"--html: {exc}") from None
+    return Settings(args.stages, args.chunks, schedule, args.virtual_stages, "never", costs)
 
+
+def _schedule_names(given: list[str] | None) -> list[str]:
     if not given:
         return list(SCHEDULES)
     names = [name.strip() for value in given for name in value.split(",") if name.strip()]
@@ -98,18 +116,6 @@ def _schedule_names(given: list[str] | None) -> list[str]:
         except ValueError as exc:
             raise UsageError(f"--schedule: {exc}") from None
     return list(dict.fromkeys(names))
-
-
-def _read_costs(path: str, n_stages: int) -> Costs:
-    from .cli import UsageError
-
-    try:
-        costs = Costs.from_file(path)
-        for name in ("forward", "backward", "weight", "activation_bytes"):
-            costs.per_stage(name, n_stages)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--costs {path}: {exc}") from None
-    return costs
 
 
 def _table(rows: list[dict[str, Any]], n_stages: int, n_microbatches: int, costs: Costs) -> str:
@@ -161,8 +167,6 @@ def _bytes(n: float) -> str:
 
 
 def _figure_class() -> Any:
-    from .cli import UsageError
-
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -175,8 +179,6 @@ def _figure_class() -> Any:
 def _plot(results: list[SimResult], path: str) -> None:
     """A Gantt chart per schedule: one row per rank, F/B/W bars labelled with micro-batches."""
     from matplotlib.patches import Patch
-
-    from .cli import UsageError
 
     figure = _figure_class()(
         figsize=(12, sum(0.8 + 0.3 * r.schedule.n_ranks for r in results) + 0.5),

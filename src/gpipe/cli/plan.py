@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 
-from .checkpointing import CHECKPOINT_MODES
-from .memory import OPTIMIZER_STATES, MemoryPlan, Profile, plan, profile
-from .schedule import SCHEDULES
+from ..checkpointing import CHECKPOINT_MODES
+from ..memory import OPTIMIZER_STATES, MemoryPlan, Profile, plan, profile
+from ..schedule import SCHEDULES
+from .common import UsageError
 
-__all__ = ["parse_bytes", "plan_parser"]
+__all__ = ["add_parser", "parse_bytes"]
 
 _UNITS = {
     "": 1,
@@ -48,7 +49,7 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def plan_parser(sub: Any) -> None:
+def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "plan",
         help="predict memory per stage; find the most layers that fit",
@@ -93,7 +94,7 @@ def plan_parser(sub: Any) -> None:
 
 
 def _config(args: argparse.Namespace, n_layer: int) -> Any:
-    from .models.gpt import GPTConfig
+    from ..models.gpt import GPTConfig
 
     return GPTConfig(
         n_layer=n_layer,
@@ -108,7 +109,7 @@ def _config(args: argparse.Namespace, n_layer: int) -> Any:
 
 def _template(args: argparse.Namespace) -> Profile:
     """The profile of a one-block model; deeper models repeat its block (``Profile.repeat``)."""
-    from .models.gpt import build_gpt, lm_loss
+    from ..models.gpt import build_gpt, lm_loss
 
     layers = build_gpt(_config(args, 1), device="meta").to(_DTYPES[args.dtype])
     tokens = torch.zeros(min(2, args.batch_size), args.seq_len, dtype=torch.int64, device="meta")
@@ -116,9 +117,9 @@ def _template(args: argparse.Namespace) -> Profile:
 
 
 def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> MemoryPlan:
-    from .balance import partition
-    from .partition import even_balance
-    from .train import parse_balance
+    from ..balance import partition
+    from ..partition import even_balance
+    from ..train import parse_balance
 
     prof = template.repeat(1, n_layer)
     parts = args.stages * args.virtual_stages
@@ -139,8 +140,6 @@ def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> Memo
 
 
 def _check(args: argparse.Namespace) -> None:
-    from .cli import UsageError
-
     for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len", "stages", "chunks",
                  "batch_size", "virtual_stages"):  # fmt: skip
         value = getattr(args, name)
@@ -188,8 +187,6 @@ def _most_layers(args: argparse.Namespace, template: Profile, memory: int) -> in
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .cli import UsageError
-
     _check(args)
     try:
         memory = parse_bytes(args.device_memory)

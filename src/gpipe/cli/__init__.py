@@ -1,0 +1,32 @@
+"""The ``gpipe`` command: ``gpipe train`` trains a pipelined GPT, ``gpipe sample`` reads one;
+``gpipe simulate`` and ``gpipe plan`` predict time and memory without running; ``gpipe
+bench`` measures them against other tools; ``gpipe view`` writes a page that plays a schedule.
+
+One module per command, each adding its parser to ``main``'s; what they share lives in
+``common``, below them all."""
+
+from __future__ import annotations
+
+import sys
+
+from ..errors import PipelineError
+from . import bench, plan, sample, simulate, train, view
+from .common import Parser, UsageError
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="gpipe", description="Pipeline-parallel training on PyTorch.")
+    sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+    for command in (train, sample, simulate, plan, bench, view):
+        command.add_parser(sub)
+    try:
+        args = parser.parse_args(argv)
+        return args.command(args)
+    except UsageError as exc:
+        print(f"gpipe: error: {exc}", file=sys.stderr)
+        return 2
+    except PipelineError as exc:
+        print(f"gpipe: failed: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,59 @@
+"""``gpipe view``: write the page that plays a schedule through its stages, offline, and print
+where it is."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..checkpointing import CHECKPOINT_MODES
+from ..schedule import SCHEDULES
+from ..view import DEFAULT_COSTS, Settings, check_settings, write
+from .common import PAGE_OPTIONS, UsageError, read_costs
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "view",
+        help="write an interactive page that plays a schedule, offline",
+        description="Write one self-contained HTML page that plays micro-batches through the "
+        "pipeline stages as gpipe's schedules and simulator say, with controls for K, M, the "
+        "schedule, the checkpoint mode and the cost model, and read-outs of makespan, bubble "
+        "and memory. It needs no network. Default costs: forward, backward and weight 1 per "
+        "rank, 4 MiB messages, 64 MiB of activations per micro-batch.",
+    )
+    p.add_argument("--stages", type=int, default=4, metavar="K", help="ranks (default 4)")
+    p.add_argument("--chunks", type=int, default=8, metavar="M", help="micro-batches (default 8)")
+    p.add_argument("--schedule", choices=tuple(SCHEDULES), default="gpipe", help="default gpipe")
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=2,
+        metavar="V",
+        help="stages per rank with --schedule interleaved (default 2)",
+    )
+    p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, default="never", help="default never")
+    p.add_argument(
+        "--costs", metavar="FILE", help="JSON costs of one rank, as gpipe simulate reads them"
+    )
+    p.add_argument(
+        "--out", default="gpipe-view.html", metavar="FILE", help="default gpipe-view.html"
+    )
+    p.set_defaults(command=_view)
+
+
+def _view(args: argparse.Namespace) -> int:
+    costs = DEFAULT_COSTS if args.costs is None else read_costs(args.costs, args.stages)
+    values = (args.stages, args.chunks, args.schedule, args.virtual_stages, args.checkpoint)
+    try:
+        check_settings(*values, costs, names=PAGE_OPTIONS)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        path = write(args.out, Settings(*values, costs))
+    except OSError as exc:
+        raise UsageError(f"--out {args.out}: {exc.strerror or exc}") from None
+    print(path.resolve())
+    return 0

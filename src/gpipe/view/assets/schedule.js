@@ -1,0 +1,221 @@
+// gpipe's schedule generators (gpipe/schedule.py) in JavaScript, action for action, so that the
+// page can compute schedules offline. tests/test_view_parity.py holds them to the Python ones.
+(function (root) {
+  "use strict";
+  const api = root.gpipeView || (root.gpipeView = {});
+
+  const F = "F";
+  const B = "B";
+  const W = "W";
+  const COMPUTE = new Set([F, B, W]);
+  const KINDS = new Set([F, B, W, "SEND_F", "RECV_F", "SEND_B", "RECV_B"]);
+
+  function action(stage, kind, microbatch) {
+    return { stage, kind, microbatch };
+  }
+
+  // "1F0": stage 1, forward, micro-batch 0, as Python's Action prints.
+  function actionName(a) {
+    return `${a.stage}${a.kind}${a.microbatch}`;
+  }
+
+  function parseAction(text) {
+    const match = /^(\d+)([A-Z_]+?)(\d+)$/.exec(text);
+    if (!match || !KINDS.has(match[2])) {
+      throw new Error(`unknown action ${JSON.stringify(text)}; this page knows ${[...KINDS]}`);
+    }
+    return action(Number(match[1]), match[2], Number(match[3]));
+  }
+
+  function isCompute(a) {
+    return COMPUTE.has(a.kind);
+  }
+
+  function range(n) {
+    return Array.from({ length: Math.max(0, n) }, (_, i) => i);
+  }
+
+  // Each compute action of one stage, with the receives before it and the sends after it.
+  function withCommunication(stage, nStages, compute) {
+    const program = [];
+    const first = stage === 0;
+    const last = stage === nStages - 1;
+    for (const [kind, mb] of compute) {
+      if (kind === F) {
+        if (!first) program.push(action(stage, "RECV_F", mb));
+        program.push(action(stage, F, mb));
+        if (!last) program.push(action(stage, "SEND_F", mb));
+      } else if (kind === B) {
+        if (!last) program.push(action(stage, "RECV_B", mb));
+        program.push(action(stage, B, mb));
+        if (!first) program.push(action(stage, "SEND_B", mb));
+      } else {
+        program.push(action(stage, kind, mb));
+      }
+    }
+    return program;
+  }
+
+  function isPositiveInt(n) {
+    return Number.isInteger(n) && n >= 1;
+  }
+
+  function checkSizes(nStages, nMicrobatches) {
+    if (!isPositiveInt(nStages)) {
+      throw new Error(`n_stages must be a positive integer, got ${nStages}`);
+    }
+    if (!isPositiveInt(nMicrobatches)) {
+      throw new Error(`n_microbatches must be a positive integer, got ${nMicrobatches}`);
+    }
+  }
+
+  function schedule(name, nStages, nMicrobatches, programs, stageToRank, splitBackward) {
+    return {
+      name,
+      nStages,
+      nMicrobatches,
+      programs,
+      stageToRank,
+      backward: true,
+      splitBackward: Boolean(splitBackward),
+    };
+  }
+
+  // GPipe fill-drain: all forwards, then all backwards in reverse order.
+  function gpipe(nStages, nMicrobatches) {
+    checkSizes(nStages, nMicrobatches);
+    const forwards = range(nMicrobatches).map((i) => [F, i]);
+    const backwards = range(nMicrobatches)
+      .reverse()
+      .map((i) => [B, i]);
+    const programs = range(nStages).map((s) =>
+      withCommunication(s, nStages, forwards.concat(backwards)),
+    );
+    return schedule("gpipe", nStages, nMicrobatches, programs, range(nStages));
+  }
+
+  // Warm-up forwards, then one forward and one backward in turn, then the last backwards.
+  function oneFOneBOrder(stage, nStages, nMicrobatches) {
+    const warmup = Math.min(nStages - stage - 1, nMicrobatches);
+    const order = range(warmup).map((i) => [F, i]);
+    for (let i = 0; i < nMicrobatches - warmup; i++) {
+      order.push([F, warmup + i], [B, i]);
+    }
+    for (let i = nMicrobatches - warmup; i < nMicrobatches; i++) order.push([B, i]);
+    return order;
+  }
+
+  function oneFOneB(nStages, nMicrobatches) {
+    checkSizes(nStages, nMicrobatches);
+    const programs = range(nStages).map((s) =>
+      withCommunication(s, nStages, oneFOneBOrder(s, nStages, nMicrobatches)),
+    );
+    return schedule("1f1b", nStages, nMicrobatches, programs, range(nStages));
+  }
+
+  // ZB-H1: 1F1B with B split into B (input gradients) and W (weight gradients); stage s runs
+  // the W of micro-batch i after the B of micro-batch i + s.
+  function zeroBubbleH1(nStages, nMicrobatches) {
+    checkSizes(nStages, nMicrobatches);
+    const programs = range(nStages).map((s) => {
+      const order = [];
+      let weights = 0;
+      for (const [kind, i] of oneFOneBOrder(s, nStages, nMicrobatches)) {
+        order.push([kind, i]);
+        if (kind === B && i - weights >= s) {
+          order.push([W, weights]);
+          weights += 1;
+        }
+      }
+      for (let i = weights; i < nMicrobatches; i++) order.push([W, i]);
+      return withCommunication(s, nStages, order);
+    });
+    return schedule("zero-bubble", nStages, nMicrobatches, programs, range(nStages), true);
+  }
+
+  // Interleaved 1F1B: rank r holds stages r, r + K, r + 2K, ...; micro-batches in groups of K.
+  function interleaved(nStages, nMicrobatches, nRanks) {
+    const k = nRanks === undefined || nRanks === null ? nStages : nRanks;
+    checkSizes(nStages, nMicrobatches);
+    if (!isPositiveInt(k) || nStages % k) {
+      throw new Error(
+        "interleaved needs a number of stages that is a multiple of the number of " +
+          `ranks, got ${nStages} stages for ${k} ranks`,
+      );
+    }
+    if (nMicrobatches % k) {
+      throw new Error(
+        "interleaved needs a number of micro-batches that is a multiple of the number " +
+          `of ranks (${k}), got ${nMicrobatches}`,
+      );
+    }
+    const v = nStages / k;
+    const total = nMicrobatches * v;
+    const forwardOf = (rank, j) => [
+      (Math.floor(j / k) % v) * k + rank,
+      Math.floor(j / (k * v)) * k + (j % k),
+    ];
+    const backwardOf = (rank, j) => [
+      (v - 1 - (Math.floor(j / k) % v)) * k + rank,
+      Math.floor(j / (k * v)) * k + (j % k),
+    ];
+    const programs = range(k).map((rank) => {
+      const warmup = Math.min((k - rank - 1) * 2 + (v - 1) * k, total);
+      const order = range(warmup).map((j) => [F, ...forwardOf(rank, j)]);
+      for (let i = 0; i < total - warmup; i++) {
+        order.push([F, ...forwardOf(rank, warmup + i)], [B, ...backwardOf(rank, i)]);
+      }
+      for (let j = total - warmup; j < total; j++) order.push([B, ...backwardOf(rank, j)]);
+      return order.flatMap(([kind, stage, mb]) => withCommunication(stage, nStages, [[kind, mb]]));
+    });
+    return schedule(
+      "interleaved",
+      nStages,
+      nMicrobatches,
+      programs,
+      range(nStages).map((s) => s % k),
+    );
+  }
+
+  const SCHEDULES = {
+    gpipe,
+    "1f1b": oneFOneB,
+    "zero-bubble": zeroBubbleH1,
+    interleaved,
+  };
+
+  function getSchedule(name) {
+    if (!Object.prototype.hasOwnProperty.call(SCHEDULES, name)) {
+      const known = Object.keys(SCHEDULES).sort();
+      throw new Error(`schedule must be one of ${known.join(", ")}, got ${JSON.stringify(name)}`);
+    }
+    return SCHEDULES[name];
+  }
+
+  // A schedule given as data, e.g. the one a measured run ran: programs of action names.
+  function scheduleFromData(data) {
+    return {
+      name: data.name,
+      nStages: data.n_stages,
+      nMicrobatches: data.n_microbatches,
+      programs: data.programs.map((program) => program.map(parseAction)),
+      stageToRank: data.stage_to_rank,
+      backward: data.backward,
+      splitBackward: data.split_backward,
+    };
+  }
+
+  Object.assign(api, {
+    SCHEDULES,
+    actionName,
+    getSchedule,
+    gpipe,
+    interleaved,
+    isCompute,
+    oneFOneB,
+    parseAction,
+    scheduleFromData,
+    withCommunication,
+    zeroBubbleH1,
+  });
+})(globalThis);

@@ -1,0 +1,276 @@
+// gpipe's simulator (gpipe/simulate.py) in JavaScript: the same cost model, the same walk
+// through the ranks' programs, the same times, bubble and memory; tests/test_view_parity.py
+// holds it to the Python one. It also keeps what the page draws: the span of every action,
+// messages included, and each rank's activation bytes over time.
+(function (root) {
+  "use strict";
+  const api = root.gpipeView || (root.gpipeView = {});
+
+  const PER_STAGE = ["forward", "backward", "weight", "activation_bytes"];
+  const CHECKPOINT_MODES = ["always", "except_last", "never"];
+  const DEFAULTS = {
+    weight: 0,
+    latency: 0,
+    bandwidth: Infinity,
+    message_bytes: 0,
+    activation_bytes: 0,
+  };
+
+  // Costs as gpipe.simulate.Costs holds them; JSON has no infinity, so a null bandwidth is one.
+  function costsOf(given) {
+    const costs = { ...DEFAULTS, ...given };
+    if (costs.bandwidth === null) costs.bandwidth = Infinity;
+    return costs;
+  }
+
+  function perStage(costs, name, nStages) {
+    const value = costs[name];
+    if (Array.isArray(value)) {
+      if (value.length !== nStages) {
+        throw new Error(
+          `Costs.${name} has ${value.length} values, but the schedule has ${nStages} stages`,
+        );
+      }
+      return value.slice();
+    }
+    return new Array(nStages).fill(value);
+  }
+
+  function checkCheckpoint(mode) {
+    if (!CHECKPOINT_MODES.includes(mode)) {
+      throw new Error(
+        `checkpoint is not one of 'always', 'except_last', or 'never', got ${JSON.stringify(mode)}`,
+      );
+    }
+    return mode;
+  }
+
+  // gpipe.checkpointing.should_checkpoint: except_last spares the last micro-batch.
+  function shouldCheckpoint(mode, microbatch, nMicrobatches) {
+    if (mode === "always") return true;
+    if (mode === "except_last") return microbatch < nMicrobatches - 1;
+    return false;
+  }
+
+  // Time a message takes from stage s to s + 1 (forward) and to s - 1 (backward).
+  function delays(schedule, costs) {
+    const rankOf = schedule.stageToRank;
+    const k = schedule.nStages;
+    const wire = costs.latency + costs.message_bytes / costs.bandwidth;
+    const forward = [];
+    const backward = [];
+    for (let s = 0; s < k; s++) {
+      forward.push(s + 1 < k && rankOf[s + 1] === rankOf[s] ? 0 : wire);
+      backward.push(s > 0 && rankOf[s - 1] === rankOf[s] ? 0 : wire);
+    }
+    return [forward, backward];
+  }
+
+  function zeros(n) {
+    return new Array(n).fill(0);
+  }
+
+  // Every rank runs its program in order: compute takes its stage's cost, a send takes no
+  // time and its message arrives after its delay, a receive waits for its message. A
+  // re-materialized micro-batch keeps only message_bytes after its forward; its B first runs
+  // the forward again.
+  function simulate(schedule, given, checkpoint = "never") {
+    checkCheckpoint(checkpoint);
+    const costs = costsOf(given);
+    const n = schedule.nStages;
+    const m = schedule.nMicrobatches;
+    const nRanks = schedule.programs.length;
+    if (schedule.stageToRank.length !== n) {
+      throw new Error(`stage_to_rank has ${schedule.stageToRank.length} entries for ${n} stages`);
+    }
+    const fCost = perStage(costs, "forward", n);
+    const wCost = perStage(costs, "weight", n);
+    let bCost = perStage(costs, "backward", n);
+    if (!schedule.splitBackward) bCost = bCost.map((b, s) => b + wCost[s]);
+    const actBytes = perStage(costs, "activation_bytes", n);
+    const [fDelay, bDelay] = delays(schedule, costs);
+    const light = costs.message_bytes;
+    const recompute = [];
+    for (let i = 0; i < m; i++) {
+      recompute.push(schedule.backward && shouldCheckpoint(checkpoint, i, m));
+    }
+    const release = schedule.splitBackward ? "W" : "B";
+    const keeps = schedule.backward;
+
+    const fArrival = new Array(n * m).fill(null);
+    const bArrival = new Array(n * m).fill(null);
+    const fWaiting = new Map();
+    const bWaiting = new Map();
+    const next = zeros(nRanks); // index of the next action of each rank
+    const clock = zeros(nRanks);
+    const busy = zeros(nRanks);
+    const live = zeros(n);
+    const peak = zeros(n);
+    const kept = zeros(n);
+    const stagePeak = zeros(n);
+    const rankBytes = zeros(nRanks);
+    const rankPeak = zeros(nRanks);
+    const spans = Array.from({ length: nRanks }, () => []);
+    const memory = Array.from({ length: nRanks }, () => [[0, 0]]);
+    const ready = [];
+    for (let r = nRanks - 1; r >= 0; r--) ready.push(r);
+
+    while (ready.length) {
+      const r = ready.pop();
+      let t = clock[r];
+      let work = busy[r];
+      let held = rankBytes[r];
+      let heldPeak = rankPeak[r];
+      const program = schedule.programs[r];
+      const lane = spans[r];
+      let i = next[r];
+      for (; i < program.length; i++) {
+        const a = program[i];
+        const s = a.stage;
+        const kind = a.kind;
+        if (kind === "F") {
+          const start = t;
+          const cost = fCost[s];
+          t += cost;
+          work += cost;
+          lane.push({ action: a, start, end: t });
+          if (keeps) {
+            const count = (live[s] += 1);
+            if (count > peak[s]) peak[s] = count;
+            if (recompute[a.microbatch]) {
+              kept[s] += 1;
+              held += light;
+            } else {
+              held += actBytes[s];
+            }
+            if (held > heldPeak) heldPeak = held;
+            const now = (count - kept[s]) * actBytes[s] + kept[s] * light;
+            if (now > stagePeak[s]) stagePeak[s] = now;
+            memory[r].push([start, held]);
+          } else {
+            peak[s] = 1;
+            stagePeak[s] = actBytes[s];
+            heldPeak = Math.max(heldPeak, held + actBytes[s]);
+          }
+        } else if (kind === "SEND_F" || kind === "SEND_B") {
+          const forward = kind === "SEND_F";
+          const slot = (forward ? s + 1 : s - 1) * m + a.microbatch;
+          const arrival = t + (forward ? fDelay[s] : bDelay[s]);
+          (forward ? fArrival : bArrival)[slot] = arrival;
+          lane.push({ action: a, start: t, end: arrival });
+          const waiting = forward ? fWaiting : bWaiting;
+          if (waiting.has(slot)) {
+            ready.push(waiting.get(slot));
+            waiting.delete(slot);
+          }
+        } else if (kind === "RECV_F" || kind === "RECV_B") {
+          const forward = kind === "RECV_F";
+          const slot = s * m + a.microbatch;
+          const at = (forward ? fArrival : bArrival)[slot];
+          if (at === null) {
+            (forward ? fWaiting : bWaiting).set(slot, r);
+            break;
+          }
+          const start = t;
+          if (at > t) t = at;
+          lane.push({ action: a, start, end: t });
+        } else if (kind === "B" || kind === "W") {
+          const start = t;
+          let cost = kind === "B" ? bCost[s] : wCost[s];
+          const again = kind === "B" && recompute[a.microbatch];
+          if (again) {
+            cost = fCost[s] + cost;
+            kept[s] -= 1;
+            held += actBytes[s] - light;
+            if (held > heldPeak) heldPeak = held;
+            const now = (live[s] - kept[s]) * actBytes[s] + kept[s] * light;
+            if (now > stagePeak[s]) stagePeak[s] = now;
+            memory[r].push([start, held]);
+          }
+          t += cost;
+          work += cost;
+          const span = { action: a, start, end: t };
+          if (again) Object.assign(span, { recomputed: true, recompute: fCost[s] });
+          lane.push(span);
+          if (kind === release) {
+            live[s] -= 1;
+            held -= actBytes[s];
+            memory[r].push([t, held]);
+          }
+        } else {
+          throw new Error(`this page cannot simulate action ${api.actionName(a)}`);
+        }
+      }
+      next[r] = i;
+      clock[r] = t;
+      busy[r] = work;
+      rankBytes[r] = held;
+      rankPeak[r] = heldPeak;
+    }
+    const stuck = [];
+    next.forEach((i, r) => {
+      const program = schedule.programs[r];
+      if (i < program.length) stuck.push(`rank ${r} waits at ${api.actionName(program[i])}`);
+    });
+    if (stuck.length) throw new Error(`${schedule.name} deadlocks: ${stuck.join(", ")}`);
+
+    const makespan = nRanks ? Math.max(...clock) : 0;
+    const idle = busy.map((b) => makespan - b);
+    const bubble = makespan > 0 ? idle.reduce((x, y) => x + y, 0) / (nRanks * makespan) : 0;
+    return {
+      schedule,
+      checkpoint,
+      makespan,
+      busy,
+      idle,
+      bubble,
+      peakLive: peak,
+      peakActivationBytes: stagePeak,
+      peakRankActivationBytes: rankPeak,
+      spans,
+      memory,
+    };
+  }
+
+  // gpipe.simulate.scenario: K ranks; interleaved cuts each rank's costs into v stages.
+  function scenario(name, nRanks, nMicrobatches, given, virtualStages = 2) {
+    const costs = costsOf(given);
+    const v = virtualStages;
+    if (name !== "interleaved" || v === 1) {
+      return [api.getSchedule(name)(nRanks, nMicrobatches), costs];
+    }
+    if (!Number.isInteger(v) || v < 1) {
+      throw new Error(`virtual_stages must be a positive integer, got ${v}`);
+    }
+    const split = {};
+    for (const field of PER_STAGE) {
+      const share = perStage(costs, field, nRanks).map((x) => x / v);
+      split[field] = new Array(v).fill(share).flat();
+    }
+    const schedule = api.getSchedule(name)(nRanks * v, nMicrobatches, nRanks);
+    return [schedule, { ...costs, ...split }];
+  }
+
+  // gpipe.simulate.closed_form_bubble: each schedule's own formula, or null.
+  function closedFormBubble(name, k, m, v = 1, forward = 1, backward = 1, weight = 0) {
+    api.getSchedule(name);
+    if (name === "gpipe" || name === "1f1b") return (k - 1) / (m + k - 1);
+    if (name === "interleaved") return m % k === 0 ? (k - 1) / (v * m + k - 1) : null;
+    if (name === "zero-bubble" && m >= k && weight <= Math.min(forward, backward)) {
+      const drain = (k - 1) * (forward + backward - weight);
+      const total = m * (forward + backward + weight) + drain;
+      return total > 0 ? drain / total : null;
+    }
+    return null;
+  }
+
+  Object.assign(api, {
+    CHECKPOINT_MODES,
+    closedFormBubble,
+    costsOf,
+    perStage,
+    scenario,
+    shouldCheckpoint,
+    simulate,
+  });
+})(globalThis);

@@ -1,0 +1,191 @@
+"""One source of truth: the page's JavaScript, run in node on a grid of (schedule, K, M, v,
+costs, checkpoint), gives action for action the programs of ``gpipe.schedule``'s generators
+and the times, bubble and memory of ``gpipe.simulate``, and draws messages that agree."""
+
+import itertools
+import json
+import math
+import random
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from gpipe.checkpointing import should_checkpoint
+from gpipe.schedule import SCHEDULES
+from gpipe.simulate import Costs, closed_form_bubble, scenario, simulate
+from gpipe.view import asset_path
+from gpipe.view.page import _costs_json
+
+NODE = shutil.which("node")
+pytestmark = pytest.mark.skipif(
+    NODE is None, reason="node is not installed, so the page's JavaScript cannot run here"
+)
+RUNNER = Path(__file__).with_name("view_parity.js")
+SCRIPTS = ("schedule.js", "simulate.js")
+COMPUTE = ("F", "B", "W")
+MODES = ("never", "except_last", "always")
+
+
+def _costs(kind: str, k: int) -> Costs:
+    if kind == "unit":
+        return Costs(forward=1.0, backward=1.0, weight=1.0)
+    if kind == "links":
+        return Costs(forward=1.0, backward=2.0, weight=0.5, latency=0.1, message_bytes=3e6,
+                     bandwidth=1e7, activation_bytes=1e8)  # fmt: skip
+    if kind == "no-weight":
+        return Costs(forward=1.5, backward=2.5, message_bytes=2.0, activation_bytes=7.0)
+    rng = random.Random(k)  # uneven ranks, one value each
+
+    def draw(low: float, high: float) -> list[float]:
+        return [round(rng.uniform(low, high), 3) for _ in range(k)]
+
+    return Costs(forward=draw(0.5, 2), backward=draw(0.5, 3), weight=draw(0, 1), latency=0.05,
+                 message_bytes=5.0, activation_bytes=draw(10, 100))  # fmt: skip
+
+
+def _grid() -> list[dict]:
+    cases = []
+    for name, k, m, costs, mode in itertools.product(
+        sorted(SCHEDULES), (1, 2, 3, 4), (1, 2, 3, 4, 6, 8),
+        ("unit", "links", "no-weight", "uneven"), MODES,
+    ):  # fmt: skip
+        for v in (1, 2, 3) if name == "interleaved" else (2,):
+            cases.append({"schedule": name, "stages": k, "chunks": m, "virtual_stages": v,
+                          "costs": costs, "checkpoint": mode})  # fmt: skip
+    return cases
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[tuple[dict, dict]]:
+    """Each case with what the page's scripts computed for it, all in one node process."""
+    cases = _grid()
+    payload = {
+        "scripts": [str(asset_path(name)) for name in SCRIPTS],
+        "cases": [{**c, "costs": _costs_json(_costs(c["costs"], c["stages"]))} for c in cases],
+    }
+    done = subprocess.run([NODE, str(RUNNER)], input=json.dumps(payload), capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout)
+    assert len(results) == len(cases)
+    return list(zip(cases, results, strict=True))
+
+
+def _label(case: dict) -> str:
+    return "{schedule} K={stages} M={chunks} v={virtual_stages} {costs} {checkpoint}".format(**case)
+
+
+def _kind(name: str) -> str:
+    """``F`` of ``1F0``, ``RECV_B`` of ``0RECV_B3``."""
+    match = re.fullmatch(r"\d+([A-Z_]+?)\d+", name)
+    assert match is not None, name
+    return match.group(1)
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-12)
+
+
+def test_the_grid_covers_every_schedule_and_checkpoint_mode(runs):
+    played = {(c["schedule"], c["checkpoint"]) for c, js in runs if "error" not in js}
+    assert played == set(itertools.product(SCHEDULES, MODES))
+    assert sum("error" in js for _, js in runs) > 0  # interleaved's M % K rule is covered
+
+
+def test_programs_are_the_python_generators_action_for_action(runs):
+    for case, js in runs:
+        costs = _costs(case["costs"], case["stages"])
+        try:
+            schedule, _ = scenario(case["schedule"], case["stages"], case["chunks"], costs,
+                                   case["virtual_stages"])  # fmt: skip
+        except ValueError as exc:
+            assert js == {"error": str(exc)}, _label(case)
+            continue
+        assert "error" not in js, (_label(case), js)
+        python = [[str(a) for a in program] for program in schedule.programs]
+        assert js["programs"] == python, _label(case)
+        assert js["stage_to_rank"] == list(schedule.stage_to_rank), _label(case)
+        assert js["split_backward"] == schedule.split_backward, _label(case)
+
+
+def test_simulated_times_bubble_and_memory_are_the_python_simulators(runs):
+    for case, js in runs:
+        if "error" in js:
+            continue
+        label = _label(case)
+        costs = _costs(case["costs"], case["stages"])
+        schedule, split = scenario(case["schedule"], case["stages"], case["chunks"], costs,
+                                   case["virtual_stages"])  # fmt: skip
+        result = simulate(schedule, split, case["checkpoint"])
+        for rank in range(schedule.n_ranks):
+            python = [(str(a), s, e) for r, a, s, e in result.events if r == rank]
+            page = [(n, s, e) for n, s, e, _ in js["spans"][rank] if _kind(n) in COMPUTE]
+            assert [n for n, _, _ in page] == [n for n, _, _ in python], label
+            for (name, s1, e1), (_, s2, e2) in zip(page, python, strict=True):
+                assert _close(s1, s2) and _close(e1, e2), (label, name, (s1, e1), (s2, e2))
+        assert _close(js["makespan"], result.makespan), label
+        assert js["busy"] == pytest.approx(result.busy, rel=1e-12, abs=1e-12), label
+        assert js["idle"] == pytest.approx(result.idle, rel=1e-12, abs=1e-12), label
+        assert _close(js["bubble"], result.bubble), label
+        assert tuple(js["peak_live"]) == result.peak_live, label
+        for page, python in (
+            (js["peak_activation_bytes"], result.peak_activation_bytes),
+            (js["peak_rank_activation_bytes"], result.peak_rank_activation_bytes),
+            (js["memory_top"], result.peak_rank_activation_bytes),  # the chart's top
+        ):
+            assert page == pytest.approx(python, rel=1e-12, abs=1e-9), label
+
+
+def test_the_closed_form_bubble_is_the_python_one(runs):
+    for case, js in runs:
+        costs = _costs(case["costs"], case["stages"])
+        if "error" in js or isinstance(costs.forward, tuple):
+            continue
+        v = case["virtual_stages"] if case["schedule"] == "interleaved" else 1
+        python = closed_form_bubble(case["schedule"], case["stages"], case["chunks"], v,
+                                    costs.forward, costs.backward, costs.weight)  # fmt: skip
+        assert (js["closed_form"] is None) == (python is None), _label(case)
+        if python is not None:
+            assert _close(js["closed_form"], python), _label(case)
+
+
+def test_messages_and_recomputations_drawn_agree_with_the_simulators_model(runs):
+    """Every action's span starts when its rank gets to it; a send arrives after the link's
+    delay, a receive ends when its message is there; recomputed are the backwards that
+    ``should_checkpoint`` picks."""
+    for case, js in runs:
+        if "error" in js:
+            continue
+        label = _label(case)
+        costs = _costs(case["costs"], case["stages"])
+        schedule, _ = scenario(case["schedule"], case["stages"], case["chunks"], costs,
+                               case["virtual_stages"])  # fmt: skip
+        wire = costs.latency + costs.message_bytes / costs.bandwidth
+        rank_of = schedule.stage_to_rank
+        arrival = {}
+        for rank, spans in enumerate(js["spans"]):
+            for action, (name, start, end, _) in zip(schedule.programs[rank], spans, strict=True):
+                if action.kind.value.startswith("SEND"):
+                    to = action.stage + (1 if action.kind.value == "SEND_F" else -1)
+                    delay = 0.0 if rank_of[to] == rank_of[action.stage] else wire
+                    assert _close(end - start, delay), (label, name)
+                    arrival[(to, action.kind.value[-1], action.microbatch)] = end
+        for rank, spans in enumerate(js["spans"]):
+            clock = 0.0
+            for action, (name, start, end, recomputed) in zip(
+                schedule.programs[rank], spans, strict=True
+            ):
+                assert name == str(action), label
+                assert _close(start, clock), (label, name, start, clock)
+                kind = action.kind.value
+                if kind.startswith("RECV"):
+                    got = arrival[(action.stage, kind[-1], action.microbatch)]
+                    assert _close(end, max(start, got)), (label, name)
+                clock = start if kind.startswith("SEND") else end
+                expected = kind == "B" and should_checkpoint(
+                    case["checkpoint"], action.microbatch, schedule.n_microbatches
+                )
+                assert recomputed == expected, (label, name)

@@ -1,0 +1,49 @@
+// Runs the page's own schedule.js and simulate.js in node on the cases given as JSON on stdin
+// ({"scripts": [paths], "cases": [...]}) and prints what they compute, for
+// tests/test_view_parity.py to hold against gpipe.schedule and gpipe.simulate.
+"use strict";
+const fs = require("fs");
+
+const input = JSON.parse(fs.readFileSync(0, "utf8"));
+for (const path of input.scripts) require(path);
+const G = globalThis.gpipeView;
+
+function run(c) {
+  let schedule;
+  let costs;
+  try {
+    [schedule, costs] = G.scenario(c.schedule, c.stages, c.chunks, c.costs, c.virtual_stages);
+  } catch (err) {
+    return { error: err.message };
+  }
+  const result = G.simulate(schedule, costs, c.checkpoint);
+  return {
+    programs: schedule.programs.map((p) => p.map(G.actionName)),
+    stage_to_rank: schedule.stageToRank,
+    split_backward: schedule.splitBackward,
+    spans: result.spans.map((lane) =>
+      lane.map((s) => [G.actionName(s.action), s.start, s.end, Boolean(s.recomputed)]),
+    ),
+    makespan: result.makespan,
+    busy: result.busy,
+    idle: result.idle,
+    bubble: result.bubble,
+    peak_live: result.peakLive,
+    peak_activation_bytes: result.peakActivationBytes,
+    peak_rank_activation_bytes: result.peakRankActivationBytes,
+    memory_top: result.memory.map((points) => Math.max(...points.map((p) => p[1]))),
+    closed_form: [c.costs.forward, c.costs.backward, c.costs.weight].some(Array.isArray)
+      ? null
+      : G.closedFormBubble(
+          c.schedule,
+          c.stages,
+          c.chunks,
+          c.schedule === "interleaved" ? c.virtual_stages : 1,
+          c.costs.forward,
+          c.costs.backward,
+          c.costs.weight,
+        ),
+  };
+}
+
+process.stdout.write(JSON.stringify(input.cases.map(run)));
