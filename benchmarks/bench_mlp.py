@@ -14,7 +14,7 @@ so that drifts of the machine hit all alike:
 ideal = slowest at_once process x (M + K - 1) / M; naive ideal = lone x (M + K - 1) / (M K).
 
     python -m benchmarks.bench_mlp            # full run (~5 min), writes results/mlp.json
-    python -m benchmarks.bench_mlp --quick    # small sizes, to check that it runs
+    python -m benchmarks.bench_mlp --quick    # width 64: where the fixed cost per action shows
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="measured steps per contender")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--quick", action="store_true", help="small sizes, to check it runs")
+    parser.add_argument("--quick", action="store_true", help="width 64, batch 64: fixed costs")
     args = parser.parse_args()
     cfg = {
         "width": 1024,
@@ -166,7 +166,7 @@ def main() -> None:
         "threads": args.threads,
     }
     if args.quick:
-        cfg |= {"width": 64, "hidden": 256, "rows": 64, "steps": 3, "warmup": 1}
+        cfg |= {"width": 64, "hidden": 256, "rows": 64}
     per_rank = launch(run, K, (cfg,), threads=cfg["threads"])
     # a step takes as long as its slowest process; "lone" is rank 0's alone
     times = {

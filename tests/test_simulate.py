@@ -318,18 +318,24 @@ def test_checkpoint_never_is_the_default_and_changes_nothing():
 
 
 @pytest.mark.parametrize(
-    ("mode", "makespan", "stage0_b"),
-    [("always", 9, [(5, 7), (7, 9)]), ("except_last", 8, [(4, 5), (6, 8)])],
+    ("mode", "makespan", "stage0_r", "stage0_b"),
+    [
+        ("always", 8, [(2, 3), (6, 7)], [(5, 6), (7, 8)]),
+        ("except_last", 7, [(5, 6)], [(4, 5), (6, 7)]),
+    ],
 )
-def test_a_recomputed_backward_runs_the_forward_again_and_holds_only_the_input_before(
-    mode, makespan, stage0_b
+def test_a_recomputed_micro_batch_runs_its_forward_again_ahead_of_its_gradient(
+    mode, makespan, stage0_r, stage0_b
 ):
-    """K = 2, M = 2, F = B = 1: B of a recomputed micro-batch takes F + B = 2; between its
-    forward and its backward a micro-batch keeps message_bytes (1), then its graph (10)."""
+    """K = 2, M = 2, F = B = 1: a recomputed micro-batch's R (cost F) runs before its
+    gradient arrives, where stage 0 would otherwise wait (recomputing inside B would take
+    one more unit); between its forward and its R it keeps message_bytes (1), then its
+    graph (10)."""
     costs = Costs(forward=1.0, backward=1.0, activation_bytes=10, message_bytes=1)
     result = simulate(gpipe(2, 2), costs, checkpoint=mode)
     assert result.makespan == makespan
-    assert [(s, e) for r, a, s, e in result.events if r == 0 and a.kind is B] == stage0_b
+    for kind, want in ((Kind.RECOMPUTE, stage0_r), (B, stage0_b)):
+        assert [(s, e) for r, a, s, e in result.events if r == 0 and a.kind is kind] == want
     assert result.peak_live == (2, 2)
     assert result.peak_activation_bytes == (11, 11)  # one graph rebuilt, one input kept
     assert result.peak_rank_activation_bytes == (11, 11)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 )
 RUNNER = Path(__file__).with_name("view_parity.js")
 SCRIPTS = ("schedule.js", "simulate.js")
-COMPUTE = ("F", "B", "W")
+COMPUTE = ("F", "B", "W", "R")
 MODES = ("never", "except_last", "always")
 
 
@@ -79,8 +79,8 @@ def _label(case: dict) -> str:
 
 
 def _kind(name: str) -> str:
-    """``F`` of ``1F0``, ``RECV_B`` of ``0RECV_B3``."""
-    match = re.fullmatch(r"\d+([A-Z_]+?)\d+", name)
+    """``F`` of ``1F0``, ``RECV_B`` of ``0RECV_B3``, ``SEND_SKIP`` of ``0SEND_SKIP3@2``."""
+    match = re.fullmatch(r"\d+([A-Z_]+?)\d+(@\d+)?", name)
     assert match is not None, name
     return match.group(1)
 
@@ -120,9 +120,11 @@ def test_simulated_times_bubble_and_memory_are_the_python_simulators(runs):
         schedule, split = scenario(case["schedule"], case["stages"], case["chunks"], costs,
                                    case["virtual_stages"])  # fmt: skip
         result = simulate(schedule, split, case["checkpoint"])
+        # the programs simulated: with R actions where the checkpoint mode recomputes
+        assert js["simulated"] == [[str(a) for a in p] for p in result.schedule.programs], label
         for rank in range(schedule.n_ranks):
             python = [(str(a), s, e) for r, a, s, e in result.events if r == rank]
-            page = [(n, s, e) for n, s, e, _ in js["spans"][rank] if _kind(n) in COMPUTE]
+            page = [(n, s, e) for n, s, e in js["spans"][rank] if _kind(n) in COMPUTE]
             assert [n for n, _, _ in page] == [n for n, _, _ in python], label
             for (name, s1, e1), (_, s2, e2) in zip(page, python, strict=True):
                 assert _close(s1, s2) and _close(e1, e2), (label, name, (s1, e1), (s2, e2))
@@ -154,20 +156,21 @@ def test_the_closed_form_bubble_is_the_python_one(runs):
 
 def test_messages_and_recomputations_drawn_agree_with_the_simulators_model(runs):
     """Every action's span starts when its rank gets to it; a send arrives after the link's
-    delay, a receive ends when its message is there; recomputed are the backwards that
-    ``should_checkpoint`` picks."""
+    delay, a receive ends when its message is there; an R runs before the backward of each
+    micro-batch ``should_checkpoint`` picks, and of no other."""
     for case, js in runs:
         if "error" in js:
             continue
         label = _label(case)
         costs = _costs(case["costs"], case["stages"])
-        schedule, _ = scenario(case["schedule"], case["stages"], case["chunks"], costs,
-                               case["virtual_stages"])  # fmt: skip
+        schedule, split = scenario(case["schedule"], case["stages"], case["chunks"], costs,
+                                   case["virtual_stages"])  # fmt: skip
+        schedule = simulate(schedule, split, case["checkpoint"]).schedule  # R actions included
         wire = costs.latency + costs.message_bytes / costs.bandwidth
         rank_of = schedule.stage_to_rank
         arrival = {}
         for rank, spans in enumerate(js["spans"]):
-            for action, (name, start, end, _) in zip(schedule.programs[rank], spans, strict=True):
+            for action, (name, start, end) in zip(schedule.programs[rank], spans, strict=True):
                 if action.kind.value.startswith("SEND"):
                     to = action.stage + (1 if action.kind.value == "SEND_F" else -1)
                     delay = 0.0 if rank_of[to] == rank_of[action.stage] else wire
@@ -175,9 +178,7 @@ def test_messages_and_recomputations_drawn_agree_with_the_simulators_model(runs)
                     arrival[(to, action.kind.value[-1], action.microbatch)] = end
         for rank, spans in enumerate(js["spans"]):
             clock = 0.0
-            for action, (name, start, end, recomputed) in zip(
-                schedule.programs[rank], spans, strict=True
-            ):
+            for action, (name, start, end) in zip(schedule.programs[rank], spans, strict=True):
                 assert name == str(action), label
                 assert _close(start, clock), (label, name, start, clock)
                 kind = action.kind.value
@@ -185,7 +186,48 @@ def test_messages_and_recomputations_drawn_agree_with_the_simulators_model(runs)
                     got = arrival[(action.stage, kind[-1], action.microbatch)]
                     assert _close(end, max(start, got)), (label, name)
                 clock = start if kind.startswith("SEND") else end
-                expected = kind == "B" and should_checkpoint(
-                    case["checkpoint"], action.microbatch, schedule.n_microbatches
-                )
-                assert recomputed == expected, (label, name)
+        recomputes = {
+            (a.stage, a.microbatch) for p in schedule.programs for a in p if a.kind.value == "R"
+        }
+        picked = {
+            (s, i)
+            for s in range(schedule.n_stages)
+            for i in range(schedule.n_microbatches)
+            if schedule.backward
+            and should_checkpoint(case["checkpoint"], i, schedule.n_microbatches)
+        }
+        assert recomputes == picked, label
+
+
+def test_schedules_given_as_data_with_skips_and_recomputation_simulate_alike():
+    """What a measured run hands the page: skip actions (``0SEND_SKIP3@2``) and R actions
+    included, simulated as gpipe.simulate does."""
+    from gpipe.schedule import add_recompute, add_skips
+    from gpipe.view.page import _schedule_json
+
+    costs = Costs(forward=1.0, backward=2.0, weight=0.5, latency=0.3, message_bytes=2.0,
+                  activation_bytes=10.0)  # fmt: skip
+    cases, schedules = [], []
+    for name, k, m in [("gpipe", 3, 4), ("1f1b", 4, 5), ("zero-bubble", 3, 3)]:
+        routes = tuple((s, d) for s in range(k) for d in range(s + 2, k))
+        schedule = add_recompute(add_skips(SCHEDULES[name](k, m), routes), frozenset({0, 2}))
+        schedules.append(schedule)
+        cases.append({"schedule_data": _schedule_json(schedule), "costs": _costs_json(costs),
+                      "checkpoint": "never"})  # fmt: skip
+    payload = {"scripts": [str(asset_path(name)) for name in SCRIPTS], "cases": cases}
+    done = subprocess.run([NODE, str(RUNNER)], input=json.dumps(payload), capture_output=True,
+                          text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for schedule, js in zip(schedules, json.loads(done.stdout), strict=True):
+        assert "error" not in js, js
+        result = simulate(schedule, costs)
+        assert js["simulated"] == [[str(a) for a in p] for p in schedule.programs]
+        for rank in range(schedule.n_ranks):
+            python = [(str(a), s, e) for r, a, s, e in result.events if r == rank]
+            page = [(n, s, e) for n, s, e in js["spans"][rank] if _kind(n) in COMPUTE]
+            assert [n for n, _, _ in page] == [n for n, _, _ in python], schedule.name
+            assert all(
+                _close(a[1], b[1]) and _close(a[2], b[2]) for a, b in zip(page, python, strict=True)
+            )
+        assert _close(js["makespan"], result.makespan)
+        assert js["peak_activation_bytes"] == pytest.approx(result.peak_activation_bytes)

@@ -12,7 +12,9 @@ function run(c) {
   let schedule;
   let costs;
   try {
-    [schedule, costs] = G.scenario(c.schedule, c.stages, c.chunks, c.costs, c.virtual_stages);
+    [schedule, costs] = c.schedule_data
+      ? [G.scheduleFromData(c.schedule_data), c.costs]
+      : G.scenario(c.schedule, c.stages, c.chunks, c.costs, c.virtual_stages);
   } catch (err) {
     return { error: err.message };
   }
@@ -21,9 +23,8 @@ function run(c) {
     programs: schedule.programs.map((p) => p.map(G.actionName)),
     stage_to_rank: schedule.stageToRank,
     split_backward: schedule.splitBackward,
-    spans: result.spans.map((lane) =>
-      lane.map((s) => [G.actionName(s.action), s.start, s.end, Boolean(s.recomputed)]),
-    ),
+    simulated: result.schedule.programs.map((p) => p.map(G.actionName)),
+    spans: result.spans.map((lane) => lane.map((s) => [G.actionName(s.action), s.start, s.end])),
     makespan: result.makespan,
     busy: result.busy,
     idle: result.idle,
@@ -32,7 +33,7 @@ function run(c) {
     peak_activation_bytes: result.peakActivationBytes,
     peak_rank_activation_bytes: result.peakRankActivationBytes,
     memory_top: result.memory.map((points) => Math.max(...points.map((p) => p[1]))),
-    closed_form: [c.costs.forward, c.costs.backward, c.costs.weight].some(Array.isArray)
+    closed_form: c.schedule_data || [c.costs.forward, c.costs.backward, c.costs.weight].some(Array.isArray)
       ? null
       : G.closedFormBubble(
           c.schedule,

@@ -38,13 +38,21 @@ from .microbatch import (
     scatter,
     split_sizes,
 )
+from .p2p import DistributedTransport
 from .partition import as_sequential, check_balance, even_balance, materialize, stage_bounds
-from .schedule import Action, Schedule, add_skips, forward_only, get_schedule
+from .schedule import (
+    Action,
+    Kind,
+    Schedule,
+    add_recompute,
+    add_skips,
+    forward_only,
+    get_schedule,
+)
 from .skip.layout import SkipLayout
 from .skip.skippable import find_skips
 from .stage import LossFn, Stage
 from .trace import Event, Recorder, merge
-from .transport import DistributedTransport
 
 __all__ = [
     "Pipeline",
@@ -261,8 +269,17 @@ class Pipeline(nn.Module):
                 loss_fn,
                 ports=self.skip_layout.ports(stage),
             )
+        # where the host cannot read the tensors cheaply, their descriptions go on a gloo group
+        envelopes = None
+        if self.device.type != "cpu" and self.n_ranks > 1:
+            ranks = [self._global(r) for r in range(self.n_ranks)]
+            envelopes = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         self._transport = DistributedTransport(
-            [s % self.n_ranks for s in range(self.n_stages)], self.device, group, self.timeout
+            [s % self.n_ranks for s in range(self.n_stages)],
+            self.device,
+            group,
+            self.timeout,
+            envelope_group=envelopes,
         )
         self.last_step: StepTimes | None = None
         self.recorder = Recorder(self.rank) if trace else None
@@ -289,13 +306,21 @@ class Pipeline(nn.Module):
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
+    def _recomputed(self, n_microbatches: int) -> frozenset[int]:
+        """The micro-batches a training step re-materializes."""
+        mode = self.checkpoint if self.training else "never"
+        return frozenset(
+            i for i in range(n_microbatches) if should_checkpoint(mode, i, n_microbatches)
+        )
+
     def schedule_for(self, n_microbatches: int) -> Schedule:
         """The schedule a step with ``n_microbatches`` micro-batches runs."""
         if self.n_stages == self.n_ranks:
             schedule = self._schedule_fn(self.n_stages, n_microbatches)
         else:
             schedule = self._schedule_fn(self.n_stages, n_microbatches, self.n_ranks)  # type: ignore[call-arg]
-        return add_skips(schedule, self.skip_layout.routes)
+        schedule = add_skips(schedule, self.skip_layout.routes)
+        return add_recompute(schedule, self._recomputed(n_microbatches))
 
     def _forward_schedule(self, n_microbatches: int) -> Schedule:
         schedule = forward_only(self.n_stages, n_microbatches, self.n_ranks)
@@ -313,24 +338,32 @@ class Pipeline(nn.Module):
             ) from exc
         return value
 
-    def _rows(self, inputs: Any) -> tuple[int, Batch | None]:
-        """The mini-batch's row count, known to every rank; the first rank reads the inputs."""
+    def _start(self, inputs: Any) -> tuple[int, int, Batch | None]:
+        """The mini-batch's row and micro-batch counts, and on the first rank its inputs.
+
+        The first rank reads them off the inputs; every other rank off the envelope of its
+        first message, which every step's program begins by receiving: no collective."""
         batch = None
-        rows = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.recorder is not None:
+            if self.n_ranks > 1:  # align the ranks' clocks: a step starts here everywhere
+                self._broadcast(torch.zeros(1, device=self.device), 0, "the start of the step")
+            self.recorder.step()
         if self.is_first:
             given = check_batch(inputs, "inputs")
             batch = like(given, [t.to(self.device) for t in as_tuple(given)])
-            rows[0] = as_tuple(batch)[0].size(0)
-        if self.n_ranks > 1:
-            self._broadcast(rows, 0, "the batch size")
-        return int(rows.item()), batch
+            rows = as_tuple(batch)[0].size(0)
+            m = len(split_sizes(rows, self.chunks))
+        else:
+            first = self.stages[0]
+            m, rows = self._transport.peek(first - 1, first, Kind.RECV_F)
+        self._transport.info = (m, rows)
+        return rows, m, batch
 
     def _run(self, schedule: Schedule, data: StepData) -> float:
         """Run this rank's program; returns the seconds spent computing (forward, backward)."""
         busy = 0.0
         recorder = self.recorder
-        if recorder is not None:
-            recorder.step()  # after the collective of _rows, so ranks' clocks align here
+        self._transport.begin(schedule.programs, self.rank)
 
         def timed(action: Action, start: float, end: float) -> None:
             nonlocal busy
@@ -387,20 +420,20 @@ class Pipeline(nn.Module):
         if self.loss_fn is None:
             raise ValueError("step() needs a loss_fn; pass loss_fn= to Pipeline")
         started = perf_counter()
-        rows, batch = self._rows(inputs)
+        rows, m, batch = self._start(inputs)
         sizes = split_sizes(rows, self.chunks)
-        m, mode = len(sizes), self.checkpoint if self.training else "never"
+        schedule = self.schedule_for(m)
         data = StepData(
             n_stages=self.n_stages,
             build_graph=True,
-            checkpoint=lambda mb: should_checkpoint(mode, mb, m),
+            checkpoint=schedule.recomputed.__contains__,
             keep_outputs=False,
         )
         if batch is not None:
             data.inputs = scatter(batch, self.chunks)
         if self.is_last:
             self._targets(targets, rows, sizes, data)
-        busy = self._run(self.schedule_for(m), data)
+        busy = self._run(schedule, data)
         loss = self._loss(data, m)
         self.last_step = StepTimes(perf_counter() - started, busy)
         return loss
@@ -410,21 +443,20 @@ class Pipeline(nn.Module):
         """The mini-batch loss without gradients or kept activations, on every rank."""
         if self.loss_fn is None:
             raise ValueError("evaluate() needs a loss_fn; pass loss_fn= to Pipeline")
-        rows, batch = self._rows(inputs)
+        rows, m, batch = self._start(inputs)
         sizes = split_sizes(rows, self.chunks)
         data = StepData(n_stages=self.n_stages, build_graph=False, keep_outputs=False)
         if batch is not None:
             data.inputs = scatter(batch, self.chunks)
         if self.is_last:
             self._targets(targets, rows, sizes, data)
-        self._run(self._forward_schedule(len(sizes)), data)
-        return self._loss(data, len(sizes))
+        self._run(self._forward_schedule(m), data)
+        return self._loss(data, m)
 
     @torch.no_grad()
     def forward(self, inputs: Any = None) -> Any:
         """Inference over micro-batches; the output on the last stage, None elsewhere."""
-        rows, batch = self._rows(inputs)
-        m = len(split_sizes(rows, self.chunks))
+        _, m, batch = self._start(inputs)
         data = StepData(n_stages=self.n_stages, build_graph=False)
         if batch is not None:
             data.inputs = scatter(batch, self.chunks)

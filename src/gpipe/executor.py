@@ -23,7 +23,12 @@ from .transport import Transport
 
 __all__ = ["StepData", "run_program"]
 
-_WHAT = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.WEIGHT: "weight gradients"}
+_WHAT = {
+    Kind.FORWARD: "forward",
+    Kind.BACKWARD: "backward",
+    Kind.WEIGHT: "weight gradients",
+    Kind.RECOMPUTE: "recomputation",
+}
 
 
 @dataclass
@@ -113,6 +118,8 @@ def _compute(
 ) -> None:
     if action.kind is Kind.WEIGHT:
         stage.backward_weight(action.microbatch)
+    elif action.kind is Kind.RECOMPUTE:
+        stage.recompute(action.microbatch)
     elif action.kind is Kind.FORWARD:
         _forward(action, stage, data, held, split)
     else:

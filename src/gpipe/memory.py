@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from .checkpointing import check_checkpoint, should_checkpoint
 from .microbatch import as_tuple, split_sizes
 from .partition import as_sequential, check_balance, stage_bounds
-from .schedule import Kind, Schedule, get_schedule
+from .schedule import Kind, Schedule, add_recompute, get_schedule
 from .skip.tracker import observe, use_tracker
 
 __all__ = [
@@ -123,22 +123,18 @@ class _Run:
             self._bytes(self.outputs[stop - 1]),
         )
 
-    def skip_bytes(
-        self, bounds: Sequence[tuple[int, int]]
-    ) -> dict[tuple[int, int], tuple[int, int]]:
+    def skip_bytes(self, bounds: Sequence[tuple[int, int]]) -> dict[tuple[int, int], int]:
         """Per skip route between the stages ``bounds`` cut, the bytes of one micro-batch's
-        skip tensors as the destination receives them (in storage of its own), and as the
-        source holds them (views of the mini-batch left out, ``batch_bytes`` counts it)."""
+        skip tensors as the destination receives them (in storage of its own)."""
 
         def stage(layer: int) -> int:
             return next(j for j, (lo, hi) in enumerate(bounds) if lo <= layer < hi)
 
-        routes: dict[tuple[int, int], tuple[int, int]] = {}
+        routes: dict[tuple[int, int], int] = {}
         for stashed, popped, keys in self.skips:
             route = (stage(stashed), stage(popped))
             if route[0] != route[1]:
-                got, kept = routes.get(route, (0, 0))
-                routes[route] = (got + self._bytes(keys), kept + self._bytes(keys - self.batch))
+                routes[route] = routes.get(route, 0) + self._bytes(keys)
         return routes
 
     def repeat(self, layer: int, times: int) -> _Run:
@@ -288,14 +284,11 @@ class Profile:
 
     def skip_bytes(
         self, bounds: Sequence[tuple[int, int]], rows: int
-    ) -> dict[tuple[int, int], tuple[float, float]]:
+    ) -> dict[tuple[int, int], float]:
         """Per skip route between stages, the bytes of one micro-batch of ``rows`` as its
-        destination receives them and as its source holds them (``_Run.skip_bytes``)."""
+        destination receives them."""
         a, b = (run.skip_bytes(bounds) for run in self.runs)
-        return {
-            route: tuple(self._scaled(a[route], b[route], rows))  # type: ignore[misc]
-            for route in a
-        }
+        return {route: self._scaled([a[route]], [b[route]], rows)[0] for route in a}
 
     def repeat(self, layer: int, times: int) -> Profile:
         """The profile of the model with ``layer`` repeated ``times`` times, such as the
@@ -400,15 +393,13 @@ class _Held:
     """What one stage holds for one micro-batch (bytes): its graph, its input, its output;
     skip tensors received and kept while its graph is (``skip_in``: those copied from
     another process) or while only its input is (``skip_in_ckpt``: also those of a stage of
-    this process, whose graph no longer holds them); and what it sends away and keeps until
-    the step ends (``kept``)."""
+    this process, whose graph no longer holds them)."""
 
     graph: float
     inp: float
     out: float
     skip_in: float
     skip_in_ckpt: float
-    kept: float
 
 
 def _activation_peak(
@@ -420,13 +411,14 @@ def _activation_peak(
     """Walk one process's program: the most activation bytes and micro-batches it holds.
 
     A micro-batch holds its whole graph from F to B (to W with a split backward), or only
-    its input if it is recomputed, and then the whole graph again during its B. What is sent
-    to another process stays until the end of the step, when the sends are completed.
+    its input if it is recomputed, and then the whole graph again from its R. What is sent
+    to another process is freed as its send completes, which the receiver's buffer, posted
+    ahead, makes prompt: it is counted as freed at once.
     """
     now = peak = 0.0
     live = most = 0
     for a in program:
-        if a.kind not in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT):
+        if not a.is_compute:
             continue
         h = held[a.stage][a.microbatch]
         ckpt = checkpointed(a.microbatch)
@@ -435,27 +427,21 @@ def _activation_peak(
             live += 1
             most = max(most, live)
             if ckpt:
-                now += inp + h.kept
-                peak = max(peak, now + h.out - min(h.out, h.kept))  # the output, briefly
+                now += inp
+                peak = max(peak, now + h.out)  # the output, until it is sent
             else:
                 now += h.graph + h.skip_in
                 peak = max(peak, now)
-            continue
-        if a.kind is Kind.BACKWARD:
+        elif a.kind is Kind.RECOMPUTE:  # the graph again, its input shared
+            now += h.graph - h.inp
+            peak = max(peak, now)
+        elif a.kind is Kind.BACKWARD:
             if not split:
                 live -= 1
-            if ckpt:  # recomputed from the kept input: a new graph, the input shared
-                peak = max(peak, now - h.inp + h.graph)
-                now += h.graph - h.inp if split else -inp
-                continue
-            if split:
-                continue
-        else:
+                now -= h.graph + (h.skip_in_ckpt if ckpt else h.skip_in)
+        else:  # W: the end of a split backward
             live -= 1
-            if ckpt:  # the recomputed graph, whose output was not sent
-                now -= h.graph + h.skip_in_ckpt
-                continue
-        now -= h.graph + h.skip_in - h.kept
+            now -= h.graph + (h.skip_in_ckpt if ckpt else h.skip_in)
     return peak, most
 
 
@@ -482,34 +468,22 @@ def plan(
     n_stages = len(balance)
     n_ranks = n_stages if n_ranks is None else n_ranks
     sizes = split_sizes(batch_size, chunks)
-    sched = _schedule(schedule, n_stages, n_ranks, len(sizes))
+    recomputed = frozenset(
+        i for i in range(len(sizes)) if should_checkpoint(checkpoint, i, len(sizes))
+    )
+    sched = add_recompute(_schedule(schedule, n_stages, n_ranks, len(sizes)), recomputed)
     bounds = stage_bounds(balance)
     rank_of = sched.stage_to_rank
-    sends = [s + 1 < n_stages and rank_of[s + 1] != rank_of[s] for s in range(n_stages)]
     held: dict[int, list[_Held]] = {s: [] for s in range(n_stages)}
     for rows in sizes:
         routes = prof.skip_bytes(bounds, rows)
         for s, (start, stop) in enumerate(bounds):
             graph, inp, out = prof.held(start, stop, rows)
             remote_in = sum(
-                r[0] for (a, b), r in routes.items() if b == s and rank_of[a] != rank_of[s]
+                n for (a, b), n in routes.items() if b == s and rank_of[a] != rank_of[s]
             )
-            local_in = sum(
-                r[0] for (a, b), r in routes.items() if b == s and rank_of[a] == rank_of[s]
-            )
-            remote_out = sum(
-                r[1] for (a, b), r in routes.items() if a == s and rank_of[b] != rank_of[s]
-            )
-            held[s].append(
-                _Held(
-                    graph=graph,
-                    inp=inp,
-                    out=out,
-                    skip_in=remote_in,
-                    skip_in_ckpt=remote_in + local_in,
-                    kept=(out if sends[s] else 0.0) + remote_out,
-                )
-            )
+            local_in = sum(n for (a, b), n in routes.items() if b == s and rank_of[a] == rank_of[s])
+            held[s].append(_Held(graph, inp, out, remote_in, remote_in + local_in))
     states = 1 + OPTIMIZER_STATES[optimizer]  # gradient + optimizer state
     ranks = []
     for rank in range(n_ranks):
@@ -520,7 +494,7 @@ def plan(
             sched.programs[rank],
             sched.split_backward,
             held,
-            lambda i: should_checkpoint(checkpoint, i, len(sizes)),
+            recomputed.__contains__,
         )
         peak += sum(prof.batch_bytes(*bounds[s], batch_size) for s in stages)
         ranks.append(

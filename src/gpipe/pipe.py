@@ -29,6 +29,7 @@ from .schedule import (
     FORWARD_KINDS,
     Action,
     Schedule,
+    add_recompute,
     add_skips,
     execution_order,
     forward_only,
@@ -311,14 +312,15 @@ class GPipe(nn.Module):
             self._commit()
             return gather([data.outputs[i] for i in range(m)])
         mode = self.checkpoint if self.training else "never"
+        recomputed = frozenset(i for i in range(m) if should_checkpoint(mode, i, m))
         data = StepData(
             n_stages=k,
             build_graph=True,
-            checkpoint=lambda mb: should_checkpoint(mode, mb, m),
+            checkpoint=recomputed.__contains__,
             inputs=microbatches,
         )
         phony = torch.empty(0, device=self.devices[0], requires_grad=True)
-        schedule = add_skips(gpipe(k, m), routes)
+        schedule = add_recompute(add_skips(gpipe(k, m), routes), recomputed)
         shape: list[Batch] = []
         outputs = _PipelineFunction.apply(self._run, schedule, data, shape, phony, *as_tuple(batch))
         self._commit()

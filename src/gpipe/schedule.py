@@ -23,6 +23,7 @@ __all__ = [
     "SEND_OF",
     "Action",
     "Kind",
+    "add_recompute",
     "Schedule",
     "ScheduleError",
     "add_skips",
@@ -47,6 +48,7 @@ class Kind(enum.Enum):
     FORWARD = "F"
     BACKWARD = "B"  # the whole backward, or only the input gradients when W is split off
     WEIGHT = "W"  # the weight gradients of a split backward
+    RECOMPUTE = "R"  # a re-materialized micro-batch's forward again, ahead of its gradient
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -58,7 +60,7 @@ class Kind(enum.Enum):
     RECV_SKIP_B = "RECV_SKIP_B"
 
 
-_COMPUTE = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
+_COMPUTE = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.RECOMPUTE)
 SEND_KINDS = (Kind.SEND_F, Kind.SEND_B, Kind.SEND_SKIP, Kind.SEND_SKIP_B)
 RECV_KINDS = (Kind.RECV_F, Kind.RECV_B, Kind.RECV_SKIP, Kind.RECV_SKIP_B)
 RECV_OF = dict(zip(SEND_KINDS, RECV_KINDS, strict=True))  # the receive that matches a send
@@ -106,7 +108,8 @@ class Schedule:
     With ``split_backward`` every backward is two actions: ``B`` computes the gradients of the
     stage's inputs (what the previous stage waits for) and ``W`` those of its weights.
     ``skips`` lists the (source, destination) stage pairs that exchange skip tensors
-    (``add_skips``).
+    (``add_skips``); ``recomputed`` the micro-batches whose forward every stage runs again,
+    as an ``R`` action, before their backward (``add_recompute``).
     """
 
     name: str
@@ -117,6 +120,7 @@ class Schedule:
     backward: bool = True
     split_backward: bool = False
     skips: tuple[tuple[int, int], ...] = ()
+    recomputed: frozenset[int] = frozenset()
 
     @property
     def n_ranks(self) -> int:
@@ -374,6 +378,45 @@ def add_skips(schedule: Schedule, routes: tuple[tuple[int, int], ...]) -> Schedu
     return dataclasses.replace(schedule, programs=tuple(programs), skips=routes)
 
 
+@functools.lru_cache(maxsize=256)
+def add_recompute(schedule: Schedule, recomputed: frozenset[int]) -> Schedule:
+    """``schedule`` with re-materialization ahead of the gradient: for every micro-batch in
+    ``recomputed``, each stage runs its forward again (``R``) right before it receives the
+    micro-batch's gradients, rather than inside the backward, so that the recomputation,
+    which needs no gradient, runs while the gradient is on its way."""
+    recomputed = frozenset(recomputed)
+    if not recomputed or not schedule.backward:
+        return schedule
+    if not all(0 <= i < schedule.n_microbatches for i in recomputed):
+        raise ScheduleError(
+            f"recomputed micro-batches must be in [0, {schedule.n_microbatches}), "
+            f"got {sorted(recomputed)}"
+        )
+    programs = []
+    for program in schedule.programs:
+        out: list[Action] = []
+        for a in program:
+            if a.kind is Kind.BACKWARD and a.microbatch in recomputed:
+                # before the receives of this very backward, which come right before it
+                at = len(out)
+                while (
+                    at
+                    and out[at - 1].kind in (Kind.RECV_B, Kind.RECV_SKIP_B)
+                    and (
+                        out[at - 1].stage,
+                        out[at - 1].microbatch,
+                    )
+                    == (a.stage, a.microbatch)
+                ):
+                    at -= 1
+                out.insert(at, Action(a.stage, Kind.RECOMPUTE, a.microbatch))
+            out.append(a)
+        programs.append(tuple(out))
+    return dataclasses.replace(
+        schedule, programs=tuple(programs), recomputed=schedule.recomputed | recomputed
+    )
+
+
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
@@ -407,8 +450,12 @@ def _requirements(action: Action, schedule: Schedule) -> list[Action]:
         need = [Action(s, Kind.RECV_F, i)] if s > 0 else []
         need += [Action(s, Kind.RECV_SKIP, i, src) for src, dst in schedule.skips if dst == s]
         return need
+    if kind is Kind.RECOMPUTE:
+        return [Action(s, Kind.FORWARD, i)]
     if kind is Kind.BACKWARD:
         need = [Action(s, Kind.FORWARD, i)]
+        if i in schedule.recomputed:
+            need.append(Action(s, Kind.RECOMPUTE, i))
         if s < schedule.n_stages - 1:
             need.append(Action(s, Kind.RECV_B, i))
         need += [Action(s, Kind.RECV_SKIP_B, i, dst) for src, dst in schedule.skips if src == s]
@@ -435,6 +482,8 @@ def _expected_actions(schedule: Schedule) -> set[Action]:
             if schedule.split_backward:
                 kinds.append(Kind.WEIGHT)
         expected.update(Action(s, k, i) for k in kinds for i in range(schedule.n_microbatches))
+        if schedule.backward:
+            expected.update(Action(s, Kind.RECOMPUTE, i) for i in schedule.recomputed)
     for src, dst in schedule.skips:
         kinds = [(src, Kind.SEND_SKIP, dst), (dst, Kind.RECV_SKIP, src)]
         if schedule.backward:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpointing import check_checkpoint, should_checkpoint
-from .schedule import Action, Kind, Schedule, ScheduleError, get_schedule
+from .schedule import Action, Kind, Schedule, ScheduleError, add_recompute, get_schedule
 from .trace import Event
 
 __all__ = [
@@ -231,13 +231,19 @@ def simulate(schedule: Schedule, costs: Costs, checkpoint: str = "never") -> Sim
     are linear in the number of actions.
 
     ``checkpoint`` is a re-materialization mode (``gpipe.checkpointing``): the micro-batches
-    it picks keep only ``message_bytes`` (their input) after their forward, and their B
-    first recomputes the forward, which costs the stage's forward time and holds
-    ``activation_bytes`` again from then on, as the executor does. ``"never"`` (the
-    default) recomputes nothing; so does a forward-only schedule, which keeps nothing.
+    it picks keep only ``message_bytes`` (their input) after their forward, and each stage
+    recomputes their forward as an R action right before it receives their gradient
+    (``add_recompute``, as the runtime does), which costs the stage's forward time and holds
+    ``activation_bytes`` again from then on. ``"never"`` (the default) recomputes nothing,
+    unless ``schedule`` already has R actions; neither does a forward-only schedule, which
+    keeps nothing.
     """
     check_checkpoint(checkpoint)
-    n_stages, n_mb, n_ranks = schedule.n_stages, schedule.n_microbatches, schedule.n_ranks
+    n_mb = schedule.n_microbatches
+    if checkpoint != "never" and not schedule.recomputed:
+        picked = frozenset(i for i in range(n_mb) if should_checkpoint(checkpoint, i, n_mb))
+        schedule = add_recompute(schedule, picked)
+    n_stages, n_ranks = schedule.n_stages, schedule.n_ranks
     if len(schedule.stage_to_rank) != n_stages:
         raise ScheduleError(
             f"stage_to_rank has {len(schedule.stage_to_rank)} entries for {n_stages} stages"
@@ -263,7 +269,7 @@ def simulate(schedule: Schedule, costs: Costs, checkpoint: str = "never") -> Sim
     f_delay, b_delay = _delays(schedule, costs)
     # what a re-materialized micro-batch keeps: its input and the skips it received
     light = [costs.message_bytes + skip_in[s] for s in range(n_stages)]
-    recompute = [schedule.backward and should_checkpoint(checkpoint, i, n_mb) for i in range(n_mb)]
+    recompute = [schedule.backward and i in schedule.recomputed for i in range(n_mb)]
 
     def skip_delay(a: int, b: int) -> float:
         """A skip between stages a and b, or its gradient: the route's bytes either way."""
@@ -271,7 +277,7 @@ def simulate(schedule: Schedule, costs: Costs, checkpoint: str = "never") -> Sim
             return 0.0
         return costs.latency + skip_bytes.get((min(a, b), max(a, b)), 0.0) / costs.bandwidth
 
-    F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT
+    F, B, W, R = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.RECOMPUTE
     SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
     SEND_SKIP, SEND_SKIP_B = Kind.SEND_SKIP, Kind.SEND_SKIP_B
     release = W if schedule.split_backward else B  # the last action that needs activations
@@ -346,19 +352,25 @@ def simulate(schedule: Schedule, costs: Costs, checkpoint: str = "never") -> Sim
                 b_arrival[slot] = t + b_delay[a.stage]
                 if slot in b_waiting:
                     ready.append(b_waiting.pop(slot))
+            elif kind is R:  # the forward again, graph and all
+                s = a.stage
+                start = t
+                cost = f_cost[s]
+                kept[s] -= 1
+                held += act_bytes[s] - light[s]
+                if held > held_peak:
+                    held_peak = held
+                now = (live[s] - kept[s]) * act_bytes[s] + kept[s] * light[s]
+                if now > stage_peak[s]:
+                    stage_peak[s] = now
+                t += cost
+                work += cost
+                record(start)
+                record(t)
             elif kind is B or kind is W:
                 s = a.stage
                 start = t
                 cost = b_cost[s] if kind is B else w_cost[s]
-                if kind is B and recompute[a.microbatch]:  # the forward again, graph and all
-                    cost = f_cost[s] + cost
-                    kept[s] -= 1
-                    held += act_bytes[s] - light[s]
-                    if held > held_peak:
-                        held_peak = held
-                    now = (live[s] - kept[s]) * act_bytes[s] + kept[s] * light[s]
-                    if now > stage_peak[s]:
-                        stage_peak[s] = now
                 t += cost
                 work += cost
                 record(start)

@@ -210,6 +210,11 @@ class Stage:
             saved.rng = None
         return saved
 
+    def recompute(self, microbatch: int) -> None:
+        """Rebuild a re-materialized micro-batch's graph now, ahead of its backward (the R of a
+        schedule): it needs no gradient, so it can run while the gradient is on its way."""
+        self._graph(microbatch, pop=False)
+
     # -- backward -------------------------------------------------------------------------
     def _roots(
         self,

@@ -16,9 +16,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Event", "Recorder", "merge", "plot_gantt", "to_chrome"]
 
-_COMPUTE = ("F", "B", "W")
-_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
-_LABELS = {"F": "forward", "B": "backward", "W": "weight gradients"}
+_COMPUTE = ("F", "B", "W", "R")
+_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "R": "#8172b3"}
+_LABELS = {"F": "forward", "B": "backward", "W": "weight gradients", "R": "recomputation"}
 _COMM_COLOUR = "#9a9a9a"
 
 

@@ -176,6 +176,7 @@ def _schedule_json(schedule: Schedule) -> dict[str, Any]:
         "stage_to_rank": list(schedule.stage_to_rank),
         "backward": schedule.backward,
         "split_backward": schedule.split_backward,
+        "recomputed": sorted(schedule.recomputed),
     }
 
 

@@ -137,7 +137,7 @@
           ? `${name}: ${CLOSED_FORMS[name]} does not hold here`
           : `${name}: ${CLOSED_FORMS[name]}; equal stages, free links, no recomputation`,
       );
-      const recomputed = r.spans.flat().filter((s) => s.recomputed).length;
+      const recomputed = r.spans.flat().filter((s) => s.action.kind === "R").length;
       summaryRow(dl, "recomputations", "recomputed", recomputed, String(recomputed));
     }
     const actions = r.spans.reduce((n, lane) => n + lane.length, 0);

@@ -38,7 +38,7 @@
     return power === 0 ? `${n.toFixed(0)} B` : `${n.toFixed(1)} ${units[power]}`;
   }
 
-  // Blocks of one simulated run: every action, and a recomputation ahead of its backward.
+  // Blocks of one simulated run: every action, recomputations (R) included.
   function simulated(result, unit) {
     const oneStageEach = result.schedule.nStages === result.spans.length;
     return result.spans.map((spans, rank) => {
@@ -46,13 +46,7 @@
       for (const span of spans) {
         const a = span.action;
         const where = oneStageEach ? `stage ${a.stage}` : `rank ${rank}, stage ${a.stage}`;
-        if (span.recomputed) {
-          const cut = span.start + span.recompute;
-          blocks.push(block("R", a, span.start, cut, where, !oneStageEach, unit));
-          blocks.push(block(a.kind, a, cut, span.end, where, !oneStageEach, unit));
-        } else {
-          blocks.push(block(a.kind, a, span.start, span.end, where, !oneStageEach, unit));
-        }
+        blocks.push(block(a.kind, a, span.start, span.end, where, !oneStageEach, unit));
       }
       return { label: oneStageEach ? `stage ${rank}` : `rank ${rank}`, blocks };
     });
@@ -62,11 +56,10 @@
   // several ("2F3", as gpipe prints actions).
   function block(kind, a, start, end, where, withStage, unit) {
     let what = `${KIND_NAMES[kind] || kind}, micro-batch ${a.microbatch}\n${where}`;
-    if (kind.startsWith("SEND"))
-      what += `, to stage ${kind === "SEND_F" ? a.stage + 1 : a.stage - 1}`;
-    if (kind.startsWith("RECV")) {
-      what += `, from stage ${kind === "RECV_F" ? a.stage - 1 : a.stage + 1}`;
-    }
+    const forward = kind === "SEND_F" || kind === "RECV_B";
+    const other = a.peer !== undefined ? a.peer : forward ? a.stage + 1 : a.stage - 1;
+    if (kind.startsWith("SEND")) what += `, to stage ${other}`;
+    if (kind.startsWith("RECV")) what += `, from stage ${other}`;
     const spanText = kind.startsWith("SEND")
       ? `sent ${fmtTime(start, unit)}, arrives ${fmtTime(end, unit)}`
       : kind.startsWith("RECV")

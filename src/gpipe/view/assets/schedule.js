@@ -7,24 +7,30 @@
   const F = "F";
   const B = "B";
   const W = "W";
-  const COMPUTE = new Set([F, B, W]);
-  const KINDS = new Set([F, B, W, "SEND_F", "RECV_F", "SEND_B", "RECV_B"]);
+  const R = "R";
+  const COMPUTE = new Set([F, B, W, R]);
+  const KINDS = new Set([F, B, W, R, "SEND_F", "RECV_F", "SEND_B", "RECV_B"]);
+  // skip connections (gpipe.skip): sent straight to a later stage, named by "@peer"
+  const SKIP_KINDS = new Set(["SEND_SKIP", "RECV_SKIP", "SEND_SKIP_B", "RECV_SKIP_B"]);
 
-  function action(stage, kind, microbatch) {
-    return { stage, kind, microbatch };
+  function action(stage, kind, microbatch, peer = null) {
+    return peer === null ? { stage, kind, microbatch } : { stage, kind, microbatch, peer };
   }
 
-  // "1F0": stage 1, forward, micro-batch 0, as Python's Action prints.
+  // "1F0": stage 1, forward, micro-batch 0, as Python's Action prints; "0SEND_SKIP3@2".
   function actionName(a) {
-    return `${a.stage}${a.kind}${a.microbatch}`;
+    const name = `${a.stage}${a.kind}${a.microbatch}`;
+    return a.peer === undefined ? name : `${name}@${a.peer}`;
   }
 
   function parseAction(text) {
-    const match = /^(\d+)([A-Z_]+?)(\d+)$/.exec(text);
-    if (!match || !KINDS.has(match[2])) {
+    const match = /^(\d+)([A-Z_]+?)(\d+)(?:@(\d+))?$/.exec(text);
+    const known = match && (match[4] === undefined ? KINDS : SKIP_KINDS).has(match[2]);
+    if (!known) {
       throw new Error(`unknown action ${JSON.stringify(text)}; this page knows ${[...KINDS]}`);
     }
-    return action(Number(match[1]), match[2], Number(match[3]));
+    const peer = match[4] === undefined ? null : Number(match[4]);
+    return action(Number(match[1]), match[2], Number(match[3]), peer);
   }
 
   function isCompute(a) {
@@ -184,6 +190,33 @@
     interleaved,
   };
 
+  // gpipe.schedule.add_recompute: each recomputed micro-batch's forward runs again (R) right
+  // before its backward's receives, ahead of the gradient.
+  function addRecompute(schedule, recomputed) {
+    if (!recomputed.size || !schedule.backward) return schedule;
+    const programs = schedule.programs.map((program) => {
+      const out = [];
+      for (const a of program) {
+        if (a.kind === B && recomputed.has(a.microbatch)) {
+          let at = out.length;
+          while (
+            at > 0 &&
+            (out[at - 1].kind === "RECV_B" || out[at - 1].kind === "RECV_SKIP_B") &&
+            out[at - 1].stage === a.stage &&
+            out[at - 1].microbatch === a.microbatch
+          ) {
+            at -= 1;
+          }
+          out.splice(at, 0, action(a.stage, R, a.microbatch));
+        }
+        out.push(a);
+      }
+      return out;
+    });
+    const all = new Set([...(schedule.recomputed || []), ...recomputed]);
+    return { ...schedule, programs, recomputed: all };
+  }
+
   function getSchedule(name) {
     if (!Object.prototype.hasOwnProperty.call(SCHEDULES, name)) {
       const known = Object.keys(SCHEDULES).sort();
@@ -202,12 +235,14 @@
       stageToRank: data.stage_to_rank,
       backward: data.backward,
       splitBackward: data.split_backward,
+      recomputed: new Set(data.recomputed || []),
     };
   }
 
   Object.assign(api, {
     SCHEDULES,
     actionName,
+    addRecompute,
     getSchedule,
     gpipe,
     interleaved,

@@ -72,11 +72,17 @@
 
   // Every rank runs its program in order: compute takes its stage's cost, a send takes no
   // time and its message arrives after its delay, a receive waits for its message. A
-  // re-materialized micro-batch keeps only message_bytes after its forward; its B first runs
-  // the forward again.
+  // re-materialized micro-batch keeps only message_bytes after its forward; its R, right
+  // before its gradient's receive, runs the forward again.
   function simulate(schedule, given, checkpoint = "never") {
     checkCheckpoint(checkpoint);
     const costs = costsOf(given);
+    if (checkpoint !== "never" && !(schedule.recomputed && schedule.recomputed.size)) {
+      const m = schedule.nMicrobatches;
+      const all = Array.from({ length: m }, (_, i) => i);
+      const picked = new Set(all.filter((i) => shouldCheckpoint(checkpoint, i, m)));
+      schedule = api.addRecompute(schedule, picked);
+    }
     const n = schedule.nStages;
     const m = schedule.nMicrobatches;
     const nRanks = schedule.programs.length;
@@ -92,7 +98,7 @@
     const light = costs.message_bytes;
     const recompute = [];
     for (let i = 0; i < m; i++) {
-      recompute.push(schedule.backward && shouldCheckpoint(checkpoint, i, m));
+      recompute.push(Boolean(schedule.backward && schedule.recomputed && schedule.recomputed.has(i)));
     }
     const release = schedule.splitBackward ? "W" : "B";
     const keeps = schedule.backward;
@@ -101,6 +107,8 @@
     const bArrival = new Array(n * m).fill(null);
     const fWaiting = new Map();
     const bWaiting = new Map();
+    const skipArrival = new Map();
+    const skipWaiting = new Map();
     const next = zeros(nRanks); // index of the next action of each rank
     const clock = zeros(nRanks);
     const busy = zeros(nRanks);
@@ -174,24 +182,43 @@
           const start = t;
           if (at > t) t = at;
           lane.push({ action: a, start, end: t });
+        } else if (kind === "SEND_SKIP" || kind === "SEND_SKIP_B") {
+          // skips: the page's costs give them no bytes, only the link's latency between ranks
+          const apart = schedule.stageToRank[s] !== schedule.stageToRank[a.peer];
+          const arrival = t + (apart ? costs.latency : 0);
+          const key = `${kind === "SEND_SKIP"} ${a.peer} ${s} ${a.microbatch}`;
+          skipArrival.set(key, arrival);
+          lane.push({ action: a, start: t, end: arrival });
+          if (skipWaiting.has(key)) {
+            ready.push(skipWaiting.get(key));
+            skipWaiting.delete(key);
+          }
+        } else if (kind === "RECV_SKIP" || kind === "RECV_SKIP_B") {
+          const key = `${kind === "RECV_SKIP"} ${s} ${a.peer} ${a.microbatch}`;
+          if (!skipArrival.has(key)) {
+            skipWaiting.set(key, r);
+            break;
+          }
+          const start = t;
+          if (skipArrival.get(key) > t) t = skipArrival.get(key);
+          lane.push({ action: a, start, end: t });
+        } else if (kind === "R") {
+          const start = t;
+          kept[s] -= 1;
+          held += actBytes[s] - light;
+          if (held > heldPeak) heldPeak = held;
+          const now = (live[s] - kept[s]) * actBytes[s] + kept[s] * light;
+          if (now > stagePeak[s]) stagePeak[s] = now;
+          memory[r].push([start, held]);
+          t += fCost[s];
+          work += fCost[s];
+          lane.push({ action: a, start, end: t });
         } else if (kind === "B" || kind === "W") {
           const start = t;
-          let cost = kind === "B" ? bCost[s] : wCost[s];
-          const again = kind === "B" && recompute[a.microbatch];
-          if (again) {
-            cost = fCost[s] + cost;
-            kept[s] -= 1;
-            held += actBytes[s] - light;
-            if (held > heldPeak) heldPeak = held;
-            const now = (live[s] - kept[s]) * actBytes[s] + kept[s] * light;
-            if (now > stagePeak[s]) stagePeak[s] = now;
-            memory[r].push([start, held]);
-          }
+          const cost = kind === "B" ? bCost[s] : wCost[s];
           t += cost;
           work += cost;
-          const span = { action: a, start, end: t };
-          if (again) Object.assign(span, { recomputed: true, recompute: fCost[s] });
-          lane.push(span);
+          lane.push({ action: a, start, end: t });
           if (kind === release) {
             live[s] -= 1;
             held -= actBytes[s];
