@@ -33,3 +33,11 @@ def test_skips_across_stages_match_unpipelined_under_every_schedule(k):
     assert all(r["cases"] == 3 * 9 + 2 * 3 + 4 * 2 for r in results.values())
     compared = set().union(*(r["names"] for r in results.values()))
     assert compared == {name for name, _ in unet().named_parameters()}
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_separate_envelopes_take_tensors_in_each_peers_send_order(k):
+    """NCCL ignores tags: the CUDA path must receive tensors in the order each peer sent
+    them, even where skips make that order differ from the order they are used."""
+    results = launch(cases.separate_envelopes, k, (k,), threads=1)
+    assert all(n == 9 for n in results.values())

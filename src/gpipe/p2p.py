@@ -244,7 +244,7 @@ class DistributedTransport:
                 out.append(None)
                 continue
             buffer = torch.empty(t.shape, dtype=t.dtype, device=self._device)
-            work = dist.irecv(buffer, src=peer, group=self._group)
+            work = dist.irecv(buffer, src=peer, group=self._group, tag=0)
             self._wait(work, dst, src, microbatch, kind)
             out.append(buffer.requires_grad_(t.requires_grad))
         return tuple(out)
@@ -283,6 +283,8 @@ class DistributedTransport:
     def _isend(
         self, tensor: Tensor, peer: int, tag: int | None, group: dist.ProcessGroup | None
     ) -> None:
+        """``tag=None``: the tensors of separate envelopes, in one stream per pair of
+        processes, as NCCL delivers them whatever the tag."""
         work = dist.isend(tensor, dst=peer, group=group, tag=0 if tag is None else tag)
         self._pending.append((work, tensor))
 
