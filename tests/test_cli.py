@@ -141,6 +141,9 @@ def test_bad_options_end_in_one_line_and_exit_code_2(capsys, tmp_path):
         capsys, "train", "--checkpoint", "sometimes", *out
     )
     assert "unknown preset 'huge'" in _usage_error(capsys, "train", "--preset", "huge", *out)
+    assert "--threads must be a positive integer, got 0" in _usage_error(
+        capsys, "train", "--threads", "0", *out
+    )
     assert "--virtual-stages 2 needs --schedule interleaved" in _usage_error(
         capsys, "train", "--virtual-stages", "2", *out
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -13,11 +14,27 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from .distributed import finish_process_group
 from .errors import PipelineError
 
-__all__ = ["LaunchError", "launch"]
+__all__ = ["LaunchError", "launch", "threads_per_process"]
 
 
 class LaunchError(PipelineError):
     """A launched process failed; the message carries each failed rank's error."""
+
+
+def threads_per_process(local_processes: int) -> int:
+    """Intra-op threads for each of ``local_processes`` processes sharing this machine: the
+    cores this process may run on (its affinity mask, which containers and ``taskset``
+    narrow), shared out evenly, at least one. Without this each process would start one
+    thread per core and the processes would oversubscribe the machine."""
+    if isinstance(local_processes, bool) or not isinstance(local_processes, int):
+        raise ValueError(f"local_processes must be a positive integer, got {local_processes!r}")
+    if local_processes < 1:
+        raise ValueError(f"local_processes must be a positive integer, got {local_processes!r}")
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // local_processes)
 
 
 @record
@@ -42,7 +59,7 @@ def launch(
     nprocs: int,
     args: tuple[Any, ...] = (),
     *,
-    threads: int | None = None,
+    threads: int | str | None = "auto",
     monitor_interval: float = 0.1,
     start_method: str = "spawn",
 ) -> dict[int, Any]:
@@ -51,12 +68,20 @@ def launch(
     Each process finds torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), so
     ``gpipe.Pipeline`` inside ``fn`` joins the process group by itself. ``fn`` must be
     importable by name (a module-level function). ``threads`` sets each process's intra-op
-    thread count. If any process fails, the others are stopped and LaunchError names it.
+    thread count: ``"auto"`` (the default) shares this machine's cores among the processes
+    (``threads_per_process``), an int sets it, None leaves PyTorch's default. If any process
+    fails, the others are stopped and LaunchError names it.
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if threads == "auto":
+        threads = threads_per_process(nprocs)
+    elif threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise ValueError(f"threads must be 'auto', None or a positive integer, got {threads!r}")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -72,6 +72,12 @@ def add_parser(sub: Any) -> None:
         "such as 3,3",
     )
     pipe.add_argument("--device", choices=["cpu", "cuda"], help="where stages run (default cpu)")
+    pipe.add_argument(
+        "--threads",
+        type=int,
+        help="intra-op threads per process on CPU (default: this machine's cores shared "
+        "among its processes)",
+    )
     run = p.add_argument_group("training")
     run.add_argument("--steps", type=int, help="optimizer steps in all (default 200)")
     run.add_argument("--batch-size", type=int, help="sequences per mini-batch (default 32)")
@@ -253,7 +259,7 @@ def _agree_on_folder(prepare: Any, device: str) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ..launch import launch
+    from ..launch import launch, threads_per_process
     from ..train import RunSpec, run_stage
 
     saved = _saved_run(args)
@@ -267,6 +273,8 @@ def _train(args: argparse.Namespace) -> int:
         opts.stages = world
     _check(config, opts)
     _check_data(opts, opts.seq_len or config.seq_len)
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be a positive integer, got {args.threads}")
     out = Path(args.resume or args.out)
     run = {"model": asdict(config), "train": asdict(opts)}
 
@@ -278,13 +286,16 @@ def _train(args: argparse.Namespace) -> int:
     else:
         prepare()
     spec = RunSpec(model=asdict(config), train=asdict(opts), out=str(out), resume=bool(saved))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else opts.stages
+    threads = (args.threads or threads_per_process(local)) if opts.device == "cpu" else None
     if torchrun:
         from ..distributed import finish_process_group
 
+        if threads is not None:
+            torch.set_num_threads(threads)
         summary = run_stage(spec)
         finish_process_group()
     else:
-        threads = max(1, (os.cpu_count() or 1) // opts.stages) if opts.device == "cpu" else None
         summary = launch(run_stage, opts.stages, (spec,), threads=threads)[0]
     if summary is not None:
         _print_summary(summary, out)
