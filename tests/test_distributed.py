@@ -79,7 +79,8 @@ def test_bad_inputs_are_named():
     first, last = both["non_scalar_loss"]
     assert last.startswith("ValueError: loss_fn must return a scalar tensor, got (4, 4)")
     assert last.endswith("[raised in pipeline stage 1, forward of micro-batch 0]")
-    assert first.startswith("StageError: stage 0: timed out")
+    # stage 1 raised and went on: stage 0 times out, or sees stage 1 drop that pipeline
+    assert first.startswith("StageError: stage 0: ") and "from stage 1" in first
     first, last = both["not_a_tensor"]
     assert "inputs must be a Tensor or a tuple of Tensors, got list[int, int]" in first
     assert last.startswith("StageError: stage 1: ") and "stage 0" in last

@@ -40,6 +40,7 @@ from .microbatch import (
 )
 from .p2p import DistributedTransport
 from .partition import as_sequential, check_balance, even_balance, materialize, stage_bounds
+from .pipes import open_pipes
 from .schedule import (
     Action,
     Kind,
@@ -171,6 +172,9 @@ class Pipeline(nn.Module):
         group: the process group of the pipeline's ranks (default: the whole world).
         deferred_batch_norm: replace every BatchNorm by ``gpipe.batchnorm.DeferredBatchNorm``,
             so running statistics are tracked once per mini-batch, from all its micro-batches.
+        local_pipes: on CPU, exchange tensors with the processes of this machine through
+            pipes rather than gloo's loopback TCP (far cheaper per message); gloo still
+            carries collectives and the traffic with other machines.
         seed: seed of the initialization of layers built on the meta device.
         timeout: seconds a stage waits for a neighbour before it raises StageError.
         trace: record what this rank runs when, for ``timeline`` (``self.recorder``).
@@ -194,6 +198,7 @@ class Pipeline(nn.Module):
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
         deferred_batch_norm: bool = False,
+        local_pipes: bool = True,
         seed: int = 0,
         timeout: float = 60.0,
         trace: bool = False,
@@ -281,6 +286,9 @@ class Pipeline(nn.Module):
             self.timeout,
             envelope_group=envelopes,
         )
+        if local_pipes and self.device.type == "cpu" and self.n_ranks > 1:
+            receives, sends = self._transport.channels(self.stages, self.skip_layout.routes)
+            self._transport.use_pipes(open_pipes(receives, sends, group))
         self.last_step: StepTimes | None = None
         self.recorder = Recorder(self.rank) if trace else None
 

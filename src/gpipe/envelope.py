@@ -1,12 +1,15 @@
-"""The wire format between processes: a message's description and its tensors in one buffer.
+"""The wire format between processes: a message's description and its tensors together.
 
-A message is a tensor, or a tuple of tensors and Nones. On the wire it is one contiguous
-byte buffer, so that one transfer carries it whole and the receiver needs no second round
-trip to learn what follows:
+A message is a tensor, or a tuple of tensors and Nones. On the wire it is its header, int64
+words, followed by the bytes of every tensor, so that one transfer carries it whole and the
+receiver needs no second round trip to learn what follows:
 
-    int64 words   kind, total bytes, number of items, 1 if a bare tensor, info words...,
-                  then per item: dtype code, requires_grad, ndim, sizes...   (-1 for None)
-    payload       each tensor's bytes, every one starting on a 64-byte boundary
+    kind, total bytes, header words, number of items, 1 if a bare tensor, info words...,
+    then per item: dtype code, requires_grad, ndim, sizes...        (-1 for None)
+
+Laid out as one buffer (``aligned``), every tensor starts on a 64-byte boundary, so that the
+receiver can use views into the buffer it received; laid out as a stream (pipes), the bytes
+follow each other and the receiver reads each tensor into storage of its own.
 
 ``info`` words ride along with every message (the step's micro-batch and row counts), so
 that a stage learns them from its first input instead of from a collective. A *grow*
@@ -21,11 +24,16 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "FIXED_BYTES",
     "GROW",
     "MESSAGE",
+    "N_INFO",
     "Described",
+    "Item",
     "describe",
     "grow_envelope",
+    "header_words",
+    "items_of",
     "pack",
     "read",
 ]
@@ -33,7 +41,8 @@ __all__ = [
 MESSAGE, GROW = 1, 2
 N_INFO = 2  # words of step information in every envelope
 _ALIGN = 64
-_FIXED = 4 + N_INFO  # kind, total bytes, items, bare, info
+_FIXED = 5 + N_INFO  # kind, total bytes, header words, items, bare, info
+FIXED_BYTES = 8 * _FIXED
 
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
@@ -57,23 +66,41 @@ def _aligned(n: int) -> int:
 
 
 @dataclass(frozen=True)
+class Item:
+    """One tensor of a message as its header describes it."""
+
+    dtype: torch.dtype
+    requires_grad: bool
+    shape: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
 class Described:
-    """What an envelope says: the header words, and where each tensor lies in the buffer."""
+    """A message's header words, and where each tensor's bytes begin (-1 for None)."""
 
     words: list[int]
-    offsets: list[int]  # payload offset of each item (-1 for None)
-    total: int  # bytes of the whole buffer: header and payload
+    offsets: list[int]
+    total: int  # bytes of the whole message: header and payload
 
     @property
     def header_bytes(self) -> int:
         return 8 * len(self.words)
 
 
-def describe(items: tuple[Tensor | None, ...], bare: bool, info: tuple[int, ...]) -> Described:
+def describe(
+    items: tuple[Tensor | None, ...], bare: bool, info: tuple[int, ...], *, aligned: bool = True
+) -> Described:
     """The header of ``items`` and the layout of their bytes after it."""
     if len(info) != N_INFO:
         raise ValueError(f"an envelope carries {N_INFO} info words, got {len(info)}")
-    words = [MESSAGE, 0, len(items), int(bare), *info]
+    words = [MESSAGE, 0, 0, len(items), int(bare), *info]
     for t in items:
         if t is None:
             words.append(-1)
@@ -81,22 +108,28 @@ def describe(items: tuple[Tensor | None, ...], bare: bool, info: tuple[int, ...]
         if t.dtype not in _DTYPE_CODE:
             raise TypeError(f"cannot send a tensor of dtype {t.dtype} between stages")
         words += [_DTYPE_CODE[t.dtype], int(t.requires_grad), t.dim(), *t.shape]
-    offsets, position = [], _aligned(8 * len(words))
+    words[2] = len(words)
+    step = _aligned if aligned else (lambda n: n)
+    offsets, position = [], step(8 * len(words))
     for t in items:
         if t is None:
             offsets.append(-1)
             continue
         offsets.append(position)
-        position = _aligned(position + t.numel() * t.element_size())
+        position = step(position + t.numel() * t.element_size())
     words[1] = position
     return Described(words, offsets, position)
+
+
+def header(described: Described) -> Tensor:
+    """The header words as a byte tensor."""
+    return torch.tensor(described.words, dtype=torch.int64).view(torch.uint8)
 
 
 def pack(items: tuple[Tensor | None, ...], described: Described) -> Tensor:
     """One CPU byte buffer holding the header and a copy of every tensor."""
     buffer = torch.empty(described.total, dtype=torch.uint8)
-    header = torch.tensor(described.words, dtype=torch.int64)
-    buffer[: described.header_bytes].view(torch.int64).copy_(header)
+    buffer[: described.header_bytes].copy_(header(described))
     for t, offset in zip(items, described.offsets, strict=True):
         if t is not None:
             size = t.numel() * t.element_size()
@@ -106,62 +139,50 @@ def pack(items: tuple[Tensor | None, ...], described: Described) -> Tensor:
 
 def grow_envelope(capacity: int) -> Tensor:
     """A header-only buffer that tells the receiver its buffers must hold ``capacity`` bytes."""
-    words = [GROW, capacity, 0, 0, *([0] * N_INFO)]
+    words = [GROW, capacity, _FIXED, 0, 0, *([0] * N_INFO)]
     return torch.tensor(words, dtype=torch.int64).view(torch.uint8)
 
 
 def header_words(buffer: Tensor) -> list[int]:
-    """The int64 words at the start of a received buffer: the fixed ones, then the items'."""
-    head = buffer[: 8 * _FIXED].view(torch.int64).tolist()
-    if head[0] != MESSAGE:
+    """The header's int64 words at the start of a received buffer."""
+    head = buffer[:FIXED_BYTES].view(torch.int64).tolist()
+    if head[0] != MESSAGE or head[2] == _FIXED:
         return head
-    n_items = head[2]
-    words, needed = head, _FIXED + 3 * n_items
-    while len(words) < needed:  # each item needs at least 3 words; shapes add more
-        words = buffer[: 8 * needed].view(torch.int64).tolist()
-        needed = _FIXED + _item_words(words[_FIXED:], n_items)
-    return words
+    return buffer[: 8 * head[2]].view(torch.int64).tolist()
 
 
-def _item_words(words: list[int], n_items: int) -> int:
-    """How many words the first ``n_items`` item descriptions take, as far as known."""
-    position = 0
-    for _ in range(n_items):
-        if position >= len(words):
-            return position + 3  # not read yet: at least three more
-        if words[position] < 0:
-            position += 1
-        elif position + 2 >= len(words):
-            return position + 3
-        else:
-            position += 3 + words[position + 2]
-    return position
-
-
-def read(
-    buffer: Tensor, words: list[int]
-) -> tuple[tuple[Tensor | None, ...], bool, tuple[int, ...], int]:
-    """The items of a received MESSAGE buffer as views into it, whether the message was a
-    bare tensor, its info words and the bytes it used."""
-    n_items, bare = words[2], bool(words[3])
-    info = tuple(words[4 : 4 + N_INFO])
-    position, offset = _FIXED, _aligned(8 * (_FIXED + _item_words(words[_FIXED:], n_items)))
-    items: list[Tensor | None] = []
+def items_of(words: list[int]) -> tuple[list[Item | None], bool, tuple[int, ...]]:
+    """What a MESSAGE header describes: its items, whether it is a bare tensor, its info."""
+    n_items, bare = words[3], bool(words[4])
+    info = tuple(words[5 : 5 + N_INFO])
+    items: list[Item | None] = []
+    position = _FIXED
     for _ in range(n_items):
         code = words[position]
         if code < 0:
             items.append(None)
             position += 1
             continue
-        requires_grad, ndim = bool(words[position + 1]), words[position + 2]
+        ndim = words[position + 2]
         shape = words[position + 3 : position + 3 + ndim]
+        items.append(Item(_DTYPES[code], bool(words[position + 1]), shape))
         position += 3 + ndim
-        dtype = _DTYPES[code]
-        numel = 1
-        for size in shape:
-            numel *= size
-        nbytes = numel * dtype.itemsize
-        t = buffer[offset : offset + nbytes].view(dtype).view(shape)
-        items.append(t.requires_grad_(requires_grad) if requires_grad else t)
-        offset = _aligned(offset + nbytes)
+    return items, bare, info
+
+
+def read(
+    buffer: Tensor, words: list[int]
+) -> tuple[tuple[Tensor | None, ...], bool, tuple[int, ...], int]:
+    """The items of a received MESSAGE buffer (``aligned`` layout) as views into it, whether
+    the message was a bare tensor, its info words and the bytes it used."""
+    described, bare, info = items_of(words)
+    offset = _aligned(8 * words[2])
+    items: list[Tensor | None] = []
+    for item in described:
+        if item is None:
+            items.append(None)
+            continue
+        t = buffer[offset : offset + item.nbytes].view(item.dtype).view(item.shape)
+        items.append(t.requires_grad_(True) if item.requires_grad else t)
+        offset = _aligned(offset + item.nbytes)
     return tuple(items), bare, info, words[1]

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from . import envelope
 from .errors import PipelineError, StageError
+from .pipes import PipeClosed, Pipes, PipeTimeout
 from .schedule import RECV_KINDS, RECV_OF, SEND_KINDS, Action, Kind
 from .transport import Message, message_items, what
 
@@ -104,6 +105,7 @@ class DistributedTransport:
         self._local: dict[int, deque[Message]] = {}  # between two stages of this process
         # separate envelopes: each peer's messages to this process in the order it sends them
         self._sends_from: dict[int, deque[tuple[int, int, Kind]]] = {}
+        self._pipes: Pipes | None = None  # to processes of this machine (``use_pipes``)
         self.info: tuple[int, ...] = (0,) * envelope.N_INFO
 
     # -- channels -------------------------------------------------------------------------
@@ -129,6 +131,36 @@ class DistributedTransport:
             inbox = self._inboxes[key] = _Inbox()
         return key, inbox
 
+    def channels(
+        self, stages: Sequence[int], skips: Sequence[tuple[int, int]]
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The (peer rank, tag) channels this process receives and sends on, holding
+        ``stages``, with skip routes ``skips``: what ``pipes.open_pipes`` needs."""
+        n = len(self._stage_to_rank)
+        pairs = [(s - 1, s, Kind.RECV_F) for s in range(1, n)]
+        pairs += [(s + 1, s, Kind.RECV_B) for s in range(n - 1)]
+        pairs += [(a, b, Kind.RECV_SKIP) for a, b in skips]
+        pairs += [(b, a, Kind.RECV_SKIP_B) for a, b in skips]
+        receives, sends = [], []
+        for src, dst, kind in pairs:
+            if self._rank(src) == self._rank(dst):
+                continue
+            if dst in stages:
+                receives.append((self._rank(src), self._tag(kind, src, dst)))
+            if src in stages:
+                sends.append((self._rank(dst), self._tag(kind, src, dst)))
+        return receives, sends
+
+    def use_pipes(self, pipes: Pipes | None) -> None:
+        """Send to and receive from the processes ``pipes`` reach through them, not gloo."""
+        if pipes is not None and self._separate:
+            raise PipelineError("pipes carry CPU tensors; this transport's are on a device")
+        self._pipes = pipes
+
+    def _piped(self, key: tuple[int, int], incoming: bool) -> bool:
+        pipes = self._pipes
+        return pipes is not None and key in (pipes.incoming if incoming else pipes.outgoing)
+
     # -- a step ---------------------------------------------------------------------------
     def begin(self, programs: Sequence[Sequence[Action]], rank: int) -> None:
         """Post the first receive of every channel that rank ``rank``'s program receives on
@@ -139,7 +171,9 @@ class DistributedTransport:
         for (src, dst, kind), count in _receives(program).items():
             if self._rank(src) == self._me:
                 continue
-            _, inbox = self._inbox(src, dst, kind)
+            key, inbox = self._inbox(src, dst, kind)
+            if self._piped(key, incoming=True):
+                continue  # the kernel holds what arrives: nothing to post
             inbox.to_post = count - len(inbox.ready) - (inbox.posted is not None)
             if inbox.to_post < 0:
                 raise PipelineError(f"stage {dst}: more messages arrived than the step expects")
@@ -207,6 +241,8 @@ class DistributedTransport:
     def _take_one(self, src: int, dst: int, microbatch: int, kind: Kind) -> _Arrived:
         """Wait for the next envelope of a channel and read it; post the receive after it."""
         key, inbox = self._inbox(src, dst, kind)
+        if self._piped(key, incoming=True):
+            return self._take_piped(key, src, dst, microbatch, kind)
         while True:
             if inbox.posted is None:
                 inbox.to_post = max(inbox.to_post, 1)
@@ -225,6 +261,24 @@ class DistributedTransport:
             items = tuple(None if t is None else t.clone() for t in items)
         if inbox.to_post > 0:
             self._post(key, inbox)
+        message: Message = items[0] if bare else items  # type: ignore[assignment]
+        return _Arrived(message, info, (src, dst, kind))
+
+    def _take_piped(
+        self, key: tuple[int, int], src: int, dst: int, microbatch: int, kind: Kind
+    ) -> _Arrived:
+        assert self._pipes is not None
+        try:
+            items, bare, info = self._pipes.recv(key, self._timeout_s)
+        except PipeTimeout as exc:
+            raise StageError(
+                dst,
+                f"timed out after {self._timeout_s:g} s waiting for {what(kind, microbatch, src)}",
+            ) from exc
+        except PipeClosed as exc:
+            raise StageError(
+                dst, f"lost stage {src} ({exc}) waiting for {what(kind, microbatch, src)}"
+            ) from exc
         message: Message = items[0] if bare else items  # type: ignore[assignment]
         return _Arrived(message, info, (src, dst, kind))
 
@@ -257,7 +311,16 @@ class DistributedTransport:
             return
         self._reap()
         items = message_items(message)
-        described = envelope.describe(items, isinstance(message, Tensor), self.info)
+        bare = isinstance(message, Tensor)
+        if self._piped((peer, tag), incoming=False):
+            described = envelope.describe(items, bare, self.info, aligned=False)
+            parts = [t.detach().contiguous() for t in items if t is not None]
+            try:
+                self._pipes.send((peer, tag), [envelope.header(described), *parts])  # type: ignore[union-attr]
+            except PipeClosed as exc:
+                raise StageError(src, f"lost stage {dst} ({exc}) sending to it") from exc
+            return
+        described = envelope.describe(items, bare, self.info)
         if self._separate:
             self._send_separate(items, described, peer, tag)
             return
@@ -270,7 +333,7 @@ class DistributedTransport:
     def _send_separate(
         self, items: tuple[Tensor | None, ...], described: envelope.Described, peer: int, tag: int
     ) -> None:
-        header = torch.tensor(described.words, dtype=torch.int64).view(torch.uint8)
+        header = envelope.header(described)
         capacity = self._capacity.get((peer, tag), _FIRST_CAPACITY)
         if header.numel() > capacity:
             self._isend(envelope.grow_envelope(header.numel()), peer, tag, self._envelope_group)
@@ -312,3 +375,8 @@ class DistributedTransport:
         pending, self._pending = self._pending, deque()
         for work, _ in pending:
             work.wait(self._timeout)
+        if self._pipes is not None:
+            try:
+                self._pipes.flush(self._timeout_s)
+            except (PipeTimeout, PipeClosed) as exc:
+                raise PipelineError(f"sends did not complete: {exc}") from exc
