@@ -154,12 +154,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="width 64, batch 64: fixed costs")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, help="default 4 x width")
+    parser.add_argument("--rows", type=int, default=1024, help="mini-batch rows")
     args = parser.parse_args()
     cfg = {
-        "width": 1024,
-        "hidden": 4096,
+        "width": args.width,
+        "hidden": args.hidden or 4 * args.width,
         "blocks": 8,
-        "rows": 1024,
+        "rows": args.rows,
         "chunks": 8,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -207,7 +210,7 @@ def main() -> None:
         },
         "cycles": cycles,
     }
-    name = "mlp-quick" if args.quick else "mlp"
+    name = "mlp-quick" if args.quick else f"mlp-w{cfg['width']}-b{cfg['rows']}"
     path = write_results(name, report)
     figures = {k: v for k, v in report.items() if k not in ("workload", "machine", "cycles")}
     print(json.dumps(figures, indent=1))
