@@ -1,8 +1,9 @@
 """A small ResNet trained pipelined: BatchNorm, and residual shortcuts that cross the cut.
 
-The model is an ``nn.Sequential`` whose residual blocks are written as two layers: the first
-stashes the block's input (``gpipe.skip.stash``), the second pops it and adds it back. Cut
-between them, the shortcut travels straight from one process to the other. BatchNorm layers
+The model (``gpipe.models.resnet``) is an ``nn.Sequential`` whose residual blocks are written
+as two layers: the first stashes the block's input (``gpipe.skip.stash``), the second pops it
+and adds it back. Cut between them, the shortcut travels straight from one process to the
+other. BatchNorm layers
 become ``DeferredBatchNorm`` (``deferred_batch_norm=True``): each micro-batch is normalized
 by its own statistics, and the running statistics used at test time are tracked once per
 mini-batch.
@@ -25,58 +26,12 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import gpipe
-from gpipe.skip import Namespace, pop, skippable, stash
+from gpipe.models.resnet import resnet
 
 
-def conv_bn(c_in: int, c_out: int, stride: int = 1) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv2d(c_in, c_out, 3, stride, padding=1, bias=False), nn.BatchNorm2d(c_out)
-    )
-
-
-@skippable(stash=["shortcut"])
-class BlockIn(nn.Module):
-    """First half of a residual block: keeps the block's input for the shortcut."""
-
-    def __init__(self, c_in: int, c_out: int, stride: int = 1):
-        super().__init__()
-        self.body = nn.Sequential(conv_bn(c_in, c_out, stride), nn.ReLU())
-
-    def forward(self, x):
-        yield stash("shortcut", x)
-        return self.body(x)
-
-
-@skippable(pop=["shortcut"])
-class BlockOut(nn.Module):
-    """Second half: adds the shortcut back (through a 1x1 convolution when the shape changes)."""
-
-    def __init__(self, c_in: int, c_out: int, stride: int = 1):
-        super().__init__()
-        self.body = conv_bn(c_out, c_out)
-        self.project = (
-            nn.Identity()
-            if c_in == c_out and stride == 1
-            else nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
-        )
-
-    def forward(self, x):
-        shortcut = yield pop("shortcut")
-        return torch.relu(self.body(x) + self.project(shortcut))
-
-
-def resnet(width: int = 32) -> nn.Sequential:
+def digits_resnet() -> nn.Sequential:
     """Stem, three residual blocks (two layers each), head: eight layers."""
-    blocks = [(width, width, 1), (width, 2 * width, 2), (2 * width, 2 * width, 1)]
-    layers: list[nn.Module] = [nn.Sequential(conv_bn(1, width), nn.ReLU())]
-    for c_in, c_out, stride in blocks:
-        scope = Namespace()  # each block's shortcut is its own
-        layers += [
-            BlockIn(c_in, c_out, stride).isolate(scope),
-            BlockOut(c_in, c_out, stride).isolate(scope),
-        ]
-    layers.append(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, 10)))
-    return nn.Sequential(*layers)
+    return resnet((32, 64, 64))
 
 
 # The cut falls inside the second block: its shortcut crosses from stage 0 to stage 1.
@@ -115,7 +70,7 @@ def pipelined(args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(args.seed)
     x, y, x_test, y_test = digits(args.seed)
     pipe = gpipe.Pipeline(
-        resnet(),
+        digits_resnet(),
         BALANCE,
         chunks=args.chunks,
         checkpoint="always",
@@ -145,7 +100,7 @@ def unpipelined(args: argparse.Namespace) -> dict[str, float]:
     """The same model and mini-batches in one process, with PyTorch's own BatchNorm."""
     torch.manual_seed(args.seed)
     x, y, x_test, y_test = digits(args.seed)
-    model = resnet()
+    model = digits_resnet()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, args.lr, total_steps=len(batches(len(y), args.batch_size, args.epochs, 0))

@@ -34,8 +34,8 @@ def tiny_report(tmp_path_factory):
 def test_every_contender_is_timed_and_measured(tiny_report):
     _, report, _ = tiny_report
     names = [c.name for c in contenders()]
-    assert len(names) == 20
-    assert set(report["workloads"]) == {"mlp", "gpt"}
+    assert len(names) == 21
+    assert set(report["workloads"]) == {"mlp", "gpt", "cnn", "mlp64"}
     for w in report["workloads"].values():
         skipped = set(w["skipped"])
         assert skipped == (set() if _has_torchgpipe() else {"torchgpipe"})
@@ -80,14 +80,14 @@ def test_the_report_is_written_as_markdown_and_plots(tiny_report):
     for name in report["workloads"]["mlp"]["chunks"]["2"]["contenders"]:
         assert f"| {name} |" in text
     assert "## Targets" in text and "Machine:" in text
-    for name in ("mlp", "gpt"):
+    for name in ("mlp", "gpt", "cnn", "mlp64"):
         for kind in ("step-time", "memory"):
             png = out / f"bench-{name}-{kind}.png"
             assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # every target is listed; at M = 2 none can be judged, and the report says so
-    assert len(report["targets"]) == 5
+    assert len(report["targets"]) == 8
     assert all(t["met"] is None and t["figure"] == NOT_MEASURED for t in report["targets"])
-    assert text.count("| not measured |") == 5
+    assert text.count("| not measured |") == 8
     assert "written:" in stdout
 
 
@@ -130,17 +130,17 @@ def test_ideal_ratios_and_bubble_follow_their_definitions():
     assert row["samples_per_s"] == pytest.approx(workload.batch / 3.0)
     judged = targets({"mlp": out}, None)
     assert judged[0] == {
-        "target": "mlp, M=4: gpipe/gpipe/never / pytorch/ScheduleGPipe <= 1.00",
+        "target": "mlp, M=4: gpipe/gpipe/never / pytorch/ScheduleGPipe <= 1.03 per cycle",
         "figure": "1.000 (per cycle 1.000)",
         "met": True,
     }
-    assert [t["met"] for t in judged[1:]] == [None] * 4  # nothing at M = 8, no memory pass
+    assert [t["met"] for t in judged[1:]] == [None] * 7  # nothing at M = 8, no memory pass
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--workload", "resnet"], "--workload: unknown 'resnet'; expected mlp, gpt"),
+        (["--workload", "resnet"], "--workload: unknown 'resnet'; expected mlp, gpt, cnn, mlp64"),
         (["--chunks", "0"], "--chunks must be positive integers, got '0'"),
         (["--chunks", "two"], "--chunks must be a comma list of integers, got 'two'"),
         (["--schedules", "gpipe,pipedream"], "--schedules: unknown 'pipedream'"),

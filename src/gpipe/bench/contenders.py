@@ -81,9 +81,11 @@ def _accumulation(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
     return Runner(step, _per_stage(model, w.balance))
 
 
-def _at_once(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
+def _at_once(w: Workload, chunks: int, x: Tensor, y: Tensor, held: bool = False) -> Runner:
     """Each process runs its own stage over the micro-batches as plain accumulation, all at
-    once and without communication: what the machine can do when nobody waits."""
+    once and without communication: what the machine can do when nobody waits. ``held``:
+    all the forwards first, every graph kept, then all the backwards, as fill-drain holds
+    them, which shows what holding M graphs costs apart from the pipeline itself."""
     rank = dist.get_rank()
     model = w.build()
     part = _layers(model, w.balance, rank)
@@ -97,17 +99,30 @@ def _at_once(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
     with torch.no_grad():
         grad = torch.ones_like(part(inputs[0]))
 
+    def backward(out: Tensor, ym: Tensor, rows: int) -> None:
+        if last:
+            (w.loss_fn(out, ym) * (rows / len(x))).backward()
+        else:
+            out.backward(grad)
+
     def step() -> None:
         part.zero_grad()
+        outs = []
         for xm, ym in zip(inputs, targets, strict=True):
             h = xm.detach().requires_grad_(rank > 0 and xm.is_floating_point())
             out = part(h)
-            if last:
-                (w.loss_fn(out, ym) * (len(xm) / len(x))).backward()
+            if held:
+                outs.append((out, ym, len(xm)))
             else:
-                out.backward(grad)
+                backward(out, ym, len(xm))
+        for out, ym, rows in reversed(outs):
+            backward(out, ym, rows)
 
     return Runner(step, [(rank, part)])
+
+
+def _at_once_held(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
+    return _at_once(w, chunks, x, y, held=True)
 
 
 # --- gpipe ------------------------------------------------------------------------------------
@@ -200,6 +215,7 @@ def contenders(
         Contender("full-batch", "baseline", True, _full_batch),
         Contender("accumulation", "baseline", True, _accumulation),
         Contender("at-once", "baseline", False, _at_once),
+        Contender("at-once-held", "baseline", False, _at_once_held),
     ]
     counterpart = {
         "gpipe": "pytorch/ScheduleGPipe",

@@ -27,9 +27,9 @@ __all__ = ["BenchOptions", "machine", "matches", "run_bench"]
 
 @dataclass
 class BenchOptions:
-    workloads: tuple[str, ...] = ("mlp", "gpt")
+    workloads: tuple[str, ...] = ("mlp", "gpt", "cnn", "mlp64")
     size: str = "full"  # or "tiny": seconds instead of an hour, to check that it all runs
-    chunks: tuple[int, ...] = (2, 4, 8, 16)
+    chunks: tuple[int, ...] = (1, 2, 4, 8, 16)
     memory_chunks: int | None = 8  # None: no memory pass
     repeats: int = 3
     warmup: int = 1

@@ -1,5 +1,6 @@
-"""The models a benchmark runs: an MLP stack and the main job's GPT, each with its data and
-the one cut into two stages (and four, for interleaved schedules) every contender shares."""
+"""The models a benchmark runs: an MLP stack (wide, and narrow where fixed costs show), the
+main job's GPT and a small ResNet, each with its data and the one cut into two stages (and
+four, for interleaved schedules) every contender shares."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..models.gpt import GPTConfig, build_gpt, lm_loss
+from ..models.resnet import resnet
 
 __all__ = ["WORKLOADS", "Workload", "get_workload"]
 
@@ -44,7 +46,7 @@ def _quarters(n: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def mlp(width: int, hidden: int, blocks: int, batch: int) -> Workload:
+def mlp(width: int, hidden: int, blocks: int, batch: int, name: str = "mlp") -> Workload:
     def build() -> nn.Sequential:
         torch.manual_seed(0)
         return nn.Sequential(
@@ -59,7 +61,7 @@ def mlp(width: int, hidden: int, blocks: int, batch: int) -> Workload:
         return torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
 
     return Workload(
-        name="mlp",
+        name=name,
         description=f"{blocks} blocks of Linear({width}, {hidden}) -> GELU -> "
         f"Linear({hidden}, {width}), batch {batch}, MSE",
         build=build,
@@ -103,6 +105,41 @@ def gpt(n_layer: int, d_model: int, n_head: int, seq_len: int, batch: int) -> Wo
     )
 
 
+def cnn(widths: tuple[int, ...], size: int, batch: int) -> Workload:
+    """A ResNet (``gpipe.models.resnet``) on random images; BatchNorm as PyTorch has it, and
+    every cut between blocks, so that every contender can run it."""
+    blocks = len(widths)
+    if blocks % 4:
+        raise ValueError(
+            f"the cnn workload cuts between blocks: give a multiple of 4, got {blocks}"
+        )
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return resnet(widths, in_channels=3, classes=10)
+
+    def data() -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(1)
+        return torch.randn(batch, 3, size, size, generator=g), torch.randint(
+            10, (batch,), generator=g
+        )
+
+    half, quarter = blocks // 2, blocks // 4
+    return Workload(
+        name="cnn",
+        description=f"ResNet, {blocks} residual blocks of widths {list(widths)}, "
+        f"{size}x{size} images, batch {batch}, BatchNorm, cross-entropy",
+        build=build,
+        data=data,
+        loss_fn=F.cross_entropy,
+        batch=batch,
+        tokens_per_sample=1,
+        balance=(1 + 2 * half, 2 * half + 1),  # stem and half the blocks | the rest and head
+        interleaved_balance=(1 + 2 * quarter, 2 * quarter, 2 * quarter, 2 * quarter + 1),
+        config={"widths": list(widths), "size": size, "batch": batch},
+    )
+
+
 WORKLOADS: dict[str, dict[str, Callable[[], Workload]]] = {
     "mlp": {
         "full": lambda: mlp(width=512, hidden=2048, blocks=8, batch=512),
@@ -111,6 +148,15 @@ WORKLOADS: dict[str, dict[str, Callable[[], Workload]]] = {
     "gpt": {
         "full": lambda: gpt(n_layer=8, d_model=256, n_head=4, seq_len=256, batch=64),
         "tiny": lambda: gpt(n_layer=2, d_model=16, n_head=2, seq_len=8, batch=16),
+    },
+    "cnn": {
+        "full": lambda: cnn((16, 32, 32, 64), size=32, batch=64),
+        "tiny": lambda: cnn((4, 4, 8, 8), size=8, batch=16),
+    },
+    # where a pipeline's fixed cost per action shows: small layers, small messages
+    "mlp64": {
+        "full": lambda: mlp(width=64, hidden=256, blocks=8, batch=64, name="mlp64"),
+        "tiny": lambda: mlp(width=8, hidden=16, blocks=4, batch=16, name="mlp64"),
     },
 }
 

@@ -20,15 +20,16 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmark gpipe against baselines, PyTorch's pipelining and torchgpipe",
-        description="Time every contender on an MLP and a GPT in 2 processes of one thread "
-        "each, one step each in turn over several cycles, for several micro-batch counts; "
-        "then measure each contender's peak memory in fresh processes. Writes bench.json, "
-        "bench.md and PNG plots. The full default run takes about 70 minutes on 2 cores.",
+        description="Time every contender on an MLP, a GPT, a ResNet and a narrow MLP in 2 "
+        "processes of one thread each, one step each in turn over several cycles, for several "
+        "micro-batch counts; then measure each contender's peak memory in fresh processes. "
+        "Writes bench.json, bench.md and PNG plots. The full default run takes about three "
+        "hours on 2 cores.",
     )
     p.add_argument(
         "--workload",
-        default="mlp,gpt",
-        help="comma list of mlp, gpt (default both)",
+        default="mlp,gpt,cnn,mlp64",
+        help="comma list of mlp, gpt, cnn, mlp64 (default all)",
     )
     p.add_argument(
         "--size",
@@ -36,7 +37,7 @@ def add_parser(sub: Any) -> None:
         default="full",
         help="full: the documented sizes; tiny: seconds, to check that everything runs",
     )
-    p.add_argument("--chunks", default="2,4,8,16", help="micro-batch counts (default 2,4,8,16)")
+    p.add_argument("--chunks", default="1,2,4,8,16", help="micro-batch counts (default 1,2,4,8,16)")
     p.add_argument(
         "--memory-chunks",
         type=int,
