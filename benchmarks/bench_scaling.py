@@ -186,14 +186,11 @@ def main() -> None:
     latency, bandwidth = got["latency"], got["bandwidth"]
     bytes_per_row = model["seq_len"] * model["d_model"] * 4
     base = predict(costs, latency, bandwidth, deep, 1, 1, batch, bytes_per_row)
-    table = {
-        k: {
-            m: base / predict(costs, latency, bandwidth, deep, k, m, batch, bytes_per_row)
-            for m in MS
-            if batch // m >= 1 and k <= deep
-        }  # fmt: skip
-        for k in KS
-    }
+
+    def speedup(k: int, m: int) -> float:
+        return base / predict(costs, latency, bandwidth, deep, k, m, batch, bytes_per_row)
+
+    table = {k: {m: speedup(k, m) for m in MS if batch // m >= 1} for k in KS}
     print(f"link: latency {latency * 1e6:.0f} us, bandwidth {bandwidth / 1e9:.2f} GB/s")
     print(f"speed-up over K=1, M=1 (GPipe, {deep} blocks, batch {batch}), simulated:")
     print("K \\ M " + "".join(f"{m:>8d}" for m in MS))
