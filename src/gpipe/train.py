@@ -30,7 +30,7 @@ from .microbatch import split_sizes
 from .models.gpt import GPTConfig, build_gpt, lm_loss, tied_weights
 from .partition import even_balance
 from .saving import latest_checkpoint, load_checkpoint, read_description, save_checkpoint
-from .simulate import predict
+from .simulate import analytic_bubble, predict
 from .trace import Event, plot_gantt, to_chrome
 from .view import Measured
 from .view import write as write_page
@@ -157,6 +157,14 @@ def _check_same_text(corpus: bytes, pipe: Pipeline) -> None:
             )
 
 
+def _bubble(events: list[Event], n_ranks: int) -> float:
+    """The share of the ranks' time in a step not spent computing."""
+    start = min(e.start for e in events)
+    makespan = max(e.end for e in events) - start
+    busy = sum(e.end - e.start for e in events if e.is_compute)
+    return 1 - busy / (n_ranks * makespan) if makespan > 0 else 0.0
+
+
 def _write_timeline(out: Path, events: list[Event], pipe: Pipeline, n_microbatches: int) -> None:
     """The measured step as a Chrome/Perfetto trace, as the interactive page and, with
     matplotlib, as a Gantt chart, each beside the simulator's prediction from the step's own
@@ -164,6 +172,12 @@ def _write_timeline(out: Path, events: list[Event], pipe: Pipeline, n_microbatch
     schedule = pipe.schedule_for(n_microbatches)
     predicted = predict(schedule, events)
     to_chrome(events, out / "trace.json", predicted=predicted)
+    bubbles = {
+        "measured": _bubble(events, schedule.n_ranks),
+        "simulated": _bubble(predicted, schedule.n_ranks),
+        "analytic": analytic_bubble(pipe.n_ranks, n_microbatches),
+    }
+    (out / "bubble.json").write_text(json.dumps(bubbles, indent=1) + "\n")
     write_page(out / "view.html", measured=Measured(schedule, events, pipe.checkpoint))
     try:
         plot_gantt(events, out / "timeline.png", predicted=predicted, title=schedule.name)
