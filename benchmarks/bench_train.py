@@ -60,7 +60,7 @@ def main() -> None:
                 sys.executable,
                 "-c",
                 f"import sys; from {package}.cli import main; sys.exit(main(sys.argv[1:]))",
-            ],  # fmt: skip
+            ],
             "after": [sys.executable, "-m", "gpipe.cli"],
         }
         for run in range(args.runs):
