@@ -73,6 +73,10 @@ def run(cfg: dict, path: str, package: str) -> dict[str, dict[str, list[float]]]
         "before": importlib.import_module(package),
         "after": importlib.import_module("gpipe"),
     }
+    meters = {
+        name: importlib.import_module(f"{module.__name__}.memory").ActivationMeter
+        for name, module in versions.items()
+    }
     from gpipe.distributed import init_process_group
 
     init_process_group(torch.device("cpu"))
@@ -91,6 +95,14 @@ def run(cfg: dict, path: str, package: str) -> dict[str, dict[str, list[float]]]
         )
         for name, module in versions.items()
     }
+    if cfg["memory"]:  # one step each under the activation meter of its own version
+        peaks = {}
+        for name, pipe in pipes.items():
+            with meters[name](pipe) as meter:
+                pipe.zero_grad()
+                pipe.step(x, y)
+            peaks[name] = meter.peak
+        return {"activation_peak": peaks}  # type: ignore[dict-item]
     times: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in pipes}
     for cycle in range(cfg["warmup"] + cfg["steps"]):
         order = list(pipes) if cycle % 2 == 0 else list(reversed(pipes))
@@ -119,11 +131,21 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="never")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--memory", action="store_true", help="peak activation bytes per process, no timing"
+    )
     args = parser.parse_args()
     cfg = vars(args)
     with tempfile.TemporaryDirectory() as tmp:
         package = extract(args.rev, Path(tmp))
         per_rank = launch(run, K, (cfg, tmp, package), threads=1)
+    if args.memory:
+        for rank, got in sorted(per_rank.items()):
+            peaks = got["activation_peak"]
+            change = peaks["after"] / peaks["before"] - 1
+            print(f"rank {rank}: activation peak before {peaks['before']:,} B, after "
+                  f"{peaks['after']:,} B ({change:+.1%})")  # fmt: skip
+        return
     # a step takes as long as its slowest process; its CPU time is both processes'
     ranks = list(per_rank.values())
     times = {
