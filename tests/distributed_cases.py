@@ -328,3 +328,82 @@ def deferred_batch_norm() -> int:
                     torch.testing.assert_close(p.grad, ref_params[name].grad, **exact)
                 cases += 1
     return cases
+
+
+def _shards(x, y, replica: int, d: int, uneven: bool):
+    """Replica ``replica``'s rows: gpipe.replicas.shard, or a deliberately lopsided cut."""
+    from gpipe.replicas import shard
+
+    if not uneven:
+        return shard(x, replica, d), shard(y, replica, d)
+    cut = [0, 3, len(x)] if d == 2 else [0, len(x)]
+    return x[cut[replica] : cut[replica + 1]], y[cut[replica] : cut[replica + 1]]
+
+
+def data_parallel(d: int) -> dict:
+    """D replicas of a K-stage pipeline (K = world / D) against one un-pipelined step on the
+    union of the shards: loss on every rank, every gradient, float64; even and uneven shards,
+    gpipe and 1f1b, every checkpoint mode; deferred BatchNorm statistics merged over replicas."""
+    from gpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+
+    exact = {"rtol": 1e-12, "atol": 1e-14}
+    init_process_group(torch.device("cpu"))
+    world = dist.get_world_size()
+    k = world // d
+    replica = dist.get_rank() % d
+    cases = 0
+    for schedule in ("gpipe", "1f1b"):
+        for mode in MODES:
+            for uneven in (False, True):
+                pipe = Pipeline(
+                    mlp(), BALANCES[k], chunks=4, checkpoint=mode, schedule=schedule,
+                    loss_fn=mse_loss, data_parallel=d, timeout=10,
+                )  # fmt: skip
+                x, y = batch(11)
+                xs, ys = _shards(x, y, replica, d, uneven)
+                reference = mlp()
+                ref_loss = _reference(reference, x, y)
+                loss = pipe.step(xs if pipe.is_first else None, ys if pipe.is_last else None)
+                torch.testing.assert_close(loss, ref_loss.double(), **exact)
+                ref = dict(reference.named_parameters())
+                for name, p in pipe.named_parameters():
+                    torch.testing.assert_close(p.grad, ref[name].grad, **exact)
+                torch.testing.assert_close(pipe.evaluate(xs, ys), ref_loss.double(), **exact)
+                cases += 1
+    # BatchNorm: the statistics of the global mini-batch, equal on every replica
+    reference = convert_deferred_batch_norm(_bn_model(), chunks=2, auto_commit=False)
+    pipe = Pipeline(
+        _bn_model(), [2, 4] if k == 2 else [6], chunks=2, loss_fn=lambda o, t: o.pow(2).mean(),
+        deferred_batch_norm=True, data_parallel=d,
+    )  # fmt: skip
+    x = torch.randn(8, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    xs, _ = _shards(x, x, replica, d, uneven=False)
+    pipe.step(xs, xs)
+    for r in range(d):  # the union of every replica's micro-batches, replica by replica
+        part, _ = _shards(x, x, r, d, uneven=False)
+        for mb in part.chunk(2):
+            reference(mb)
+    for layer in reference.modules():
+        if isinstance(layer, DeferredBatchNorm):
+            layer.commit()
+    ref_state = reference.state_dict()
+    for name, tensor in pipe.state_dict().items():
+        if "running" in name or "num_batches" in name:
+            torch.testing.assert_close(tensor, ref_state[name], **exact)
+            cases += 1
+    times = pipe.last_step
+    return {"cases": cases, "buckets": times.allreduce_buckets, "early": times.allreduce_early}
+
+
+def data_parallel_bad_inputs() -> dict:
+    init_process_group(torch.device("cpu"))
+    errors = {"divides": _error(lambda: Pipeline(mlp(), [8], data_parallel=3, loss_fn=mse_loss))}
+    errors["both"] = _error(
+        lambda: Pipeline(mlp(), [8], data_parallel=2, group=dist.new_group([0, 1]))
+    )
+    errors["type"] = _error(lambda: Pipeline(mlp(), [8], data_parallel=0))
+    pipe = Pipeline(mlp(), [8], data_parallel=2, loss_fn=mse_loss, timeout=5)
+    x, y = batch(4)
+    rows = 4 if dist.get_rank() == 0 else 0
+    errors["empty"] = _error(lambda: pipe.step(x[:rows] if rows else x[:0], y[:rows]))
+    return errors

@@ -112,3 +112,26 @@ def test_balance_none_is_measured_on_the_first_rank_and_shared():
 def test_deferred_batch_norm_tracks_statistics_once_per_step_on_every_stage():
     results = launch(cases.deferred_batch_norm, 2, threads=1)
     assert results == {0: 4 * 3 * 2, 1: 4 * 3 * 2}
+
+
+@pytest.mark.parametrize(("d", "world"), [(2, 4), (2, 2), (1, 2)])
+def test_data_parallel_replicas_give_the_gradients_of_one_step_on_their_union(d, world):
+    """D x K processes: every replica's shard, even or not, summed exactly as one un-pipelined
+    step on the union; deferred BatchNorm statistics are the global mini-batch's."""
+    results = launch(cases.data_parallel, world, (d,), threads=1)
+    for rank, r in results.items():
+        # 12 steps, and 3 buffers of each BatchNorm held here (one per stage at K = 2)
+        assert r["cases"] == 12 + (3 if world // d == 2 else 6), rank
+        if d > 1:  # the last backward is whole: every bucket starts during it
+            assert r["buckets"] >= 1 and r["early"] == r["buckets"], r
+
+
+def test_data_parallel_bad_inputs_are_named():
+    errors = launch(cases.data_parallel_bad_inputs, 2)
+    for rank in (0, 1):
+        e = errors[rank]
+        assert "data_parallel=3 does not divide the world size 2" in e["divides"]
+        assert "pass group or data_parallel, not both" in e["both"]
+        assert "data_parallel must be a positive integer, got 0" in e["type"]
+    assert "has an empty batch" in errors[1]["empty"] or "no rows" in errors[1]["empty"]
+    assert "no rows" in errors[0]["empty"] or "StageError" in errors[0]["empty"]

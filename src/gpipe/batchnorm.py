@@ -41,9 +41,12 @@ class DeferredBatchNorm(_BatchNorm):
         chunks: int = 1,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        auto_commit: bool = True,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, True, device, dtype)
         self.chunks = check_chunks(chunks)
+        self.auto_commit = auto_commit  # pipelines commit themselves, once per step
         self.discard()
 
     def discard(self) -> None:
@@ -70,18 +73,37 @@ class DeferredBatchNorm(_BatchNorm):
         dims = [d for d in range(x.dim()) if d != 1]
         var, mean = torch.var_mean(x, dim=dims, correction=0)
         wide = torch.float32 if x.device.type == "mps" else torch.float64
-        mean, m2 = mean.to(wide), var.to(wide)
         n = x.numel() // x.size(1)
-        m2 = m2 * n
+        self._merge(n, mean.to(wide), var.to(wide) * n)
+        self._calls += 1
+
+    def _merge(self, n: int, mean: Tensor, m2: Tensor) -> None:
+        """Chan et al.'s update: the statistics of the values seen so far and of ``n`` more."""
         if self._mean is None or self._m2 is None:
             self._count, self._mean, self._m2 = n, mean, m2
-        else:
-            total = self._count + n
-            delta = mean - self._mean
-            self._mean = self._mean + delta * (n / total)
-            self._m2 = self._m2 + m2 + delta * delta * (self._count * n / total)
-            self._count = total
-        self._calls += 1
+            return
+        total = self._count + n
+        delta = mean - self._mean
+        self._mean = self._mean + delta * (n / total)
+        self._m2 = self._m2 + m2 + delta * delta * (self._count * n / total)
+        self._count = total
+
+    def pending_statistics(self) -> tuple[int, int, Tensor | None, Tensor | None]:
+        """What was counted since the last commit (micro-batches, values per channel, mean,
+        sum of squared deviations), on the CPU, for other replicas to merge."""
+        cpu = [None if t is None else t.cpu() for t in (self._mean, self._m2)]
+        return self._calls, self._count, cpu[0], cpu[1]
+
+    def replace_statistics(
+        self, parts: list[tuple[int, int, Tensor | None, Tensor | None]]
+    ) -> None:
+        """Replace what was counted by the merge, in order, of several replicas' counts."""
+        device = self.running_mean.device if self.running_mean is not None else None
+        self.discard()
+        for calls, n, mean, m2 in parts:
+            if calls and mean is not None and m2 is not None:
+                self._merge(n, mean.to(device), m2.to(device))
+                self._calls += calls
 
     def commit(self) -> None:
         """Fold the micro-batches counted since the last commit into the running statistics,
@@ -107,7 +129,7 @@ class DeferredBatchNorm(_BatchNorm):
         if not is_recomputing():
             self._accumulate(input)
         output = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
-        if self._calls >= self.chunks:
+        if self.auto_commit and self._calls >= self.chunks:
             self.commit()
         return output
 
@@ -122,11 +144,14 @@ class DeferredBatchNorm(_BatchNorm):
         return convert_deferred_batch_norm(module, chunks)
 
 
-def _convert_one(bn: _BatchNorm, chunks: int) -> DeferredBatchNorm:
+def _convert_one(bn: _BatchNorm, chunks: int, auto_commit: bool) -> DeferredBatchNorm:
     if isinstance(bn, DeferredBatchNorm) and bn.chunks == chunks:
+        bn.auto_commit = auto_commit
         return bn
     # built empty on the meta device, then given the original's tensors themselves
-    dbn = DeferredBatchNorm(bn.num_features, bn.eps, bn.momentum, False, chunks, device="meta")
+    dbn = DeferredBatchNorm(
+        bn.num_features, bn.eps, bn.momentum, False, chunks, device="meta", auto_commit=auto_commit
+    )
     dbn.affine = bn.affine
     for name in ("weight", "bias"):
         dbn.register_parameter(name, getattr(bn, name))
@@ -136,12 +161,15 @@ def _convert_one(bn: _BatchNorm, chunks: int) -> DeferredBatchNorm:
     return dbn
 
 
-def convert_deferred_batch_norm(module: nn.Module, chunks: int = 1) -> nn.Module:
-    """See ``DeferredBatchNorm.convert_deferred_batch_norm``."""
+def convert_deferred_batch_norm(
+    module: nn.Module, chunks: int = 1, *, auto_commit: bool = True
+) -> nn.Module:
+    """See ``DeferredBatchNorm.convert_deferred_batch_norm``; ``auto_commit=False`` leaves
+    the commit to the caller (a pipeline commits once per step, whatever its M)."""
     if isinstance(module, _BatchNorm) and module.track_running_stats:
-        return _convert_one(module, chunks)
+        return _convert_one(module, chunks, auto_commit)
     for name, child in module.named_children():
-        converted = convert_deferred_batch_norm(child, chunks)
+        converted = convert_deferred_batch_norm(child, chunks, auto_commit=auto_commit)
         if converted is not child:
             module._modules[name] = converted
     return module

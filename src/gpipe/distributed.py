@@ -41,6 +41,7 @@ from .microbatch import (
 from .p2p import DistributedTransport
 from .partition import as_sequential, check_balance, even_balance, materialize, stage_bounds
 from .pipes import open_pipes
+from .replicas import BUCKET_BYTES, GradientBuckets, Replicas
 from .schedule import (
     Action,
     Kind,
@@ -69,10 +70,16 @@ LOSS_REDUCTIONS = ("mean", "sum")
 @dataclass(frozen=True)
 class StepTimes:
     """Where this rank's time went in the last ``step``: ``busy`` seconds of forward and
-    backward out of ``total``; the rest is the bubble plus communication."""
+    backward out of ``total``; the rest is the bubble plus communication. With replicas,
+    ``allreduce_wait`` seconds went to waiting for the gradients' sums after the last
+    backward, of ``allreduce_buckets`` buckets of which ``allreduce_early`` had started
+    during it."""
 
     total: float
     busy: float
+    allreduce_wait: float = 0.0
+    allreduce_buckets: int = 0
+    allreduce_early: int = 0
 
     @property
     def idle_fraction(self) -> float:
@@ -170,6 +177,12 @@ class Pipeline(nn.Module):
             loss is then weighted by its share of the rows), ``"sum"`` if it adds up.
         device: this rank's device (default: ``cuda:LOCAL_RANK`` if CUDA is available, else CPU).
         group: the process group of the pipeline's ranks (default: the whole world).
+        data_parallel: D replicas of the pipeline side by side over a world of D x K
+            processes (rank = position in the pipeline x D + replica: a stage's replicas are
+            neighbours, on one machine where they fit); each trains on its own shard
+            (``gpipe.replicas.shard``), gradients are summed across replicas in buckets while
+            the last backward still runs, and ``step`` returns the loss of the union of the
+            shards, weighted by rows.
         deferred_batch_norm: replace every BatchNorm by ``gpipe.batchnorm.DeferredBatchNorm``,
             so running statistics are tracked once per mini-batch, from all its micro-batches.
         local_pipes: on CPU, exchange tensors with the processes of this machine through
@@ -197,6 +210,7 @@ class Pipeline(nn.Module):
         loss_reduction: str = "mean",
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
+        data_parallel: int = 1,
         deferred_batch_norm: bool = False,
         local_pipes: bool = True,
         seed: int = 0,
@@ -216,8 +230,23 @@ class Pipeline(nn.Module):
         module = as_sequential(layers)
         skips = find_skips(module)  # a bad skip is refused before any process group work
         self.device = _default_device() if device is None else torch.device(device)
+        if (
+            isinstance(data_parallel, bool)
+            or not isinstance(data_parallel, int)
+            or data_parallel < 1
+        ):
+            raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
+        if data_parallel != 1 and group is not None:
+            raise ValueError(
+                "pass group or data_parallel, not both: data_parallel lays its pipelines out "
+                "over the whole world"
+            )
         if group is None:
             init_process_group(self.device, timeout)
+        self.replicas: Replicas | None = None
+        if data_parallel != 1:
+            self.replicas = Replicas.create(data_parallel, float(timeout))
+            group = self.replicas.pipeline_group
         self.group = group
         self.n_ranks = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -261,7 +290,7 @@ class Pipeline(nn.Module):
             for index in range(start, stop):
                 name, layer = children[index]
                 if deferred_batch_norm:
-                    layer = convert_deferred_batch_norm(layer, chunks)
+                    layer = convert_deferred_batch_norm(layer, chunks, auto_commit=False)
                 self.add_module(name, materialize(layer, index, self.device, seed))
             partition = nn.Sequential(
                 OrderedDict((name, self._modules[name]) for name, _ in children[start:stop])
@@ -291,6 +320,12 @@ class Pipeline(nn.Module):
             self._transport.use_pipes(open_pipes(receives, sends, group))
         self.last_step: StepTimes | None = None
         self.recorder = Recorder(self.rank) if trace else None
+        self._buckets: dict[int, GradientBuckets] = {}
+        if self.replicas is not None:
+            for stage, runner in self._stages.items():
+                params = list(runner.module.parameters())
+                self._buckets[stage] = GradientBuckets(params, self.replicas, stage, BUCKET_BYTES)
+        self._rows_all = 0  # rows of the step over every replica
 
     @property
     def is_first(self) -> bool:
@@ -365,38 +400,78 @@ class Pipeline(nn.Module):
             first = self.stages[0]
             m, rows = self._transport.peek(first - 1, first, Kind.RECV_F)
         self._transport.info = (m, rows)
+        self._rows_all = rows
+        if self.replicas is not None:
+            self._rows_all = sum(self.replicas.rows(rows, self.stage_index))
         return rows, m, batch
 
     def _run(self, schedule: Schedule, data: StepData) -> float:
         """Run this rank's program; returns the seconds spent computing (forward, backward)."""
         busy = 0.0
         recorder = self.recorder
+        program = schedule.programs[self.rank]
         self._transport.begin(schedule.programs, self.rank)
+        arm, launch = self._gradient_points(program) if self._buckets else ({}, {})
+
+        def before(action: Action) -> None:
+            if action in arm:
+                self._buckets[action.stage].arm()
 
         def timed(action: Action, start: float, end: float) -> None:
             nonlocal busy
             if action.is_compute:
                 busy += end - start
+            if action in launch:
+                self._buckets[action.stage].launch()
             if recorder is not None:
                 recorder.on_action(action, start, end)
 
         try:
             run_program(
-                schedule.programs[self.rank],
+                program,
                 self._stages,
                 self._transport,
                 data,
                 on_action=timed,
+                before_action=before if arm else None,
             )
         except BaseException:
             for stage in self._stages.values():
                 stage.clear()
                 discard_deferred_batch_norm(stage.module)
+            for buckets in self._buckets.values():
+                buckets.reset()
             raise
         if self.deferred_batch_norm and self.training:
-            for stage in self._stages.values():
-                commit_deferred_batch_norm(stage.module)
+            modules = [stage.module for stage in self._stages.values()]
+            if self.replicas is not None:
+                self.replicas.merge_batch_norm(modules, self.stage_index)
+            for module in modules:
+                commit_deferred_batch_norm(module)
         return busy
+
+    @staticmethod
+    def _gradient_points(program: tuple[Action, ...]) -> tuple[set[Action], set[Action]]:
+        """Where each stage's gradients become final: the actions before which its buckets
+        arm (its last backward, when whole: one autograd pass, so each gradient is added to
+        once), and the ones after which the rest start (its last backward or, split, its
+        last W, which may add to a gradient in several passes)."""
+        last: dict[int, Action] = {}
+        for a in program:
+            if a.kind in (Kind.BACKWARD, Kind.WEIGHT):
+                last[a.stage] = a
+        arm = {a for a in last.values() if a.kind is Kind.BACKWARD}
+        return arm, set(last.values())
+
+    def _sum_gradients(self) -> tuple[float, int, int]:
+        """Wait for the replicas' gradient sums; returns seconds waited, buckets, early."""
+        waited, buckets, early = 0.0, 0, 0
+        for grads in self._buckets.values():
+            seconds, started = grads.finish()
+            waited += seconds
+            buckets += len(grads.buckets)
+            early += started
+        return waited, buckets, early
 
     def _targets(self, targets: Any, rows: int, sizes: list[int], data: StepData) -> None:
         """Give the last stage each micro-batch's target and the weight of its loss."""
@@ -406,8 +481,9 @@ class Pipeline(nn.Module):
         if n != rows:
             raise ValueError(f"targets have {n} rows but inputs have {rows}")
         data.targets = scatter(target, self.chunks)
+        total = self._rows_all  # every replica's rows: the loss is that of their union
         data.loss_weights = (
-            [n / rows for n in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
+            [n / total for n in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
         )
 
     def _loss(self, data: StepData, m: int) -> Tensor:
@@ -417,6 +493,8 @@ class Pipeline(nn.Module):
             loss += sum(data.losses[i].double() for i in range(m))
         if self.n_ranks > 1:
             self._broadcast(loss, self.rank_of(self.n_stages - 1), "the loss")
+        if self.replicas is not None:
+            self.replicas.sum(loss, "the loss", self.stage_index)
         return loss
 
     def step(self, inputs: Any = None, targets: Any = None) -> Tensor:
@@ -443,7 +521,8 @@ class Pipeline(nn.Module):
             self._targets(targets, rows, sizes, data)
         busy = self._run(schedule, data)
         loss = self._loss(data, m)
-        self.last_step = StepTimes(perf_counter() - started, busy)
+        waited, buckets, early = self._sum_gradients()
+        self.last_step = StepTimes(perf_counter() - started, busy, waited, buckets, early)
         return loss
 
     @torch.no_grad()

@@ -133,18 +133,22 @@ def run_program(
     data: StepData,
     on_action: Callable[[Action, float, float], None] | None = None,
     stop: threading.Event | None = None,
+    before_action: Callable[[Action], None] | None = None,
 ) -> None:
     """Run ``program`` in order.
 
     An exception raised inside a stage reaches the caller as it was raised, with a note
     naming the stage, the pass and the micro-batch. ``stop``, when set by a failing peer,
-    ends the program before its next compute action.
+    ends the program before its next compute action. ``before_action`` and ``on_action``
+    (with the action's start and end) are called around every action.
     """
     held: dict[Action, Any] = {}
     split = any(a.kind is Kind.WEIGHT for a in program)  # backward comes as B, then W
     for action in program:
         stage = stages[action.stage]
         kind = action.kind
+        if before_action is not None:
+            before_action(action)
         start = perf_counter() if on_action is not None else 0.0
         if action.is_compute:
             if stop is not None and stop.is_set():

@@ -236,7 +236,7 @@ class GPipe(nn.Module):
                 f"(devices: {len(all_devices)}, partitions: {len(self.balance)})"
             )
         if deferred_batch_norm:
-            module = convert_deferred_batch_norm(module, chunks)  # type: ignore[assignment]
+            module = convert_deferred_batch_norm(module, chunks, auto_commit=False)  # type: ignore[assignment]
         self.devices = all_devices[: len(self.balance)]
         self.chunks = chunks
         self.checkpoint = checkpoint

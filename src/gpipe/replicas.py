@@ -1,0 +1,227 @@
+"""Several pipelines side by side (data x pipeline parallelism): which ranks form a pipeline
+and which replicate a stage, and what replicas of one stage share each step: the row count,
+the loss, their gradients (summed in buckets while the last backward still runs) and their
+BatchNorm statistics.
+
+Ranks are laid out with the replicas of a stage next to each other: rank = position x D +
+replica, where position is the rank within its pipeline. On machines with several GPUs the
+replicas of a stage then share a machine, so the gradient all-reduce — large, once a step —
+runs over the fast links inside it, while the pipeline's point-to-point traffic — small,
+once per micro-batch — crosses machines.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .errors import StageError
+
+__all__ = ["GradientBuckets", "Replicas", "layout", "shard"]
+
+BUCKET_BYTES = 25 * 2**20  # as DDP's default: big enough to amortize a collective's latency
+
+
+def layout(world: int, data_parallel: int) -> tuple[list[list[int]], list[list[int]]]:
+    """``(pipelines, replicas)``: ``pipelines[r]`` the ranks of replica r's pipeline in order,
+    ``replicas[p]`` the ranks at position p of every pipeline (one stage's replicas)."""
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
+    if world % data_parallel:
+        raise ValueError(
+            f"data_parallel={data_parallel} does not divide the world size {world}: the "
+            "processes must be data_parallel x (processes per pipeline)"
+        )
+    k = world // data_parallel
+    pipelines = [[p * data_parallel + r for p in range(k)] for r in range(data_parallel)]
+    replicas = [[p * data_parallel + r for r in range(data_parallel)] for p in range(k)]
+    return pipelines, replicas
+
+
+def shard(batch: Tensor, replica: int, data_parallel: int) -> Tensor:
+    """Replica ``replica``'s rows of a global mini-batch: as even a split as possible, larger
+    shards first (the same rule as micro-batches)."""
+    from .microbatch import split_sizes
+
+    rows = batch.size(0)
+    if rows < data_parallel:
+        raise ValueError(
+            f"a mini-batch of {rows} rows cannot give each of {data_parallel} replicas one"
+        )
+    sizes = split_sizes(rows, data_parallel)
+    start = sum(sizes[:replica])
+    return batch[start : start + sizes[replica]]
+
+
+@dataclass
+class Replicas:
+    """This rank's place among the replicas, and the collectives they share."""
+
+    data_parallel: int
+    replica: int
+    group: dist.ProcessGroup  # this position's replicas, one per pipeline
+    pipeline_group: dist.ProcessGroup  # this replica's pipeline
+    timeout: float
+
+    @classmethod
+    def create(cls, data_parallel: int, timeout: float) -> Replicas:
+        """Collective over the default group: every rank makes every group, in one order."""
+        world, me = dist.get_world_size(), dist.get_rank()
+        pipelines, replicas = layout(world, data_parallel)
+        mine_p = mine_r = None
+        for ranks in pipelines:
+            g = dist.new_group(ranks)
+            if me in ranks:
+                mine_p = g
+        for ranks in replicas:
+            g = dist.new_group(ranks)
+            if me in ranks:
+                mine_r = g
+        assert mine_p is not None and mine_r is not None
+        return cls(data_parallel, me % data_parallel, mine_r, mine_p, timeout)
+
+    def _wait(self, work: dist.Work, what: str, stage: int) -> None:
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            raise StageError(stage, f"lost a replica while summing {what} ({exc})") from exc
+
+    def rows(self, rows: int, stage: int) -> list[int]:
+        """Every replica's row count this step, in replica order."""
+        counts = torch.zeros(self.data_parallel, dtype=torch.int64)
+        counts[self.replica] = rows
+        self._wait(dist.all_reduce(counts, group=self.group, async_op=True), "row counts", stage)
+        found = counts.tolist()
+        empty = [r for r, n in enumerate(found) if n == 0]
+        if empty:
+            raise ValueError(
+                f"inputs of replica {empty[0]} have no rows: every replica needs at least one "
+                f"row per step (rows per replica: {found})"
+            )
+        return found
+
+    def sum(self, value: Tensor, what: str, stage: int) -> Tensor:
+        self._wait(dist.all_reduce(value, group=self.group, async_op=True), what, stage)
+        return value
+
+    def merge_batch_norm(self, modules: Iterable[nn.Module], stage: int) -> None:
+        """Give every DeferredBatchNorm the statistics counted on all replicas, merged in
+        replica order, so running statistics are the global mini-batch's, equal everywhere."""
+        from .batchnorm import DeferredBatchNorm
+
+        layers = [m for module in modules for m in module.modules()]
+        norms = [m for m in layers if isinstance(m, DeferredBatchNorm)]
+        if not norms:
+            return
+        local = [norm.pending_statistics() for norm in norms]
+        gathered: list[list | None] = [None] * self.data_parallel
+        dist.all_gather_object(gathered, local, group=self.group)
+        for i, norm in enumerate(norms):
+            norm.replace_statistics([per_replica[i] for per_replica in gathered])  # type: ignore[index]
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    ready: set[int] = field(default_factory=set)
+    work: dist.Work | None = None
+    flat: Tensor | None = None
+
+
+class GradientBuckets:
+    """Sums one stage's gradients over its replicas, in buckets of about ``BUCKET_BYTES``
+    taken in the reverse order of the parameters (the order a backward reaches them).
+
+    ``arm`` before the stage's last backward: from then on a parameter whose gradient is
+    accumulated is complete, and a bucket whose parameters all are starts its all-reduce at
+    once, while the backward goes on. ``launch`` starts whatever is left (after a split
+    backward's last W, or at the end); ``finish`` waits and writes the sums back.
+    """
+
+    def __init__(
+        self, params: Sequence[nn.Parameter], replicas: Replicas, stage: int, bucket_bytes: int
+    ) -> None:
+        self._replicas = replicas
+        self._stage = stage
+        self.buckets: list[_Bucket] = []
+        size = bucket_bytes
+        for p in reversed([p for p in params if p.requires_grad]):
+            nbytes = p.numel() * p.element_size()
+            if not self.buckets or size + nbytes > bucket_bytes:
+                self.buckets.append(_Bucket([]))
+                size = 0
+            self.buckets[-1].params.append(p)
+            size += nbytes
+        self._armed = False
+        self.launched_early = 0  # buckets started during the backward, last step
+        self._where = {
+            id(p): (b, i)
+            for b, bucket in enumerate(self.buckets)
+            for i, p in enumerate(bucket.params)
+        }
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._accumulated)
+            for p in params
+            if p.requires_grad
+        ]
+
+    def _accumulated(self, param: nn.Parameter) -> None:
+        if not self._armed:
+            return
+        b, i = self._where[id(param)]
+        bucket = self.buckets[b]
+        bucket.ready.add(i)
+        if len(bucket.ready) == len(bucket.params) and bucket.work is None:
+            self._start(bucket)
+            self.launched_early += 1
+
+    def _start(self, bucket: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+        bucket.work = dist.all_reduce(bucket.flat, group=self._replicas.group, async_op=True)
+
+    def arm(self) -> None:
+        self._armed = True
+
+    def launch(self) -> None:
+        """Start the all-reduce of every bucket not started yet."""
+        self._armed = False
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._start(bucket)
+
+    def finish(self) -> tuple[float, int]:
+        """Wait for every bucket and write the sums into ``.grad``; returns the seconds
+        waited and how many buckets had started during the backward."""
+        self.launch()
+        early, self.launched_early = self.launched_early, 0
+        start = perf_counter()
+        for bucket in self.buckets:
+            assert bucket.work is not None and bucket.flat is not None
+            self._replicas._wait(bucket.work, "gradients", self._stage)
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                summed = bucket.flat[offset : offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = summed.clone()
+                else:
+                    p.grad.copy_(summed)
+                offset += n
+            bucket.work, bucket.flat = None, None
+            bucket.ready.clear()
+        return perf_counter() - start, early
+
+    def reset(self) -> None:
+        """Forget a step that failed."""
+        self._armed = False
+        self.launched_early = 0
+        for bucket in self.buckets:
+            bucket.work, bucket.flat = None, None
+            bucket.ready.clear()
