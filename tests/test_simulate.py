@@ -397,3 +397,30 @@ def test_closed_form_bubbles_where_they_hold_and_none_where_not():
     assert closed_form_bubble("zero-bubble", 4, 8, 1, 1, 1, 2) is None  # W > F, B
     with pytest.raises(ValueError, match="schedule must be one of"):
         closed_form_bubble("nope", 4, 8)
+
+
+@pytest.mark.parametrize(("overlap", "exposed"), [(True, 2.0), (False, 4.0)])
+def test_replicas_add_their_gradient_all_reduce_to_the_step(overlap, exposed):
+    """K = 2, M = 4, F = 1, B = 2: each stage's 4 gradient bytes over a ring of 2 replicas at
+    1 byte/s take 2 x 1/2 x 4 = 4 s; overlapped, they start with the last backward (2 s)."""
+    costs = Costs(forward=1.0, backward=2.0, grad_bytes=4.0, bandwidth=1.0)
+    alone = simulate(gpipe(2, 4), costs)
+    result = simulate(gpipe(2, 4), costs, data_parallel=2, overlap=overlap)
+    assert result.allreduce_exposed == (exposed, exposed)
+    assert result.makespan == alone.makespan + exposed
+    assert simulate(gpipe(2, 4), costs, data_parallel=1).allreduce_exposed == (0.0, 0.0)
+    with pytest.raises(ValueError, match="data_parallel must be a positive integer, got 0"):
+        simulate(gpipe(2, 4), costs, data_parallel=0)
+
+
+def test_cli_adds_the_all_reduce_of_replicas(tmp_path, capsys):
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"forward": 1, "backward": 2, "grad_bytes": 4, "bandwidth": 1}')
+    args = ["simulate", "--stages", "2", "--chunks", "4", "--costs", str(costs)]
+    assert main([*args, "--schedule", "gpipe", "--data-parallel", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 replicas" in out
+    row = next(line for line in out.splitlines() if line.startswith("gpipe "))
+    assert row.split()[:3] == ["gpipe", "17", "2"]  # 15 alone, 2 s of all-reduce exposed
+    assert main([*args, "--data-parallel", "0"]) == 2
+    assert "--data-parallel must be a positive integer, got 0" in capsys.readouterr().err

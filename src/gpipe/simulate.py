@@ -32,7 +32,7 @@ __all__ = [
 PerStage = float | Sequence[float]
 Route = tuple[int, int]
 
-_PER_STAGE = ("forward", "backward", "weight", "activation_bytes")
+_PER_STAGE = ("forward", "backward", "weight", "activation_bytes", "grad_bytes")
 _SCALAR = ("latency", "message_bytes")
 
 
@@ -108,6 +108,10 @@ class Costs:
     skip_bytes / bandwidth`` and the destination holds its copy, besides its activations,
     from its forward to its backward (re-materialized or not); within a rank the skip is
     shared, free and instant.
+
+    With replicas (``simulate``'s ``data_parallel``), each stage's ``grad_bytes`` of
+    gradients are summed over them by a ring all-reduce: ``2 (D - 1) / D x grad_bytes /
+    allreduce_bandwidth`` (the link's bandwidth if None) plus ``2 (D - 1)`` latencies.
     """
 
     forward: PerStage
@@ -118,6 +122,8 @@ class Costs:
     message_bytes: float = 0.0
     activation_bytes: PerStage = 0.0
     skip_bytes: Mapping[Route, float] | tuple[tuple[Route, float], ...] = ()
+    grad_bytes: PerStage = 0.0
+    allreduce_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         for name in _PER_STAGE:
@@ -125,6 +131,12 @@ class Costs:
         for name in _SCALAR:
             object.__setattr__(self, name, _check_amount(name, getattr(self, name)))
         object.__setattr__(self, "skip_bytes", _check_skip_bytes(self.skip_bytes))
+        ring = self.allreduce_bandwidth
+        if ring is not None and (not _is_number(ring) or math.isnan(ring) or ring <= 0):
+            raise ValueError(
+                f"Costs.allreduce_bandwidth must be a positive number of bytes per second or "
+                f"None (the link's bandwidth), got {ring!r}"
+            )
         bandwidth = self.bandwidth
         if not _is_number(bandwidth) or math.isnan(bandwidth) or bandwidth <= 0:
             raise ValueError(
@@ -197,6 +209,7 @@ class SimResult:
     peak_rank_activation_bytes: tuple[float, ...]
     compute_times: tuple[tuple[float, ...], ...] = field(repr=False)
     checkpoint: str = "never"
+    allreduce_exposed: tuple[float, ...] = ()  # per rank: all-reduce time past its program
 
     @functools.cached_property
     def events(self) -> list[tuple[int, Action, float, float]]:
@@ -221,7 +234,14 @@ def _delays(schedule: Schedule, costs: Costs) -> tuple[list[float], list[float]]
     return forward, backward
 
 
-def simulate(schedule: Schedule, costs: Costs, checkpoint: str = "never") -> SimResult:
+def simulate(
+    schedule: Schedule,
+    costs: Costs,
+    checkpoint: str = "never",
+    *,
+    data_parallel: int = 1,
+    overlap: bool = True,
+) -> SimResult:
     """Predict when every action of ``schedule`` runs, on ranks that each run their program.
 
     Each rank runs its actions strictly in order: a compute action takes its stage's cost, a
@@ -237,8 +257,15 @@ def simulate(schedule: Schedule, costs: Costs, checkpoint: str = "never") -> Sim
     ``activation_bytes`` again from then on. ``"never"`` (the default) recomputes nothing,
     unless ``schedule`` already has R actions; neither does a forward-only schedule, which
     keeps nothing.
+
+    ``data_parallel`` replicas of the pipeline sum each stage's gradients (``Costs``): with
+    ``overlap``, a stage's all-reduce starts with its last backward action (its buckets start
+    while it runs) and cannot end before it; without, it starts when that action ends. A
+    rank's all-reduces run one after the other, and its step ends when the last does.
     """
     check_checkpoint(checkpoint)
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
     n_mb = schedule.n_microbatches
     if checkpoint != "never" and not schedule.recomputed:
         picked = frozenset(i for i in range(n_mb) if should_checkpoint(checkpoint, i, n_mb))
@@ -407,7 +434,41 @@ def simulate(schedule: Schedule, costs: Costs, checkpoint: str = "never") -> Sim
     if any(blocked_at):
         blocked = ", ".join(f"rank {r} waits at {a}" for r, a in enumerate(blocked_at) if a)
         raise ScheduleError(f"{schedule.name} deadlocks: {blocked}")
-    return _result(schedule, times, clock, busy, peak, stage_peak, rank_peak, checkpoint)
+    exposed = [0.0] * n_ranks
+    if data_parallel > 1 and schedule.backward:
+        exposed = _allreduce(schedule, times, clock, costs, data_parallel, overlap)
+    return _result(schedule, times, clock, busy, peak, stage_peak, rank_peak, checkpoint, exposed)
+
+
+def _allreduce(
+    schedule: Schedule,
+    times: list[list[float]],
+    clock: list[float],
+    costs: Costs,
+    data_parallel: int,
+    overlap: bool,
+) -> list[float]:
+    """Move each rank's clock past its stages' gradient all-reduces; returns what each rank
+    waits for them after its program."""
+    d = data_parallel
+    grad = costs.per_stage("grad_bytes", schedule.n_stages)
+    bandwidth = costs.allreduce_bandwidth or costs.bandwidth
+    exposed = []
+    for rank, spans in enumerate(times):
+        last: dict[int, tuple[float, float]] = {}
+        for k, a in enumerate(schedule.compute_only(rank)):
+            if a.kind is Kind.BACKWARD or a.kind is Kind.WEIGHT:
+                last[a.stage] = (spans[2 * k], spans[2 * k + 1])
+        link = 0.0  # when this rank's link is free for the next all-reduce
+        for stage in sorted(last, key=lambda s: last[s][0]):
+            start, end = last[stage]
+            seconds = 2 * (d - 1) / d * grad[stage] / bandwidth + 2 * (d - 1) * costs.latency
+            begin = max(link, start if overlap else end)
+            link = max(begin + seconds, end)
+        finish = max(clock[rank], link)
+        exposed.append(finish - clock[rank])
+        clock[rank] = finish
+    return exposed
 
 
 def _result(
@@ -419,6 +480,7 @@ def _result(
     stage_peak: list[float],
     rank_peak: list[float],
     checkpoint: str,
+    exposed: list[float],
 ) -> SimResult:
     makespan = max(clock, default=0.0)
     idle = tuple(makespan - b for b in busy)
@@ -434,6 +496,7 @@ def _result(
         peak_rank_activation_bytes=tuple(rank_peak),
         compute_times=tuple(map(tuple, times)),
         checkpoint=checkpoint,
+        allreduce_exposed=tuple(exposed),
     )
 
 
@@ -503,8 +566,10 @@ def compare(
     n_microbatches: int,
     costs: Costs,
     virtual_stages: int = 2,
+    data_parallel: int = 1,
 ) -> list[dict[str, Any]]:
-    """One table row per named schedule: its makespan, bubble and peak memory under ``costs``.
+    """One table row per named schedule: its makespan, bubble and peak memory under ``costs``
+    (with ``data_parallel`` replicas, the gradient all-reduce's exposed time too).
 
     ``n_stages`` is the number of ranks; see ``scenario`` for interleaved schedules. A
     schedule whose generator rejects these sizes gets a row with only its name and a
@@ -517,7 +582,7 @@ def compare(
         except ValueError as exc:
             rows.append({"schedule": name, "note": f"skipped: {exc}"})
             continue
-        result = simulate(schedule, cost)
+        result = simulate(schedule, cost, data_parallel=data_parallel)
         rows.append(
             {
                 "schedule": name,
@@ -526,6 +591,7 @@ def compare(
                 "peak_live": max(result.peak_live),
                 "peak_live_per_stage": result.peak_live,
                 "peak_activation_bytes": max(result.peak_rank_activation_bytes),
+                "allreduce_exposed": max(result.allreduce_exposed, default=0.0),
             }
         )
     return rows

@@ -54,6 +54,14 @@ def add_parser(sub: Any) -> None:
         help="stages per rank for the interleaved schedule, each with 1/V of the rank's "
         "costs (default 2)",
     )
+    p.add_argument(
+        "--data-parallel",
+        type=int,
+        default=1,
+        metavar="D",
+        help="replicas of the pipeline: adds each stage's gradient all-reduce (the costs' "
+        "grad_bytes over allreduce_bandwidth, started with the last backward) (default 1)",
+    )
     p.add_argument("--plot", metavar="PNG", help="also draw each schedule's predicted timeline")
     p.add_argument(
         "--html",
@@ -65,7 +73,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    for flag in ("stages", "chunks", "virtual_stages"):
+    for flag in ("stages", "chunks", "virtual_stages", "data_parallel"):
         if getattr(args, flag) < 1:
             raise UsageError(
                 f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}"
@@ -75,10 +83,11 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.plot is not None:
         _figure_class()  # fail before simulating, not after
     page = None if args.html is None else _page_settings(args, names[0], costs)
-    rows = compare(names, args.stages, args.chunks, costs, args.virtual_stages)
+    rows = compare(names, args.stages, args.chunks, costs, args.virtual_stages, args.data_parallel)
     source = args.costs or "default: forward 1, backward 1, weight 1 per stage"
-    print(f"{args.stages} stages, {args.chunks} micro-batches, costs {source}")
-    print(_table(rows, args.stages, args.chunks, costs))
+    replicas = f", {args.data_parallel} replicas" if args.data_parallel > 1 else ""
+    print(f"{args.stages} stages, {args.chunks} micro-batches{replicas}, costs {source}")
+    print(_table(rows, args.stages, args.chunks, costs, args.data_parallel > 1))
     if args.plot is not None:
         results = [
             simulate(
@@ -118,12 +127,20 @@ def _schedule_names(given: list[str] | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _table(rows: list[dict[str, Any]], n_stages: int, n_microbatches: int, costs: Costs) -> str:
+def _table(
+    rows: list[dict[str, Any]],
+    n_stages: int,
+    n_microbatches: int,
+    costs: Costs,
+    replicas: bool = False,
+) -> str:
     analytic = f"{analytic_bubble(n_stages, n_microbatches):.1%}"
     memory = any(costs.per_stage("activation_bytes", n_stages))
     header = ["schedule", "makespan", "bubble", "analytic", "peak live per stage"]
     if memory:
         header.insert(4, "peak memory")
+    if replicas:
+        header.insert(2, "all-reduce exposed")
     lines: list[list[str]] = []
     for row in rows:
         if "note" in row:
@@ -138,6 +155,8 @@ def _table(rows: list[dict[str, Any]], n_stages: int, n_microbatches: int, costs
         ]
         if memory:
             cells.insert(4, _bytes(row["peak_activation_bytes"]))
+        if replicas:
+            cells.insert(2, f"{row['allreduce_exposed']:.6g}")
         lines.append(cells)
     full = [header] + [cells for cells in lines if len(cells) == len(header)]
     widths = [max(len(cells[i]) for cells in full) for i in range(len(header))]
