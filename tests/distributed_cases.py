@@ -407,3 +407,33 @@ def data_parallel_bad_inputs() -> dict:
     rows = 4 if dist.get_rank() == 0 else 0
     errors["empty"] = _error(lambda: pipe.step(x[:rows] if rows else x[:0], y[:rows]))
     return errors
+
+
+def autocast() -> int:
+    """Pipeline(autocast=torch.bfloat16) against the plain model under the same autocast,
+    micro-batch by micro-batch: every schedule and checkpoint mode."""
+    from .models import INTERLEAVED_MLP
+
+    cases = 0
+    for schedule in ("gpipe", "1f1b", "zero-bubble", "interleaved"):
+        balance = INTERLEAVED_MLP if schedule == "interleaved" else BALANCES[2]
+        for mode in MODES:
+            pipe = Pipeline(
+                mlp(torch.float32), balance, chunks=4, checkpoint=mode, schedule=schedule,
+                loss_fn=lambda o, t: mse_loss(o.float(), t), autocast=torch.bfloat16,
+            )  # fmt: skip
+            reference = mlp(torch.float32)
+            x, y = batch(16, torch.float32)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                ref_loss = 0.0
+                for xm, ym in zip(x.chunk(4), y.chunk(4), strict=True):
+                    part = mse_loss(reference(xm).float(), ym) * len(xm) / len(x)
+                    part.backward()
+                    ref_loss += part.item()
+            loss = pipe.step(x, y)
+            torch.testing.assert_close(loss.item(), ref_loss, rtol=1e-6, atol=1e-7)
+            ref = dict(reference.named_parameters())
+            for name, p in pipe.named_parameters():
+                torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-6, atol=1e-7)
+            cases += 1
+    return cases

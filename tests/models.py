@@ -118,3 +118,6 @@ def unet_batch(rows: int, dtype: torch.dtype = torch.float64, seed: int = 1):
     x = torch.randn(rows, WIDTH, dtype=dtype, generator=g)
     y = torch.randn(rows, N_OUT, dtype=dtype, generator=g)
     return x, y
+
+
+INTERLEAVED_MLP = [2, 2, 2, 2]  # two stages per rank over mlp()'s eight layers, for K = 2

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 __all__ = [
     "CHECKPOINT_MODES",
+    "AutocastState",
     "RNGState",
+    "check_autocast",
     "check_checkpoint",
     "checkpointing",
     "is_checkpointing",
@@ -105,3 +109,56 @@ class RNGState:
             if self._accel is not None:
                 torch.cuda.set_rng_state(self._accel, self._device)
             yield
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    """The autocast settings a forward ran under (per device type: enabled, dtype), so that
+    its recomputation, or a worker thread, runs under the same ones: autocast is per thread,
+    and autograd's backward does not carry it."""
+
+    settings: tuple[tuple[str, bool, torch.dtype], ...]
+
+    @classmethod
+    def capture(cls) -> AutocastState:
+        return cls(
+            tuple(
+                (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                for device in _AUTOCAST_DEVICES
+            )
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return any(on for _, on, _ in self.settings)
+
+    @contextlib.contextmanager
+    def restore(self) -> Iterator[None]:
+        """Run the body under these settings (those that are enabled; the others off)."""
+        with contextlib.ExitStack() as stack:
+            for device, enabled, dtype in self.settings:
+                if enabled or torch.is_autocast_enabled(device):
+                    stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            yield
+
+
+def check_autocast(dtype: object, device: torch.device) -> torch.dtype | None:
+    """``dtype`` if autocast on ``device`` supports it (None: no autocast); else a ValueError
+    that says so, rather than autocast's warning and silent fallback to full precision."""
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"autocast must be a torch.dtype or None, got {dtype!r}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast(device.type, dtype=dtype):
+            enabled = torch.is_autocast_enabled(device.type)
+    if not enabled or any("not supported" in str(w.message) for w in caught):
+        raise ValueError(
+            f"autocast={dtype} is not supported on {device.type}: autocast on {device.type} "
+            "takes torch.bfloat16 or torch.float16"
+        )
+    return dtype

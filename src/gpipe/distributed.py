@@ -25,7 +25,7 @@ from .batchnorm import (
     convert_deferred_batch_norm,
     discard_deferred_batch_norm,
 )
-from .checkpointing import check_checkpoint, should_checkpoint
+from .checkpointing import check_autocast, check_checkpoint, should_checkpoint
 from .errors import StageError
 from .executor import StepData, run_program
 from .microbatch import (
@@ -185,6 +185,9 @@ class Pipeline(nn.Module):
             shards, weighted by rows.
         deferred_batch_norm: replace every BatchNorm by ``gpipe.batchnorm.DeferredBatchNorm``,
             so running statistics are tracked once per mini-batch, from all its micro-batches.
+        autocast: a dtype (``torch.bfloat16``, ``torch.float16``) each stage's forward and
+            recomputation run under, as ``torch.autocast`` on this rank's device (a caller's
+            ``torch.autocast`` around ``step`` works too, recomputation included).
         local_pipes: on CPU, exchange tensors with the processes of this machine through
             pipes rather than gloo's loopback TCP (far cheaper per message); gloo still
             carries collectives and the traffic with other machines.
@@ -212,6 +215,7 @@ class Pipeline(nn.Module):
         group: dist.ProcessGroup | None = None,
         data_parallel: int = 1,
         deferred_batch_norm: bool = False,
+        autocast: torch.dtype | None = None,
         local_pipes: bool = True,
         seed: int = 0,
         timeout: float = 60.0,
@@ -230,6 +234,7 @@ class Pipeline(nn.Module):
         module = as_sequential(layers)
         skips = find_skips(module)  # a bad skip is refused before any process group work
         self.device = _default_device() if device is None else torch.device(device)
+        self.autocast = check_autocast(autocast, self.device)
         if (
             isinstance(data_parallel, bool)
             or not isinstance(data_parallel, int)
@@ -302,6 +307,7 @@ class Pipeline(nn.Module):
                 self.device,
                 loss_fn,
                 ports=self.skip_layout.ports(stage),
+                autocast=self.autocast,
             )
         # where the host cannot read the tensors cheaply, their descriptions go on a gloo group
         envelopes = None

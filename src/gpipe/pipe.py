@@ -1,12 +1,15 @@
 """GPipe: the single-process facade, one partition per device, driven by autograd.
 
 ``model(x)`` runs the forward half of the GPipe schedule, one worker thread per device; the
-output's ``backward()`` runs the backward half the same way. Public API and behaviour follow
-torchgpipe's ``GPipe`` (and PyTorch's retired ``Pipe``) so migrating is changing an import.
+output's ``backward()`` runs the backward half the same way. A caller's ``torch.autocast``
+applies inside every partition, worker threads and recomputations included. Public API and
+behaviour follow torchgpipe's ``GPipe`` (and PyTorch's retired ``Pipe``) so migrating is
+changing an import.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +23,7 @@ from .batchnorm import (
     convert_deferred_batch_norm,
     discard_deferred_batch_norm,
 )
-from .checkpointing import check_checkpoint, should_checkpoint
+from .checkpointing import AutocastState, check_checkpoint, should_checkpoint
 from .errors import MovingDenied, PipelineError
 from .executor import StepData, run_program
 from .microbatch import Batch, as_tuple, check_batch, check_chunks, gather, like, scatter
@@ -101,12 +104,19 @@ class _Run:
                 self._pools[device] = ThreadPoolExecutor(1, thread_name_prefix=f"gpipe-{device}")
             return self._pools[device]
 
-    def run(self, schedule: Schedule, phase: str, data: StepData) -> None:
+    def run(
+        self,
+        schedule: Schedule,
+        phase: str,
+        data: StepData,
+        autocast: AutocastState | None = None,
+    ) -> None:
         """Run one phase on all devices at once; the last stage's device runs on this thread
         (in backward, autograd already occupies that device's thread with this very call).
 
         The first exception raised in a stage is re-raised here as it was, with a note naming
-        the stage and micro-batch; the other devices stop before their next micro-batch."""
+        the stage and micro-batch; the other devices stop before their next micro-batch.
+        ``autocast``: the caller's settings, which the worker threads take on too."""
         transport = InProcessTransport(self.devices, self.timeout)
         stages = dict(enumerate(self.stages))
         programs = self._programs(schedule, phase)
@@ -115,7 +125,8 @@ class _Run:
 
         def work(program: list[Action]) -> None:
             try:
-                with torch.set_grad_enabled(grad_mode):
+                mixed = autocast.restore() if autocast is not None else contextlib.nullcontext()
+                with torch.set_grad_enabled(grad_mode), mixed:
                     run_program(
                         program, stages, transport, data, self.on_action, stop=transport.abort
                     )
@@ -161,7 +172,7 @@ class _PipelineFunction(torch.autograd.Function):
         phony: Tensor,
         *inputs: Tensor,
     ) -> tuple[Tensor, ...]:
-        run.run(schedule, "forward", data)
+        run.run(schedule, "forward", data, AutocastState.capture())
         microbatches = [data.outputs[i] for i in range(schedule.n_microbatches)]
         shape.append(microbatches[0])  # a tensor or a tuple: the caller returns the same
         outputs = tuple(t.detach() for t in as_tuple(gather(microbatches)))
@@ -308,7 +319,8 @@ class GPipe(nn.Module):
         routes = self.skip_layout.routes
         if not torch.is_grad_enabled():
             data = StepData(n_stages=k, build_graph=False, inputs=microbatches)
-            self._run.run(add_skips(forward_only(k, m), routes), "forward", data)
+            schedule = add_skips(forward_only(k, m), routes)
+            self._run.run(schedule, "forward", data, AutocastState.capture())
             self._commit()
             return gather([data.outputs[i] for i in range(m)])
         mode = self.checkpoint if self.training else "never"

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .checkpointing import RNGState, checkpointing, recomputing
+from .checkpointing import AutocastState, RNGState, checkpointing, recomputing
 from .microbatch import Batch, as_tuple, check_batch, like
 from .skip.layout import StagePorts
 from .skip.namespace import SkipKey
@@ -41,6 +41,7 @@ class _Saved:
     outputs: list[Tensor | None] | None = None
     loss: Tensor | None = None
     rng: RNGState | None = None
+    autocast: AutocastState | None = None  # the caller's, kept for the recomputation
     target: Any = None
     weight: float = 1.0
     weights: WeightGradients | None = None  # set when the backward is split into B and W
@@ -80,6 +81,7 @@ class Stage:
         device: torch.device,
         loss_fn: LossFn | None = None,
         ports: StagePorts | None = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         self.index = index
         self.n_stages = n_stages
@@ -87,6 +89,7 @@ class Stage:
         self.device = device
         self.loss_fn = loss_fn
         self.ports = ports if ports is not None else StagePorts()
+        self.autocast = autocast  # the stage's own: its forwards and recomputations run under it
         self._saved: dict[int, _Saved] = {}
 
     @property
@@ -131,13 +134,19 @@ class Stage:
         self, inputs: Batch, imported: Skips, saved: _Saved, microbatch: int
     ) -> tuple[Batch, list[Tensor | None], Tensor | None]:
         tracker = StageTracker(imported)
-        with use_tracker(tracker):
+        own = (
+            torch.autocast(self.device.type, dtype=self.autocast)
+            if self.autocast is not None
+            else nullcontext()
+        )
+        with own, use_tracker(tracker):
             raw = self.module(inputs)
-        outputs = check_batch(raw, f"the output of stage {self.index}", batched=False)
-        exported = self._exported(tracker.stashed, microbatch)
-        loss = None
-        if self.is_last and self.loss_fn is not None and saved.target is not None:
-            loss = self.loss_fn(outputs, saved.target)
+            outputs = check_batch(raw, f"the output of stage {self.index}", batched=False)
+            exported = self._exported(tracker.stashed, microbatch)
+            loss = None
+            if self.is_last and self.loss_fn is not None and saved.target is not None:
+                loss = self.loss_fn(outputs, saved.target)
+        if loss is not None:
             if not isinstance(loss, Tensor) or loss.dim() != 0:
                 shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
                 raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
@@ -177,6 +186,7 @@ class Stage:
         saved.imported = {key: _maybe(_leaf, t) for key, t in imported.items()}
         if checkpoint:
             saved.rng = RNGState(self.device)
+            saved.autocast = AutocastState.capture()
             with torch.no_grad(), checkpointing():
                 outputs, exported, loss = self._run(saved.inputs, saved.imported, saved, microbatch)
             sent = like(outputs, [_announced(t) for t in as_tuple(outputs)])
@@ -202,7 +212,14 @@ class Stage:
                 f"backward of micro-batch {microbatch} without a forward that kept its graph"
             ) from None
         if saved.rng is not None:
-            with saved.rng.replay(), torch.enable_grad(), recomputing(), self._capturing(saved):
+            autocast = saved.autocast.restore() if saved.autocast is not None else nullcontext()
+            with (
+                saved.rng.replay(),
+                autocast,
+                torch.enable_grad(),
+                recomputing(),
+                self._capturing(saved),
+            ):
                 outputs, exported, saved.loss = self._run(
                     saved.inputs, saved.imported, saved, microbatch
                 )
