@@ -437,3 +437,52 @@ def autocast() -> int:
                 torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-6, atol=1e-7)
             cases += 1
     return cases
+
+
+def loss_scaling() -> dict:
+    """torch.amp.GradScaler with a pipeline: a clean step equals the unscaled one; an inf in
+    one stage's gradients makes every rank skip and halve the scale."""
+    import torch.amp
+
+    exact = {"rtol": 1e-12, "atol": 1e-14}
+    out = {}
+    pipe = Pipeline(mlp(), BALANCES[2], chunks=4, loss_fn=mse_loss)
+    plain = Pipeline(mlp(), BALANCES[2], chunks=4, loss_fn=mse_loss)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    x, y = batch(12)
+    loss = pipe.step(x, y, scaler=scaler)
+    torch.testing.assert_close(loss, plain.step(x, y), **exact)  # reported unscaled
+    norm = pipe.clip_grad_norm_(1e9, scaler=scaler, optimizer=optimizer)  # unscales first
+    torch.testing.assert_close(norm, plain.clip_grad_norm_(1e9), **exact)
+    scaler.step(optimizer)
+    scaler.update()
+    plain_optimizer.step()
+    for a, b in zip(pipe.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a, b, **exact)
+    out["scale_after_clean"] = scaler.get_scale()
+    # an inf in the last stage's gradients only: every rank must skip
+    pipe.zero_grad()
+    before = [p.detach().clone() for p in pipe.parameters()]
+    pipe.step(x, y, scaler=scaler)
+    if pipe.is_last:
+        next(pipe.parameters()).grad[0] = float("inf")
+    out["skipped"] = pipe.unscale_(scaler, optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    out["unchanged"] = all(
+        torch.equal(a, b) for a, b in zip(before, pipe.parameters(), strict=True)
+    )
+    out["scale_after_inf"] = scaler.get_scale()
+    result = pipe.step(x, y, return_outputs=True)  # outputs of the step: no second forward
+    if pipe.is_last:
+        assert not result.outputs.requires_grad and result.outputs.shape == y.shape
+        torch.testing.assert_close(mse_loss(result.outputs, y), result.loss, **exact)
+        parts = zip(result.losses, x.chunk(4), strict=True)
+        weighted = sum(loss * len(part) / len(x) for loss, part in parts)
+        torch.testing.assert_close(weighted, result.loss, **exact)
+        out["losses"] = len(result.losses)
+    else:
+        out["losses"] = result.outputs
+    return out

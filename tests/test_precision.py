@@ -60,3 +60,12 @@ def test_an_autocast_dtype_the_device_cannot_take_is_named():
     with pytest.raises(TypeError, match="autocast must be a torch.dtype or None, got 'bf16'"):
         check_autocast("bf16", torch.device("cpu"))
     assert check_autocast(torch.bfloat16, torch.device("cpu")) is torch.bfloat16
+
+
+def test_loss_scaling_steps_or_skips_on_every_rank_alike():
+    results = launch(cases.loss_scaling, 2, threads=1)
+    for rank, r in results.items():
+        assert r["scale_after_clean"] == 1024.0, rank  # growth waits for 2000 clean steps
+        assert r["skipped"] is True and r["unchanged"] is True, rank
+        assert r["scale_after_inf"] == 512.0, rank
+    assert results[1]["losses"] == 4 and results[0]["losses"] is None

@@ -9,16 +9,18 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .amp import unscale_
 from .balance import balance_by_time
 from .batchnorm import (
     commit_deferred_batch_norm,
@@ -58,6 +60,7 @@ from .trace import Event, Recorder, merge
 
 __all__ = [
     "Pipeline",
+    "StepResult",
     "StepTimes",
     "agreed_balance",
     "finish_process_group",
@@ -65,6 +68,24 @@ __all__ = [
 ]
 
 LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def _unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` ran since the last ``scaler.update``."""
+    from torch.amp.grad_scaler import OptState
+
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
+    return state.get("stage") is OptState.UNSCALED
+
+
+class StepResult(NamedTuple):
+    """What ``step(..., return_outputs=True)`` returns: the loss on every rank; on the last
+    stage the mini-batch's outputs (detached, micro-batches gathered in order) and each
+    micro-batch's loss, as ``loss_fn`` gave it; None elsewhere."""
+
+    loss: Tensor
+    outputs: Batch | None
+    losses: list[Tensor] | None
 
 
 @dataclass(frozen=True)
@@ -479,8 +500,11 @@ class Pipeline(nn.Module):
             early += started
         return waited, buckets, early
 
-    def _targets(self, targets: Any, rows: int, sizes: list[int], data: StepData) -> None:
-        """Give the last stage each micro-batch's target and the weight of its loss."""
+    def _targets(
+        self, targets: Any, rows: int, sizes: list[int], data: StepData, scale: float = 1.0
+    ) -> None:
+        """Give the last stage each micro-batch's target and the weight of its loss (times a
+        loss scale)."""
         given = check_batch(targets, "targets")
         target = like(given, [t.to(self.device) for t in as_tuple(given)])
         n = as_tuple(target)[0].size(0)
@@ -489,7 +513,9 @@ class Pipeline(nn.Module):
         data.targets = scatter(target, self.chunks)
         total = self._rows_all  # every replica's rows: the loss is that of their union
         data.loss_weights = (
-            [n / total for n in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
+            [scale * n / total for n in sizes]
+            if self.loss_reduction == "mean"
+            else [scale] * len(sizes)
         )
 
     def _loss(self, data: StepData, m: int) -> Tensor:
@@ -503,14 +529,26 @@ class Pipeline(nn.Module):
             self.replicas.sum(loss, "the loss", self.stage_index)
         return loss
 
-    def step(self, inputs: Any = None, targets: Any = None) -> Tensor:
+    def step(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        scaler: torch.amp.GradScaler | None = None,
+        return_outputs: bool = False,
+    ) -> Tensor | StepResult:
         """Forward and backward of one mini-batch; gradients accumulate in ``.grad``.
 
         ``inputs`` are read on the first stage and ``targets`` on the last (other ranks may
-        pass None). Returns the mini-batch loss, the same on every rank.
+        pass None). Returns the mini-batch loss, the same on every rank; with
+        ``return_outputs``, a ``StepResult`` that also holds the last stage's outputs for
+        the whole mini-batch and each micro-batch's loss (None on other ranks). With a
+        ``scaler`` (``torch.amp.GradScaler``, for float16) the loss is scaled on the last
+        stage; then ``unscale_``, ``scaler.step`` and ``scaler.update`` as usual.
         """
         if self.loss_fn is None:
             raise ValueError("step() needs a loss_fn; pass loss_fn= to Pipeline")
+        scale = self._loss_scale(scaler)
         started = perf_counter()
         rows, m, batch = self._start(inputs)
         sizes = split_sizes(rows, self.chunks)
@@ -519,32 +557,70 @@ class Pipeline(nn.Module):
             n_stages=self.n_stages,
             build_graph=True,
             checkpoint=schedule.recomputed.__contains__,
-            keep_outputs=False,
+            keep_outputs=return_outputs,
         )
         if batch is not None:
             data.inputs = scatter(batch, self.chunks)
         if self.is_last:
-            self._targets(targets, rows, sizes, data)
+            self._targets(targets, rows, sizes, data, scale)
         busy = self._run(schedule, data)
-        loss = self._loss(data, m)
+        loss = self._loss(data, m) / scale
         waited, buckets, early = self._sum_gradients()
         self.last_step = StepTimes(perf_counter() - started, busy, waited, buckets, early)
-        return loss
+        return self._result(loss, data, m) if return_outputs else loss
+
+    def _loss_scale(self, scaler: torch.amp.GradScaler | None) -> float:
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        if self.autocast is torch.bfloat16:
+            warnings.warn(
+                "scaler= with autocast=torch.bfloat16: bfloat16 has float32's range, so loss "
+                "scaling only costs time",
+                stacklevel=3,
+            )
+        # scale() sets the scaler up on this rank's device, as unscale_ will need everywhere
+        return float(scaler.scale(torch.ones((), device=self.device)))
+
+    def _result(self, loss: Tensor, data: StepData, m: int) -> StepResult:
+        """The step's loss, and on the last stage its outputs and per-micro-batch losses."""
+        if not self.is_last:
+            return StepResult(loss, None, None)
+        assert data.loss_weights is not None
+        outputs = gather([data.outputs[i] for i in range(m)])
+        outputs = like(outputs, [t.detach() for t in as_tuple(outputs)])
+        losses = [
+            (data.losses[i] / data.loss_weights[i]).detach() if data.loss_weights[i] else None
+            for i in range(m)
+        ]
+        return StepResult(loss, outputs, losses)  # type: ignore[arg-type]
+
+    def unscale_(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+        """``scaler.unscale_(optimizer)`` with the found-inf flag reduced over every stage and
+        replica, so that every rank's ``scaler.step`` steps or skips alike; returns whether
+        it will skip. Once per step, after ``step`` and before clipping."""
+        groups: list[dist.ProcessGroup | None] = [self.group] if self.n_ranks > 1 else []
+        if self.replicas is not None:
+            groups.append(self.replicas.group)
+        return unscale_(scaler, optimizer, groups)
 
     @torch.no_grad()
-    def evaluate(self, inputs: Any = None, targets: Any = None) -> Tensor:
-        """The mini-batch loss without gradients or kept activations, on every rank."""
+    def evaluate(
+        self, inputs: Any = None, targets: Any = None, *, return_outputs: bool = False
+    ) -> Tensor | StepResult:
+        """The mini-batch loss without gradients or kept activations, on every rank (with
+        ``return_outputs``, a ``StepResult``, as ``step``'s)."""
         if self.loss_fn is None:
             raise ValueError("evaluate() needs a loss_fn; pass loss_fn= to Pipeline")
         rows, m, batch = self._start(inputs)
         sizes = split_sizes(rows, self.chunks)
-        data = StepData(n_stages=self.n_stages, build_graph=False, keep_outputs=False)
+        data = StepData(n_stages=self.n_stages, build_graph=False, keep_outputs=return_outputs)
         if batch is not None:
             data.inputs = scatter(batch, self.chunks)
         if self.is_last:
             self._targets(targets, rows, sizes, data)
         self._run(self._forward_schedule(m), data)
-        return self._loss(data, m)
+        loss = self._loss(data, m)
+        return self._result(loss, data, m) if return_outputs else loss
 
     @torch.no_grad()
     def forward(self, inputs: Any = None) -> Any:
@@ -574,13 +650,22 @@ class Pipeline(nn.Module):
         max_norm: float,
         norm_type: float = 2.0,
         parameters: Iterable[nn.Parameter] | None = None,
+        *,
+        scaler: torch.amp.GradScaler | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> Tensor:
         """Clip the gradients of all stages by their global norm; returns that norm.
 
         ``parameters`` (default: all of this rank's) are those counted in the norm; leave out
         a copy of a weight tied to another stage's so that it counts once. Every gradient of
-        this rank is scaled.
+        this rank is scaled. With a ``scaler`` (and its ``optimizer``) the gradients are
+        unscaled first, if ``unscale_`` has not done it yet this step.
         """
+        if scaler is not None:
+            if optimizer is None:
+                raise ValueError("clip_grad_norm_(scaler=...) needs optimizer= to unscale")
+            if not _unscaled(scaler, optimizer):
+                self.unscale_(scaler, optimizer)
         counted = self.parameters() if parameters is None else parameters
         grads = [p.grad.detach() for p in counted if p.grad is not None]
         if norm_type == float("inf"):

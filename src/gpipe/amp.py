@@ -1,0 +1,56 @@
+"""Loss scaling across stages: ``torch.amp.GradScaler`` with a pipeline whose ranks each hold
+only some of the gradients, so that either every rank steps or every rank skips.
+
+The loss is scaled on the last stage (``Pipeline.step(..., scaler=scaler)``); each rank
+unscales its own gradients; the found-inf flag is then reduced over the whole pipeline (and
+its replicas), so every rank's ``scaler.step`` makes the same decision and every
+``scaler.update`` the same scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+__all__ = ["unscale_"]
+
+
+def _found_inf(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> list[torch.Tensor]:
+    """The scaler's found-inf flags for ``optimizer`` after its ``unscale_``."""
+    try:
+        state = scaler._per_optimizer_states[id(optimizer)]
+        return list(state["found_inf_per_device"].values())
+    except (AttributeError, KeyError) as exc:  # a GradScaler unlike torch's own
+        raise TypeError(
+            f"cannot read the found-inf flags of {type(scaler).__name__}: gpipe needs "
+            "torch.amp.GradScaler"
+        ) from exc
+
+
+def unscale_(
+    scaler: torch.amp.GradScaler,
+    optimizer: Optimizer,
+    groups: Iterable[dist.ProcessGroup | None],
+) -> bool:
+    """``scaler.unscale_(optimizer)``, then its found-inf flags made the maximum over every
+    rank of ``groups`` (a pipeline, its replicas); returns whether the step will be skipped.
+    Call it once per step, after the backward and before clipping or ``scaler.step``."""
+    if not scaler.is_enabled():
+        return False
+    scaler.unscale_(optimizer)
+    flags = _found_inf(scaler, optimizer)
+    found = torch.zeros(1, dtype=torch.float32)
+    for flag in flags:
+        found = torch.maximum(found, flag.detach().float().cpu().reshape(1))
+    for group in groups:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    for flag in flags:
+        flag.fill_(found.item())
+    if not flags:  # nothing of this optimizer's had a gradient here: the others decide
+        state = scaler._per_optimizer_states[id(optimizer)]
+        device = scaler._scale.device if scaler._scale is not None else torch.device("cpu")
+        state["found_inf_per_device"][device] = found.to(device)
+    return bool(found.item())
