@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.functional import mse_loss
 
 from gpipe import GPipe
+from gpipe.checkpointing import Layers
 from gpipe.transport import InProcessTransport
 
 from .models import BALANCES, SPLITS, UNET_BALANCES, batch, mlp, unet, unet_batch
@@ -165,3 +166,38 @@ def test_recomputed_skips_replay_dropout_and_are_sent_once(mode, monkeypatch):
     out_mode, x_grad_mode, other = run(mode)
     assert torch.equal(out_never, out_mode) and torch.equal(x_grad_never, x_grad_mode)
     assert all(torch.equal(a, b) for a, b in zip(never, other, strict=True))
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        Layers(every=2),
+        Layers(every=1),
+        Layers(select=lambda name, layer: isinstance(layer, nn.Linear)),
+    ],
+    ids=["every-2", "every-1", "linear-layers"],
+)
+def test_layers_recomputed_selectively_match_unpipelined(policy):
+    """Some layers recomputed in the backward, dropout replayed: every gradient exact."""
+    reference = mlp(dropout=0.3)
+    pipe = GPipe(copy.deepcopy(reference), [4, 4], devices=["cpu"] * 2, chunks=4,
+                 checkpoint=policy)  # fmt: skip
+    x, y = batch(12)
+    torch.manual_seed(11)
+    out, _, x_grad = _step(pipe, x, y)
+    torch.manual_seed(11)
+    never = GPipe(copy.deepcopy(reference), [4, 4], devices=["cpu"] * 2, chunks=4,
+                  checkpoint="never")  # fmt: skip
+    ref_out, _, ref_grad = _step(never, x, y)
+    assert torch.equal(out, ref_out) and torch.equal(x_grad, ref_grad)
+    for a, b in zip(pipe.parameters(), never.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_a_layer_policy_that_picks_nothing_or_a_skip_is_refused():
+    with pytest.raises(ValueError, match=r"checkpoint=Layers\(select=...\) picks no layer"):
+        GPipe(mlp(), [4, 4], devices=["cpu"] * 2, checkpoint=Layers(select=lambda n, m: False))
+    with pytest.raises(ValueError, match="picks layer '0', which stashes or pops skip tensors"):
+        GPipe(unet(), [4, 5], devices=["cpu"] * 2, checkpoint=Layers(every=1))
+    with pytest.raises(ValueError, match="exactly one of them"):
+        Layers()

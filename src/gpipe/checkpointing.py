@@ -6,20 +6,23 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 __all__ = [
     "CHECKPOINT_MODES",
     "AutocastState",
+    "Layers",
     "RNGState",
     "check_autocast",
     "check_checkpoint",
     "checkpointing",
     "is_checkpointing",
     "is_recomputing",
+    "recomputed_layers",
     "recomputing",
     "should_checkpoint",
 ]
@@ -27,8 +30,76 @@ __all__ = [
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
 
-def check_checkpoint(mode: object) -> str:
-    """The mode as a string: anything whose ``str()`` names one (torchgpipe accepts that too)."""
+@dataclass(frozen=True)
+class Layers:
+    """Re-materialization layer by layer: in every micro-batch, each stage recomputes in its
+    backward only the layers picked — every ``every``-th layer of the model (layers 0,
+    every, 2 x every, ...), or those ``select(name, layer)`` returns True for — and keeps
+    the activations of the others, so memory and time can be traded finely. The random
+    state and the autocast settings of the first pass are replayed
+    (``torch.utils.checkpoint``)."""
+
+    every: int | None = None
+    select: Callable[[str, nn.Module], bool] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.every is None) == (self.select is None):
+            raise ValueError("Layers takes every=k or select=predicate, exactly one of them")
+        if self.every is not None and (
+            isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1
+        ):
+            raise ValueError(f"Layers(every=...) must be a positive integer, got {self.every!r}")
+        if self.select is not None and not callable(self.select):
+            raise TypeError(f"Layers(select=...) must be callable, got {self.select!r}")
+
+    def picks(self, index: int, name: str, layer: nn.Module) -> bool:
+        """Whether layer ``index`` of the model (named ``name``) is recomputed."""
+        if self.every is not None:
+            return index % self.every == 0
+        return bool(self.select(name, layer))  # type: ignore[misc]
+
+    def __str__(self) -> str:
+        return f"Layers(every={self.every})" if self.every else "Layers(select=...)"
+
+
+def recomputed_layers(
+    mode: str | Layers, layers: nn.Sequential, balance: Sequence[int]
+) -> list[frozenset[int]]:
+    """Per stage, the positions (within the stage) of the layers a ``Layers`` policy
+    recomputes; none for a whole-stage mode. A policy that picks no layer, or a layer with
+    skip connections (its stashes and pops cannot be replayed inside a backward), is refused."""
+    if not isinstance(mode, Layers):
+        return [frozenset()] * len(balance)
+    from .skip.skippable import Skippable
+
+    picked: list[frozenset[int]] = []
+    start = 0
+    named = list(layers.named_children())
+    for size in balance:
+        positions = set()
+        for index in range(start, start + size):
+            name, layer = named[index]
+            if mode.picks(index, name, layer):
+                if any(isinstance(m, Skippable) for m in layer.modules()):
+                    raise ValueError(
+                        f"checkpoint={mode} picks layer {name!r}, which stashes or pops skip "
+                        "tensors: it cannot be recomputed on its own; leave it out"
+                    )
+                positions.add(index - start)
+        picked.append(frozenset(positions))
+        start += size
+    if not any(picked):
+        raise ValueError(
+            f"checkpoint={mode} picks no layer of the model: it would recompute nothing"
+        )
+    return picked
+
+
+def check_checkpoint(mode: object) -> str | Layers:
+    """The mode as a string: anything whose ``str()`` names one (torchgpipe accepts that
+    too), or a ``Layers`` policy."""
+    if isinstance(mode, Layers):
+        return mode
     name = mode if isinstance(mode, str) else str(mode)
     if name not in CHECKPOINT_MODES:
         raise ValueError(
@@ -37,11 +108,12 @@ def check_checkpoint(mode: object) -> str:
     return name
 
 
-def should_checkpoint(mode: str, microbatch: int, n_microbatches: int) -> bool:
+def should_checkpoint(mode: str | Layers, microbatch: int, n_microbatches: int) -> bool:
     """Whether micro-batch ``microbatch`` keeps only its stage input and recomputes the rest.
 
     ``except_last`` spares the last micro-batch: under fill-drain its backward follows its
-    forward at once, so recomputing it would buy no memory.
+    forward at once, so recomputing it would buy no memory. A ``Layers`` policy recomputes
+    layers, not whole micro-batches: False.
     """
     if mode == "always":
         return True

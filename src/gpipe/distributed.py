@@ -27,7 +27,12 @@ from .batchnorm import (
     convert_deferred_batch_norm,
     discard_deferred_batch_norm,
 )
-from .checkpointing import check_autocast, check_checkpoint, should_checkpoint
+from .checkpointing import (
+    check_autocast,
+    check_checkpoint,
+    recomputed_layers,
+    should_checkpoint,
+)
 from .errors import StageError
 from .executor import StepData, run_program
 from .microbatch import (
@@ -191,7 +196,9 @@ class Pipeline(nn.Module):
         sample: one micro-batch of the model's input, for ``balance=None``; read on the first
             rank only, so the others may pass None.
         chunks: micro-batches per mini-batch.
-        checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"``.
+        checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"``; or
+            ``gpipe.checkpointing.Layers(every=k)`` / ``Layers(select=...)`` to recompute some
+            layers of every stage and keep the others' activations.
         schedule: the schedule's name (``"gpipe"``).
         loss_fn: ``loss_fn(output, target) -> scalar``, evaluated on the last stage.
         loss_reduction: ``"mean"`` if ``loss_fn`` averages over the batch (each micro-batch's
@@ -306,6 +313,7 @@ class Pipeline(nn.Module):
         self.loss_reduction = loss_reduction
         self.timeout = float(timeout)
 
+        recomputed = recomputed_layers(self.checkpoint, module, self.balance)
         # this rank's stages: r, r + K, r + 2K, ... (one, unless interleaved)
         self.stages = tuple(range(self.rank, self.n_stages, self.n_ranks))
         self.stage_index = self.stages[0]
@@ -329,6 +337,7 @@ class Pipeline(nn.Module):
                 loss_fn,
                 ports=self.skip_layout.ports(stage),
                 autocast=self.autocast,
+                recomputed_layers=recomputed[stage],
             )
         # where the host cannot read the tensors cheaply, their descriptions go on a gloo group
         envelopes = None

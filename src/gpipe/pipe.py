@@ -23,7 +23,12 @@ from .batchnorm import (
     convert_deferred_batch_norm,
     discard_deferred_batch_norm,
 )
-from .checkpointing import AutocastState, check_checkpoint, should_checkpoint
+from .checkpointing import (
+    AutocastState,
+    check_checkpoint,
+    recomputed_layers,
+    should_checkpoint,
+)
 from .errors import MovingDenied, PipelineError
 from .executor import StepData, run_program
 from .microbatch import Batch, as_tuple, check_batch, check_chunks, gather, like, scatter
@@ -211,7 +216,8 @@ class GPipe(nn.Module):
             chooses one from measured costs.
         devices: one device per partition (default: every CUDA device, else CPU).
         chunks: number of micro-batches a mini-batch is split into.
-        checkpoint: when to re-materialize: ``"always"``, ``"except_last"`` or ``"never"``.
+        checkpoint: when to re-materialize: ``"always"``, ``"except_last"`` or ``"never"``;
+            or ``gpipe.checkpointing.Layers(...)`` to recompute only some layers.
         deferred_batch_norm: replace every BatchNorm by ``gpipe.batchnorm.DeferredBatchNorm``,
             so running statistics are tracked once per mini-batch, from all its micro-batches.
         timeout: seconds a stage waits for its neighbour before it gives up.
@@ -257,9 +263,12 @@ class GPipe(nn.Module):
             [nn.Module.to(p, d) for p, d in zip(parts, self.devices, strict=True)]
         )
         self.skip_layout = SkipLayout(skips, self.balance)
+        recomputed = recomputed_layers(checkpoint, module, self.balance)
         stages = [
-            Stage(j, len(parts), p, d, ports=self.skip_layout.ports(j))
-            for j, (p, d) in enumerate(zip(self.partitions, self.devices, strict=True))
+            Stage(j, len(parts), p, d, ports=self.skip_layout.ports(j), recomputed_layers=r)
+            for j, (p, d, r) in enumerate(
+                zip(self.partitions, self.devices, recomputed, strict=True)
+            )
         ]
         self.recorder = Recorder(0) if trace else None
         hook = None if self.recorder is None else self.recorder.on_action

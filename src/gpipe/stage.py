@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from .checkpointing import AutocastState, RNGState, checkpointing, recomputing
@@ -82,6 +83,7 @@ class Stage:
         loss_fn: LossFn | None = None,
         ports: StagePorts | None = None,
         autocast: torch.dtype | None = None,
+        recomputed_layers: frozenset[int] = frozenset(),
     ) -> None:
         self.index = index
         self.n_stages = n_stages
@@ -90,6 +92,8 @@ class Stage:
         self.loss_fn = loss_fn
         self.ports = ports if ports is not None else StagePorts()
         self.autocast = autocast  # the stage's own: its forwards and recomputations run under it
+        # positions of the layers (children of ``module``) recomputed in the backward
+        self.recomputed_layers = recomputed_layers
         self._saved: dict[int, _Saved] = {}
 
     @property
@@ -140,7 +144,7 @@ class Stage:
             else nullcontext()
         )
         with own, use_tracker(tracker):
-            raw = self.module(inputs)
+            raw = self._layers(inputs)
             outputs = check_batch(raw, f"the output of stage {self.index}", batched=False)
             exported = self._exported(tracker.stashed, microbatch)
             loss = None
@@ -152,6 +156,20 @@ class Stage:
                 raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
             loss = loss * saved.weight
         return outputs, exported, loss
+
+    def _layers(self, inputs: Batch) -> Any:
+        """The module on ``inputs``; with ``recomputed_layers``, layer by layer, those under
+        ``torch.utils.checkpoint`` when a graph is built (their inputs kept, their insides
+        recomputed in the backward, random state and autocast replayed)."""
+        if not self.recomputed_layers or not torch.is_grad_enabled():
+            return self.module(inputs)
+        x: Any = inputs
+        for position, layer in enumerate(self.module):
+            if position in self.recomputed_layers:
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+        return x
 
     def forward(
         self,
