@@ -486,3 +486,42 @@ def loss_scaling() -> dict:
     else:
         out["losses"] = result.outputs
     return out
+
+
+def layer_checkpoint() -> int:
+    """checkpoint=Layers(...) under every schedule: the gradients of un-pipelined training."""
+    from gpipe.checkpointing import Layers
+
+    from .models import INTERLEAVED_MLP
+
+    cases = 0
+    for schedule in ("gpipe", "1f1b", "zero-bubble", "interleaved"):
+        balance = INTERLEAVED_MLP if schedule == "interleaved" else BALANCES[2]
+        for policy in (Layers(every=2), Layers(select=lambda name, layer: name in ("2", "5"))):
+            pipe = Pipeline(mlp(), balance, chunks=4, checkpoint=policy, schedule=schedule,
+                            loss_fn=mse_loss)  # fmt: skip
+            _check_step(pipe, *batch(16), rtol=1e-12, atol=1e-14)
+            cases += 1
+    return cases
+
+
+LAYER_POLICIES = {"every-1": 1, "every-2": 2}
+
+
+def measured_layer_memory(name: str) -> dict:
+    """Peak activation bytes of this rank with layers recomputed selectively."""
+    from gpipe.checkpointing import Layers
+    from gpipe.memory import ActivationMeter
+
+    init_process_group(torch.device("cpu"))
+    model, x, y, loss_fn = memory_workload(name, device="meta")
+    out = {}
+    for schedule in ("gpipe", "1f1b"):
+        for policy, every in LAYER_POLICIES.items():
+            balance = memory_balance(len(model), schedule)
+            pipe = Pipeline(model, balance, chunks=8, checkpoint=Layers(every=every),
+                            schedule=schedule, loss_fn=loss_fn)  # fmt: skip
+            with ActivationMeter(pipe) as meter:
+                pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+            out[f"{schedule}/{policy}"] = meter.peak
+    return out

@@ -5,6 +5,7 @@ import pytest
 
 from gpipe import launch
 
+from . import distributed_cases
 from . import schedule_cases as cases
 from .models import BALANCES, UNET_BALANCES, unet
 
@@ -41,3 +42,8 @@ def test_separate_envelopes_take_tensors_in_each_peers_send_order(k):
     them, even where skips make that order differ from the order they are used."""
     results = launch(cases.separate_envelopes, k, (k,), threads=1)
     assert all(n == 9 for n in results.values())
+
+
+def test_layers_recomputed_selectively_under_every_schedule():
+    results = launch(distributed_cases.layer_checkpoint, 2, threads=1)
+    assert results == {0: 8, 1: 8}

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
-from .checkpointing import check_checkpoint, should_checkpoint
+from .checkpointing import Layers, check_checkpoint, recomputed_layers, should_checkpoint
 from .microbatch import as_tuple, split_sizes
 from .partition import as_sequential, check_balance, stage_bounds
 from .schedule import Kind, Schedule, add_recompute, get_schedule
@@ -105,22 +105,31 @@ class _Run:
     def _bytes(self, keys: Iterable[int]) -> int:
         return sum(self.sizes[k] for k in keys)
 
-    def held(self, start: int, stop: int) -> tuple[int, int, int]:
+    def held(
+        self, start: int, stop: int, recomputed: frozenset[int] = frozenset()
+    ) -> tuple[int, int, int, int]:
         """Bytes of one micro-batch's graph over layers [start, stop) (saved storages, its
-        input and output, and skip tensors it sends on), of its input, and of its output.
-        Skip tensors it receives are left out (``skip_bytes``: whether they cost anything
-        depends on where they come from). The model's input and target are views of the
-        mini-batch, whose memory ``batch_bytes`` counts once."""
+        input and output, and skip tensors it sends on), of its input, of its output, and of
+        the most a ``recomputed`` layer (model index; only its input is kept) holds again
+        while its backward recomputes it. Skip tensors it receives are left out
+        (``skip_bytes``: whether they cost anything depends on where they come from). The
+        model's input and target are views of the mini-batch, whose memory ``batch_bytes``
+        counts once."""
         sent = set().union(*(k for a, b, k in self.skips if start <= a < stop <= b))
         received = set().union(*(k for a, b, k in self.skips if a < start <= b < stop))
         graph = set(self.inputs[start]) | self.outputs[stop - 1] | sent
         for layer in range(start, stop):
-            graph |= self.saved[layer]
+            graph |= self.inputs[layer] if layer in recomputed else self.saved[layer]
         graph -= self.batch | received
+        again = max(
+            (self._bytes(self.saved[layer] - graph) for layer in recomputed),
+            default=0,
+        )
         return (
             self._bytes(graph),
             self._bytes(self.inputs[start] - self.batch),
             self._bytes(self.outputs[stop - 1]),
+            again,
         )
 
     def skip_bytes(self, bounds: Sequence[tuple[int, int]]) -> dict[tuple[int, int], int]:
@@ -275,12 +284,17 @@ class Profile:
             return [x * rows / r0 for x in small]
         return [x + (y - x) / (r1 - r0) * (rows - r0) for x, y in zip(small, large, strict=True)]
 
-    def held(self, start: int, stop: int, rows: int) -> tuple[float, float, float]:
+    def held(
+        self, start: int, stop: int, rows: int, recomputed: frozenset[int] = frozenset()
+    ) -> tuple[float, float, float, float]:
         """Bytes of one micro-batch of ``rows`` on layers [start, stop): its whole graph,
-        its input, its output."""
+        its input, its output, and the most a ``recomputed`` layer holds again in its
+        backward (``_Run.held``)."""
         a, b = self.runs
-        graph, inp, out = self._scaled(a.held(start, stop), b.held(start, stop), rows)
-        return graph, inp, out
+        graph, inp, out, again = self._scaled(
+            a.held(start, stop, recomputed), b.held(start, stop, recomputed), rows
+        )
+        return graph, inp, out, again
 
     def skip_bytes(
         self, bounds: Sequence[tuple[int, int]], rows: int
@@ -400,6 +414,7 @@ class _Held:
     out: float
     skip_in: float
     skip_in_ckpt: float
+    again: float = 0.0  # a layer recomputed inside the backward (``Layers``), at most
 
 
 def _activation_peak(
@@ -436,13 +451,22 @@ def _activation_peak(
             now += h.graph - h.inp
             peak = max(peak, now)
         elif a.kind is Kind.BACKWARD:
+            peak = max(peak, now + h.again)
             if not split:
                 live -= 1
                 now -= h.graph + (h.skip_in_ckpt if ckpt else h.skip_in)
         else:  # W: the end of a split backward
+            peak = max(peak, now + h.again)
             live -= 1
             now -= h.graph + (h.skip_in_ckpt if ckpt else h.skip_in)
     return peak, most
+
+
+class _LayerNames(nn.Sequential):
+    """Stand-ins for a model's layers, for a ``Layers(every=k)`` policy to pick from."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(*[nn.Identity() for _ in range(n)])
 
 
 def plan(
@@ -452,15 +476,19 @@ def plan(
     batch_size: int,
     chunks: int,
     schedule: str = "gpipe",
-    checkpoint: str = "except_last",
+    checkpoint: str | Layers = "except_last",
     optimizer: str = "adam",
     n_ranks: int | None = None,
+    layers: nn.Sequential | None = None,
 ) -> MemoryPlan:
     """Predicted peak memory of every process for a mini-batch of ``batch_size`` rows cut
     into ``chunks`` micro-batches. ``n_ranks`` below ``len(balance)`` puts several stages on
-    each process (the interleaved schedule)."""
+    each process (the interleaved schedule). A ``Layers(select=...)`` policy needs the
+    model's ``layers`` to apply its predicate to."""
     balance = check_balance(len(prof), list(balance))
-    check_checkpoint(checkpoint)
+    checkpoint = check_checkpoint(checkpoint)
+    if isinstance(checkpoint, Layers) and checkpoint.select is not None and layers is None:
+        raise ValueError("plan(checkpoint=Layers(select=...)) needs layers= to pick from")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -475,15 +503,19 @@ def plan(
     bounds = stage_bounds(balance)
     rank_of = sched.stage_to_rank
     held: dict[int, list[_Held]] = {s: [] for s in range(n_stages)}
+    picks = recomputed_layers(
+        checkpoint, _LayerNames(len(prof)) if layers is None else as_sequential(layers), balance
+    )
     for rows in sizes:
         routes = prof.skip_bytes(bounds, rows)
         for s, (start, stop) in enumerate(bounds):
-            graph, inp, out = prof.held(start, stop, rows)
+            picked = frozenset(start + position for position in picks[s])
+            graph, inp, out, again = prof.held(start, stop, rows, picked)
             remote_in = sum(
                 n for (a, b), n in routes.items() if b == s and rank_of[a] != rank_of[s]
             )
             local_in = sum(n for (a, b), n in routes.items() if b == s and rank_of[a] == rank_of[s])
-            held[s].append(_Held(graph, inp, out, remote_in, remote_in + local_in))
+            held[s].append(_Held(graph, inp, out, remote_in, remote_in + local_in, again))
     states = 1 + OPTIMIZER_STATES[optimizer]  # gradient + optimizer state
     ranks = []
     for rank in range(n_ranks):

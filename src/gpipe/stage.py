@@ -11,6 +11,7 @@ way, so each stage's backward still ends at its own boundary.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -64,6 +65,20 @@ def _announced(t: Tensor) -> Tensor:
 
 def _maybe(fn: Callable[[Tensor], Tensor], t: Tensor | None) -> Tensor | None:
     return None if t is None else fn(t)
+
+
+def _recomputed_call(layer: nn.Module, x: Any) -> Any:
+    """``layer(x)`` with its forward under ``torch.utils.checkpoint``, inside the call: the
+    layer's hooks run as usual around it (and its recomputation, in the backward, runs the
+    forward alone, without them)."""
+    forward = layer.forward
+    layer.forward = functools.partial(  # type: ignore[method-assign]
+        torch.utils.checkpoint.checkpoint, forward, use_reentrant=False
+    )
+    try:
+        return layer(x)
+    finally:
+        del layer.forward
 
 
 class Stage:
@@ -165,10 +180,8 @@ class Stage:
             return self.module(inputs)
         x: Any = inputs
         for position, layer in enumerate(self.module):
-            if position in self.recomputed_layers:
-                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
-            else:
-                x = layer(x)
+            again = position in self.recomputed_layers
+            x = _recomputed_call(layer, x) if again else layer(x)
         return x
 
     def forward(
