@@ -424,3 +424,10 @@ def test_cli_adds_the_all_reduce_of_replicas(tmp_path, capsys):
     assert row.split()[:3] == ["gpipe", "17", "2"]  # 15 alone, 2 s of all-reduce exposed
     assert main([*args, "--data-parallel", "0"]) == 2
     assert "--data-parallel must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_layers_recomputed_selectively_lengthen_every_backward():
+    plain = simulate(gpipe(2, 3), Costs(forward=1.0, backward=2.0))
+    again = simulate(gpipe(2, 3), Costs(forward=1.0, backward=2.0, recompute=0.5))
+    assert again.makespan == pytest.approx(plain.makespan + 4 * 0.5)  # (M + K - 1) backwards
+    assert sum(again.busy) == pytest.approx(sum(plain.busy) + 2 * 3 * 0.5)

@@ -32,7 +32,7 @@ __all__ = [
 PerStage = float | Sequence[float]
 Route = tuple[int, int]
 
-_PER_STAGE = ("forward", "backward", "weight", "activation_bytes", "grad_bytes")
+_PER_STAGE = ("forward", "backward", "weight", "activation_bytes", "grad_bytes", "recompute")
 _SCALAR = ("latency", "message_bytes")
 
 
@@ -109,6 +109,9 @@ class Costs:
     from its forward to its backward (re-materialized or not); within a rank the skip is
     shared, free and instant.
 
+    ``recompute`` is the forward time each backward runs again when only some layers are
+    recomputed (``gpipe.checkpointing.Layers``); it is added to every B.
+
     With replicas (``simulate``'s ``data_parallel``), each stage's ``grad_bytes`` of
     gradients are summed over them by a ring all-reduce: ``2 (D - 1) / D x grad_bytes /
     allreduce_bandwidth`` (the link's bandwidth if None) plus ``2 (D - 1)`` latencies.
@@ -124,6 +127,7 @@ class Costs:
     skip_bytes: Mapping[Route, float] | tuple[tuple[Route, float], ...] = ()
     grad_bytes: PerStage = 0.0
     allreduce_bandwidth: float | None = None
+    recompute: PerStage = 0.0
 
     def __post_init__(self) -> None:
         for name in _PER_STAGE:
@@ -280,6 +284,8 @@ def simulate(
     b_cost = costs.per_stage("backward", n_stages)
     if not schedule.split_backward:
         b_cost = tuple(b + w for b, w in zip(b_cost, w_cost, strict=True))
+    r_cost = costs.per_stage("recompute", n_stages)
+    b_cost = tuple(b + r for b, r in zip(b_cost, r_cost, strict=True))
     rank_of = schedule.stage_to_rank
     skip_bytes = dict(costs.skip_bytes)
     skip_in = [0.0] * n_stages  # what a stage holds of skips copied from another rank
