@@ -82,7 +82,7 @@ def test_bad_inputs_are_named():
     # stage 1 raised and went on: stage 0 times out, or sees stage 1 drop that pipeline
     assert first.startswith("StageError: stage 0: ") and "from stage 1" in first
     first, last = both["not_a_tensor"]
-    assert "inputs must be a Tensor or a tuple of Tensors, got list[int, int]" in first
+    assert "inputs must hold a tensor with a batch dimension (dim 0)" in first
     assert last.startswith("StageError: stage 1: ") and "stage 0" in last
     first, last = both["targets_rows"]
     assert "targets have 3 rows but inputs have 4" in last

@@ -37,16 +37,16 @@ from .errors import StageError
 from .executor import StepData, run_program
 from .microbatch import (
     Batch,
-    as_tuple,
-    check_batch,
     check_chunks,
-    gather,
-    like,
-    scatter,
+    check_payload,
+    gather_payload,
+    payload_to,
+    scatter_payload,
     split_sizes,
 )
 from .p2p import DistributedTransport
 from .partition import as_sequential, check_balance, even_balance, materialize, stage_bounds
+from .payload import tensors_of, with_tensors
 from .pipes import open_pipes
 from .replicas import BUCKET_BYTES, GradientBuckets, Replicas
 from .schedule import (
@@ -60,7 +60,9 @@ from .schedule import (
 )
 from .skip.layout import SkipLayout
 from .skip.skippable import find_skips
-from .stage import LossFn, Stage
+from .stage import NO_TARGET, LossFn, Stage
+from .ties import TiedGradients, find_ties, untie
+from .ties import counted as counted_once
 from .trace import Event, Recorder, merge
 
 __all__ = [
@@ -225,7 +227,10 @@ class Pipeline(nn.Module):
 
     Layers may be ``gpipe.skip.skippable``: a skip that crosses stages is sent straight from
     the stage that stashes it to the stage that pops it, and its gradient comes back the same
-    way.
+    way. Layers of different stages may share a parameter (one ``nn.Parameter`` in both, as
+    a tied embedding and output projection): each stage then holds a copy, and when
+    ``step`` returns, every copy's gradient is the sum over all of them, so the optimizer
+    keeps them equal (``self.ties`` lists them).
     """
 
     def __init__(
@@ -314,6 +319,10 @@ class Pipeline(nn.Module):
         self.timeout = float(timeout)
 
         recomputed = recomputed_layers(self.checkpoint, module, self.balance)
+        # a parameter that layers of several stages share: a copy on each, gradients summed
+        # over the copies at the end of every step (so they stay equal)
+        self.ties = find_ties(module, self.balance)
+        untie(module, self.ties)
         # this rank's stages: r, r + K, r + 2K, ... (one, unless interleaved)
         self.stages = tuple(range(self.rank, self.n_stages, self.n_ranks))
         self.stage_index = self.stages[0]
@@ -338,6 +347,7 @@ class Pipeline(nn.Module):
                 ports=self.skip_layout.ports(stage),
                 autocast=self.autocast,
                 recomputed_layers=recomputed[stage],
+                payloads=True,
             )
         # where the host cannot read the tensors cheaply, their descriptions go on a gloo group
         envelopes = None
@@ -362,6 +372,15 @@ class Pipeline(nn.Module):
                 params = list(runner.module.parameters())
                 self._buckets[stage] = GradientBuckets(params, self.replicas, stage, BUCKET_BYTES)
         self._rows_all = 0  # rows of the step over every replica
+        self._tied = TiedGradients(
+            self.ties,
+            dict(self.named_parameters(remove_duplicate=False)),
+            self.stages,
+            self.rank_of,
+            self._global,
+            self.timeout,
+        )
+        self._tied.broadcast()  # each rank built its own copy: start them equal
 
     @property
     def is_first(self) -> bool:
@@ -428,9 +447,8 @@ class Pipeline(nn.Module):
                 self._broadcast(torch.zeros(1, device=self.device), 0, "the start of the step")
             self.recorder.step()
         if self.is_first:
-            given = check_batch(inputs, "inputs")
-            batch = like(given, [t.to(self.device) for t in as_tuple(given)])
-            rows = as_tuple(batch)[0].size(0)
+            rows = check_payload(inputs, "inputs")
+            batch = payload_to(inputs, self.device)
             m = len(split_sizes(rows, self.chunks))
         else:
             first = self.stages[0]
@@ -510,22 +528,60 @@ class Pipeline(nn.Module):
         return waited, buckets, early
 
     def _targets(
-        self, targets: Any, rows: int, sizes: list[int], data: StepData, scale: float = 1.0
+        self,
+        targets: Any,
+        rows: int,
+        sizes: list[int],
+        data: StepData,
+        scale: float = 1.0,
+        counts: Any = None,
     ) -> None:
         """Give the last stage each micro-batch's target and the weight of its loss (times a
-        loss scale)."""
-        given = check_batch(targets, "targets")
-        target = like(given, [t.to(self.device) for t in as_tuple(given)])
-        n = as_tuple(target)[0].size(0)
-        if n != rows:
-            raise ValueError(f"targets have {n} rows but inputs have {rows}")
-        data.targets = scatter(target, self.chunks)
-        total = self._rows_all  # every replica's rows: the loss is that of their union
-        data.loss_weights = (
-            [scale * n / total for n in sizes]
-            if self.loss_reduction == "mean"
-            else [scale] * len(sizes)
-        )
+        loss scale). Without targets, ``loss_fn`` takes the outputs alone."""
+        if targets is None:
+            data.targets = [NO_TARGET] * len(sizes)
+        else:
+            n = check_payload(targets, "targets")
+            if n != rows:
+                raise ValueError(f"targets have {n} rows but inputs have {rows}")
+            data.targets = scatter_payload(payload_to(targets, self.device), self.chunks)
+        if self.loss_reduction == "sum":
+            if counts is not None:
+                raise ValueError(
+                    "counts= weights the micro-batches' mean losses; with "
+                    "loss_reduction='sum' the losses add up as they are"
+                )
+            data.loss_weights = [scale] * len(sizes)
+            return
+        if counts is None:  # every replica's rows: the loss is that of their union
+            parts, total = [float(n) for n in sizes], float(self._rows_all)
+        else:
+            parts, total = self._counted(counts, rows, sizes)
+        data.loss_weights = [scale * part / total for part in parts]
+
+    def _counted(self, counts: Any, rows: int, sizes: list[int]) -> tuple[list[float], float]:
+        """Each micro-batch's share of ``counts`` (one per row), and their total over the
+        replicas."""
+        given = torch.as_tensor(counts, dtype=torch.float64).detach().cpu()
+        if given.dim() != 1 or given.numel() != rows:
+            raise ValueError(
+                f"counts must hold one count per row of the mini-batch ({rows}), got shape "
+                f"{tuple(given.shape)}"
+            )
+        if (given < 0).any():
+            raise ValueError("counts must not be negative")
+        parts = [float(part.sum()) for part in given.split(sizes)]
+        total = torch.tensor([sum(parts)], dtype=torch.float64, device=self.device)
+        if self.replicas is not None:
+            self.replicas.sum(total, "the counts", self.stage_index)
+        empty = [i for i, part in enumerate(parts) if part == 0]
+        if empty or float(total) == 0:
+            raise ValueError(
+                f"counts are 0 for every row of micro-batch {empty[0] if empty else 0}: a "
+                "mean over nothing has no weight; drop such rows or use more of them per "
+                "micro-batch"
+            )
+        return parts, float(total)
 
     def _loss(self, data: StepData, m: int) -> Tensor:
         """The mini-batch loss, computed on the last stage and known to every rank."""
@@ -545,18 +601,25 @@ class Pipeline(nn.Module):
         *,
         scaler: torch.amp.GradScaler | None = None,
         return_outputs: bool = False,
+        counts: Any = None,
     ) -> Tensor | StepResult:
         """Forward and backward of one mini-batch; gradients accumulate in ``.grad``.
 
         ``inputs`` are read on the first stage and ``targets`` on the last (other ranks may
-        pass None). Returns the mini-batch loss, the same on every rank; with
+        pass None); either may be any payload (a dict, a dataclass ...: ``gpipe.microbatch``
+        says which leaves are split into micro-batches). Without targets the last stage
+        computes ``loss_fn(outputs)``, for models that compute their own loss. ``counts``
+        (last stage, ``loss_reduction="mean"``) gives each row's weight in the mean, such as
+        its number of valid tokens when ``loss_fn`` averages over tokens: each micro-batch's
+        loss then weighs by its share of the counts, not of the rows, which keeps the step
+        exact when padding differs between micro-batches. Returns the mini-batch loss, the
+        same on every rank; with
         ``return_outputs``, a ``StepResult`` that also holds the last stage's outputs for
         the whole mini-batch and each micro-batch's loss (None on other ranks). With a
         ``scaler`` (``torch.amp.GradScaler``, for float16) the loss is scaled on the last
         stage; then ``unscale_``, ``scaler.step`` and ``scaler.update`` as usual.
         """
-        if self.loss_fn is None:
-            raise ValueError("step() needs a loss_fn; pass loss_fn= to Pipeline")
+        self._need_loss_fn("step", return_outputs)
         scale = self._loss_scale(scaler)
         started = perf_counter()
         rows, m, batch = self._start(inputs)
@@ -569,14 +632,29 @@ class Pipeline(nn.Module):
             keep_outputs=return_outputs,
         )
         if batch is not None:
-            data.inputs = scatter(batch, self.chunks)
+            data.inputs = scatter_payload(batch, self.chunks)
         if self.is_last:
-            self._targets(targets, rows, sizes, data, scale)
+            self._targets(targets, rows, sizes, data, scale, counts)
         busy = self._run(schedule, data)
         loss = self._loss(data, m) / scale
         waited, buckets, early = self._sum_gradients()
+        self._tied.sum()
         self.last_step = StepTimes(perf_counter() - started, busy, waited, buckets, early)
         return self._result(loss, data, m) if return_outputs else loss
+
+    def _need_loss_fn(self, method: str, return_outputs: bool) -> None:
+        if self.loss_fn is not None:
+            return
+        hint = (
+            "; for the outputs alone, call the pipeline (pipe(inputs)), which runs the "
+            "forward without a loss"
+            if return_outputs or method == "evaluate"
+            else ""
+        )
+        raise ValueError(
+            f"{method}() needs a loss_fn; pass loss_fn= to Pipeline (loss_fn(outputs, "
+            f"targets), or loss_fn(outputs) when the model computes its own loss){hint}"
+        )
 
     def _loss_scale(self, scaler: torch.amp.GradScaler | None) -> float:
         if scaler is None or not scaler.is_enabled():
@@ -595,8 +673,8 @@ class Pipeline(nn.Module):
         if not self.is_last:
             return StepResult(loss, None, None)
         assert data.loss_weights is not None
-        outputs = gather([data.outputs[i] for i in range(m)])
-        outputs = like(outputs, [t.detach() for t in as_tuple(outputs)])
+        outputs = gather_payload([data.outputs[i] for i in range(m)])
+        outputs = with_tensors(outputs, [t.detach() for t in tensors_of(outputs)])
         losses = [
             (data.losses[i] / data.loss_weights[i]).detach() if data.loss_weights[i] else None
             for i in range(m)
@@ -614,19 +692,23 @@ class Pipeline(nn.Module):
 
     @torch.no_grad()
     def evaluate(
-        self, inputs: Any = None, targets: Any = None, *, return_outputs: bool = False
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        return_outputs: bool = False,
+        counts: Any = None,
     ) -> Tensor | StepResult:
         """The mini-batch loss without gradients or kept activations, on every rank (with
         ``return_outputs``, a ``StepResult``, as ``step``'s)."""
-        if self.loss_fn is None:
-            raise ValueError("evaluate() needs a loss_fn; pass loss_fn= to Pipeline")
+        self._need_loss_fn("evaluate", return_outputs)
         rows, m, batch = self._start(inputs)
         sizes = split_sizes(rows, self.chunks)
         data = StepData(n_stages=self.n_stages, build_graph=False, keep_outputs=return_outputs)
         if batch is not None:
-            data.inputs = scatter(batch, self.chunks)
+            data.inputs = scatter_payload(batch, self.chunks)
         if self.is_last:
-            self._targets(targets, rows, sizes, data)
+            self._targets(targets, rows, sizes, data, counts=counts)
         self._run(self._forward_schedule(m), data)
         loss = self._loss(data, m)
         return self._result(loss, data, m) if return_outputs else loss
@@ -637,11 +719,11 @@ class Pipeline(nn.Module):
         _, m, batch = self._start(inputs)
         data = StepData(n_stages=self.n_stages, build_graph=False)
         if batch is not None:
-            data.inputs = scatter(batch, self.chunks)
+            data.inputs = scatter_payload(batch, self.chunks)
         self._run(self._forward_schedule(m), data)
         if not self.is_last:
             return None
-        return gather([data.outputs[i] for i in range(m)])
+        return gather_payload([data.outputs[i] for i in range(m)])
 
     def timeline(self) -> list[Event]:
         """What every rank ran in the last ``step``, ``evaluate`` or forward, merged.
@@ -665,8 +747,9 @@ class Pipeline(nn.Module):
     ) -> Tensor:
         """Clip the gradients of all stages by their global norm; returns that norm.
 
-        ``parameters`` (default: all of this rank's) are those counted in the norm; leave out
-        a copy of a weight tied to another stage's so that it counts once. Every gradient of
+        ``parameters`` (default: all of this rank's, a parameter that stages share counted
+        once) are those counted in the norm; when you pass them, leave out the copies of a
+        weight tied by hand to another stage's so that it counts once. Every gradient of
         this rank is scaled. With a ``scaler`` (and its ``optimizer``) the gradients are
         unscaled first, if ``unscale_`` has not done it yet this step.
         """
@@ -675,7 +758,11 @@ class Pipeline(nn.Module):
                 raise ValueError("clip_grad_norm_(scaler=...) needs optimizer= to unscale")
             if not _unscaled(scaler, optimizer):
                 self.unscale_(scaler, optimizer)
-        counted = self.parameters() if parameters is None else parameters
+        counted = (
+            counted_once(self.ties, dict(self.named_parameters()))
+            if parameters is None
+            else parameters
+        )
         grads = [p.grad.detach() for p in counted if p.grad is not None]
         if norm_type == float("inf"):
             local = max((g.abs().max() for g in grads), default=torch.tensor(0.0))

@@ -1,11 +1,16 @@
 """The wire format between processes: a message's description and its tensors together.
 
-A message is a tensor, or a tuple of tensors and Nones. On the wire it is its header, int64
-words, followed by the bytes of every tensor, so that one transfer carries it whole and the
-receiver needs no second round trip to learn what follows:
+A message is a tensor, a tuple of tensors and Nones, or any payload (``payload``): its
+tensors, and the pickled structure that puts them back in place. On the wire it is its
+header, int64 words, followed by the bytes of every tensor, so that one transfer carries it
+whole and the receiver needs no second round trip to learn what follows:
 
-    kind, total bytes, header words, number of items, 1 if a bare tensor, info words...,
-    then per item: dtype code, requires_grad, ndim, sizes...        (-1 for None)
+    kind, total bytes, header words, number of items, form, structure bytes, info words...,
+    then per item: dtype code, requires_grad, ndim, sizes...        (-1 for None),
+    then the structure's bytes, in as many words as they fill
+
+``form`` says how the tensors make up the message (``payload.FLAT_TUPLE``, ``TENSOR`` or
+``TREE``); only a tree has structure bytes.
 
 Laid out as one buffer (``aligned``), every tensor starts on a 64-byte boundary, so that the
 receiver can use views into the buffer it received; laid out as a stream (pipes), the bytes
@@ -41,7 +46,7 @@ __all__ = [
 MESSAGE, GROW = 1, 2
 N_INFO = 2  # words of step information in every envelope
 _ALIGN = 64
-_FIXED = 5 + N_INFO  # kind, total bytes, header words, items, bare, info
+_FIXED = 6 + N_INFO  # kind, total bytes, header words, items, form, structure bytes, info
 FIXED_BYTES = 8 * _FIXED
 
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -95,12 +100,18 @@ class Described:
 
 
 def describe(
-    items: tuple[Tensor | None, ...], bare: bool, info: tuple[int, ...], *, aligned: bool = True
+    items: tuple[Tensor | None, ...],
+    form: int,
+    info: tuple[int, ...],
+    structure: bytes = b"",
+    *,
+    aligned: bool = True,
 ) -> Described:
-    """The header of ``items`` and the layout of their bytes after it."""
+    """The header of ``items`` (and of the ``structure`` they fill) and the layout of their
+    bytes after it."""
     if len(info) != N_INFO:
         raise ValueError(f"an envelope carries {N_INFO} info words, got {len(info)}")
-    words = [MESSAGE, 0, 0, len(items), int(bare), *info]
+    words = [MESSAGE, 0, 0, len(items), form, len(structure), *info]
     for t in items:
         if t is None:
             words.append(-1)
@@ -108,6 +119,9 @@ def describe(
         if t.dtype not in _DTYPE_CODE:
             raise TypeError(f"cannot send a tensor of dtype {t.dtype} between stages")
         words += [_DTYPE_CODE[t.dtype], int(t.requires_grad), t.dim(), *t.shape]
+    if structure:
+        padded = structure + bytes(-len(structure) % 8)
+        words += torch.frombuffer(bytearray(padded), dtype=torch.int64).tolist()
     words[2] = len(words)
     step = _aligned if aligned else (lambda n: n)
     offsets, position = [], step(8 * len(words))
@@ -139,7 +153,7 @@ def pack(items: tuple[Tensor | None, ...], described: Described) -> Tensor:
 
 def grow_envelope(capacity: int) -> Tensor:
     """A header-only buffer that tells the receiver its buffers must hold ``capacity`` bytes."""
-    words = [GROW, capacity, _FIXED, 0, 0, *([0] * N_INFO)]
+    words = [GROW, capacity, _FIXED, 0, 0, 0, *([0] * N_INFO)]
     return torch.tensor(words, dtype=torch.int64).view(torch.uint8)
 
 
@@ -151,10 +165,10 @@ def header_words(buffer: Tensor) -> list[int]:
     return buffer[: 8 * head[2]].view(torch.int64).tolist()
 
 
-def items_of(words: list[int]) -> tuple[list[Item | None], bool, tuple[int, ...]]:
-    """What a MESSAGE header describes: its items, whether it is a bare tensor, its info."""
-    n_items, bare = words[3], bool(words[4])
-    info = tuple(words[5 : 5 + N_INFO])
+def items_of(words: list[int]) -> tuple[list[Item | None], int, tuple[int, ...], bytes]:
+    """What a MESSAGE header describes: its items, their form, its info and structure."""
+    n_items, form, n_structure = words[3], words[4], words[5]
+    info = tuple(words[6 : 6 + N_INFO])
     items: list[Item | None] = []
     position = _FIXED
     for _ in range(n_items):
@@ -167,15 +181,19 @@ def items_of(words: list[int]) -> tuple[list[Item | None], bool, tuple[int, ...]
         shape = words[position + 3 : position + 3 + ndim]
         items.append(Item(_DTYPES[code], bool(words[position + 1]), shape))
         position += 3 + ndim
-    return items, bare, info
+    structure = b""
+    if n_structure:
+        packed = torch.tensor(words[position : position + -(-n_structure // 8)], dtype=torch.int64)
+        structure = packed.view(torch.uint8).numpy().tobytes()[:n_structure]
+    return items, form, info, structure
 
 
 def read(
     buffer: Tensor, words: list[int]
-) -> tuple[tuple[Tensor | None, ...], bool, tuple[int, ...], int]:
-    """The items of a received MESSAGE buffer (``aligned`` layout) as views into it, whether
-    the message was a bare tensor, its info words and the bytes it used."""
-    described, bare, info = items_of(words)
+) -> tuple[tuple[Tensor | None, ...], int, tuple[int, ...], int, bytes]:
+    """The items of a received MESSAGE buffer (``aligned`` layout) as views into it, their
+    form, the info words, the bytes it used and the structure."""
+    described, form, info, structure = items_of(words)
     offset = _aligned(8 * words[2])
     items: list[Tensor | None] = []
     for item in described:
@@ -185,4 +203,4 @@ def read(
         t = buffer[offset : offset + item.nbytes].view(item.dtype).view(item.shape)
         items.append(t.requires_grad_(True) if item.requires_grad else t)
         offset = _aligned(offset + item.nbytes)
-    return tuple(items), bare, info, words[1]
+    return tuple(items), form, info, words[1], structure

@@ -1,25 +1,37 @@
 """Splitting a mini-batch into micro-batches along dim 0 and joining the results back.
 
 A batch is what a layer takes and returns at a stage boundary: one tensor, or a tuple of
-tensors (a 1-tuple stays a 1-tuple), as in torchgpipe.
+tensors (a 1-tuple stays a 1-tuple), as in torchgpipe. ``Pipeline`` also takes any payload
+(``gpipe.payload``: dicts, dataclasses, ``ModelOutput`` ...): its rows are dim 0 of its first
+tensor leaf that has dimensions, and a leaf is *batched*, split with the rows, when it is a
+tensor whose dim 0 has that size; every other leaf (plain values, 0-d tensors, tensors of
+another length) is given whole to every micro-batch.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
+
+from . import payload
 
 __all__ = [
     "Batch",
     "as_tuple",
     "check_batch",
     "check_chunks",
+    "check_payload",
     "gather",
+    "gather_payload",
     "like",
+    "payload_to",
     "scatter",
+    "scatter_payload",
     "split_sizes",
 ]
 
@@ -111,3 +123,76 @@ def gather(microbatches: Sequence[Batch]) -> Batch:
         return first
     columns = zip(*(as_tuple(mb) for mb in microbatches), strict=True)
     return like(first, [torch.cat(parts, dim=0) for parts in columns])
+
+
+def _rows_of(leaves: Sequence[Any]) -> int | None:
+    return next((t.size(0) for t in leaves if isinstance(t, Tensor) and t.dim() > 0), None)
+
+
+def check_payload(value: object, name: str = "inputs") -> int:
+    """The rows of a payload: a tensor or tuple of tensors as ``check_batch`` takes them, or
+    any pytree with a tensor leaf that has a batch dimension."""
+    if payload.is_flat(value) and not (isinstance(value, tuple) and None in value):
+        return as_tuple(check_batch(value, name))[0].size(0)
+    leaves = payload.tensors_of(value)
+    rows = _rows_of(leaves)
+    if rows is None:
+        kinds = ", ".join(sorted({type(v).__name__ for v in pytree.tree_leaves(value)}))
+        raise TypeError(
+            f"{name} must hold a tensor with a batch dimension (dim 0) to split into "
+            f"micro-batches; its leaves are {kinds or 'none'}"
+        )
+    if rows == 0:
+        raise ValueError(f"{name} has an empty batch (dim 0 is 0)")
+    return rows
+
+
+def payload_to(value: Any, device: torch.device) -> Any:
+    """A payload with its tensors on ``device``."""
+    tensors = payload.tensors_of(value)
+    return payload.with_tensors(value, [t.to(device) for t in tensors])
+
+
+def _batched(leaf: object, rows: int) -> bool:
+    return isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.size(0) == rows
+
+
+def scatter_payload(value: Any, chunks: int) -> list[Any]:
+    """Micro-batches of a payload: its batched leaves split along dim 0, the others whole."""
+    if payload.is_flat(value) and not (isinstance(value, tuple) and None in value):
+        return scatter(value, chunks)
+    leaves, spec = payload.flatten(value)
+    rows = _rows_of(leaves)
+    assert rows is not None, "check_payload first"
+    sizes = split_sizes(rows, chunks)
+    parts = [leaf.split(sizes) if _batched(leaf, rows) else None for leaf in leaves]
+    return [
+        pytree.tree_unflatten(
+            [leaf if part is None else part[i] for leaf, part in zip(leaves, parts, strict=True)],
+            spec,
+        )
+        for i in range(len(sizes))
+    ]
+
+
+def gather_payload(microbatches: Sequence[Any]) -> Any:
+    """The micro-batches' payloads joined: tensors with dimensions concatenated along dim 0,
+    0-d tensors stacked (one value per micro-batch), plain values kept where every
+    micro-batch has the same, else listed."""
+    first = microbatches[0]
+    if payload.is_flat(first) and not (isinstance(first, tuple) and None in first):
+        return gather(microbatches)
+    if len(microbatches) == 1:
+        return first
+    flat = [payload.flatten(mb) for mb in microbatches]
+    spec = flat[0][1]
+    joined = []
+    for column in zip(*(leaves for leaves, _ in flat), strict=True):
+        head = column[0]
+        if isinstance(head, Tensor):
+            joined.append(torch.cat(column) if head.dim() > 0 else torch.stack(column))
+        elif all(v == head for v in column[1:]):
+            joined.append(head)
+        else:
+            joined.append(list(column))
+    return pytree.tree_unflatten(joined, spec)

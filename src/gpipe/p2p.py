@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import envelope
+from . import envelope, payload
 from .errors import PipelineError, StageError
 from .pipes import PipeClosed, Pipes, PipeTimeout
 from .schedule import RECV_KINDS, RECV_OF, SEND_KINDS, Action, Kind
-from .transport import Message, message_items, what
+from .transport import Message, what
 
 __all__ = ["DistributedTransport"]
 
@@ -254,22 +254,21 @@ class DistributedTransport:
             if words[0] != envelope.GROW:
                 break
             inbox.capacity = words[1]  # the message follows in a bigger buffer
-        items, bare, info, used = envelope.read(buffer, words)
+        items, form, info, used, structure = envelope.read(buffer, words)
         if self._separate:
             items = self._fetch(items, key[0], dst, src, microbatch, kind)
         elif used < buffer.numel() - buffer.numel() // 8:  # much slack: do not keep it alive
             items = tuple(None if t is None else t.clone() for t in items)
         if inbox.to_post > 0:
             self._post(key, inbox)
-        message: Message = items[0] if bare else items  # type: ignore[assignment]
-        return _Arrived(message, info, (src, dst, kind))
+        return _Arrived(payload.decode(items, form, structure), info, (src, dst, kind))
 
     def _take_piped(
         self, key: tuple[int, int], src: int, dst: int, microbatch: int, kind: Kind
     ) -> _Arrived:
         assert self._pipes is not None
         try:
-            items, bare, info = self._pipes.recv(key, self._timeout_s)
+            items, form, info, structure = self._pipes.recv(key, self._timeout_s)
         except PipeTimeout as exc:
             raise StageError(
                 dst,
@@ -279,8 +278,7 @@ class DistributedTransport:
             raise StageError(
                 dst, f"lost stage {src} ({exc}) waiting for {what(kind, microbatch, src)}"
             ) from exc
-        message: Message = items[0] if bare else items  # type: ignore[assignment]
-        return _Arrived(message, info, (src, dst, kind))
+        return _Arrived(payload.decode(items, form, structure), info, (src, dst, kind))
 
     def _fetch(
         self,
@@ -310,17 +308,16 @@ class DistributedTransport:
             self._local.setdefault(tag, deque()).append(message)
             return
         self._reap()
-        items = message_items(message)
-        bare = isinstance(message, Tensor)
+        items, form, structure = payload.encode(message)
         if self._piped((peer, tag), incoming=False):
-            described = envelope.describe(items, bare, self.info, aligned=False)
+            described = envelope.describe(items, form, self.info, structure, aligned=False)
             parts = [t.detach().contiguous() for t in items if t is not None]
             try:
                 self._pipes.send((peer, tag), [envelope.header(described), *parts])  # type: ignore[union-attr]
             except PipeClosed as exc:
                 raise StageError(src, f"lost stage {dst} ({exc}) sending to it") from exc
             return
-        described = envelope.describe(items, bare, self.info)
+        described = envelope.describe(items, form, self.info, structure)
         if self._separate:
             self._send_separate(items, described, peer, tag)
             return

@@ -145,9 +145,9 @@ class Pipes:
 
     def recv(
         self, channel: Channel, timeout: float
-    ) -> tuple[tuple[Tensor | None, ...], bool, tuple[int, ...]]:
-        """The next message of ``channel``: its tensors, each in storage of its own, whether
-        it was a bare tensor, and its info words."""
+    ) -> tuple[tuple[Tensor | None, ...], int, tuple[int, ...], bytes]:
+        """The next message of ``channel``: its tensors, each in storage of its own, their
+        form, its info words and its structure (``envelope``)."""
         fd = self.incoming[channel]
         deadline = time.monotonic() + timeout
         fixed = torch.empty(envelope.FIXED_BYTES, dtype=torch.uint8)
@@ -158,7 +158,7 @@ class Pipes:
             rest = torch.empty(extra, dtype=torch.uint8)
             self._read_into(fd, _bytes_of(rest), deadline, timeout)
             words += rest.view(torch.int64).tolist()
-        described, bare, info = envelope.items_of(words)
+        described, form, info, structure = envelope.items_of(words)
         tensors: list[Tensor | None] = []
         for item in described:
             if item is None:
@@ -168,7 +168,7 @@ class Pipes:
             if item.nbytes:
                 self._read_into(fd, _bytes_of(t), deadline, timeout)
             tensors.append(t.requires_grad_(item.requires_grad))
-        return tuple(tensors), bare, info
+        return tuple(tensors), form, info, structure
 
     @staticmethod
     def _read_into(fd: int, view: memoryview, deadline: float, timeout: float) -> None:

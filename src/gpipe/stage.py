@@ -22,17 +22,26 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from .checkpointing import AutocastState, RNGState, checkpointing, recomputing
-from .microbatch import Batch, as_tuple, check_batch, like
+from .microbatch import Batch, check_batch
+from .payload import check_same_structure, signature, tensors_of, with_tensors
 from .skip.layout import StagePorts
 from .skip.namespace import SkipKey
 from .skip.tracker import StageTracker, use_tracker
 from .weightgrad import WeightGradients
 
-__all__ = ["Grads", "LossFn", "Stage"]
+__all__ = ["NO_TARGET", "Grads", "LossFn", "Stage"]
 
 LossFn = Callable[..., Tensor]
 Grads = tuple[Tensor | None, ...]
 Skips = dict[SkipKey, Tensor | None]
+
+
+class _NoTarget:
+    def __repr__(self) -> str:
+        return "NO_TARGET"
+
+
+NO_TARGET: Any = _NoTarget()  # the target of a step without targets: loss_fn(outputs) alone
 
 
 @dataclass
@@ -87,6 +96,8 @@ class Stage:
     The last stage may own the loss: ``forward`` then also takes the micro-batch's target and
     the weight of its loss in the mini-batch loss, and ``backward`` starts from that loss.
     ``ports`` says which skip tensors the stage receives from and sends to which stages.
+    With ``payloads`` the stage takes and returns any pytree (``gpipe.payload``), else a
+    tensor or a tuple of tensors, as torchgpipe's did.
     """
 
     def __init__(
@@ -99,6 +110,7 @@ class Stage:
         ports: StagePorts | None = None,
         autocast: torch.dtype | None = None,
         recomputed_layers: frozenset[int] = frozenset(),
+        payloads: bool = False,
     ) -> None:
         self.index = index
         self.n_stages = n_stages
@@ -109,7 +121,9 @@ class Stage:
         self.autocast = autocast  # the stage's own: its forwards and recomputations run under it
         # positions of the layers (children of ``module``) recomputed in the backward
         self.recomputed_layers = recomputed_layers
+        self.payloads = payloads
         self._saved: dict[int, _Saved] = {}
+        self._first_output: Any = None  # micro-batch 0's, which the others must be shaped like
 
     @property
     def is_last(self) -> bool:
@@ -160,17 +174,32 @@ class Stage:
         )
         with own, use_tracker(tracker):
             raw = self._layers(inputs)
-            outputs = check_batch(raw, f"the output of stage {self.index}", batched=False)
+            outputs = self._checked(raw, microbatch)
             exported = self._exported(tracker.stashed, microbatch)
             loss = None
             if self.is_last and self.loss_fn is not None and saved.target is not None:
-                loss = self.loss_fn(outputs, saved.target)
+                if saved.target is NO_TARGET:
+                    loss = self.loss_fn(outputs)
+                else:
+                    loss = self.loss_fn(outputs, saved.target)
         if loss is not None:
             if not isinstance(loss, Tensor) or loss.dim() != 0:
                 shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
                 raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
             loss = loss * saved.weight
         return outputs, exported, loss
+
+    def _checked(self, raw: Any, microbatch: int) -> Any:
+        """The stage's output, refused if it is no payload this stage may send, or if its
+        structure differs from micro-batch 0's."""
+        where = f"the output of stage {self.index}"
+        if not self.payloads:
+            return check_batch(raw, where, batched=False)
+        if microbatch == 0:
+            self._first_output = signature(raw)
+        elif self._first_output is not None:
+            check_same_structure(self._first_output, raw, where)
+        return raw
 
     def _layers(self, inputs: Batch) -> Any:
         """The module on ``inputs``; with ``recomputed_layers``, layer by layer, those under
@@ -213,20 +242,20 @@ class Stage:
             with torch.no_grad():
                 outputs, exported, loss = self._run(inputs, imported, saved, microbatch)
             return outputs, self._by_destination(exported), loss
-        saved.inputs = like(inputs, [_leaf(t) for t in as_tuple(inputs)])
+        saved.inputs = with_tensors(inputs, [_leaf(t) for t in tensors_of(inputs)])
         saved.imported = {key: _maybe(_leaf, t) for key, t in imported.items()}
         if checkpoint:
             saved.rng = RNGState(self.device)
             saved.autocast = AutocastState.capture()
             with torch.no_grad(), checkpointing():
                 outputs, exported, loss = self._run(saved.inputs, saved.imported, saved, microbatch)
-            sent = like(outputs, [_announced(t) for t in as_tuple(outputs)])
+            sent = with_tensors(outputs, [_announced(t) for t in tensors_of(outputs)])
             sent_skips = [_maybe(_announced, t) for t in exported]
         else:
             with torch.enable_grad(), self._capturing(saved):
                 outputs, exported, loss = self._run(saved.inputs, saved.imported, saved, microbatch)
-            saved.outputs, saved.loss = [*as_tuple(outputs), *exported], loss
-            sent = like(outputs, [_leaf(t) for t in as_tuple(outputs)])
+            saved.outputs, saved.loss = [*tensors_of(outputs), *exported], loss
+            sent = with_tensors(outputs, [_leaf(t) for t in tensors_of(outputs)])
             sent_skips = [_maybe(_leaf, t) for t in exported]
         self._saved[microbatch] = saved
         return sent, self._by_destination(sent_skips), None if loss is None else loss.detach()
@@ -254,7 +283,7 @@ class Stage:
                 outputs, exported, saved.loss = self._run(
                     saved.inputs, saved.imported, saved, microbatch
                 )
-            saved.outputs = [*as_tuple(outputs), *exported]
+            saved.outputs = [*tensors_of(outputs), *exported]
             saved.rng = None
         return saved
 
@@ -307,7 +336,7 @@ class Stage:
         def of(t: Tensor | None) -> Tensor | None:
             return grad_of(t) if t is not None and t.requires_grad else None
 
-        batch = tuple(of(t) for t in as_tuple(saved.inputs))
+        batch = tuple(of(t) for t in tensors_of(saved.inputs))
         skips = {
             src: tuple(of(saved.imported[key]) for key in keys)
             for src, keys in self.ports.imports.items()
@@ -343,7 +372,7 @@ class Stage:
                 f"micro-batch {microbatch} was run forward without split_backward=True"
             )
         roots, grads = self._roots(saved, microbatch, grad_outputs, skip_grads or {})
-        leaves = [*as_tuple(saved.inputs), *saved.imported.values()]
+        leaves = [*tensors_of(saved.inputs), *saved.imported.values()]
         wanted = [t for t in leaves if t is not None and t.requires_grad]
         found: dict[int, Tensor | None] = {}
         if roots and wanted:

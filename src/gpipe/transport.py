@@ -1,9 +1,10 @@
 """Moving boundary tensors between stages: the protocol, and the transport within a process
 (``p2p.DistributedTransport`` moves them between processes).
 
-Transports carry a tensor, or a tuple whose items are tensors or None (a gradient nobody
-needs), keep that shape (a 1-tuple stays a 1-tuple), and keep each tensor's
-``requires_grad`` so the receiving stage knows which gradients to send back. Every wait is
+Transports carry a tensor, a tuple whose items are tensors or None (a gradient nobody
+needs), or any payload (``payload``: a pytree of tensors and plain values); they keep its
+shape (a 1-tuple stays a 1-tuple) and each tensor's ``requires_grad``, so the receiving
+stage knows which gradients to send back. Every wait is
 bounded: a peer that never answers ends in a StageError naming the stage.
 """
 
@@ -12,17 +13,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from . import payload
 from .errors import PipelineError, StageError
 from .schedule import RECV_OF, Kind
 
-__all__ = ["InProcessTransport", "Message", "Transport", "message_items", "what"]
+__all__ = ["InProcessTransport", "Message", "Transport", "what"]
 
-Message = Tensor | tuple[Tensor | None, ...]
+Message = Tensor | tuple[Tensor | None, ...] | Any
 
 _CARRIED = {
     Kind.RECV_F: "activations",
@@ -34,10 +36,6 @@ _CARRIED = {
 
 def what(kind: Kind, microbatch: int, src: int) -> str:
     return f"{_CARRIED[kind]} of micro-batch {microbatch} from stage {src}"
-
-
-def message_items(message: Message) -> tuple[Tensor | None, ...]:
-    return (message,) if isinstance(message, Tensor) else tuple(message)
 
 
 class Transport(Protocol):
@@ -93,7 +91,10 @@ class InProcessTransport:
 
         if isinstance(message, Tensor):
             return moved(message)
-        return tuple(None if t is None else moved(t) for t in message)
+        if payload.is_flat(message):
+            return tuple(None if t is None else moved(t) for t in message)
+        tensors = payload.tensors_of(message)
+        return payload.with_tensors(message, [moved(t) for t in tensors])
 
     def flush(self) -> None:
         pass

@@ -1,0 +1,242 @@
+"""Payloads: what a ``Pipeline`` stage takes and returns, any pytree of tensors and plain values.
+
+A payload is a tensor, a tuple of tensors, or any pytree (``torch.utils._pytree``) of them:
+lists, dicts, NamedTuples, dataclasses, Hugging Face ``ModelOutput`` ..., whose leaves may
+also be plain values (ints, floats, bools, None, strings). Its *tensors* are its tensor
+leaves in flattening order; they are what autograd and the wire see. Its *structure* is
+everything else: the tree and the plain leaves, sent along as a small pickled description
+when it is not a bare tensor or a flat tuple.
+
+Dataclasses that no one registered with pytree are registered on first sight, so that their
+fields travel as leaves rather than the whole object as one opaque value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pickle
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+__all__ = [
+    "FLAT_TUPLE",
+    "TENSOR",
+    "TREE",
+    "Structure",
+    "check_same_structure",
+    "decode",
+    "describe_structure",
+    "encode",
+    "flatten",
+    "is_flat",
+    "signature",
+    "tensors_of",
+    "with_tensors",
+]
+
+# How a message's tensors make up the value that was sent: a tuple of them, the tensor
+# itself, or a tree described by its structure.
+FLAT_TUPLE, TENSOR, TREE = 0, 1, 2
+
+
+class _TensorSlot:
+    """Where a tensor leaf sits in a structure."""
+
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+    def __reduce__(self) -> str:
+        return "SLOT"
+
+
+SLOT = _TensorSlot()
+
+
+@dataclasses.dataclass(frozen=True)
+class Structure:
+    """A payload less its tensors: the tree, and its leaves with each tensor replaced by
+    ``SLOT``."""
+
+    spec: pytree.TreeSpec
+    leaves: tuple[Any, ...]
+
+
+def is_flat(value: object) -> bool:
+    """A tensor, or a tuple of tensors (and Nones): the forms that need no structure."""
+    if isinstance(value, Tensor):
+        return True
+    return type(value) is tuple and all(v is None or isinstance(v, Tensor) for v in value)
+
+
+def _register_dataclasses(leaves: Sequence[Any]) -> bool:
+    """Register the unregistered dataclass types among ``leaves``; whether there were any."""
+    found = False
+    for leaf in leaves:
+        cls = type(leaf)
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            if cls not in pytree.SUPPORTED_NODES:
+                pytree.register_dataclass(cls)
+            found = True
+    return found
+
+
+def flatten(value: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """``tree_flatten``, with unregistered dataclasses registered first."""
+    leaves, spec = pytree.tree_flatten(value)
+    if _register_dataclasses(leaves):
+        leaves, spec = pytree.tree_flatten(value)
+    return leaves, spec
+
+
+def tensors_of(value: Any) -> tuple[Tensor, ...]:
+    """The tensor leaves of a payload, in flattening order."""
+    if isinstance(value, Tensor):
+        return (value,)
+    if type(value) is tuple and all(isinstance(v, Tensor) for v in value):
+        return value
+    leaves, _ = flatten(value)
+    return tuple(leaf for leaf in leaves if isinstance(leaf, Tensor))
+
+
+def with_tensors(value: Any, tensors: Sequence[Tensor | None]) -> Any:
+    """``value`` with its tensor leaves replaced, in order, by ``tensors``."""
+    if isinstance(value, Tensor):
+        (tensor,) = tensors
+        return tensor
+    if type(value) is tuple and all(isinstance(v, Tensor) for v in value):
+        return tuple(tensors)
+    leaves, spec = flatten(value)
+    given = iter(tensors)
+    replaced = [next(given) if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+    return pytree.tree_unflatten(replaced, spec)
+
+
+def describe_structure(value: Any) -> tuple[tuple[Tensor, ...], Structure]:
+    """A payload's tensors and its structure."""
+    leaves, spec = flatten(value)
+    tensors = tuple(leaf for leaf in leaves if isinstance(leaf, Tensor))
+    slots = tuple(SLOT if isinstance(leaf, Tensor) else leaf for leaf in leaves)
+    return tensors, Structure(spec, slots)
+
+
+def _rebuild(structure: Structure, tensors: Sequence[Tensor | None]) -> Any:
+    given = iter(tensors)
+    leaves = [next(given) if leaf is SLOT else leaf for leaf in structure.leaves]
+    return pytree.tree_unflatten(leaves, structure.spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _pickled(structure: Structure) -> bytes:
+    return pickle.dumps(structure)
+
+
+@functools.lru_cache(maxsize=256)
+def _unpickled(data: bytes) -> Structure:
+    with warnings.catch_warnings():  # torch's own unpickling of a TreeSpec warns of itself
+        warnings.filterwarnings("ignore", "`isinstance\\(treespec, LeafSpec\\)`", FutureWarning)
+        structure = pickle.loads(data)  # written by a process of the same job
+    if not isinstance(structure, Structure):
+        raise TypeError(f"a message's structure is a {type(structure).__name__}")
+    _register_nodes(structure.spec)
+    return structure
+
+
+def _register_nodes(spec: pytree.TreeSpec) -> None:
+    """Register the dataclasses a received structure uses, as the sender had them."""
+    if dataclasses.is_dataclass(spec.type) and spec.type not in pytree.SUPPORTED_NODES:
+        pytree.register_dataclass(spec.type)
+    children = spec.children() if hasattr(spec, "children") else spec.children_specs
+    for child in children:
+        _register_nodes(child)
+
+
+def _serialized(structure: Structure) -> bytes:
+    try:
+        return _pickled(structure)
+    except TypeError:  # a leaf that cannot be hashed: pickle it every time
+        return pickle.dumps(structure)
+
+
+def encode(message: Any) -> tuple[tuple[Tensor | None, ...], int, bytes]:
+    """What goes on the wire: the tensors, how they make up the message, its structure."""
+    if isinstance(message, Tensor):
+        return (message,), TENSOR, b""
+    if is_flat(message):
+        return message, FLAT_TUPLE, b""
+    tensors, structure = describe_structure(message)
+    return tensors, TREE, _serialized(structure)
+
+
+def decode(items: tuple[Tensor | None, ...], form: int, structure: bytes) -> Any:
+    """The message ``encode`` described, from the tensors received."""
+    if form == TENSOR:
+        return items[0]
+    if form == FLAT_TUPLE:
+        return items
+    return _rebuild(_unpickled(structure), items)
+
+
+def signature(value: Any) -> Any:
+    """What two micro-batches' payloads must share: the tree, and where its tensors are (not
+    the tensors, nor the plain leaves' values). Small: it holds no tensor."""
+    if isinstance(value, Tensor):
+        return "tensor"
+    if is_flat(value):
+        return len(value)
+    _, structure = describe_structure(value)
+    return structure
+
+
+def _paths(value: Any) -> dict[str, str]:
+    """Each leaf's path (as ``keystr`` writes it) and what it is."""
+    if isinstance(value, Structure):
+        value = pytree.tree_unflatten(list(value.leaves), value.spec)
+    elif isinstance(value, int):  # a flat tuple's signature: its length
+        value = (SLOT,) * value
+    elif value == "tensor":
+        value = SLOT
+    found, _ = pytree.tree_flatten_with_path(value)
+    return {
+        pytree.keystr(path): "a tensor"
+        if leaf is SLOT or isinstance(leaf, Tensor)
+        else type(leaf).__name__
+        for path, leaf in found
+    }
+
+
+def _same(first: Any, now: Any) -> bool:
+    if isinstance(first, Structure) and isinstance(now, Structure):
+        if first.spec != now.spec:
+            return False
+        return all(
+            (a is SLOT) == (b is SLOT) for a, b in zip(first.leaves, now.leaves, strict=True)
+        )
+    return type(first) is type(now) and first == now
+
+
+def check_same_structure(first: Any, value: Any, where: str) -> None:
+    """Raise if ``value`` is not shaped like the payload whose ``signature`` is ``first``:
+    the same tree, tensors in the same places. ``where`` names whose value it is."""
+    now = signature(value)
+    if _same(first, now):
+        return
+    before, after = _paths(first), _paths(now)
+    for path in sorted(set(before) | set(after)):
+        if before.get(path) != after.get(path):
+            was = before.get(path, "absent")
+            is_now = after.get(path, "absent")
+            leaf = path or "the value itself"
+            raise ValueError(
+                f"{where} changed structure within the step at leaf {leaf}: {was} in "
+                f"micro-batch 0, {is_now} now; every micro-batch of a step must give the same "
+                "tree, with tensors in the same places"
+            )
+    raise ValueError(
+        f"{where} changed structure within the step; every micro-batch of a step must give "
+        "the same tree, with tensors in the same places"
+    )
