@@ -525,3 +525,44 @@ def measured_layer_memory(name: str) -> dict:
                 pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
             out[f"{schedule}/{policy}"] = meter.peak
     return out
+
+
+def tied_weights(balance: list[int], schedule: str = "gpipe") -> dict:
+    """A weight used by the first and the last stage: each copy's gradient is the shared
+    weight's, the copies stay equal through optimizer steps, and clipping counts it once."""
+    from .models import tied, token_loss, tokens
+
+    exact = {"rtol": 1e-12, "atol": 1e-14}
+    reference = tied()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.1)
+    chunks = 4 if schedule == "interleaved" else 3  # interleaved: a multiple of the ranks
+    pipe = Pipeline(tied(), balance, chunks=chunks, schedule=schedule, loss_fn=token_loss)
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.1)
+    last = len(balance) - 1
+    for step in range(3):
+        ids, targets = tokens(7, seed=step)
+        ref_opt.zero_grad()
+        ref_loss = token_loss(reference(ids), targets)
+        ref_loss.backward()
+        opt.zero_grad()
+        loss = pipe.step(ids, targets)
+        torch.testing.assert_close(loss, ref_loss.detach(), **exact)
+        ref_grads = dict(reference.named_parameters())
+        for name, p in pipe.named_parameters():
+            want = ref_grads["0.weight"] if name == "3.weight" else ref_grads[name]
+            torch.testing.assert_close(p.grad, want.grad, **exact)
+        ref_norm = nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        torch.testing.assert_close(pipe.clip_grad_norm_(0.5), ref_norm.double(), **exact)
+        ref_opt.step()
+        opt.step()
+    copies = {}
+    for name, p in pipe.named_parameters():
+        if name in ("0.weight", "3.weight"):
+            copies[name] = p.detach().clone()
+    # every copy equals the reference's one weight, bit for bit across the copies
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, copies)
+    both = {k: v for d in gathered for k, v in d.items()}
+    assert torch.equal(both["0.weight"], both["3.weight"])
+    torch.testing.assert_close(both["0.weight"], reference[0].weight.detach(), **exact)
+    return {"ties": [t.stages for t in pipe.ties], "last": last}

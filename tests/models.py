@@ -121,3 +121,37 @@ def unet_batch(rows: int, dtype: torch.dtype = torch.float64, seed: int = 1):
 
 
 INTERLEAVED_MLP = [2, 2, 2, 2]  # two stages per rank over mlp()'s eight layers, for K = 2
+
+
+# --- one weight in the first and the last layer: a tied embedding and output projection ----
+
+VOCAB, EMBED = 11, 6
+
+
+class TiedHead(nn.Module):
+    """Projects onto the vocabulary with the embedding's own weight (the same Parameter)."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.weight = embedding.weight
+        self.bias = nn.Parameter(torch.zeros(embedding.num_embeddings))
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+def tied(dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    embedding = nn.Embedding(VOCAB, EMBED)
+    layers = [embedding, nn.Linear(EMBED, EMBED), nn.Tanh(), TiedHead(embedding)]
+    return nn.Sequential(*layers).to(dtype)
+
+
+def tokens(rows: int, length: int = 5, seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (rows, length), generator=g)
+    return ids, ids.roll(-1, 1)
+
+
+def token_loss(logits, targets):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())

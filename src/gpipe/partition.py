@@ -22,7 +22,8 @@ __all__ = [
 
 
 def as_sequential(layers: nn.Sequential | Iterable[nn.Module]) -> nn.Sequential:
-    """An ``nn.Sequential`` of the layers, checked to share no module between two layers."""
+    """An ``nn.Sequential`` of the layers, checked to share no module between two layers
+    (a parameter they may share: ``gpipe.ties``)."""
     if isinstance(layers, nn.Sequential):
         module = layers
     elif isinstance(layers, nn.Module):
@@ -44,13 +45,14 @@ def as_sequential(layers: nn.Sequential | Iterable[nn.Module]) -> nn.Sequential:
                 f"module with duplicate children is not supported: layer {name!r} is layer "
                 f"{owner[id(child)]!r}"
             )
-        for param in child.parameters():
-            if id(param) in owner:
+        for sub_name, sub in child.named_modules(prefix=name):
+            if id(sub) in owner and sub_name != name:
                 raise ValueError(
                     "module with duplicate parameters in distinct children is not supported: "
-                    f"layer {name!r} shares a parameter with layer {owner[id(param)]!r}"
+                    f"layer {name!r} shares module {sub_name!r} with layer {owner[id(sub)]!r} "
+                    "(layers may share a parameter, not a module holding it)"
                 )
-        owner.update((id(t), name) for t in [child, *child.parameters()])
+        owner.update((id(sub), name) for sub in child.modules())
     return module
 
 

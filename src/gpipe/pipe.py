@@ -46,6 +46,7 @@ from .schedule import (
 from .skip.layout import SkipLayout
 from .skip.skippable import find_skips
 from .stage import Stage
+from .ties import find_ties, sum_local, untie
 from .trace import Event, Recorder
 from .transport import InProcessTransport
 
@@ -91,6 +92,7 @@ class _Run:
         self.devices = [stage.device for stage in self.stages]
         self.timeout = timeout
         self.on_action = on_action
+        self.tied: list[list[nn.Parameter]] = []  # each tied parameter's copies, one per stage
         self._groups = list(dict.fromkeys(self.devices))  # one worker per distinct device
         self._pools: dict[torch.device, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
@@ -196,6 +198,7 @@ class _PipelineFunction(torch.autograd.Function):
         splits = [g.split(ctx.sizes, dim=0) for g in grad_outputs]
         data.grad_outputs = [tuple(s[i] for s in splits) for i in range(len(ctx.sizes))]
         ctx.run.run(ctx.schedule, "backward", data)
+        sum_local(ctx.run.tied)
         n = ctx.schedule.n_microbatches
         per_input = list(zip(*(data.input_grads[i] for i in range(n)), strict=True))
         input_grads = tuple(
@@ -255,6 +258,10 @@ class GPipe(nn.Module):
         if deferred_batch_norm:
             module = convert_deferred_batch_norm(module, chunks, auto_commit=False)  # type: ignore[assignment]
         self.devices = all_devices[: len(self.balance)]
+        # a parameter that layers of several partitions share: a copy on each, gradients
+        # summed after the backward (so the copies stay equal)
+        self.ties = find_ties(module, self.balance)
+        untie(module, self.ties)
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
@@ -273,6 +280,9 @@ class GPipe(nn.Module):
         self.recorder = Recorder(0) if trace else None
         hook = None if self.recorder is None else self.recorder.on_action
         self._run = _Run(stages, timeout, hook)
+        self._run.tied = [
+            [module.get_parameter(tie.name(s)) for s in tie.stages] for tie in self.ties
+        ]
 
     # -- Sequential-like access to the layers -------------------------------------------------
     def __len__(self) -> int:

@@ -1,0 +1,174 @@
+"""Parameters that layers of different stages share, such as a tied embedding and output
+projection: one parameter in effect, a copy on each stage.
+
+A model ties a weight by using one ``nn.Parameter`` object in several layers. Once its
+layers are cut into stages on different devices or processes, one object cannot serve them
+all, so each stage that uses it gets a copy (``untie``). After the backward, every copy's
+gradient is set to the sum over all copies (``sum_local`` in one process,
+``TiedGradients`` across processes), the gradient the one shared parameter would have had,
+so the optimizer moves every copy alike and they stay equal.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .errors import StageError
+from .partition import stage_bounds
+
+__all__ = ["Tie", "TiedGradients", "counted", "find_ties", "sum_local", "untie"]
+
+
+@dataclass(frozen=True)
+class Tie:
+    """One parameter shared across stages: for each stage that uses it, the names (in the
+    whole ``nn.Sequential``) under which that stage's layers hold it, stages in order."""
+
+    copies: tuple[tuple[int, tuple[str, ...]], ...]
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(stage for stage, _ in self.copies)
+
+    def name(self, stage: int) -> str:
+        """The name of ``stage``'s copy (its first, if its layers use it under several)."""
+        return dict(self.copies)[stage][0]
+
+
+def find_ties(module: nn.Sequential, balance: Sequence[int]) -> list[Tie]:
+    """The parameters that layers of more than one stage share (one object in several
+    layers), in the order of their first use."""
+    bounds = stage_bounds(balance)
+    owners: dict[int, dict[int, list[str]]] = {}
+    for index, (name, layer) in enumerate(module.named_children()):
+        stage = next(s for s, (start, stop) in enumerate(bounds) if start <= index < stop)
+        for qualified, param in layer.named_parameters(prefix=name, remove_duplicate=False):
+            owners.setdefault(id(param), {}).setdefault(stage, []).append(qualified)
+    return [
+        Tie(tuple((stage, tuple(names)) for stage, names in by_stage.items()))
+        for by_stage in owners.values()
+        if len(by_stage) > 1
+    ]
+
+
+def _set(module: nn.Module, name: str, value: nn.Parameter) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    setattr(owner, attr, value)
+
+
+def untie(module: nn.Sequential, ties: Sequence[Tie]) -> None:
+    """Give every stage after the first its own copy of each tied parameter (a clone, equal
+    to the original; shared still by the layers of that stage)."""
+    for tie in ties:
+        original = module.get_parameter(tie.copies[0][1][0])
+        for _, names in tie.copies[1:]:
+            copy = nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad)
+            for name in names:
+                _set(module, name, copy)
+
+
+def _sum(grads: Sequence[Tensor | None], like: Tensor) -> Tensor:
+    found = [g for g in grads if g is not None]
+    if not found:
+        return torch.zeros_like(like)
+    total = found[0].to(like.device, copy=True)
+    for g in found[1:]:
+        total += g.to(like.device)
+    return total
+
+
+def _assign(param: nn.Parameter, total: Tensor) -> None:
+    if param.grad is None:
+        param.grad = total.to(param.device, copy=True)
+    else:
+        param.grad.copy_(total)
+
+
+def sum_local(copies: Sequence[Sequence[nn.Parameter]]) -> None:
+    """Set each copy's gradient to the sum over every copy of its parameter, all of them
+    in this process (``copies``: for each tie, its copies)."""
+    for params in copies:
+        if all(p.grad is None for p in params):
+            continue
+        total = _sum([p.grad for p in params], params[0])
+        for p in params:
+            _assign(p, total)
+
+
+def counted(ties: Sequence[Tie], params: dict[str, nn.Parameter]) -> list[nn.Parameter]:
+    """``params`` with each tie counted once: its first stage's copy (for gradient norms)."""
+    extra = {name for tie in ties for _, names in tie.copies[1:] for name in names}
+    return [p for name, p in params.items() if name not in extra]
+
+
+class TiedGradients:
+    """The ties of a pipeline spread over processes, as one rank holds them.
+
+    ``rank_of(stage)`` gives a stage's rank in the pipeline's group and ``global_rank``
+    turns that into a rank of the world. Creating it is collective among the ranks that
+    share a tie: each makes the group of the ranks holding copies (only they take part)."""
+
+    def __init__(
+        self,
+        ties: Sequence[Tie],
+        params: dict[str, nn.Parameter],
+        stages: Sequence[int],
+        rank_of: Callable[[int], int],
+        global_rank: Callable[[int], int],
+        timeout: float,
+    ) -> None:
+        self._timeout = datetime.timedelta(seconds=timeout)
+        self._stage = min(stages)
+        self._entries: list[tuple[list[nn.Parameter], dist.ProcessGroup | None, int]] = []
+        for tie in ties:
+            mine = [s for s in tie.stages if s in stages]
+            ranks = sorted({global_rank(rank_of(s)) for s in tie.stages})
+            group = None
+            if len(ranks) > 1:
+                if not mine:
+                    continue
+                group = dist.new_group(ranks, use_local_synchronization=True)
+            if not mine:
+                continue
+            source = global_rank(rank_of(tie.stages[0]))
+            self._entries.append(([params[tie.name(s)] for s in mine], group, source))
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            work.wait(self._timeout)
+        except RuntimeError as exc:
+            raise StageError(self._stage, f"lost a stage sharing a tied weight ({what})") from exc
+
+    @torch.no_grad()
+    def broadcast(self) -> None:
+        """Make every copy equal to the first stage's (after each rank built its own)."""
+        for params, group, source in self._entries:
+            first = params[0]
+            if group is not None:
+                self._wait(
+                    dist.broadcast(first.data, src=source, group=group, async_op=True),
+                    "setting its copies equal",
+                )
+            for p in params[1:]:
+                p.data.copy_(first.data)
+
+    def sum(self) -> None:
+        """Set every copy's gradient to the sum over all copies, on every rank."""
+        for params, group, _ in self._entries:
+            total = _sum([p.grad for p in params], params[0])
+            if group is not None:
+                self._wait(
+                    dist.all_reduce(total, group=group, async_op=True), "summing its gradients"
+                )
+            for p in params:
+                _assign(p, total)
