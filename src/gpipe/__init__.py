@@ -5,6 +5,7 @@ from .distributed import Pipeline
 from .errors import BalanceError, MovingDenied, PipelineError, StageError
 from .launch import LaunchError, launch
 from .pipe import GPipe
+from .splitting import split
 
 __all__ = [
     "BalanceError",
@@ -17,5 +18,6 @@ __all__ = [
     "is_checkpointing",
     "is_recomputing",
     "launch",
+    "split",
 ]
 __version__ = "0.1.0"

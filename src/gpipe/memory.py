@@ -23,13 +23,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
 from .checkpointing import Layers, check_checkpoint, recomputed_layers, should_checkpoint
-from .microbatch import as_tuple, split_sizes
+from .microbatch import check_payload, split_sizes
 from .partition import as_sequential, check_balance, stage_bounds
+from .payload import flatten, tensors_of
 from .schedule import Kind, Schedule, add_recompute, get_schedule
 from .skip.tracker import observe, use_tracker
 
@@ -61,7 +63,7 @@ def _key(t: Tensor) -> int:
 def _tensors(value: Any) -> list[Tensor]:
     if value is None:
         return []
-    return [t for t in as_tuple(value) if isinstance(t, Tensor)]
+    return list(tensors_of(value))
 
 
 class _FusedAttention(TorchFunctionMode):
@@ -255,14 +257,21 @@ def _profile_run(
 
 
 def _rows(batch: Any) -> int:
-    return _tensors(batch)[0].size(0)
+    return check_payload(batch, "sample")
 
 
 def _first_rows(batch: Any, rows: int) -> Any:
-    """A copy of the first ``rows`` rows, in storage of its own."""
-    if isinstance(batch, Tensor):
-        return batch[:rows].clone()
-    return type(batch)(t[:rows].clone() if isinstance(t, Tensor) else t for t in batch)
+    """A copy of the first ``rows`` rows, in storage of its own (of any payload: its
+    batched leaves cut, the others whole)."""
+    total = _rows(batch)
+
+    def cut(leaf: Any) -> Any:
+        if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.size(0) == total:
+            return leaf[:rows].clone()
+        return leaf
+
+    leaves, spec = flatten(batch)
+    return pytree.tree_unflatten([cut(leaf) for leaf in leaves], spec)
 
 
 @dataclass(frozen=True)

@@ -271,8 +271,18 @@ class GPipe(nn.Module):
         )
         self.skip_layout = SkipLayout(skips, self.balance)
         recomputed = recomputed_layers(checkpoint, module, self.balance)
+        # between partitions any payload may pass (a split model's sizes ride along); what
+        # the last one returns is a tensor or a tuple of tensors, as torchgpipe's rule says
         stages = [
-            Stage(j, len(parts), p, d, ports=self.skip_layout.ports(j), recomputed_layers=r)
+            Stage(
+                j,
+                len(parts),
+                p,
+                d,
+                ports=self.skip_layout.ports(j),
+                recomputed_layers=r,
+                payloads=j < len(parts) - 1,
+            )
             for j, (p, d, r) in enumerate(
                 zip(self.partitions, self.devices, recomputed, strict=True)
             )

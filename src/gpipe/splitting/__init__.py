@@ -1,0 +1,323 @@
+"""``gpipe.split``: cut any model into pipeline stages by tracing it.
+
+``torch.export`` traces the model into one graph (every input dimension dynamic),
+``torch.fx``'s ``split_module`` cuts the graph where the named submodules begin, and each
+piece becomes a ``SplitStage``: an ``nn.Module`` holding its parameters under the original
+names. The stages form a ``SplitModel``, an ``nn.Sequential`` that ``GPipe`` and ``Pipeline``
+take as they are, and that runs the whole model when called in one process.
+"""
+
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.fx._pytree as fx_pytree
+from torch import Tensor, fx, nn
+from torch.fx.passes.split_module import split_module
+
+from ..balance import partition
+from ..skip import Namespace
+from .cuts import CutError, assign_stages, candidates, drop_checks, resolve
+from .stages import ATTR, SplitStage, plan_stages
+from .tracing import TraceError, check_one_row, trace
+
+__all__ = ["CutError", "SplitModel", "SplitStage", "TraceError", "split"]
+
+BALANCES = ("parameters", "time")
+
+
+class SplitModel(nn.Sequential):
+    """The stages of a split model, in order, and the map between their names and the
+    original model's.
+
+    A stage's parameters carry the original names: ``"1.transformer.h.7.mlp.c_fc.weight"``
+    is stage 1's ``transformer.h.7.mlp.c_fc.weight``. A parameter that several stages use
+    (a tied embedding and output projection) is held by each of them.
+    """
+
+    def __init__(
+        self, stages: Sequence[SplitStage], aliases: Mapping[str, Sequence[str]], at: list[str]
+    ) -> None:
+        super().__init__(*stages)
+        self.at = at  # where stages begin, by module name
+        self._aliases = {name: list(names) for name, names in aliases.items()}
+        self._canonical = {alias: name for name, names in aliases.items() for alias in names}
+
+    def stages(self) -> list[SplitStage]:
+        return list(self)  # type: ignore[arg-type]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> SplitModel:
+        """As ``nn.Module._apply``, keeping a parameter that several stages hold one
+        parameter (moving from meta, ``to_empty`` would give each stage its own)."""
+        shared: dict[int, list[str]] = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            shared.setdefault(id(param), []).append(name)
+        super()._apply(fn, recurse)
+        for names in shared.values():
+            first = self.get_parameter(names[0])
+            for name in names[1:]:
+                owner, _, attr = name.rpartition(".")
+                setattr(self.get_submodule(owner), attr, first)
+        return self
+
+    def original_name(self, name: str) -> str:
+        """The original model's name of the split model's parameter or buffer ``name``."""
+        index, _, rest = name.partition(".")
+        if not index.isdigit() or int(index) >= len(self) or not rest:
+            raise KeyError(f"{name!r} is not a name of this split model ('<stage>.<name>')")
+        stage = self[int(index)]
+        if rest not in dict(stage.named_parameters()) and rest not in dict(stage.named_buffers()):
+            raise KeyError(f"stage {index} holds no {rest!r}")
+        return rest
+
+    def split_names(self, original: str) -> list[str]:
+        """The split model's names for the original model's ``original`` (several where
+        stages share it)."""
+        canonical = self._canonical.get(original, original)
+        found = []
+        for index, stage in enumerate(self):
+            held = {*dict(stage.named_parameters()), *dict(stage.named_buffers())}
+            if canonical in held:
+                found.append(f"{index}.{canonical}")
+        if not found:
+            raise KeyError(f"no stage holds {original!r}")
+        return found
+
+    def _held_stages(self, module: nn.Module | None) -> list[SplitStage]:
+        if module is None:
+            return self.stages()
+        mine = {id(stage) for stage in self}
+        return [m for m in module.modules() if id(m) in mine]  # type: ignore[misc]
+
+    def original_state_dict(self, module: nn.Module | None = None) -> dict[str, Tensor]:
+        """A state dict with the original model's names (every alias of a tied weight),
+        of the stages held by ``module`` (a ``Pipeline`` holds only its own; default: all)."""
+        out: dict[str, Tensor] = {}
+        for stage in self._held_stages(module):
+            for name, value in stage.state_dict().items():
+                for alias in self._aliases.get(name, [name]):
+                    out.setdefault(alias, value)
+        return out
+
+    def load_original_state_dict(
+        self, state_dict: Mapping[str, Tensor], module: nn.Module | None = None
+    ) -> list[int]:
+        """Load the stages held by ``module`` (default: all) from a state dict with the
+        original model's names, reading only the keys those stages hold, so that each rank
+        of a ``Pipeline`` loads its own stage from a lazily read checkpoint. Returns the
+        indices of the stages loaded."""
+        loaded = []
+        for stage in self._held_stages(module):
+            wanted = stage.state_dict(keep_vars=True)
+            values = {}
+            missing = []
+            for name in wanted:
+                key = next((a for a in self._aliases.get(name, [name]) if a in state_dict), None)
+                if key is None:
+                    missing.append(name)
+                else:
+                    values[name] = state_dict[key]
+            if missing:
+                raise KeyError(
+                    f"the state dict lacks {len(missing)} of stage {stage.plan.index}'s "
+                    f"entries: {missing[:5]}"
+                )
+            stage.load_state_dict(values, assign=any(t.is_meta for t in wanted.values()))
+            loaded.append(stage.plan.index)
+        return loaded
+
+
+def _canonical_names(model: nn.Module) -> tuple[dict[int, str], dict[str, list[str]], set[str]]:
+    """For every tensor of ``model``: its first name, every name it has, and which names
+    the state dict holds."""
+    first: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        canonical = first.setdefault(id(tensor), name)
+        aliases.setdefault(canonical, []).append(name)
+    return first, aliases, set(model.state_dict(keep_vars=True))
+
+
+def _fetch(module: nn.Module, target: str) -> Tensor:
+    owner_name, _, attr = target.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    return getattr(owner, attr)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    tensor = next(iter([*model.parameters(), *model.buffers()]), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def _cut(
+    model: nn.Module,
+    traced: fx.GraphModule,
+    at: list[str],
+    spec: tuple[Any, ...],
+    names: tuple[dict[int, str], dict[str, list[str]], set[str]],
+) -> SplitModel:
+    """Cut ``traced`` at the modules ``at`` into a SplitModel."""
+    in_spec, out_spec, arg_names, example_inputs = spec
+    cuts = resolve(model, traced.graph, at)
+    starts = [position for _, position in cuts]
+    stage_of = assign_stages(traced.graph, starts)
+    root = split_module(
+        traced,
+        None,
+        lambda node: stage_of[node],
+        keep_original_order=True,
+        keep_original_node_name=True,
+    )
+    calls = [n for n in root.graph.nodes if n.op == "call_module"]
+    if len(calls) != len(starts) + 1:
+        raise CutError(
+            f"the split points {at} leave {len(starts) + 1 - len(calls)} stage(s) with nothing "
+            "to compute"
+        )
+    plans = plan_stages(root, traced, in_spec, out_spec, arg_names, example_inputs)
+    first, aliases, persistent = names
+    namespace = Namespace()
+    device = _device_of(model)
+    stages = []
+    for plan, call in zip(plans, calls, strict=True):
+        attrs: dict[str, tuple[Tensor, bool]] = {}
+        args = []
+        for source, ref in plan.args:
+            if source != ATTR:
+                args.append((source, ref))
+                continue
+            tensor = _fetch(traced, ref)
+            name = first.get(id(tensor), ref)
+            attrs[name] = (tensor, name in persistent)
+            args.append((ATTR, name))
+        plan = replace(plan, args=tuple(args))
+        stages.append(SplitStage(plan, root.get_submodule(call.target), attrs, namespace, device))
+    return SplitModel(stages, aliases, [name for name, _ in cuts])
+
+
+def _stage_costs(
+    fine: SplitModel, balance: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> list[float]:
+    """Each fine stage's cost: its parameters' elements, or its measured forward time."""
+    if balance == "parameters":
+        costs = []
+        for stage in fine:
+            costs.append(float(sum(p.numel() for p in stage.parameters())))
+        return costs
+    first = next(iter(fine.parameters()), None)
+    if first is not None and first.is_meta:
+        raise ValueError("balance='time' runs the model: split a model that is not on meta")
+    inputs = dict(kwargs) if kwargs else (args[0] if len(args) == 1 else tuple(args))
+    if kwargs and args:
+        raise ValueError("balance='time' takes examples given all as args or all as kwargs")
+    times: list[list[float]] = [[] for _ in fine]
+    starts: dict[int, float] = {}
+
+    def before(index: int) -> Any:
+        def hook(*_: Any) -> None:
+            starts[index] = time.perf_counter()
+
+        return hook
+
+    def after(index: int) -> Any:
+        def hook(*_: Any) -> None:
+            times[index].append(time.perf_counter() - starts[index])
+
+        return hook
+
+    handles = []
+    for index, stage in enumerate(fine):
+        handles.append(stage.register_forward_pre_hook(before(index)))
+        handles.append(stage.register_forward_hook(after(index)))
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                fine(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [statistics.median(t[1:]) for t in times]
+
+
+def split(
+    model: nn.Module,
+    example_args: Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    at: Iterable[str] | None = None,
+    parts: int | None = None,
+    balance: str = "parameters",
+    check: bool = True,
+) -> SplitModel:
+    """Cut ``model`` into pipeline stages by tracing it on the example inputs.
+
+    Args:
+        model: any ``nn.Module`` that ``torch.export`` can trace, on a device or on meta.
+        example_args, example_kwargs: inputs as ``model(*example_args, **example_kwargs)``
+            takes them (a lone tensor is taken as one argument), at least 2 rows.
+        at: qualified names of submodules where stages begin (``["layers.4", "layers.8"]``
+            gives three stages).
+        parts: instead of ``at``, the number of stages, cut between the model's blocks (the
+            children of its ``ModuleList`` and ``Sequential`` containers) where the
+            ``balance`` is most even: ``"parameters"`` (their count) or ``"time"`` (the
+            measured forward time on the examples).
+        check: make sure the traced graph computes what the model does for a 1-row input
+            (a model that branches on a size being 1 would not); skipped on meta.
+
+    The first stage takes what the model takes: a tensor, a tuple of positional arguments,
+    or a dict of arguments by name; the last returns what the model returns.
+    """
+    if (at is None) == (parts is None):
+        raise ValueError("split needs either at=[module names] or parts=K, not both or neither")
+    if parts is not None and (isinstance(parts, bool) or not isinstance(parts, int) or parts < 1):
+        raise ValueError(f"parts must be a positive integer, got {parts!r}")
+    if at is not None:
+        names = [] if isinstance(at, str) else list(at)
+        if isinstance(at, str) or not all(isinstance(name, str) for name in names):
+            raise TypeError(f"at must be a list of submodule names, got {at!r}")
+        at = names
+    if balance not in BALANCES:
+        raise ValueError(f"balance must be one of {list(BALANCES)}, got {balance!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    kwargs = dict(example_kwargs or {})
+    exported = trace(model, args, kwargs)
+    traced = exported.module()
+    drop_checks(traced.graph)
+    traced.recompile()
+    meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    if check and not meta:
+        check_one_row(model, traced, args, kwargs)
+    in_spec, out_spec = exported.call_spec.in_spec, exported.call_spec.out_spec
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    arg_names = list(bound.arguments)[: len(args)]
+    example_inputs = fx_pytree.tree_flatten_spec((args, kwargs), in_spec)
+    spec = (in_spec, out_spec, arg_names, example_inputs)
+    names = _canonical_names(model)
+    if parts is not None:
+        options = candidates(model, traced.graph)
+        if parts - 1 > len(options):
+            raise CutError(
+                f"parts={parts} but {type(model).__name__} has {len(options)} places to cut "
+                f"between its blocks, so at most {len(options) + 1} parts; pass at= to cut "
+                "elsewhere"
+            )
+        if parts == 1:
+            at = []
+        else:
+            fine = _cut(model, traced, options, spec, names)
+            costs = _stage_costs(fine, balance, args, kwargs)
+            counts = partition(costs, parts)
+            positions = [sum(counts[:i]) for i in range(1, parts)]
+            at = [options[p - 1] for p in positions]
+    return _cut(model, traced, list(at or []), spec, names)

@@ -1,0 +1,147 @@
+"""Tracing a model into one graph with ``torch.export``, every input dimension dynamic.
+
+Every dimension of every tensor input is traced as ``Dim.AUTO``: dynamic unless the model
+fixes it, so the stages cut from the graph run micro-batches of any size and sequences of
+any length without tracing again. ``torch.export`` fixes a dimension whose example size is
+1 (its 0/1 specialisation), so the examples need at least two rows; the graph it traces
+for two or more rows then also runs a 1-row micro-batch, and ``check_one_row`` makes sure
+the model does not take another path for one row (a ``if x.size(0) == 1`` branch).
+
+A model ``torch.export`` cannot trace ends in a ``TraceError`` of one line: what stopped the
+tracer, the line of the model it stopped at, and what to do.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+from torch.export import Dim, ExportedProgram
+
+__all__ = ["TraceError", "check_one_row", "trace"]
+
+
+class TraceError(RuntimeError):
+    """``torch.export`` could not trace the model; ``export_error`` holds its own error."""
+
+    def __init__(self, message: str, export_error: BaseException) -> None:
+        super().__init__(message)
+        self.export_error = export_error
+
+
+def _dynamic(value: Any) -> Any:
+    """Every dimension of every tensor leaf dynamic (``Dim.AUTO``); other leaves static."""
+    return pytree.tree_map(
+        lambda leaf: {d: Dim.AUTO for d in range(leaf.dim())} if isinstance(leaf, Tensor) else None,
+        value,
+    )
+
+
+def _dynamic_shapes(
+    model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    return {name: _dynamic(value) for name, value in bound.arguments.items()}
+
+
+def _check_rows(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    for path, leaf in pytree.tree_flatten_with_path((args, dict(kwargs)))[0]:
+        if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.size(0) == 1:
+            where = (
+                "example_args" + pytree.keystr(path[1:])
+                if path[0].idx == 0
+                else ("example_kwargs" + pytree.keystr(path[1:]))
+            )
+            raise ValueError(
+                f"{where} has 1 row; give examples of at least 2 rows: torch.export fixes a "
+                "dimension whose example size is 1, and the stages could then run nothing else"
+            )
+
+
+_USER_LINE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s+(.+)')
+
+
+def _reason(exc: BaseException) -> str:
+    """The first line of the tracer's reason and where in the model it stopped."""
+    text = str(exc).strip()
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    found = _USER_LINE.findall(text)
+    where = ""
+    if found:
+        path, line, function, code = found[-1]
+        where = f" at {path}:{line} in {function}: `{code.strip()}`"
+    return f"{first}{where}"
+
+
+def _advice(exc: BaseException) -> str:
+    name = type(exc).__name__
+    if "DataDependent" in name or "data-dependent" in str(exc):
+        return (
+            "the model branches on a tensor's values; compute the branch with torch.cond, move "
+            "it out of the model, or give GPipe/Pipeline an nn.Sequential whose layers keep "
+            "it whole"
+        )
+    return (
+        "make that code traceable by torch.export (see its documentation on non-strict "
+        "tracing), or give GPipe/Pipeline an nn.Sequential whose layers keep it whole"
+    )
+
+
+def trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> ExportedProgram:
+    """``torch.export`` of ``model`` on the examples, every tensor dimension dynamic."""
+    _check_rows(args, kwargs)
+    try:
+        shapes = _dynamic_shapes(model, args, kwargs)
+    except TypeError as exc:
+        raise TypeError(
+            f"the example inputs do not fit {type(model).__name__}.forward: {exc}"
+        ) from None
+    try:
+        return torch.export.export(model, args, dict(kwargs), dynamic_shapes=shapes, strict=False)
+    except Exception as exc:  # the tracer's errors have no common base
+        message = (
+            f"torch.export could not trace {type(model).__name__}: {_reason(exc)}; {_advice(exc)}"
+        )
+        raise TraceError(message, exc) from None
+
+
+def check_one_row(
+    model: nn.Module, graph: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> None:
+    """Raise if the traced graph and the model disagree on the first row of the examples:
+    a model that branches on a size being 1 would give wrong results for 1-row
+    micro-batches."""
+    rows = next(
+        (t.size(0) for t in pytree.tree_leaves((args, dict(kwargs))) if isinstance(t, Tensor)),
+        None,
+    )
+    if rows is None:
+        return
+
+    def first_row(leaf: Any) -> Any:
+        if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.size(0) == rows:
+            return leaf[:1]
+        return leaf
+
+    one_args, one_kwargs = pytree.tree_map(first_row, (args, dict(kwargs)))
+    results = []
+    for run in (model, graph):
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(0)
+            results.append(run(*one_args, **one_kwargs))
+    expected, got = ([t for t in pytree.tree_leaves(r) if isinstance(t, Tensor)] for r in results)
+    same = len(expected) == len(got) and all(
+        a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+        for a, b in zip(expected, got, strict=True)
+    )
+    if not same:
+        raise ValueError(
+            f"{type(model).__name__} computes something else for a 1-row input than the graph "
+            "torch.export traced for more rows (a branch on a size being 1?): keep every "
+            "micro-batch at 2 rows or more, and pass check=False to split"
+        )
