@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -26,3 +28,32 @@ def test_resnet_digits_trains_pipelined_as_well_as_without_the_pipeline():
     print(done.stdout)
     assert piped >= 98.0
     assert abs(piped - plain) <= 1.0
+
+
+def test_gpt2_finetune_trains_and_saves_weights_the_unsplit_model_loads(tmp_path):
+    pytest.importorskip("transformers", reason="the examples extra installs transformers")
+    out = tmp_path / "gpt2.pt"
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "gpt2_finetune.py"), "--steps", "30", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = re.search(r"validation loss ([\d.]+) -> ([\d.]+)", done.stdout)
+    unsplit = re.search(r"on the saved weights .*: validation loss ([\d.]+)", done.stdout)
+    assert losses and unsplit, done.stdout
+    before, after = float(losses[1]), float(losses[2])
+    assert after < before - 1.0, done.stdout  # from about ln 256 = 5.5
+    assert abs(float(unsplit[1]) - after) < 2e-3, done.stdout
+    # fine-tune again from the saved weights: it starts where the first run ended
+    again = subprocess.run(
+        [sys.executable, str(EXAMPLES / "gpt2_finetune.py"), "--steps", "5", "--out", "",
+         "--weights", str(out), "--lr", "1e-4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = re.search(r"validation loss ([\d.]+) ->", again.stdout)
+    assert resumed and abs(float(resumed[1]) - after) < 2e-3, again.stdout

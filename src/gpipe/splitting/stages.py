@@ -192,6 +192,41 @@ def plan_stages(
     return plans
 
 
+# ops whose behaviour follows the module's mode, and the position of that flag
+_MODE_FLAGS = {
+    torch.ops.aten.dropout.default: 2,
+    torch.ops.aten.feature_dropout.default: 2,
+    torch.ops.aten.alpha_dropout.default: 2,
+    torch.ops.aten.feature_alpha_dropout.default: 2,
+    torch.ops.aten.batch_norm.default: 5,
+}
+
+
+def other_mode(graph: fx.GraphModule, traced_training: bool) -> fx.GraphModule:
+    """The graph for the other mode than the one it was traced in: dropout and batch norm
+    flags flipped, and out of training, no count of batches tracked."""
+    flipped = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.graph.nodes:
+        if (
+            traced_training
+            and node.op == "call_function"
+            and node.target is torch.ops.aten.add_.Tensor
+            and isinstance(node.args[0], fx.Node)
+            and str(node.args[0].target).endswith("num_batches_tracked")
+        ):
+            continue  # BatchNorm out of training counts nothing
+        new = flipped.node_copy(node, lambda n: env[n])
+        position = _MODE_FLAGS.get(node.target) if node.op == "call_function" else None
+        flag = new.args[position] if position is not None and len(new.args) > position else None
+        if flag is traced_training:
+            args = list(new.args)
+            args[position] = not traced_training  # type: ignore[index]
+            new.args = tuple(args)
+        env[node] = new
+    return fx.GraphModule(graph, flipped)
+
+
 def _set_path(owner: nn.Module, name: str, value: Tensor, *, persistent: bool) -> None:
     """Register ``value`` at the dotted ``name`` under ``owner``, making the modules between:
     a parameter, or a buffer (in the state dict if ``persistent``)."""
@@ -212,7 +247,9 @@ class _Body(nn.Module):
     """A stage's forward as a skippable generator; ``SplitStage`` is its skippable class."""
 
     _plan: StagePlan
-    _graph: fx.GraphModule
+    _graph: fx.GraphModule  # traced in the mode ``_traced_training``
+    _other: fx.GraphModule | None  # the other mode's, once needed
+    _traced_training: bool
     _device: torch.device
 
     def _inputs(self, x: Any) -> dict[str, Any]:
@@ -277,7 +314,7 @@ class _Body(nn.Module):
             env[key] = yield pop(name)
         args = [env[ref] if source == VALUE else self._attr(ref) for source, ref in plan.args]
         self._follow(args)
-        results = self._graph(*args)
+        results = self._mode_graph()(*args)
         if len(plan.produces) == 1:
             results = (results,)
         env.update((key, value) for key, value in zip(plan.produces, results, strict=True) if key)
@@ -295,19 +332,31 @@ class _Body(nn.Module):
         owner = self.get_submodule(owner_name) if owner_name else self
         return getattr(owner, attr)
 
+    def _mode_graph(self) -> fx.GraphModule:
+        """The graph for the stage's mode (``train()`` / ``eval()``): the traced one, or its
+        copy for the other mode, made once."""
+        if self.training == self._traced_training:
+            return self._graph
+        if self._other is None:
+            self._other = other_mode(self._graph, self._traced_training)
+        return self._other
+
     def _follow(self, args: Sequence[Any]) -> None:
         """Put the graph's own tensors (``arange``'s, ``zeros``'...) on the device its inputs
         are on: the model was traced on another, or on the meta device."""
         device = next((a.device for a in args if isinstance(a, Tensor)), None)
         if device is None or device == self._device:
             return
-        for node in self._graph.graph.nodes:
-            if node.op != "call_function":
+        for graph in (self._graph, self._other):
+            if graph is None:
                 continue
-            if isinstance(node.kwargs.get("device"), torch.device):
-                node.update_kwarg("device", device)
-            node.args = tuple(device if isinstance(a, torch.device) else a for a in node.args)
-        self._graph.recompile()
+            for node in graph.graph.nodes:
+                if node.op != "call_function":
+                    continue
+                if isinstance(node.kwargs.get("device"), torch.device):
+                    node.update_kwarg("device", device)
+                node.args = tuple(device if isinstance(a, torch.device) else a for a in node.args)
+            graph.recompile()
         self._device = device
 
 
@@ -323,10 +372,13 @@ class SplitStage(Skippable, _Body):
         attrs: Mapping[str, tuple[Tensor, bool]],
         namespace: Namespace,
         device: torch.device,
+        traced_training: bool = True,
     ) -> None:
         super().__init__()
         self._plan = plan
         self._graph = graph
+        self.__dict__["_other"] = None  # not a submodule: a derived copy of ``_graph``
+        self._traced_training = traced_training
         self._device = device
         self.stashable_names = frozenset(name for name, _ in plan.stashes)
         self.poppable_names = frozenset(name for name, _ in plan.pops)
