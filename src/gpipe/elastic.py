@@ -20,12 +20,12 @@ from .distributed import init_process_group
 __all__ = ["KILL_VARIABLE", "job_id", "join_process_group", "kill_point", "restart_count"]
 
 # For tests only: JSON such as {"rank": 1, "step": 7, "at": "step", "once": "/tmp/x/killed"}.
-# The process of global rank ``rank`` kills itself with SIGKILL when it reaches ``at`` of step
-# ``step``: "step" as it starts training that step, "save" once it has written its part of
-# that step's checkpoint (before the checkpoint is complete), "node" like "step" but taking
-# its torchrun agent down first, as a machine that is lost would. With ``once``, it does so
-# only if that file does not exist yet and creates it first; without, only on the agent's
-# first attempt.
+# The process of global rank ``rank`` (any process that reads the variable, without one)
+# kills itself with SIGKILL when it reaches ``at`` of step ``step``: "step" as it starts
+# training that step, "save" once it has written its part of that step's checkpoint (before
+# the checkpoint is complete), "node" like "step" but taking its torchrun agent down first,
+# as a machine that is lost would. With ``once``, it does so only if that file does not exist
+# yet, and creates it first; without, only on the agent's first attempt.
 KILL_VARIABLE = "GPIPE_TEST_KILL"
 _KILL_POINTS = ("step", "save", "node")
 
@@ -119,7 +119,8 @@ def kill_point(at: str, step: int) -> None:
     wanted = plan.get("at", "step")
     if ("save" if wanted == "save" else "step") != at:
         return
-    if plan.get("rank") != int(os.environ.get("RANK", "0")) or plan.get("step") != step:
+    rank = plan.get("rank", int(os.environ.get("RANK", "0")))
+    if rank != int(os.environ.get("RANK", "0")) or plan.get("step") != step:
         return
     once = plan.get("once")
     if once is None:

@@ -382,7 +382,7 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
         _trim_metrics(out / "metrics.jsonl", step)
         how = "restarted" if restarted else "resumed"
         where = f"from {checkpoint}" if checkpoint else "with no checkpoint to continue from"
-        print(f"{how} {where}: training from step {step}, {k} stages {pipe.balance}", flush=True)
+        print(f"{how} {where}: training from step {step}, stages {pipe.balance}", flush=True)
 
     def evaluate() -> float:
         pipe.eval()
