@@ -324,7 +324,9 @@ def _trim_metrics(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    temporary = path.with_name(f".{path.name}.tmp")  # renamed, so the log is never half gone
+    temporary.write_text("".join(line + "\n" for line in kept))
+    os.replace(temporary, path)
 
 
 def _step_of(line: str) -> float:

@@ -231,7 +231,9 @@ def _prepare_folder(out: Path, resume: bool, force: bool, run: dict[str, Any]) -
             )
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
+    temporary = out / f".{RUN_FILE}.tmp"  # renamed: a restarted process never reads half of it
+    temporary.write_text(json.dumps(run, indent=2) + "\n")
+    os.replace(temporary, out / RUN_FILE)
 
 
 def _saved_run(args: argparse.Namespace) -> dict[str, Any] | None:
