@@ -94,6 +94,7 @@ def add_parser(sub: Any) -> None:
     run.add_argument(
         "--max-restarts",
         type=int,
+        metavar="N",
         help="restart the processes up to N times when one is lost, each time continuing "
         "from the newest good checkpoint (default 0; under torchrun, torchrun's own flag)",
     )
