@@ -1,4 +1,5 @@
-"""gpipe.launch shares the machine's cores among the processes it starts."""
+"""gpipe.launch shares the machine's cores among the processes it starts, and takes a
+number of restarts for torchrun's agent."""
 
 import os
 
@@ -24,3 +25,9 @@ def test_launched_processes_get_their_share_unless_told_otherwise():
     assert launch(launch_cases.threads, 2, threads=3) == {0: 3, 1: 3}
     with pytest.raises(ValueError, match="threads must be 'auto', None or a positive integer"):
         launch(launch_cases.threads, 2, threads="many")
+
+
+def test_max_restarts_must_be_a_non_negative_integer():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="max_restarts must be a non-negative integer"):
+            launch(launch_cases.threads, 2, max_restarts=bad)

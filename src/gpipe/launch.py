@@ -16,6 +16,8 @@ from .errors import PipelineError
 
 __all__ = ["LaunchError", "launch", "threads_per_process"]
 
+_OWN_STORES = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # read by torchrun's c10d rendezvous
+
 
 class LaunchError(PipelineError):
     """A launched process failed; the message carries each failed rank's error."""
@@ -60,6 +62,7 @@ def launch(
     args: tuple[Any, ...] = (),
     *,
     threads: int | str | None = "auto",
+    max_restarts: int = 0,
     monitor_interval: float = 0.1,
     start_method: str = "spawn",
 ) -> dict[int, Any]:
@@ -70,7 +73,9 @@ def launch(
     importable by name (a module-level function). ``threads`` sets each process's intra-op
     thread count: ``"auto"`` (the default) shares this machine's cores among the processes
     (``threads_per_process``), an int sets it, None leaves PyTorch's default. If any process
-    fails, the others are stopped and LaunchError names it.
+    fails, the others are stopped; then torchrun's agent starts them all again, up to
+    ``max_restarts`` times (each new process finds TORCHELASTIC_RESTART_COUNT above 0), and
+    after that LaunchError names the failed ranks.
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
@@ -82,6 +87,8 @@ def launch(
         isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
     ):
         raise ValueError(f"threads must be 'auto', None or a positive integer, got {threads!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be a non-negative integer, got {max_restarts!r}")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -89,12 +96,21 @@ def launch(
         run_id=f"gpipe-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=monitor_interval,
         start_method=start_method,
     )
+    # The agent's store outlives a restart, and the addresses the lost processes left in it
+    # would have the new ones connect to dead peers: each attempt gets a store of its own.
+    shared = os.environ.get(_OWN_STORES)
+    os.environ[_OWN_STORES] = "1"
     try:
         return elastic_launch(config, _entry)(fn, threads, *args)
     except ChildFailedError as exc:
         lines = [f"rank {rank}: {_reason(f)}" for rank, f in sorted(exc.failures.items())]
         raise LaunchError("launched processes failed:\n" + "\n".join(lines)) from None
+    finally:
+        if shared is None:
+            del os.environ[_OWN_STORES]
+        else:
+            os.environ[_OWN_STORES] = shared

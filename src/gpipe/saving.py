@@ -1,10 +1,13 @@
-"""Checkpoints of a training run: torch.distributed.checkpoint folders, written atomically.
+"""Checkpoints of a training run: torch.distributed.checkpoint folders, written atomically
+and verifiably.
 
 A checkpoint holds the model keyed by layer (``model.3.attn.qkv.weight``, whatever the number
 of stages), the optimizer keyed the same way, the data sampler's state and the step. Every
-rank writes its own stage's part into ``.step-N.partial``; once all have finished, rank 0
-renames the folder to ``step-N``. A crash mid-save leaves only a ``.partial`` folder, which
-is never read, so a ``step-N`` folder is always complete.
+rank writes its own stage's part into ``.step-N.partial``; once all have finished, the ranks
+share out the hashing of its files, rank 0 writes a manifest of every file's size and SHA-256
+last and renames the folder to ``step-N``. A crash mid-save leaves only a ``.partial`` folder,
+which is never read, and a ``step-N`` folder damaged afterwards (a file lost or cut short)
+fails its manifest and is skipped for the one before it, with a warning.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +30,19 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from .manifest import Digest, digest, listed_files, verify, write_manifest
+
 __all__ = [
     "DESCRIPTION",
+    "DamagedCheckpointWarning",
     "checkpoint_dirs",
+    "discard_partial",
     "latest_checkpoint",
     "load_checkpoint",
     "load_model_weights",
     "read_description",
     "save_checkpoint",
+    "verify_checkpoint",
 ]
 
 DESCRIPTION = "gpipe.json"  # what the checkpoint is: model config and step, readable by people
@@ -43,21 +52,58 @@ _PREFIX = "step-"
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+class DamagedCheckpointWarning(UserWarning):
+    """A checkpoint failed verification and was skipped for an older one."""
+
+
 def checkpoint_dirs(root: Path) -> list[Path]:
-    """The complete checkpoints under ``root``, oldest first."""
+    """The checkpoints under ``root`` that were renamed into place, oldest first (whether
+    they are still whole is ``verify_checkpoint``'s to say)."""
     if not root.is_dir():
         return []
     found = [
         p
         for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(_PREFIX) and (p / ".metadata").is_file()
+        if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit()
     ]
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    dirs = checkpoint_dirs(root)
-    return dirs[-1] if dirs else None
+def verify_checkpoint(path: Path, *, checksums: bool = True) -> list[str]:
+    """What is wrong with the checkpoint at ``path`` (empty if nothing): its manifest must
+    be whole and list the data's index and the description, and every file it lists must be
+    there with its size and, with ``checksums``, its SHA-256."""
+    return verify(path, checksums=checksums, required=(".metadata", DESCRIPTION))
+
+
+def latest_checkpoint(root: Path, *, checksums: bool = True) -> Path | None:
+    """The newest checkpoint under ``root`` that verifies; each newer one that does not is
+    named in a DamagedCheckpointWarning. None if none verifies."""
+    for path in reversed(checkpoint_dirs(root)):
+        problems = verify_checkpoint(path, checksums=checksums)
+        if not problems:
+            return path
+        warnings.warn(
+            f"checkpoint {path} is damaged ({'; '.join(problems)}); skipped for an older one",
+            DamagedCheckpointWarning,
+            stacklevel=2,
+        )
+    return None
+
+
+def discard_partial(root: Path) -> list[Path]:
+    """Remove what unfinished saves left under ``root`` (``.step-N.partial`` folders and
+    replaced ``.step-N.stale`` ones); returns them. Call it only while nothing saves."""
+    if not root.is_dir():
+        return []
+    left = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(f".{_PREFIX}") and p.suffix in (".partial", ".stale")
+    ]
+    for path in left:
+        shutil.rmtree(path, ignore_errors=True)
+    return sorted(left)
 
 
 def read_description(path: Path) -> dict[str, Any]:
@@ -81,6 +127,19 @@ def _state(model: nn.Module, optimizer: Optimizer, extra: dict[str, Any]) -> dic
     }
 
 
+def _digests(folder: Path, group: dist.ProcessGroup | None) -> dict[str, Digest]:
+    """Size and SHA-256 of every file in ``folder``, each rank of ``group`` hashing its share
+    of them; collective."""
+    names = listed_files(folder)
+    if not dist.is_initialized():
+        return {name: digest(folder / name) for name in names}
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    mine = {name: digest(folder / name) for name in names[rank::size]}
+    shares: list[dict[str, Digest] | None] = [None] * size
+    dist.all_gather_object(shares, mine, group=group)
+    return {name: d for share in shares if share for name, d in share.items()}
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -89,11 +148,15 @@ def save_checkpoint(
     extra: dict[str, Any],
     description: dict[str, Any],
     group: dist.ProcessGroup | None = None,
+    *,
+    on_written: Callable[[], None] | None = None,
 ) -> Path:
     """Save this rank's part of step ``step`` under ``root``; collective over ``group``.
 
     ``extra`` holds more state (the sampler's, the step), the same on every rank.
     ``description`` is written as JSON beside the data for people and for ``gpipe sample``.
+    ``on_written`` is called once this rank's files are written, before the checkpoint is
+    complete (the fault tests lose a process there).
     """
     final = root / f"{_PREFIX}{step:06d}"
     partial = root / f".{final.name}.partial"
@@ -103,9 +166,19 @@ def save_checkpoint(
         partial.mkdir()
     _barrier(group)
     dcp.save(_state(model, optimizer, extra), checkpoint_id=partial, process_group=group)
-    _barrier(group)
+    if on_written is not None:
+        on_written()
     if _is_writer(group):
-        (partial / DESCRIPTION).write_text(json.dumps(description | {"step": step}, indent=2))
+        text = json.dumps(description | {"step": step}, indent=2)
+        with open(partial / DESCRIPTION, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    _barrier(group)
+    digests = _digests(partial, group)
+    if _is_writer(group):
+        write_manifest(partial, digests)  # last: a folder with a whole manifest is complete
+        _fsync_dir(partial)
         if final.exists():  # the same step saved again, after a resume: replace it whole
             stale = root / f".{final.name}.stale"
             shutil.rmtree(stale, ignore_errors=True)

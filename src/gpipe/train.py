@@ -25,11 +25,18 @@ from torch import nn
 from .balance import balance_by_params
 from .data import BatchSampler, ByteDataset, decode, encode, load_text, stdlib_corpus
 from .distributed import Pipeline, agreed_balance, init_process_group
+from .elastic import join_process_group, kill_point, restart_count
 from .errors import StageError
 from .microbatch import split_sizes
 from .models.gpt import GPTConfig, build_gpt, lm_loss, tied_weights
 from .partition import even_balance
-from .saving import latest_checkpoint, load_checkpoint, read_description, save_checkpoint
+from .saving import (
+    discard_partial,
+    latest_checkpoint,
+    load_checkpoint,
+    read_description,
+    save_checkpoint,
+)
 from .simulate import analytic_bubble, predict
 from .trace import Event, plot_gantt, to_chrome
 from .view import Measured
@@ -58,7 +65,7 @@ class TrainOptions:
     grad_clip: float = 1.0
     eval_every: int = 50
     eval_batches: int = 4
-    save_every: int = 0  # 0: only at the end
+    save_every: int = 50  # 0: only at the end; docs/train.md says why 50
     seed: int = 0
     device: str = "cpu"
     data: str | None = None
@@ -76,7 +83,8 @@ class RunSpec:
     model: dict[str, Any]
     train: dict[str, Any]
     out: str
-    resume: bool = False
+    resume: bool = False  # continue from the newest checkpoint that verifies; one must
+    restarted: bool = False  # the job was here before: continue from one if any verifies
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -304,6 +312,45 @@ def _choose_balance(
     return agreed_balance(layers, parts, sample if first else None, device=device)
 
 
+def _resume_point(out: Path, required: bool, restarted: bool) -> Path | None:
+    """The checkpoint to continue from, the same for every rank: rank 0 clears what unfinished
+    saves left and takes the newest checkpoint that verifies (warning of each newer one that
+    does not). None for a new run, or a restarted one that has no good checkpoint yet."""
+    if not (required or restarted):
+        return None
+    root = out / "checkpoints"
+    choice: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        discard_partial(root)
+        path = latest_checkpoint(root)
+        choice = [None if path is None else path.name]
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        if required and not restarted:
+            raise FileNotFoundError(f"no checkpoint in {root} verifies; nothing to resume from")
+        return None
+    return root / choice[0]
+
+
+def _trim_metrics(path: Path, step: int) -> None:
+    """Keep the metrics of steps up to ``step``: a restarted run logs the steps after its
+    checkpoint again, so its log reads as one uninterrupted run's."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
+    temporary = path.with_name(f".{path.name}.tmp")  # renamed, so the log is never half gone
+    temporary.write_text("".join(line + "\n" for line in kept))
+    os.replace(temporary, path)
+
+
+def _step_of(line: str) -> float:
+    """The step a metrics line is of; infinite for a line cut short by a lost process."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 def run_stage(spec: RunSpec) -> dict[str, Any] | None:
     """Train this rank's stage; returns the run's summary on rank 0 and None elsewhere."""
     opts = TrainOptions(**spec.train)
@@ -316,7 +363,9 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
 
     torch.manual_seed(opts.seed)
     layers = build_gpt(config, device="meta", init_seed=opts.seed)
-    checkpoint = latest_checkpoint(out / "checkpoints") if spec.resume else None
+    join_process_group(device, opts.timeout)  # before anything else starts one
+    restarted = spec.restarted or restart_count() > 0
+    checkpoint = _resume_point(out, spec.resume, restarted)
     measured = read_description(checkpoint).get("balance") if checkpoint else None
     pipe = Pipeline(
         layers,
@@ -339,14 +388,17 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
     dataset = ByteDataset.split(corpus)
     sampler = BatchSampler(dataset.train, opts.batch_size, seq_len, seed=opts.seed)
     step = 0
-    if spec.resume:
-        path = latest_checkpoint(out / "checkpoints")
-        assert path is not None, "the command line checks that a checkpoint exists"
+    if checkpoint is not None:
         restored = load_checkpoint(
-            path, pipe, optimizer, {"sampler": sampler.state_dict(), "step": 0}
+            checkpoint, pipe, optimizer, {"sampler": sampler.state_dict(), "step": 0}
         )
         sampler.load_state_dict(restored["sampler"])
         step = int(restored["step"])
+    if rank == 0 and (spec.resume or restarted):
+        _trim_metrics(out / "metrics.jsonl", step)
+        how = "restarted" if restarted else "resumed"
+        where = f"from {checkpoint}" if checkpoint else "with no checkpoint to continue from"
+        print(f"{how} {where}: training from step {step}, stages {pipe.balance}", flush=True)
 
     def evaluate() -> float:
         pipe.eval()
@@ -366,7 +418,15 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
             "balance": pipe.balance,
         }
         extra = {"sampler": sampler.state_dict(), "step": step}
-        save_checkpoint(out / "checkpoints", step, pipe, optimizer, extra, description)
+        save_checkpoint(
+            out / "checkpoints",
+            step,
+            pipe,
+            optimizer,
+            extra,
+            description,
+            on_written=lambda: kill_point("save", step),
+        )
 
     reporter = _Reporter(opts, out, step, enabled=rank == 0)
     tokens = opts.batch_size * seq_len
@@ -374,6 +434,7 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
     train_loss = val_loss = float("nan")
     try:
         while step < opts.steps:
+            kill_point("step", step + 1)  # tests only: GPIPE_TEST_KILL loses this process
             # Dropout draws from a seed of the step, so a resumed run draws the same masks.
             torch.manual_seed(opts.seed * 1_000_003 + step * k + rank)
             lr = learning_rate(step, opts)

@@ -32,10 +32,22 @@ def add_parser(sub: Any) -> None:
 def _sample(args: argparse.Namespace) -> int:
     from ..data import decode, encode
     from ..models.gpt import GPTConfig, build_gpt, generate
-    from ..saving import DESCRIPTION, latest_checkpoint, load_model_weights, read_description
+    from ..saving import (
+        DESCRIPTION,
+        latest_checkpoint,
+        load_model_weights,
+        read_description,
+        verify_checkpoint,
+    )
 
     folder = Path(args.path)
-    path = folder if (folder / DESCRIPTION).is_file() else latest_checkpoint(folder / "checkpoints")
+    if (folder / DESCRIPTION).is_file():  # one checkpoint, named
+        path: Path | None = folder
+        problems = verify_checkpoint(folder)
+        if problems:
+            raise UsageError(f"{folder}: damaged checkpoint ({'; '.join(problems)})")
+    else:  # a run folder: its newest checkpoint that verifies
+        path = latest_checkpoint(folder / "checkpoints")
     if path is None:
         raise UsageError(f"{folder}: no gpipe checkpoint there")
     positive("tokens", args.tokens)

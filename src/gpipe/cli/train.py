@@ -1,5 +1,5 @@
 """``gpipe train``: a GPT language model trained in pipeline stages, one process each, from a
-run folder it can resume."""
+run folder it can resume, by hand or by itself after torchrun's agent restarts it."""
 
 from __future__ import annotations
 
@@ -85,10 +85,19 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
     run.add_argument("--warmup", type=int, help="warm-up steps (default 30)")
     run.add_argument("--eval-every", type=int, help="steps between validation losses")
-    run.add_argument("--save-every", type=int, help="steps between checkpoints (0: at the end)")
+    run.add_argument(
+        "--save-every", type=int, help="steps between checkpoints (default 50; 0: at the end)"
+    )
     run.add_argument("--data", help="a text file or folder to train on instead")
     run.add_argument("--seed", type=int, help="seed of weights, data order and dropout")
     run.add_argument("--timeout", type=float, help="seconds a stage waits for a neighbour")
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="N",
+        help="restart the processes up to N times when one is lost, each time continuing "
+        "from the newest good checkpoint (default 0; under torchrun, torchrun's own flag)",
+    )
     run.add_argument("--prompt", help="start of the sample printed at the end")
     run.add_argument("--sample-tokens", type=int, help="bytes to generate at the end")
     out = p.add_argument_group("run folder")
@@ -105,7 +114,7 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(command=_train)
 
 
-def _model_config(args: argparse.Namespace, saved: dict[str, Any] | None) -> Any:
+def _model_config(args: argparse.Namespace, saved: dict[str, Any] | None, out: Path) -> Any:
     from ..models.gpt import GPTConfig, config_from_preset
 
     overrides = {
@@ -125,7 +134,7 @@ def _model_config(args: argparse.Namespace, saved: dict[str, Any] | None) -> Any
     if differ:
         asked = ", ".join(f"{k}={v}" for k, v in differ.items())
         held = ", ".join(f"{k}={getattr(config, k)}" for k in differ)
-        raise UsageError(f"the checkpoint in {args.resume} holds a model with {held}, not {asked}")
+        raise UsageError(f"the checkpoint in {out} holds a model with {held}, not {asked}")
     return config
 
 
@@ -223,49 +232,80 @@ def _prepare_folder(out: Path, resume: bool, force: bool, run: dict[str, Any]) -
             )
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
+    temporary = out / f".{RUN_FILE}.tmp"  # renamed: a restarted process never reads half of it
+    temporary.write_text(json.dumps(run, indent=2) + "\n")
+    os.replace(temporary, out / RUN_FILE)
 
 
 def _saved_run(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.resume is None:
         return None
-    from ..saving import latest_checkpoint
+    from ..saving import checkpoint_dirs, verify_checkpoint
 
     folder = Path(args.resume)
-    if not (folder / RUN_FILE).is_file() or latest_checkpoint(folder / "checkpoints") is None:
+    # Sizes only here; the processes check every file's SHA-256 before they load one.
+    whole = any(
+        not verify_checkpoint(p, checksums=False) for p in checkpoint_dirs(folder / "checkpoints")
+    )
+    if not (folder / RUN_FILE).is_file() or not whole:
         raise UsageError(f"--resume {folder}: no gpipe run with a complete checkpoint there")
     return json.loads((folder / RUN_FILE).read_text())
 
 
-def _agree_on_folder(prepare: Any, device: str) -> None:
-    """Under torchrun, rank 0 prepares the run folder and every rank learns the outcome."""
+def _this_jobs_run(out: Path) -> dict[str, Any] | None:
+    """The run in ``out`` if this torchrun job started it: the job is being restarted (after
+    a lost process, or to admit or drop a machine) and continues it."""
+    from ..elastic import job_id
+
+    try:
+        run = json.loads((out / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    job = job_id()
+    return run if job is not None and isinstance(run, dict) and run.get("job") == job else None
+
+
+def _agree_on_folder(prepare: Any, device: str, timeout: float, restarted: bool) -> bool:
+    """Under torchrun, rank 0 prepares the run folder and every rank learns the outcome, and
+    whether rank 0 found the job restarted (a rank that read the folder after rank 0 had
+    written it could think so wrongly); returns that."""
     import torch.distributed as dist
 
-    from ..distributed import init_process_group
+    from ..elastic import join_process_group
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    init_process_group(
-        torch.device("cuda", local_rank) if device == "cuda" else torch.device(device)
+    join_process_group(
+        torch.device("cuda", local_rank) if device == "cuda" else torch.device(device), timeout
     )
-    message = [None]
+    message: list[Any] = [None, restarted]
     if dist.get_rank() == 0:
         try:
             prepare()
         except UsageError as exc:
-            message = [str(exc)]
+            message[0] = str(exc)
     dist.broadcast_object_list(message, src=0)
     if message[0] is not None:
         raise UsageError(message[0])
+    return bool(message[1])
 
 
 def _train(args: argparse.Namespace) -> int:
     from ..launch import launch, threads_per_process
     from ..train import RunSpec, run_stage
 
-    saved = _saved_run(args)
-    config = _model_config(args, saved and saved["model"])
-    opts = _train_options(args, saved and saved["train"])
     torchrun = _under_torchrun()
+    if torchrun and args.max_restarts is not None:
+        raise UsageError(
+            f"--max-restarts {args.max_restarts}: under torchrun, restarts are torchrun's; "
+            "pass torchrun --max-restarts instead"
+        )
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must not be negative, got {args.max_restarts}")
+    out = Path(args.resume or args.out)
+    held = _this_jobs_run(out) if torchrun else None
+    saved = held or _saved_run(args)
+    config = _model_config(args, saved and saved["model"], out)
+    opts = _train_options(args, saved and saved["train"])
     if torchrun:
         world = int(os.environ["WORLD_SIZE"])
         if args.stages is not None and args.stages != world:
@@ -275,17 +315,27 @@ def _train(args: argparse.Namespace) -> int:
     _check_data(opts, opts.seq_len or config.seq_len)
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be a positive integer, got {args.threads}")
-    out = Path(args.resume or args.out)
-    run = {"model": asdict(config), "train": asdict(opts)}
+    run: dict[str, Any] = {"model": asdict(config), "train": asdict(opts)}
+    restarted = held is not None
+    if torchrun:
+        from ..elastic import job_id
+
+        run["job"] = job_id()  # how a restart of this job knows the folder for its own
 
     def prepare() -> None:
-        _prepare_folder(out, args.resume is not None, args.force, run)
+        _prepare_folder(out, args.resume is not None or restarted, args.force, run)
 
     if torchrun:
-        _agree_on_folder(prepare, opts.device)
+        restarted = _agree_on_folder(prepare, opts.device, opts.timeout, restarted)
     else:
         prepare()
-    spec = RunSpec(model=asdict(config), train=asdict(opts), out=str(out), resume=bool(saved))
+    spec = RunSpec(
+        model=asdict(config),
+        train=asdict(opts),
+        out=str(out),
+        resume=args.resume is not None and not restarted,
+        restarted=restarted,
+    )
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else opts.stages
     threads = (args.threads or threads_per_process(local)) if opts.device == "cpu" else None
     if torchrun:
@@ -296,7 +346,8 @@ def _train(args: argparse.Namespace) -> int:
         summary = run_stage(spec)
         finish_process_group()
     else:
-        summary = launch(run_stage, opts.stages, (spec,), threads=threads)[0]
+        restarts = args.max_restarts or 0
+        summary = launch(run_stage, opts.stages, (spec,), threads=threads, max_restarts=restarts)[0]
     if summary is not None:
         _print_summary(summary, out)
     return 0

@@ -1,0 +1,212 @@
+"""Runs that survive a lost process: a rank killed with SIGKILL (at a step, while it writes a
+checkpoint, or with its whole torchrun "node") is restarted by torchrun's agent and the run
+continues by itself from its newest good checkpoint, with the losses of a run never
+interrupted; a damaged newest checkpoint is skipped for the one before, with a warning.
+
+Every run here is real processes over gloo: ``gpipe train`` started as a command, by itself
+or by two torchrun agents that meet at a rendezvous store this test holds. The kill is a real
+SIGKILL, planned through ``GPIPE_TEST_KILL`` (gpipe.elastic) at a step the test picks.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from gpipe.cli import main
+from gpipe.saving import verify_checkpoint
+
+RUN = [
+    "--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--chunks", "4", "--lr", "1e-2",
+    "--warmup", "2", "--eval-every", "5", "--sample-tokens", "16", "--quiet", "--balance", "even",
+    "--steps", "12", "--save-every", "3", "--timeout", "10", "--threads", "1",
+]  # fmt: skip
+WAIT = 240  # seconds any one command may take before the test fails
+
+
+def _losses(run) -> dict[int, float]:
+    """Loss by step, from a log that holds each step once (a restart's log is trimmed to its
+    checkpoint before it logs the steps after it again)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    return {r["step"]: r["loss"] for r in records}
+
+
+def _train(*args, kill=None):
+    """``gpipe train`` as a command of its own, with a planned kill."""
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    if kill is not None:
+        env["GPIPE_TEST_KILL"] = json.dumps(kill)
+    command = [sys.executable, "-m", "gpipe.cli", "train", *RUN, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=WAIT, env=env)
+
+
+def _checkpoints(run) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run: 2 stages, 12 steps, a checkpoint every 3."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    done = _train("--stages", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def _resumed_from(step: int) -> str:
+    """What the restarted run says when a process was lost as it started ``step``."""
+    saved = 3 * ((step - 1) // 3)  # the newest checkpoint written before that step
+    return f"step-{saved:06d}: training from step {saved}" if saved else "training from step 0"
+
+
+def test_a_rank_killed_at_a_random_step_is_restarted_and_the_run_ends_as_uninterrupted(
+    reference, tmp_path
+):
+    rank, step = random.randint(0, 1), random.randint(1, 12)
+    out = tmp_path / "run"
+    done = _train(
+        "--stages", "2", "--max-restarts", "1", "--out", str(out),
+        kill={"rank": rank, "step": step, "at": "step"},
+    )  # fmt: skip
+    case = f"rank {rank} killed at step {step}"
+    assert done.returncode == 0, f"{case}: {done.stderr[-3000:]}"
+    assert f"process {rank} terminated with signal SIGKILL" in done.stderr, case
+    assert "restarted " in done.stdout and _resumed_from(step) in done.stdout, case
+    assert _losses(out) == _losses(reference), case
+    assert _checkpoints(out) == _checkpoints(reference), case
+
+
+def test_a_rank_killed_while_writing_a_checkpoint_never_has_it_used(reference, tmp_path):
+    """Rank 0 writes the manifest and renames the folder: killed once its share of step 9's
+    files is written, it leaves only ``.step-000009.partial``, and the run goes on from 6."""
+    out = tmp_path / "run"
+    done = _train(
+        "--stages", "2", "--max-restarts", "1", "--out", str(out),
+        kill={"rank": 0, "step": 9, "at": "save"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "process 0 terminated with signal SIGKILL" in done.stderr
+    assert "restarted from " in done.stdout and _resumed_from(7) in done.stdout
+    assert _losses(out) == _losses(reference)
+    assert _checkpoints(out) == _checkpoints(reference)  # the partial folder is gone
+    assert verify_checkpoint(out / "checkpoints" / "step-000009") == []
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(reference, tmp_path):
+    """Step 12's second data file cut short: the resume warns, naming it, takes step 9 and
+    trains steps 10 to 12 again as they were."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    damaged = out / "checkpoints" / "step-000012"
+    data = damaged / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:-100])
+    done = _train("--resume", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "DamagedCheckpointWarning" in done.stderr
+    assert f"checkpoint {damaged} is damaged (__1_0.distcp has" in done.stderr
+    assert f"resumed from {out / 'checkpoints' / 'step-000009'}" in done.stdout
+    assert _losses(out) == _losses(reference)
+    assert verify_checkpoint(damaged) == []  # written whole again
+
+
+class _Nodes:
+    """Two torchrun agents of one job on this machine, as on two machines: they meet at a
+    rendezvous store this test holds, so that neither is special and either may be lost."""
+
+    def __init__(self, tmp_path, nnodes: str, kills: list[dict | None], *conf: str) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=WAIT))  # fmt: skip
+        self.out = tmp_path / "run"
+        self.logs = [tmp_path / f"node{n}.log" for n in range(2)]
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes,
+            "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{self.store.port}", "--rdzv-id", "gpipe-test",
+            "--rdzv-conf", ",".join(["is_host=0", *conf]), "--max-restarts", "1",
+            "--monitor-interval", "0.1",
+            "-m", "gpipe.cli", "train", *RUN, "--out", str(self.out),
+        ]  # fmt: skip
+        self.processes = []
+        for log, kill in zip(self.logs, kills, strict=True):
+            env = os.environ | {"OMP_NUM_THREADS": "1"}
+            if kill is not None:
+                env["GPIPE_TEST_KILL"] = json.dumps(kill)
+            with open(log, "w") as f:
+                self.processes.append(subprocess.Popen(
+                    command, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                ))  # fmt: skip
+
+    def wait(self) -> list[int | None]:
+        """Each agent's exit code; one still running after WAIT seconds is killed (None)."""
+        codes = []
+        for process in self.processes:
+            try:
+                codes.append(process.wait(timeout=WAIT))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                codes.append(None)
+        return codes
+
+    def output(self) -> str:
+        return "".join(log.read_text() for log in self.logs)
+
+
+def test_two_torchrun_nodes_train_together_and_survive_a_lost_rank(reference, tmp_path):
+    step = random.randint(2, 12)
+    once = tmp_path / "killed"
+    nodes = _Nodes(tmp_path, "2", [{"rank": 1, "step": step, "once": str(once)}] * 2)
+    codes = nodes.wait()
+    case = f"rank 1 killed at step {step}"
+    text = nodes.output()
+    assert codes == [0, 0], f"{case}: {codes}\n{text[-4000:]}"
+    assert once.exists(), case
+    assert "lost stage" in text, case  # the survivor names the stage it lost
+    assert _resumed_from(step) in text, case
+    assert json.loads((nodes.out / "run.json").read_text())["train"]["stages"] == 2
+    assert _losses(nodes.out) == _losses(reference), case
+
+
+def test_a_lost_node_leaves_one_stage_that_repartitions_and_goes_on(reference, tmp_path):
+    """``--nnodes 1:2``: the second node (agent and worker) is lost as step 8 starts; the
+    first restarts alone, as one stage over all four layers, from step 6 saved by two."""
+    once = tmp_path / "killed"
+    kill = {"step": 8, "at": "node", "once": str(once)}
+    nodes = _Nodes(tmp_path, "1:2", [None, kill], "last_call_timeout=5")
+    codes = nodes.wait()
+    text = nodes.output()
+    assert codes[0] == 0 and codes[1] == -signal.SIGKILL, f"{codes}\n{text[-4000:]}"
+    assert "restarted from " in text and "step-000006: training from step 6, stages [4]" in text
+    checkpoints = nodes.out / "checkpoints"
+    for step, stages in ((6, 2), (9, 1), (12, 1)):
+        description = json.loads((checkpoints / f"step-{step:06d}" / "gpipe.json").read_text())
+        assert description["stages"] == stages, step
+    ours, theirs = _losses(nodes.out), _losses(reference)
+    assert sorted(ours) == sorted(theirs)
+    for step in ours:
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-5, abs=0), step
+
+
+@pytest.mark.parametrize(
+    ("value", "torchrun", "expected"),
+    [
+        ("-1", False, "--max-restarts must not be negative, got -1"),
+        ("2", True, "--max-restarts 2: under torchrun, restarts are torchrun's; pass torchrun "
+         "--max-restarts instead"),
+    ],
+)  # fmt: skip
+def test_bad_max_restarts_is_refused(capsys, monkeypatch, tmp_path, value, torchrun, expected):
+    if torchrun:
+        for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.setenv(name, "1")
+    assert main(["train", "--max-restarts", value, "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip() == f"gpipe: error: {expected}"
+    assert not (tmp_path / "run").exists()
