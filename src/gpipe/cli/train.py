@@ -277,6 +277,8 @@ def _train(args: argparse.Namespace) -> int:
         raise UsageError(f"--threads must be a positive integer, got {args.threads}")
     out = Path(args.resume or args.out)
     run = {"model": asdict(config), "train": asdict(opts)}
+    if not torchrun or os.environ["RANK"] == "0":
+        _advise(opts)
 
     def prepare() -> None:
         _prepare_folder(out, args.resume is not None, args.force, run)
@@ -300,6 +302,22 @@ def _train(args: argparse.Namespace) -> int:
     if summary is not None:
         _print_summary(summary, out)
     return 0
+
+
+def _advise(opts: Any) -> None:
+    """One line if the run has fewer micro-batches than the GPipe paper's rule of thumb."""
+    from ..advice import chunks_advice
+
+    line = chunks_advice(
+        opts.schedule,
+        opts.stages,
+        opts.chunks,
+        virtual_stages=opts.virtual_stages,
+        checkpoint=opts.checkpoint,
+        batch_size=opts.batch_size,
+    )
+    if line is not None:
+        print(line, flush=True)
 
 
 def _print_summary(summary: dict[str, Any], out: Path) -> None:
