@@ -109,16 +109,17 @@ def timed_costs(
     device: torch.device | str | None = None,
 ) -> LayerCosts:
     """Each layer's forward and backward timed on ``device`` (``gpipe.balance.layer_times``)
-    for micro-batches of the rows of ``sample`` and half of them, and fitted as a fixed cost
-    plus a cost per row; the forward is taken as a third of the two. Layers built on the meta
-    device are allocated one at a time, so the model never is whole."""
+    for micro-batches of the rows of ``sample`` and half of them, after a pass that warms
+    the kernels up, and fitted as a fixed cost plus a cost per row; the forward is taken as
+    a third of the two. Layers built on the meta device are allocated one at a time, so the
+    model never is whole. About ``timeout`` seconds in all, more if a layer is slow."""
     module = as_sequential(layers)
     rows = _rows(sample)
     half = max(1, rows // 2)
-    small, large = (
-        layer_times(module, _first(sample, r), timeout=timeout / 2, device=device)
-        for r in (half, rows)
-    )
+    _, small, large = [  # the first pass only warms up
+        layer_times(module, _first(sample, r), timeout=timeout / 3, device=device)
+        for r in (half, half, rows)
+    ]
     fixed, per_row = [], []
     for a, b in zip(small, large, strict=True):
         slope = max(0.0, (b - a) / (rows - half)) if rows > half else b / rows
