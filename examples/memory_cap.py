@@ -66,7 +66,7 @@ class Block(nn.Module):
         return x + self.fc(torch.relu(self.norm(x)))
 
 
-def mlp(width: int, depth: int) -> nn.Sequential:
+def model(width: int, depth: int) -> nn.Sequential:
     """``depth`` residual layers and a head, on the meta device: no memory yet."""
     with torch.device("meta"):
         head = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, CLASSES))
@@ -107,8 +107,7 @@ def out_of_memory(exc: BaseException) -> str | None:
     return None
 
 
-def train(step_fn: Any, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
-          losses: list[float]) -> None:  # fmt: skip
+def train(step_fn: Any, optimizer: Any, args: argparse.Namespace, losses: list[float]) -> None:
     for step in range(args.steps):
         optimizer.zero_grad()
         loss = step_fn(*batch(step, args))
@@ -141,15 +140,15 @@ def unpipelined(args: argparse.Namespace, capped: bool) -> dict[str, Any]:
     how = cap(args, device) if capped else "none"
 
     def run(losses: list[float]) -> None:
-        layers = enumerate(mlp(args.width, args.depth))
-        model = nn.Sequential(*(materialize(layer, i, device, args.seed) for i, layer in layers))
+        layers = enumerate(model(args.width, args.depth))
+        whole = nn.Sequential(*(materialize(layer, i, device, args.seed) for i, layer in layers))
 
         def step(x: torch.Tensor, y: torch.Tensor) -> float:
-            loss = cross_entropy(model(x.to(device)), y.to(device))
+            loss = cross_entropy(whole(x.to(device)), y.to(device))
             loss.backward()
             return loss.item()
 
-        train(step, adam(model.parameters(), args), args, losses)
+        train(step, adam(whole.parameters(), args), args, losses)
 
     return guarded(run, how)
 
@@ -162,7 +161,7 @@ def pipelined(args: argparse.Namespace) -> dict[str, Any]:
     how = cap(args, device)
 
     def run(losses: list[float]) -> None:
-        layers = mlp(args.width, args.depth)
+        layers = model(args.width, args.depth)
         pipe = gpipe.Pipeline(
             layers,
             balance_by_params(2, layers),
@@ -179,7 +178,7 @@ def pipelined(args: argparse.Namespace) -> dict[str, Any]:
 
 def predicted(args: argparse.Namespace) -> str:
     """The memory planner's peak per process, one process and two, from a meta profile."""
-    layers = mlp(args.width, args.depth)
+    layers = model(args.width, args.depth)
     x, y = (t.to("meta") for t in batch(0, args))
     rows = args.batch_size // args.chunks
     prof = profile(layers, x[:rows], target=y[:rows], loss_fn=cross_entropy)
@@ -228,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         args.cap_mib = 400 if args.device == "cuda" else 512
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(4 * 2**20))  # before any process starts
 
-    params = sum(p.numel() for p in mlp(args.width, args.depth).parameters())
+    params = sum(p.numel() for p in model(args.width, args.depth).parameters())
     print(
         f"model: {args.depth} layers of width {args.width} and a head, {params / 1e6:.1f} M "
         f"parameters; Adam, {args.batch_size} rows per step in {args.chunks} micro-batches"
