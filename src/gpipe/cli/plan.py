@@ -377,7 +377,7 @@ def _print_suggestions(
     args: argparse.Namespace, found: Search, costs: LayerCosts, memory: int
 ) -> None:
     shown = found.fitting[: args.top or 5]
-    params = sum(shown[0].memory.ranks[r].params for r in range(shown[0].stages))
+    params = sum(r.params for r in shown[0].memory.ranks)
     print(
         f"gpt: blocks {args.n_layer}, d_model {args.d_model}, {params / 1e6:,.1f} M parameters "
         f"({args.dtype}); {args.batch_size} sequences per step, {args.optimizer}, "
