@@ -52,6 +52,19 @@ def test_chunks_for_bubble_is_the_fewest_under_the_target(schedule, stages, chec
         assert bubble(schedule, stages, m - step, **options) >= TARGET_BUBBLE
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_no_fewer_micro_batches_reach_the_target(schedule, checkpoint):
+    """Against a plain scan from one micro-batch up: the bisection's answer is the first."""
+    for stages in (2, 3, 5):
+        options = {"virtual_stages": 2, "checkpoint": checkpoint}
+        step = stages if schedule == "interleaved" else 1
+        m = step
+        while bubble(schedule, stages, m, **options) >= TARGET_BUBBLE:
+            m += step
+        assert chunks_for_bubble(schedule, stages, **options) == m
+
+
 @pytest.mark.parametrize("stages", [2, 4, 8, 16])
 def test_gpipe_needs_nine_micro_batches_per_extra_stage_and_one(stages):
     # (K-1)/(M+K-1) < 0.1  <=>  M > 9(K-1)
