@@ -136,7 +136,7 @@ def adam(params: Any, args: argparse.Namespace) -> torch.optim.Optimizer:
 
 def unpipelined(args: argparse.Namespace, capped: bool) -> dict[str, Any]:
     """The whole model in one process."""
-    device = torch.device(args.device)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     how = cap(args, device) if capped else "none"
 
     def run(losses: list[float]) -> None:
