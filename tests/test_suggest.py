@@ -236,3 +236,16 @@ def test_bad_input_ends_in_one_line_and_exit_code_2(capsys, args, message):
     assert main(["plan", *MODEL, *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_evaluate_takes_a_cut_of_ones_own(gpt):
+    prof, costs = gpt
+    mine = evaluate(prof, costs, stages=2, chunks=4, schedule="1f1b", checkpoint="always",
+                    batch_size=BATCH, balance=[3, 5])  # fmt: skip
+    assert mine.balance == (3, 5)
+    expected = plan(prof, [3, 5], batch_size=BATCH, chunks=4, schedule="1f1b",
+                    checkpoint="always", n_ranks=2)  # fmt: skip
+    assert mine.peak_bytes == expected.peak_bytes
+    with pytest.raises(ValueError, match="balance must be 'time', 'params' or 'even'"):
+        evaluate(prof, costs, stages=2, chunks=4, schedule="1f1b", checkpoint="never",
+                 batch_size=BATCH, balance="fast")  # fmt: skip
