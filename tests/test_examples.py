@@ -57,3 +57,33 @@ def test_gpt2_finetune_trains_and_saves_weights_the_unsplit_model_loads(tmp_path
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = re.search(r"validation loss ([\d.]+) ->", again.stdout)
     assert resumed and abs(float(resumed[1]) - after) < 2e-3, again.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU cap is Linux's")
+def test_a_model_that_does_not_fit_one_capped_process_trains_in_two():
+    """examples/memory_cap.py: one process runs out of memory under the cap; two, each under
+    the same cap, train with re-materialization to the losses of the uncapped run."""
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "memory_cap.py"), "--steps", "12"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    out = done.stdout
+    assert re.search(r"^without the pipeline, capped: out of memory in step 1 \(", out, re.M)
+    passes = {
+        name: [float(x) for x in losses.split()]
+        for name, losses in re.findall(
+            r"^(pipelined|without the pipeline, uncapped).*?trained 12 steps .*? ([\d. ]+)$",
+            out,
+            re.M,
+        )
+    }
+    assert set(passes) == {"pipelined", "without the pipeline, uncapped"}, out
+    piped, plain = passes["pipelined"], passes["without the pipeline, uncapped"]
+    assert piped == pytest.approx(plain, rel=1e-4)
+    assert piped[-1] < 0.6 * piped[0]  # it learns
+    worst = float(re.search(r"largest relative difference ([\d.e+-]+)", out).group(1))
+    assert worst < 1e-4

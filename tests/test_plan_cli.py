@@ -12,7 +12,7 @@ MODEL = ["plan", "--d-model", "256", "--n-head", "4", "--vocab-size", "1000", "-
 
 
 def _rows(out: str) -> list[list[str]]:
-    lines = out.strip().splitlines()
+    lines = [line for line in out.strip().splitlines() if not line.startswith("note:")]
     return [re.split(r"\s{2,}", line.strip()) for line in lines[2:]]
 
 

@@ -1,4 +1,5 @@
-"""``gpipe plan``: will this model fit on K devices, and how many layers would?
+"""``gpipe plan``: will this model fit on K devices, how many layers would, and which
+configuration is fastest among those that fit?
 
 The model is built and profiled on the meta device, so planning a model with billions of
 parameters takes neither memory nor compute.
@@ -12,9 +13,11 @@ from typing import Any
 
 import torch
 
+from ..advice import chunks_advice
 from ..checkpointing import CHECKPOINT_MODES
 from ..memory import OPTIMIZER_STATES, MemoryPlan, Profile, plan, profile
 from ..schedule import SCHEDULES
+from ..suggest import MAX_STAGES, Candidate, LayerCosts, Search, flop_costs, search, timed_costs
 from .common import UsageError
 
 __all__ = ["add_parser", "parse_bytes"]
@@ -67,15 +70,19 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--no-tie-embeddings", action="store_true", help="separate embedding and head weights"
     )
-    p.add_argument("--stages", type=int, default=4, metavar="K", help="processes (default 4)")
-    p.add_argument("--chunks", type=int, default=8, metavar="M", help="micro-batches (default 8)")
+    p.add_argument("--stages", type=int, metavar="K", help="processes (default 4)")
+    p.add_argument("--chunks", type=int, metavar="M", help="micro-batches (default 8)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
-    p.add_argument("--schedule", choices=SCHEDULES, default="gpipe", help="default gpipe")
+    p.add_argument("--schedule", choices=SCHEDULES, help="default gpipe")
     p.add_argument(
-        "--virtual-stages", type=int, default=1, help="stages per process with interleaved"
+        "--virtual-stages",
+        type=int,
+        help="stages per process with interleaved (default 1; 2 with --suggest)",
     )
     p.add_argument(
-        "--checkpoint", choices=CHECKPOINT_MODES, default="except_last", help="re-materialization"
+        "--checkpoint",
+        choices=CHECKPOINT_MODES,
+        help="re-materialization (default except_last)",
     )
     p.add_argument(
         "--optimizer", choices=sorted(OPTIMIZER_STATES), default="adam", help="default adam"
@@ -83,14 +90,43 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="default float32")
     p.add_argument(
         "--balance",
-        default="even",
-        help="where to cut: even (default), params, or layers per stage such as 3,3",
+        help="where to cut: even (default), params, or layers per stage such as 3,3; with "
+        "--suggest also time (its default: the slowest stage as fast as it can be)",
     )
-    p.add_argument("--device-memory", default="16GiB", help="memory of one device (default 16GiB)")
+    p.add_argument("--device-memory", help="memory of one device (default 16GiB)")
     p.add_argument(
         "--max-layers", action="store_true", help="find the most blocks that fit, then plan it"
     )
+    p.add_argument(
+        "--suggest",
+        action="store_true",
+        help="search stages, chunks, schedule and checkpoint mode (each pinned if given) and "
+        "print the fastest configurations that fit in --device-memory",
+    )
+    p.add_argument(
+        "--max-stages",
+        type=int,
+        help=f"with --suggest: the most processes searched (default {MAX_STAGES})",
+    )
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="with --suggest: time one block, the embedding and the head on this machine "
+        "instead of counting their FLOPs",
+    )
+    p.add_argument("--top", type=int, help="with --suggest: configurations listed (default 5)")
     p.set_defaults(command=_plan)
+
+
+_PLAN_DEFAULTS = {
+    "stages": 4,
+    "chunks": 8,
+    "schedule": "gpipe",
+    "virtual_stages": 1,
+    "checkpoint": "except_last",
+    "balance": "even",
+    "device_memory": "16GiB",
+}
 
 
 def _config(args: argparse.Namespace, n_layer: int) -> Any:
@@ -107,13 +143,33 @@ def _config(args: argparse.Namespace, n_layer: int) -> Any:
     )
 
 
-def _template(args: argparse.Namespace) -> Profile:
-    """The profile of a one-block model; deeper models repeat its block (``Profile.repeat``)."""
-    from ..models.gpt import build_gpt, lm_loss
+def _one_block(args: argparse.Namespace, device: str = "meta") -> tuple[Any, torch.Tensor]:
+    """A one-block model on the meta device, and a micro-batch of tokens on ``device``."""
+    from ..models.gpt import build_gpt
 
     layers = build_gpt(_config(args, 1), device="meta").to(_DTYPES[args.dtype])
-    tokens = torch.zeros(min(2, args.batch_size), args.seq_len, dtype=torch.int64, device="meta")
+    tokens = torch.zeros(min(2, args.batch_size), args.seq_len, dtype=torch.int64, device=device)
+    return layers, tokens
+
+
+def _template(args: argparse.Namespace) -> Profile:
+    """The profile of a one-block model; deeper models repeat its block (``Profile.repeat``)."""
+    from ..models.gpt import lm_loss
+
+    layers, tokens = _one_block(args)
     return profile(layers, tokens, target=tokens, loss_fn=lm_loss)
+
+
+def _templates(args: argparse.Namespace) -> tuple[Profile, LayerCosts]:
+    """The one-block model's profile, and its costs per layer: FLOPs counted, or (with
+    ``--measure``) forward and backward timed on this machine's CPU."""
+    from ..models.gpt import lm_loss
+
+    layers, tokens = _one_block(args)
+    prof = profile(layers, tokens, target=tokens, loss_fn=lm_loss)
+    if args.measure:
+        return prof, timed_costs(layers, torch.zeros_like(tokens, device="cpu"), device="cpu")
+    return prof, flop_costs(layers, tokens, target=tokens, loss_fn=lm_loss)
 
 
 def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> MemoryPlan:
@@ -139,14 +195,23 @@ def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> Memo
     )
 
 
-def _check(args: argparse.Namespace) -> None:
-    for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len", "stages", "chunks",
-                 "batch_size", "virtual_stages"):  # fmt: skip
+def _check_model(args: argparse.Namespace, *more: str) -> None:
+    for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len", "batch_size", *more):
         value = getattr(args, name)
-        if value < 1:
+        if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     if args.d_model % args.n_head:
         raise UsageError(f"--d-model {args.d_model} must be a multiple of --n-head {args.n_head}")
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag in ("suggest", "max_stages", "measure", "top"):
+        if getattr(args, flag) not in (None, False):
+            raise UsageError(f"--{flag.replace('_', '-')} needs --suggest")
+    for name, value in _PLAN_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    _check_model(args, "stages", "chunks", "virtual_stages")
     if args.virtual_stages > 1 and args.schedule != "interleaved":
         raise UsageError("--virtual-stages needs --schedule interleaved")
     if args.schedule == "interleaved" and args.chunks % args.stages:
@@ -155,7 +220,8 @@ def _check(args: argparse.Namespace) -> None:
         )
     if args.balance == "time":
         raise UsageError(
-            "--balance time needs a run to time; gpipe plan cuts even, by params or as given"
+            "--balance time needs a run to time, or --suggest; gpipe plan cuts even, by params "
+            "or as given"
         )
     if args.max_layers and args.balance not in ("even", "params"):
         raise UsageError("--max-layers cuts each candidate itself: --balance even or params")
@@ -187,6 +253,8 @@ def _most_layers(args: argparse.Namespace, template: Profile, memory: int) -> in
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if args.suggest:
+        return _suggest(args)
     _check(args)
     try:
         memory = parse_bytes(args.device_memory)
@@ -202,6 +270,16 @@ def _plan(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     _print(args, n_layer, result, memory)
+    advice = chunks_advice(
+        args.schedule,
+        args.stages,
+        args.chunks,
+        virtual_stages=args.virtual_stages,
+        checkpoint=args.checkpoint,
+        batch_size=args.batch_size,
+    )
+    if advice is not None:
+        print(advice)
     return 0 if result.fits(memory) else 1
 
 
@@ -232,3 +310,118 @@ def _print(args: argparse.Namespace, n_layer: int, result: MemoryPlan, memory: i
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+
+
+def _suggest(args: argparse.Namespace) -> int:
+    """``--suggest``: the fastest configurations that fit, as a short table."""
+    if args.device_memory is None:
+        raise UsageError("--suggest needs --device-memory, the memory of one device (e.g. 16GiB)")
+    if args.max_layers:
+        raise UsageError("--suggest plans the model as given: leave out --max-layers")
+    _check_model(args, "stages", "chunks", "max_stages", "top")
+    if args.chunks is not None and args.chunks > args.batch_size:
+        raise UsageError(
+            f"--chunks {args.chunks} is more than --batch-size {args.batch_size}: a "
+            "micro-batch needs at least one sequence"
+        )
+    balance = args.balance or "time"
+    if balance not in ("time", "even", "params"):
+        raise UsageError(
+            f"--suggest cuts every configuration itself: --balance time, even or params, "
+            f"got {balance!r}"
+        )
+    v = 2 if args.virtual_stages is None else args.virtual_stages
+    if v < 2:
+        raise UsageError(
+            f"--virtual-stages with --suggest is the interleaved schedule's stages per "
+            f"process: at least 2, got {v}"
+        )
+    try:
+        memory = parse_bytes(args.device_memory)
+        template, per_layer = _templates(args)
+        costs = per_layer.repeat(1, args.n_layer)
+        found = search(
+            template.repeat(1, args.n_layer),
+            costs,
+            batch_size=args.batch_size,
+            device_bytes=memory,
+            optimizer=args.optimizer,
+            balance=balance,
+            stages=None if args.stages is None else [args.stages],
+            chunks=None if args.chunks is None else [args.chunks],
+            schedules=None if args.schedule is None else [args.schedule],
+            checkpoints=None if args.checkpoint is None else [args.checkpoint],
+            virtual_stages=v,
+            max_stages=args.max_stages or MAX_STAGES,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if found.least is None:
+        raise UsageError(
+            "no configuration to search: --stages, --chunks, --schedule and --virtual-stages "
+            f"leave none for a model of {args.n_layer + 2} layers and --batch-size "
+            f"{args.batch_size}"
+        )
+    if not found.fitting:
+        least = found.least
+        print(
+            f"nothing fits in {_size(memory)} per process: of {found.searched} configurations "
+            f"searched, the least memory is {_size(least.peak_bytes)} ({least.options()})"
+        )
+        return 1
+    _print_suggestions(args, found, costs, memory)
+    return 0
+
+
+def _print_suggestions(
+    args: argparse.Namespace, found: Search, costs: LayerCosts, memory: int
+) -> None:
+    shown = found.fitting[: args.top or 5]
+    params = sum(r.params for r in shown[0].memory.ranks)
+    print(
+        f"gpt: blocks {args.n_layer}, d_model {args.d_model}, {params / 1e6:,.1f} M parameters "
+        f"({args.dtype}); {args.batch_size} sequences per step, {args.optimizer}, "
+        f"{_size(memory)} per process"
+    )
+    print(f"{found.fits} of {found.searched} configurations fit ({_bounds(found)})")
+    print(f"time: {costs.source}, backward 2 x forward, messages free")
+    timed = costs.unit == "s"
+    best = shown[0].step_time
+    time = "step time" if timed else "relative time"
+    header = ["stages", "chunks", "schedule", "checkpoint", time, "bubble", "peak memory", "fits"]
+    rows = [_row(c, best, timed, memory) for c in shown]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    left = {2, 3}  # names read better aligned left
+    for row in [header, *rows]:
+        cells = [c.ljust(w) if i in left else c.rjust(w)
+                 for i, (c, w) in enumerate(zip(row, widths, strict=True))]  # fmt: skip
+        print("  ".join(cells).rstrip())
+    print(f"fastest: {shown[0].options()}")
+
+
+def _row(c: Candidate, best: float, timed: bool, memory: int) -> list[str]:
+    schedule = c.schedule if c.virtual_stages == 1 else f"{c.schedule} v={c.virtual_stages}"
+    return [
+        str(c.stages),
+        str(c.chunks),
+        schedule,
+        c.checkpoint,
+        f"{c.step_time:.3g} s" if timed else f"{c.step_time / best:.2f}",
+        f"{c.bubble:.1%}",
+        _size(c.peak_bytes),
+        f"yes ({c.peak_bytes / memory:.0%})",
+    ]
+
+
+def _bounds(found: Search) -> str:
+    """What was searched, in a few words: the range of each dimension."""
+
+    def span(values: set[Any]) -> str:
+        low, high = min(values), max(values)
+        return str(low) if low == high else f"{low}-{high}"
+
+    grid = found.grid
+    return (
+        f"stages {span({g[0] for g in grid})}, chunks {span({g[1] for g in grid})}, "
+        f"{len({g[2] for g in grid})} schedules, {len({g[3] for g in grid})} checkpoint modes"
+    )

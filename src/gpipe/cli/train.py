@@ -321,6 +321,8 @@ def _train(args: argparse.Namespace) -> int:
         from ..elastic import job_id
 
         run["job"] = job_id()  # how a restart of this job knows the folder for its own
+    if not torchrun or os.environ["RANK"] == "0":
+        _advise(opts)
 
     def prepare() -> None:
         _prepare_folder(out, args.resume is not None or restarted, args.force, run)
@@ -351,6 +353,22 @@ def _train(args: argparse.Namespace) -> int:
     if summary is not None:
         _print_summary(summary, out)
     return 0
+
+
+def _advise(opts: Any) -> None:
+    """One line if the run has fewer micro-batches than the GPipe paper's rule of thumb."""
+    from ..advice import chunks_advice
+
+    line = chunks_advice(
+        opts.schedule,
+        opts.stages,
+        opts.chunks,
+        virtual_stages=opts.virtual_stages,
+        checkpoint=opts.checkpoint,
+        batch_size=opts.batch_size,
+    )
+    if line is not None:
+        print(line, flush=True)
 
 
 def _print_summary(summary: dict[str, Any], out: Path) -> None:

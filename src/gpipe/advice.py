@@ -1,0 +1,111 @@
+"""Advice on the number of micro-batches: the GPipe paper's M >= 4K, checked against each
+schedule's own bubble.
+
+The paper found the bubble negligible once a mini-batch is cut into at least four
+micro-batches per stage. How large the bubble really is depends on the schedule (zero-bubble
+and interleaved have far less than fill-drain) and on re-materialization (a recomputation
+runs while its stage would otherwise wait), so the advice predicts it for the run as
+configured, with stages of equal cost, and names the fewest micro-batches that bring it
+under 10 %.
+"""
+
+from __future__ import annotations
+
+from .checkpointing import check_checkpoint
+from .simulate import Costs, closed_form_bubble, scenario, simulate
+
+__all__ = ["RULE_OF_THUMB", "TARGET_BUBBLE", "chunks_advice", "chunks_for_bubble", "bubble"]
+
+RULE_OF_THUMB = 4  # micro-batches per stage (GPipe, section 2.3)
+TARGET_BUBBLE = 0.10
+
+# Stages of equal cost; a backward twice a forward, half of it the weight gradient.
+_UNIT = Costs(forward=1.0, backward=1.0, weight=1.0)
+
+
+def bubble(
+    schedule: str,
+    stages: int,
+    chunks: int,
+    *,
+    virtual_stages: int = 1,
+    checkpoint: str = "never",
+) -> float:
+    """The predicted bubble (idle share of all processes' time) of ``schedule`` on ``stages``
+    processes of equal cost with ``chunks`` micro-batches: its closed form where it has one
+    and nothing is recomputed, the simulator otherwise. ``virtual_stages`` is the interleaved
+    schedule's stages per process."""
+    check_checkpoint(checkpoint)
+    if checkpoint == "never":
+        v = virtual_stages if schedule == "interleaved" else 1
+        exact = closed_form_bubble(schedule, stages, chunks, v, 1.0, 1.0, 1.0)
+        if exact is not None:
+            return exact
+    plan, costs = scenario(schedule, stages, chunks, _UNIT, virtual_stages)
+    return simulate(plan, costs, checkpoint).bubble
+
+
+def chunks_for_bubble(
+    schedule: str,
+    stages: int,
+    *,
+    target: float = TARGET_BUBBLE,
+    virtual_stages: int = 1,
+    checkpoint: str = "never",
+) -> int:
+    """The fewest micro-batches whose predicted ``bubble`` is below ``target`` (a multiple
+    of ``stages`` for the interleaved schedule, which needs one): bisection, since the
+    bubble only shrinks as micro-batches are added. Under re-materialization the search
+    starts from the answer without it, which the simulator then only has to refine."""
+    if not 0 < target < 1:
+        raise ValueError(f"target must be a fraction between 0 and 1, got {target!r}")
+    step = stages if schedule == "interleaved" else 1
+
+    def below(n: int) -> bool:
+        return (
+            bubble(schedule, stages, n * step, virtual_stages=virtual_stages, checkpoint=checkpoint)
+            < target
+        )
+
+    low, high = 0, 1  # below(low) is False (or low is 0); below(high) is to be found
+    if checkpoint != "never":
+        plain = chunks_for_bubble(schedule, stages, target=target, virtual_stages=virtual_stages)
+        high = plain // step
+    while not below(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        if below(middle):
+            high = middle
+        else:
+            low = middle
+    return high * step
+
+
+def chunks_advice(
+    schedule: str,
+    stages: int,
+    chunks: int,
+    *,
+    virtual_stages: int = 1,
+    checkpoint: str = "never",
+    batch_size: int | None = None,
+) -> str | None:
+    """One line for a run of ``chunks`` micro-batches on ``stages`` processes with fewer than
+    ``RULE_OF_THUMB`` per stage: its predicted bubble and the fewest micro-batches that bring
+    it under ``TARGET_BUBBLE`` (and the batch size that needs, if ``batch_size`` is smaller).
+    None when the rule holds or one process leaves no bubble."""
+    if stages < 2 or chunks >= RULE_OF_THUMB * stages:
+        return None
+    options = {"virtual_stages": virtual_stages, "checkpoint": checkpoint}
+    now = bubble(schedule, stages, chunks, **options)
+    head = (
+        f"note: --chunks {chunks} is below {RULE_OF_THUMB} x --stages {stages}, the GPipe "
+        f"paper's rule of thumb: {schedule}'s predicted bubble is {now:.1%}"
+    )
+    if now < TARGET_BUBBLE:
+        return f"{head}, already under {TARGET_BUBBLE:.0%}"
+    needed = chunks_for_bubble(schedule, stages, **options)
+    then = bubble(schedule, stages, needed, **options)
+    rows = "" if batch_size is None or batch_size >= needed else f" (and --batch-size {needed})"
+    return f"{head}; --chunks {needed}{rows} would bring it under {TARGET_BUBBLE:.0%} ({then:.1%})"

@@ -1,0 +1,352 @@
+"""Which configuration to run: the fastest that fits, found by the memory planner and the
+simulator over stages, micro-batches, schedules and re-materialization modes.
+
+Memory comes from ``gpipe.memory.plan`` on a profile (taken on the meta device, so the model
+is never allocated). Time comes from ``gpipe.simulate.simulate`` fed with per-layer costs:
+counted (the FLOPs of each layer's forward, on the meta device) or timed (each layer's
+forward and backward on a real device, at two micro-batch sizes). Either way a layer's
+backward costs twice its forward, half of it the weight gradient, and messages between
+processes are free: the simulator ranks configurations by their compute, their balance and
+their bubble, not by the interconnect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from .balance import layer_times, partition
+from .checkpointing import CHECKPOINT_MODES, check_checkpoint
+from .memory import MemoryPlan, Profile, plan
+from .microbatch import as_tuple
+from .partition import as_sequential, check_balance, even_balance, stage_bounds
+from .schedule import SCHEDULES, get_schedule
+from .simulate import Costs, simulate
+
+__all__ = [
+    "MAX_STAGES",
+    "Candidate",
+    "LayerCosts",
+    "Search",
+    "candidates",
+    "chunk_choices",
+    "evaluate",
+    "flop_costs",
+    "search",
+    "timed_costs",
+]
+
+MAX_STAGES = 8  # the default bound on processes searched
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """What each layer's forward costs for a micro-batch of ``rows`` rows: ``fixed[i] +
+    per_row[i] * rows``, in ``unit`` (seconds, or FLOPs for counted costs). A backward costs
+    twice its forward, half of it the weight gradient (zero-bubble's W). ``source`` says how
+    the costs were obtained."""
+
+    fixed: tuple[float, ...]
+    per_row: tuple[float, ...]
+    unit: str
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.per_row)
+
+    def forward(self, layer: int, rows: float) -> float:
+        return self.fixed[layer] + self.per_row[layer] * rows
+
+    def repeat(self, layer: int, times: int) -> LayerCosts:
+        """The costs of the model with ``layer`` repeated ``times`` times (``Profile.repeat``)."""
+
+        def spread(values: tuple[float, ...]) -> tuple[float, ...]:
+            return values[:layer] + (values[layer],) * times + values[layer + 1 :]
+
+        return LayerCosts(spread(self.fixed), spread(self.per_row), self.unit, self.source)
+
+
+def _rows(sample: Any) -> int:
+    return next(t for t in as_tuple(sample) if isinstance(t, Tensor)).size(0)
+
+
+def flop_costs(
+    layers: nn.Sequential | Iterable[nn.Module],
+    sample: Any,
+    *,
+    target: Any = None,
+    loss_fn: Callable[..., Tensor] | None = None,
+) -> LayerCosts:
+    """Each layer's forward FLOPs per row of ``sample`` (one micro-batch), counted by
+    PyTorch's FLOP counter; on the meta device nothing is allocated or computed. The loss's
+    FLOPs go to the last layer. Layers whose work is not matrix products (an embedding's
+    lookup, a normalization) count as free."""
+    module = as_sequential(layers)
+    rows = _rows(sample)
+    per_row = []
+    x = sample
+    with torch.no_grad():
+        for index, layer in enumerate(module):
+            with FlopCounterMode(display=False) as counter:
+                x = layer(x)
+                if index == len(module) - 1 and loss_fn is not None and target is not None:
+                    loss_fn(x, target)
+            per_row.append(counter.get_total_flops() / rows)
+    zeros = (0.0,) * len(per_row)
+    return LayerCosts(zeros, tuple(per_row), "FLOP", "FLOPs counted on the meta device")
+
+
+def timed_costs(
+    layers: nn.Sequential | Iterable[nn.Module],
+    sample: Any,
+    *,
+    timeout: float = 1.0,
+    device: torch.device | str | None = None,
+) -> LayerCosts:
+    """Each layer's forward and backward timed on ``device`` (``gpipe.balance.layer_times``)
+    for micro-batches of the rows of ``sample`` and half of them, after a pass that warms
+    the kernels up, and fitted as a fixed cost plus a cost per row; the forward is taken as
+    a third of the two. Layers built on the meta device are allocated one at a time, so the
+    model never is whole. About ``timeout`` seconds in all, more if a layer is slow."""
+    module = as_sequential(layers)
+    rows = _rows(sample)
+    half = max(1, rows // 2)
+    _, small, large = [  # the first pass only warms up
+        layer_times(module, _first(sample, r), timeout=timeout / 3, device=device)
+        for r in (half, half, rows)
+    ]
+    fixed, per_row = [], []
+    for a, b in zip(small, large, strict=True):
+        slope = max(0.0, (b - a) / (rows - half)) if rows > half else b / rows
+        fixed.append(max(0.0, a - slope * half) / 3)
+        per_row.append(slope / 3)
+    where = torch.device(device) if device is not None else _default_device()
+    return LayerCosts(tuple(fixed), tuple(per_row), "s", f"timed on {where.type}")
+
+
+def _first(sample: Any, rows: int) -> Any:
+    if isinstance(sample, Tensor):
+        return sample[:rows]
+    return type(sample)(t[:rows] if isinstance(t, Tensor) else t for t in sample)
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration, its predicted step time (in the costs' unit) and bubble under the
+    simulator, and its memory under the planner."""
+
+    stages: int
+    chunks: int
+    schedule: str
+    checkpoint: str
+    virtual_stages: int
+    balance: tuple[int, ...]
+    step_time: float
+    bubble: float
+    memory: MemoryPlan
+
+    @property
+    def peak_bytes(self) -> float:
+        """The most any one process holds."""
+        return self.memory.peak_bytes
+
+    def options(self) -> str:
+        """The configuration as ``gpipe train`` and ``gpipe plan`` options."""
+        text = f"--stages {self.stages} --chunks {self.chunks} --schedule {self.schedule}"
+        if self.virtual_stages > 1:
+            text += f" --virtual-stages {self.virtual_stages}"
+        return f"{text} --checkpoint {self.checkpoint}"
+
+
+@dataclass(frozen=True)
+class Search:
+    """What ``search`` found: the configurations worth listing, fastest first; the grid it
+    tried, as ``candidates`` gives it; how many of those fit; and the one that needs the
+    least memory, whether it fits or not (None if it tried none)."""
+
+    fitting: tuple[Candidate, ...]
+    grid: tuple[tuple[int, int, str, str, int], ...]
+    fits: int
+    least: Candidate | None
+
+    @property
+    def searched(self) -> int:
+        return len(self.grid)
+
+
+def chunk_choices(batch_size: int) -> list[int]:
+    """Micro-batch counts searched by default: the powers of two up to ``batch_size``, and
+    ``batch_size`` itself (one row per micro-batch)."""
+    choices = [1 << i for i in range(batch_size.bit_length()) if 1 << i <= batch_size]
+    return sorted({*choices, batch_size})
+
+
+def candidates(
+    n_layers: int,
+    batch_size: int,
+    *,
+    stages: Sequence[int] | None = None,
+    chunks: Sequence[int] | None = None,
+    schedules: Sequence[str] | None = None,
+    checkpoints: Sequence[str] | None = None,
+    virtual_stages: int = 2,
+    max_stages: int = MAX_STAGES,
+) -> list[tuple[int, int, str, str, int]]:
+    """The grid ``search`` walks, as ``(stages, chunks, schedule, checkpoint, v)``.
+
+    By default: 1 to ``max_stages`` processes (no more than there are layers), the
+    ``chunk_choices`` of ``batch_size``, every schedule and every checkpoint mode. The
+    interleaved schedule runs ``virtual_stages`` stages per process, on two processes or
+    more, with a number of micro-batches that is a multiple of the processes; the others
+    one stage each. Each argument given replaces its default list.
+    """
+    ks = list(stages) if stages is not None else range(1, min(max_stages, n_layers) + 1)
+    ms = list(chunks) if chunks is not None else chunk_choices(batch_size)
+    names = list(schedules) if schedules is not None else list(SCHEDULES)
+    modes = list(checkpoints) if checkpoints is not None else list(CHECKPOINT_MODES)
+    grid = []
+    for k in ks:
+        for name in names:
+            v = virtual_stages if name == "interleaved" else 1
+            if k * v > n_layers or (name == "interleaved" and (k < 2 or v < 2)):
+                continue
+            for m in ms:
+                if m > batch_size or (name == "interleaved" and m % k):
+                    continue
+                grid += [(k, m, name, mode, v) for mode in modes]
+    return grid
+
+
+def _cut(
+    prof: Profile, costs: LayerCosts, parts: int, rows: float, balance: str | Sequence[int]
+) -> tuple[int, ...]:
+    if not isinstance(balance, str):
+        return tuple(check_balance(len(prof), list(balance)))
+    if balance == "time":
+        return tuple(partition([costs.forward(i, rows) for i in range(len(costs))], parts))
+    if balance == "params":
+        return tuple(partition(prof.params, parts))
+    if balance == "even":
+        return tuple(even_balance(len(prof), parts))
+    raise ValueError(f"balance must be 'time', 'params' or 'even', got {balance!r}")
+
+
+@dataclass(frozen=True)
+class _Config:
+    stages: int
+    chunks: int
+    schedule: str
+    checkpoint: str
+    virtual_stages: int
+    batch_size: int
+    optimizer: str
+
+    @property
+    def rows(self) -> float:
+        """A micro-batch's mean rows."""
+        return self.batch_size / self.chunks
+
+    def memory(self, prof: Profile, cut: tuple[int, ...]) -> MemoryPlan:
+        return plan(
+            prof,
+            cut,
+            batch_size=self.batch_size,
+            chunks=self.chunks,
+            schedule=self.schedule,
+            checkpoint=self.checkpoint,
+            optimizer=self.optimizer,
+            n_ranks=self.stages,
+        )
+
+    def timed(self, costs: LayerCosts, cut: tuple[int, ...], memory: MemoryPlan) -> Candidate:
+        """The simulated step of this configuration, cut as ``cut``."""
+        forward = [
+            sum(costs.forward(i, self.rows) for i in range(*bounds)) for bounds in stage_bounds(cut)
+        ]
+        make = get_schedule(self.schedule)
+        if len(cut) == self.stages:
+            program = make(len(cut), self.chunks)
+        else:
+            program = make(len(cut), self.chunks, self.stages)  # type: ignore[call-arg]
+        result = simulate(program, Costs(forward, forward, forward), self.checkpoint)
+        return Candidate(
+            self.stages, self.chunks, self.schedule, self.checkpoint, self.virtual_stages,
+            cut, result.makespan, result.bubble, memory,
+        )  # fmt: skip
+
+
+def evaluate(
+    prof: Profile,
+    costs: LayerCosts,
+    *,
+    stages: int,
+    chunks: int,
+    schedule: str,
+    checkpoint: str,
+    virtual_stages: int = 1,
+    batch_size: int,
+    optimizer: str = "adam",
+    balance: str | Sequence[int] = "time",
+) -> Candidate:
+    """One configuration's memory (``plan``) and time (``simulate``). ``balance`` is a cut
+    (layers per stage) or how to find one: ``"time"`` cuts where the slowest stage is
+    fastest under ``costs``, ``"params"`` evens out the parameters, ``"even"`` the layers."""
+    check_checkpoint(checkpoint)
+    if len(costs) != len(prof):
+        raise ValueError(f"costs have {len(costs)} layers, the profile {len(prof)}")
+    config = _Config(stages, chunks, schedule, checkpoint, virtual_stages, batch_size, optimizer)
+    cut = _cut(prof, costs, stages * virtual_stages, config.rows, balance)
+    return config.timed(costs, cut, config.memory(prof, cut))
+
+
+def search(
+    prof: Profile,
+    costs: LayerCosts,
+    *,
+    batch_size: int,
+    device_bytes: float,
+    optimizer: str = "adam",
+    balance: str = "time",
+    **grid: Any,
+) -> Search:
+    """The configurations of ``candidates(len(prof), batch_size, **grid)`` that fit in
+    ``device_bytes`` per process, fastest first, each cut as ``evaluate``'s ``balance`` says.
+
+    A configuration is left out when another that fits is at least as fast on no more
+    processes with no more memory: what remains are real trade-offs of time, processes and
+    memory. Time is simulated only for the configurations whose memory fits, and for the one
+    that needs the least memory (``Search.least``), fitting or not.
+    """
+    if len(costs) != len(prof):
+        raise ValueError(f"costs have {len(costs)} layers, the profile {len(prof)}")
+    tried = candidates(len(prof), batch_size, **grid)
+    fitting = []
+    least: tuple[float, _Config, tuple[int, ...], MemoryPlan] | None = None
+    for stages, chunks, schedule, checkpoint, v in tried:
+        config = _Config(stages, chunks, schedule, checkpoint, v, batch_size, optimizer)
+        cut = _cut(prof, costs, stages * v, config.rows, balance)
+        memory = config.memory(prof, cut)
+        if memory.fits(device_bytes):
+            fitting.append(config.timed(costs, cut, memory))
+        if least is None or memory.peak_bytes < least[0]:
+            least = (memory.peak_bytes, config, cut, memory)
+    smallest = None if least is None else least[1].timed(costs, least[2], least[3])
+    return Search(_frontier(fitting), tuple(tried), len(fitting), smallest)
+
+
+def _frontier(found: list[Candidate]) -> tuple[Candidate, ...]:
+    """Fastest first, without those another beats or equals in time, processes and memory."""
+    kept: list[Candidate] = []
+    for c in sorted(found, key=lambda c: (c.step_time, c.stages, c.peak_bytes, c.chunks)):
+        if not any(k.stages <= c.stages and k.peak_bytes <= c.peak_bytes for k in kept):
+            kept.append(c)
+    return tuple(kept)
