@@ -154,6 +154,13 @@ def test_bad_options_end_in_one_line_and_exit_code_2(capsys, tmp_path):
         "--balance must be time, params, even, or 2 positive layer counts that add up to the "
         "model's 4 layers (such as 2,2), got '1,2'"
     ) in _usage_error(capsys, "train", "--preset", "tiny", "--balance", "1,2", *out)
+    assert "--data-parallel must be a positive integer, got 0" in _usage_error(
+        capsys, "train", "--data-parallel", "0", *out
+    )
+    assert "--batch-size 3 cannot give each of --data-parallel 4 replicas a row" in _usage_error(
+        capsys, "train", "--data-parallel", "4", "--batch-size", "3", "--chunks", "1", *out
+    )
+    assert "invalid choice: 'fp8'" in _usage_error(capsys, "train", "--precision", "fp8", *out)
     assert not (tmp_path / "new").exists()
 
 
@@ -229,3 +236,55 @@ def test_every_schedule_trains_and_traces(tmp_path, schedule, more):
     measured = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] in ranks]
     assert len(data["measured"]["events"]) == len(measured)
     assert data["measured"]["schedule"]["name"] == schedule
+
+
+def test_data_parallel_trains_as_one_pipeline_and_saves_once_per_stage(trained, tmp_path):
+    """D = 2 replicas of the 2-stage pipeline, the global --batch-size split between them:
+    the same losses as D = 1 (within float rounding); the checkpoint holds one copy."""
+    out = tmp_path / "dp"
+    code = main(["train", *TINY, "--stages", "2", "--data-parallel", "2", "--steps", "20",
+                 "--save-every", "10", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    one, two = _losses(trained[2]), _losses(out)
+    assert sorted(two) == sorted(one)
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-5), step
+    description = _description(out, 20)
+    assert description["stages"] == 2 and description["data_parallel"] == 2
+    # one copy of the weights: the same files as the single pipeline's checkpoint
+    names = {p.name for p in (out / "checkpoints" / "step-000020").iterdir()}
+    assert names == {p.name for p in (trained[2] / "checkpoints" / "step-000020").iterdir()}
+    # resumed with other D and K: within float tolerance of the single pipeline's run
+    assert main(["train", "--resume", str(out), "--stages", "1", "--data-parallel", "1",
+                 "--steps", "22", "--quiet"]) == 0  # fmt: skip
+    assert set(_losses(out)) == set(range(1, 23))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains(tmp_path, precision):
+    out = tmp_path / precision
+    code = main(["train", *TINY, "--stages", "2", "--steps", "12", "--precision", precision,
+                 "--out", str(out)])  # fmt: skip
+    assert code == 0
+    losses = _losses(out)
+    assert all(loss == loss and loss < 10 for loss in losses.values())  # finite
+    assert sum(losses[s] for s in (10, 11, 12)) < sum(losses[s] for s in (1, 2, 3)) - 0.5
+    assert json.loads((out / "run.json").read_text())["train"]["precision"] == precision
+
+
+def test_the_shape_under_torchrun_follows_the_pinned_dimension():
+    from argparse import Namespace
+
+    from gpipe.cli.train import UsageError, _shape_from_world
+    from gpipe.train import TrainOptions
+
+    opts = TrainOptions(data_parallel=2)
+    _shape_from_world(Namespace(stages=None), opts, 8)
+    assert (opts.stages, opts.data_parallel) == (4, 2)  # D kept, K follows
+    opts = TrainOptions(data_parallel=2)
+    _shape_from_world(Namespace(stages=2), opts, 6)
+    assert (opts.stages, opts.data_parallel) == (2, 3)  # K pinned, D follows
+    with pytest.raises(UsageError, match="--stages 4, but torchrun started 6 processes"):
+        _shape_from_world(Namespace(stages=4), TrainOptions(), 6)
+    with pytest.raises(UsageError, match="--data-parallel 4, but torchrun started 6"):
+        _shape_from_world(Namespace(stages=None), TrainOptions(data_parallel=4), 6)

@@ -401,6 +401,10 @@ class Pipeline(nn.Module):
         """The rank (in the pipeline's group) that holds ``stage``."""
         return stage % self.n_ranks
 
+    def global_rank(self, rank: int) -> int:
+        """The rank in the world of rank ``rank`` of this pipeline's group."""
+        return self._global(rank)
+
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 

@@ -30,6 +30,7 @@ from .errors import StageError
 from .microbatch import split_sizes
 from .models.gpt import GPTConfig, build_gpt, lm_loss, tied_weights
 from .partition import even_balance
+from .replicas import shard
 from .saving import (
     discard_partial,
     latest_checkpoint,
@@ -50,6 +51,7 @@ class TrainOptions:
     """How to train; the model's shape lives in GPTConfig."""
 
     stages: int = 2
+    data_parallel: int = 1  # replicas of the pipeline; --batch-size is split among them
     chunks: int = 8
     checkpoint: str = "except_last"
     schedule: str = "gpipe"
@@ -68,6 +70,7 @@ class TrainOptions:
     save_every: int = 50  # 0: only at the end; docs/train.md says why 50
     seed: int = 0
     device: str = "cpu"
+    precision: str = "fp32"  # fp32, bf16 (autocast) or fp16 (autocast and loss scaling)
     data: str | None = None
     timeout: float = 300.0
     sample_tokens: int = 300
@@ -86,6 +89,9 @@ class RunSpec:
     resume: bool = False  # continue from the newest checkpoint that verifies; one must
     restarted: bool = False  # the job was here before: continue from one if any verifies
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_corpus(path: str | None) -> bytes:
@@ -126,10 +132,11 @@ class _Tied:
         named = dict(pipe.named_parameters())
         self.embedding = named.get(f"{embedding}.{embedding_name}")
         self.head = named.get(f"{head}.{head_name}")
-        if pipe.n_ranks > 1:  # collective: every rank creates the group
+        if pipe.n_ranks > 1:  # the two ranks of this replica's pipeline that hold them
             ranks = pipe.rank_of(pipe.stage_of(embedding)), pipe.rank_of(pipe.stage_of(head))
-            if ranks[0] != ranks[1]:
-                self.group = dist.new_group(sorted(ranks))
+            if ranks[0] != ranks[1] and (self.embedding is not None or self.head is not None):
+                members = sorted(pipe.global_rank(r) for r in ranks)
+                self.group = dist.new_group(members, use_local_synchronization=True)
 
     def sync_grads(self) -> None:
         """Sum the gradients of the two copies, so both take the same optimizer step."""
@@ -152,14 +159,15 @@ class _Tied:
 def _check_same_text(corpus: bytes, pipe: Pipeline) -> None:
     """Inputs come from the first stage's copy of the text and targets from the last's: on
     several machines, make sure every copy is the same."""
-    if pipe.n_ranks == 1:
+    if dist.get_world_size() == 1:
         return
-    digests: list[str | None] = [None] * pipe.n_ranks
+    digests: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(digests, hashlib.sha256(corpus).hexdigest())
-    for stage, digest in enumerate(digests):
+    replicas = pipe.replicas.data_parallel if pipe.replicas is not None else 1
+    for rank, digest in enumerate(digests):
         if digest != digests[0]:
             raise StageError(
-                stage,
+                rank // replicas,  # rank = position in the pipeline x D + replica
                 "reads different training text than stage 0 (another Python's standard "
                 "library?); pass --data with the same text on every machine",
             )
@@ -214,7 +222,8 @@ def _sample(
             probs = torch.softmax(logits[0, -1].float().cpu(), dim=-1)
             token[0, 0] = torch.multinomial(probs, 1, generator=generator).item()
         if pipe.n_ranks > 1:
-            dist.broadcast(token, src=pipe.rank_of(pipe.n_stages - 1))
+            last = pipe.global_rank(pipe.rank_of(pipe.n_stages - 1))
+            dist.broadcast(token, src=last, group=pipe.group)
         context = torch.cat([context, token.cpu()], dim=1)
     pipe.train()
     return decode(context[0].tolist())
@@ -305,7 +314,7 @@ def _choose_balance(
     if saved is not None and len(saved) == parts:
         return list(saved)
     init_process_group(device, opts.timeout)
-    rows = math.ceil(opts.batch_size / opts.chunks)
+    rows = math.ceil(opts.batch_size / opts.data_parallel / opts.chunks)
     generator = torch.Generator().manual_seed(opts.seed)
     sample = torch.randint(0, config.vocab_size, (rows, seq_len), generator=generator)
     first = dist.get_rank() == 0
@@ -375,13 +384,24 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
         schedule=opts.schedule,
         loss_fn=lm_loss,
         device=device,
+        data_parallel=opts.data_parallel,
+        autocast=PRECISIONS[opts.precision],
         seed=opts.seed,
         timeout=opts.timeout,
         trace=opts.trace,
     )
-    rank, k = pipe.rank, pipe.n_ranks
+    k, replicas = pipe.n_ranks, opts.data_parallel
+    replica = pipe.replicas.replica if pipe.replicas is not None else 0
+    world, me = dist.get_world_size(), dist.get_rank()
+    root = me == 0  # reports, logs and returns the summary
     tied = _Tied(pipe, layers)
     optimizer = _optimizer(pipe, opts, device)
+    # float16 needs its loss scaled; bfloat16 has float32's range and needs none
+    scaler = torch.amp.GradScaler(device.type) if opts.precision == "fp16" else None
+
+    def mine(batch: torch.Tensor) -> torch.Tensor:
+        """This replica's rows of a global mini-batch."""
+        return shard(batch, replica, replicas) if replicas > 1 else batch
 
     corpus = load_corpus(opts.data)
     _check_same_text(corpus, pipe)
@@ -389,12 +409,15 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
     sampler = BatchSampler(dataset.train, opts.batch_size, seq_len, seed=opts.seed)
     step = 0
     if checkpoint is not None:
-        restored = load_checkpoint(
-            checkpoint, pipe, optimizer, {"sampler": sampler.state_dict(), "step": 0}
-        )
+        held = {"sampler": sampler.state_dict(), "step": 0}
+        if scaler is not None:
+            held["scaler"] = scaler.state_dict()
+        restored = load_checkpoint(checkpoint, pipe, optimizer, held, group=pipe.group)
         sampler.load_state_dict(restored["sampler"])
         step = int(restored["step"])
-    if rank == 0 and (spec.resume or restarted):
+        if scaler is not None:
+            scaler.load_state_dict(restored["scaler"])
+    if root and (spec.resume or restarted):
         _trim_metrics(out / "metrics.jsonl", step)
         how = "restarted" if restarted else "resumed"
         where = f"from {checkpoint}" if checkpoint else "with no checkpoint to continue from"
@@ -406,18 +429,25 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
         losses = []
         for _ in range(opts.eval_batches):
             x, y = val.next()
-            losses.append(float(pipe.evaluate(x if pipe.is_first else None, y)))
+            losses.append(float(pipe.evaluate(mine(x) if pipe.is_first else None, mine(y))))
         pipe.train()
         return sum(losses) / len(losses)
 
     def save() -> None:
+        """Once per stage: the replicas hold the same weights and optimizer state (their
+        gradients are summed, their BatchNorm statistics merged), so replica 0 writes."""
+        if replica != 0:
+            return
         description = {
             "model": asdict(config),
             "train": asdict(opts),
             "stages": k,
+            "data_parallel": replicas,
             "balance": pipe.balance,
         }
-        extra = {"sampler": sampler.state_dict(), "step": step}
+        extra: dict[str, Any] = {"sampler": sampler.state_dict(), "step": step}
+        if scaler is not None:
+            extra["scaler"] = scaler.state_dict()
         save_checkpoint(
             out / "checkpoints",
             step,
@@ -425,10 +455,11 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
             optimizer,
             extra,
             description,
+            group=pipe.group,
             on_written=lambda: kill_point("save", step),
         )
 
-    reporter = _Reporter(opts, out, step, enabled=rank == 0)
+    reporter = _Reporter(opts, out, step, enabled=root)
     tokens = opts.batch_size * seq_len
     started, trained_from = time.perf_counter(), step
     train_loss = val_loss = float("nan")
@@ -436,30 +467,37 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
         while step < opts.steps:
             kill_point("step", step + 1)  # tests only: GPIPE_TEST_KILL loses this process
             # Dropout draws from a seed of the step, so a resumed run draws the same masks.
-            torch.manual_seed(opts.seed * 1_000_003 + step * k + rank)
+            torch.manual_seed(opts.seed * 1_000_003 + step * world + me)
             lr = learning_rate(step, opts)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            x, y = sampler.next()
+            x, y = sampler.next()  # the global mini-batch, the same on every rank
+            x, y = mine(x), mine(y)
             tick = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+            loss = pipe.step(
+                x if pipe.is_first else None, y if pipe.is_last else None, scaler=scaler
+            )
             tied.sync_grads()
-            norm = pipe.clip_grad_norm_(opts.grad_clip, parameters=tied.counted(pipe))
-            optimizer.step()
+            norm = pipe.clip_grad_norm_(
+                opts.grad_clip, parameters=tied.counted(pipe), scaler=scaler, optimizer=optimizer
+            )
+            if scaler is not None:
+                scaler.step(optimizer)  # skipped, on every rank alike, if a gradient overflowed
+                scaler.update()
+            else:
+                optimizer.step()
             seconds = time.perf_counter() - tick
             step += 1
             assert pipe.last_step is not None
             times = torch.tensor([pipe.last_step.busy, pipe.last_step.total], dtype=torch.float64)
-            if k > 1:
+            if world > 1:
                 dist.all_reduce(times)
             train_loss = float(loss)
             if opts.trace and step == opts.steps:  # collective, before evaluate() records
                 events = pipe.timeline()
-                if rank == 0:
-                    _write_timeline(
-                        out, events, pipe, len(split_sizes(opts.batch_size, opts.chunks))
-                    )
+                if root:
+                    _write_timeline(out, events, pipe, len(split_sizes(len(x), opts.chunks)))
             record: dict[str, Any] = {
                 "step": step,
                 "loss": train_loss,
@@ -479,12 +517,12 @@ def run_stage(spec: RunSpec) -> dict[str, Any] | None:
     elapsed = time.perf_counter() - started
     save()
     sample = _sample(pipe, opts.prompt, opts.sample_tokens, seq_len, opts.seed, device)
-    memory: list[int] = [0] * k
-    if k > 1:
+    memory: list[int] = [0] * world
+    if world > 1:
         dist.all_gather_object(memory, _peak_memory(device))
     else:
         memory = [_peak_memory(device)]
-    if rank != 0:
+    if not root:
         return None
     steps_run = step - trained_from
     return {

@@ -57,6 +57,13 @@ def add_parser(sub: Any) -> None:
     )
     pipe = p.add_argument_group("pipeline")
     pipe.add_argument("--stages", type=int, help="pipeline stages, one process each (default 2)")
+    pipe.add_argument(
+        "--data-parallel",
+        type=int,
+        metavar="D",
+        help="replicas of the pipeline, D x stages processes in all; --batch-size is split "
+        "among them (default 1)",
+    )
     pipe.add_argument("--chunks", type=int, help="micro-batches per mini-batch (default 8)")
     pipe.add_argument("--checkpoint", help="re-materialization: always, except_last, never")
     pipe.add_argument(
@@ -72,6 +79,12 @@ def add_parser(sub: Any) -> None:
         "such as 3,3",
     )
     pipe.add_argument("--device", choices=["cpu", "cuda"], help="where stages run (default cpu)")
+    pipe.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        help="fp32 (the default), or mixed precision: bf16 under autocast, fp16 under "
+        "autocast with loss scaling",
+    )
     pipe.add_argument(
         "--threads",
         type=int,
@@ -157,6 +170,7 @@ def _check(config: Any, opts: Any) -> None:
 
     for name in (
         "stages",
+        "data_parallel",
         "chunks",
         "steps",
         "batch_size",
@@ -173,13 +187,19 @@ def _check(config: Any, opts: Any) -> None:
             f"--virtual-stages {opts.virtual_stages} needs --schedule interleaved, "
             f"not {opts.schedule}"
         )
+    if opts.batch_size < opts.data_parallel:
+        raise UsageError(
+            f"--batch-size {opts.batch_size} cannot give each of --data-parallel "
+            f"{opts.data_parallel} replicas a row"
+        )
     if opts.schedule == "interleaved" and (
-        opts.chunks % opts.stages or opts.batch_size < opts.chunks
+        opts.chunks % opts.stages or opts.batch_size // opts.data_parallel < opts.chunks
     ):
         raise UsageError(
             f"--schedule interleaved needs --chunks a multiple of --stages ({opts.stages}) and "
-            f"--batch-size at least --chunks, got --chunks {opts.chunks} and --batch-size "
-            f"{opts.batch_size}"
+            f"each replica's share of --batch-size at least --chunks, got --chunks "
+            f"{opts.chunks} and --batch-size {opts.batch_size} over {opts.data_parallel} "
+            "replica(s)"
         )
     if opts.stages > layers:
         raise UsageError(
@@ -307,10 +327,7 @@ def _train(args: argparse.Namespace) -> int:
     config = _model_config(args, saved and saved["model"], out)
     opts = _train_options(args, saved and saved["train"])
     if torchrun:
-        world = int(os.environ["WORLD_SIZE"])
-        if args.stages is not None and args.stages != world:
-            raise UsageError(f"--stages {args.stages}, but torchrun started {world} processes")
-        opts.stages = world
+        _shape_from_world(args, opts, int(os.environ["WORLD_SIZE"]))
     _check(config, opts)
     _check_data(opts, opts.seq_len or config.seq_len)
     if args.threads is not None and args.threads < 1:
@@ -338,7 +355,8 @@ def _train(args: argparse.Namespace) -> int:
         resume=args.resume is not None and not restarted,
         restarted=restarted,
     )
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else opts.stages
+    processes = opts.stages * opts.data_parallel
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else processes
     threads = (args.threads or threads_per_process(local)) if opts.device == "cpu" else None
     if torchrun:
         from ..distributed import finish_process_group
@@ -349,10 +367,30 @@ def _train(args: argparse.Namespace) -> int:
         finish_process_group()
     else:
         restarts = args.max_restarts or 0
-        summary = launch(run_stage, opts.stages, (spec,), threads=threads, max_restarts=restarts)[0]
+        summary = launch(run_stage, processes, (spec,), threads=threads, max_restarts=restarts)[0]
     if summary is not None:
         _print_summary(summary, out)
     return 0
+
+
+def _shape_from_world(args: argparse.Namespace, opts: Any, world: int) -> None:
+    """Stages and replicas from the processes torchrun started: ``--stages K`` keeps the
+    pipeline's depth and the replicas follow (D = world / K), so a machine admitted or lost
+    under ``--nnodes 1:2`` adds or drops replicas; otherwise D stays (``--data-parallel``,
+    or what the run had) and the depth follows (K = world / D)."""
+    if args.stages is not None:
+        if world % args.stages:
+            raise UsageError(
+                f"--stages {args.stages}, but torchrun started {world} processes, not a multiple"
+            )
+        opts.stages, opts.data_parallel = args.stages, world // args.stages
+        return
+    if world % opts.data_parallel:
+        raise UsageError(
+            f"--data-parallel {opts.data_parallel}, but torchrun started {world} processes, "
+            "not a multiple"
+        )
+    opts.stages = world // opts.data_parallel
 
 
 def _advise(opts: Any) -> None:
@@ -378,7 +416,7 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
         f"{summary['tokens_per_s']:,.0f} tokens/s, stages {summary['balance']}\n"
         f"loss: train {summary['train_loss']:.3f}, validation {summary['val_loss']:.3f} "
         f"(nats per byte)\n"
-        f"peak memory per stage: {memory}\n"
+        f"peak memory per process: {memory}\n"
         f"run folder: {out}\n"
         f"sample:\n{summary['sample']}"
     )
