@@ -134,6 +134,24 @@ def test_the_meter_sees_layers_run_on_other_threads():
     assert piped == plain  # no re-materialization: all 4 micro-batches held, as one batch
 
 
+def test_replicas_each_hold_their_share_and_the_all_reduce_buckets():
+    model, x, y, loss_fn = cases.memory_workload("gpt", device="meta")
+    prof = profile(model, x[:4].to("meta"), target=y[:4].to("meta"), loss_fn=loss_fn)
+    alone = plan(prof, [3, 3], batch_size=16, chunks=4, checkpoint="always")
+    shared = plan(prof, [3, 3], batch_size=32, chunks=4, checkpoint="always", data_parallel=2)
+    for one, two in zip(alone.ranks, shared.ranks, strict=True):
+        assert two.activation_bytes == one.activation_bytes  # 16 of the 32 rows each
+        assert two.allreduce_bytes == one.param_bytes  # a copy of every gradient
+        assert 0 < two.last_graph_bytes <= two.activation_bytes
+        during = max(two.activation_bytes, two.allreduce_bytes + two.last_graph_bytes)
+        assert two.total_bytes == pytest.approx(one.param_bytes + one.state_bytes + during)
+        assert one.allreduce_bytes == 0 and one.total_bytes < two.total_bytes
+    with pytest.raises(ValueError, match="data_parallel must be a positive integer, got 0"):
+        plan(prof, [3, 3], batch_size=8, chunks=2, data_parallel=0)
+    with pytest.raises(ValueError, match="batch_size 2 cannot give each of 4 replicas a row"):
+        plan(prof, [3, 3], batch_size=2, chunks=2, data_parallel=4)
+
+
 def test_bad_plans_are_named():
     prof = profile(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(2, 4))
     with pytest.raises(ValueError, match="optimizer must be one of"):

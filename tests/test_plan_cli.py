@@ -26,6 +26,17 @@ def test_the_table_has_a_row_per_stage(capsys):
     assert all(r[-1] == "yes" for r in rows)
 
 
+def test_replicas_add_an_all_reduce_column_and_share_the_batch(capsys):
+    code = main([*MODEL, "--n-layer", "6", "--data-parallel", "2", "--device-memory", "1GiB"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "of 8 (of 16, over 2 replicas) sequences" in out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("rank"))
+    assert "all-reduce" in header
+    assert main([*MODEL, "--data-parallel", "32"]) == 2
+    assert "--batch-size 16 cannot give each of --data-parallel 32" in capsys.readouterr().err
+
+
 def _most(capsys, *more: str) -> int:
     code = main([*MODEL, "--device-memory", "256MiB", "--max-layers", *more])
     out = capsys.readouterr().out

@@ -381,10 +381,16 @@ class StagePlan:
     state_bytes: float  # their gradients and the optimizer's state
     activation_bytes: float  # peak of what is held for backward
     peak_live: int  # most micro-batches held at once
+    # with replicas: the gradients' copies in the all-reduce buckets, live from the last
+    # backward (buckets start during it) to the step's end, beside at most the graph of the
+    # one micro-batch still being backpropagated (``last_graph_bytes``)
+    allreduce_bytes: float = 0.0
+    last_graph_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
-        return self.param_bytes + self.state_bytes + self.activation_bytes
+        during = max(self.activation_bytes, self.allreduce_bytes + self.last_graph_bytes)
+        return self.param_bytes + self.state_bytes + during
 
 
 @dataclass(frozen=True)
@@ -489,11 +495,14 @@ def plan(
     optimizer: str = "adam",
     n_ranks: int | None = None,
     layers: nn.Sequential | None = None,
+    data_parallel: int = 1,
 ) -> MemoryPlan:
     """Predicted peak memory of every process for a mini-batch of ``batch_size`` rows cut
     into ``chunks`` micro-batches. ``n_ranks`` below ``len(balance)`` puts several stages on
     each process (the interleaved schedule). A ``Layers(select=...)`` policy needs the
-    model's ``layers`` to apply its predicate to."""
+    model's ``layers`` to apply its predicate to. With ``data_parallel`` replicas,
+    ``batch_size`` is the global mini-batch (each replica takes its share, the largest
+    counted) and each process also holds its gradients' copies in the all-reduce buckets."""
     balance = check_balance(len(prof), list(balance))
     checkpoint = check_checkpoint(checkpoint)
     if isinstance(checkpoint, Layers) and checkpoint.select is not None and layers is None:
@@ -502,8 +511,15 @@ def plan(
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
+    if batch_size < data_parallel:
+        raise ValueError(
+            f"batch_size {batch_size} cannot give each of {data_parallel} replicas a row"
+        )
     n_stages = len(balance)
     n_ranks = n_stages if n_ranks is None else n_ranks
+    batch_size = split_sizes(batch_size, data_parallel)[0]  # the largest replica's share
     sizes = split_sizes(batch_size, chunks)
     recomputed = frozenset(
         i for i in range(len(sizes)) if should_checkpoint(checkpoint, i, len(sizes))
@@ -538,6 +554,7 @@ def plan(
             recomputed.__contains__,
         )
         peak += sum(prof.batch_bytes(*bounds[s], batch_size) for s in stages)
+        replicated = data_parallel > 1
         ranks.append(
             StagePlan(
                 rank=rank,
@@ -548,6 +565,10 @@ def plan(
                 state_bytes=weights * states,
                 activation_bytes=peak,
                 peak_live=live,
+                allreduce_bytes=weights if replicated else 0.0,  # gradients: the weights' size
+                last_graph_bytes=max((h.graph for s in stages for h in held[s]), default=0.0)
+                if replicated
+                else 0.0,
             )
         )
     return MemoryPlan(tuple(balance), schedule, checkpoint, chunks, optimizer, tuple(ranks))

@@ -71,6 +71,14 @@ def add_parser(sub: Any) -> None:
         "--no-tie-embeddings", action="store_true", help="separate embedding and head weights"
     )
     p.add_argument("--stages", type=int, metavar="K", help="processes (default 4)")
+    p.add_argument(
+        "--data-parallel",
+        type=int,
+        default=1,
+        metavar="D",
+        help="replicas of the pipeline, --batch-size split among them; adds the all-reduce "
+        "buckets to each process (default 1)",
+    )
     p.add_argument("--chunks", type=int, metavar="M", help="micro-batches (default 8)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
     p.add_argument("--schedule", choices=SCHEDULES, help="default gpipe")
@@ -192,6 +200,7 @@ def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> Memo
         checkpoint=args.checkpoint,
         optimizer=args.optimizer,
         n_ranks=args.stages,
+        data_parallel=args.data_parallel,
     )
 
 
@@ -211,7 +220,12 @@ def _check(args: argparse.Namespace) -> None:
     for name, value in _PLAN_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    _check_model(args, "stages", "chunks", "virtual_stages")
+    _check_model(args, "stages", "chunks", "virtual_stages", "data_parallel")
+    if args.batch_size < args.data_parallel:
+        raise UsageError(
+            f"--batch-size {args.batch_size} cannot give each of --data-parallel "
+            f"{args.data_parallel} replicas a row"
+        )
     if args.virtual_stages > 1 and args.schedule != "interleaved":
         raise UsageError("--virtual-stages needs --schedule interleaved")
     if args.schedule == "interleaved" and args.chunks % args.stages:
@@ -283,17 +297,27 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if result.fits(memory) else 1
 
 
+def _rows(args: argparse.Namespace) -> str:
+    """The sequences a process's mini-batch holds: the batch, or each replica's share."""
+    if args.data_parallel == 1:
+        return str(args.batch_size)
+    share = -(-args.batch_size // args.data_parallel)
+    return f"{share} (of {args.batch_size}, over {args.data_parallel} replicas)"
+
+
 def _print(args: argparse.Namespace, n_layer: int, result: MemoryPlan, memory: int) -> None:
     params = sum(r.params for r in result.ranks)
     heading = "most blocks that fit" if args.max_layers else "blocks"
     print(
         f"gpt: {heading} {n_layer}, d_model {args.d_model}, {params / 1e6:,.1f} M parameters "
         f"({args.dtype}); {args.stages} stages, balance {list(result.balance)}, "
-        f"{args.schedule}, {args.chunks} micro-batches of {args.batch_size} sequences, "
+        f"{args.schedule}, {args.chunks} micro-batches of {_rows(args)} sequences, "
         f"checkpoint {args.checkpoint}, {args.optimizer}"
     )
+    replicated = args.data_parallel > 1
     header = ["rank", "layers", "parameters", "weights", "grads+optimizer", "activations",
-              "total", f"fits {_size(memory)}"]  # fmt: skip
+              *(["all-reduce"] if replicated else []), "total",
+              f"fits {_size(memory)}"]  # fmt: skip
     rows = [
         [
             str(r.rank),
@@ -302,6 +326,7 @@ def _print(args: argparse.Namespace, n_layer: int, result: MemoryPlan, memory: i
             _size(r.param_bytes),
             _size(r.state_bytes),
             _size(r.activation_bytes),
+            *([_size(r.allreduce_bytes)] if replicated else []),
             _size(r.total_bytes),
             "yes" if r.total_bytes <= memory else "no",
         ]
