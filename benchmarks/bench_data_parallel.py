@@ -7,7 +7,9 @@ batch, side by side; then the simulator, fed the measured costs, for D x K up to
    runs one step of each, in alternating order; the step time is the slower rank's, and
    the ratio is taken per cycle. Each replica's stage reports how long it waited for the
    gradients' sums after its last backward (what the overlap left exposed), and each cycle
-   also times the same all-reduce alone: the difference is what the overlap hid.
+   also times the same all-reduce alone: the difference is what the overlap hid. A third
+   contender replicates with the whole stage in one bucket, which cannot start before the
+   backward ends: against it, what the default buckets buy.
 2. Peak memory per process: each contender alone, in fresh processes, a few steps.
 3. Costs for the simulator: the embedding, a block and the head timed forward and backward
    at the micro-batch size, both processes at once; the link's latency and bandwidth; the
@@ -38,6 +40,7 @@ from .bench_scaling import _layer_costs, _link, _stage_costs
 from .common import machine, write_results
 
 DS = (1, 2, 4, 8)
+ONE_BUCKET = "D=2 x K=1, one bucket"
 KS = (1, 2, 4, 8, 16)
 
 
@@ -54,6 +57,16 @@ def _contenders(config: GPTConfig, rows: int, batch: int) -> dict[str, Pipeline]
         loss_fn=lm_loss,
     )
     torch.manual_seed(0)
+    one_bucket = Pipeline(
+        build_gpt(config),
+        [layers],
+        data_parallel=2,
+        bucket_bytes=2**40,
+        chunks=batch // 2 // rows,
+        checkpoint="never",
+        loss_fn=lm_loss,
+    )
+    torch.manual_seed(0)
     staged = Pipeline(
         build_gpt(config),
         [layers - layers // 2, layers // 2],
@@ -61,7 +74,7 @@ def _contenders(config: GPTConfig, rows: int, batch: int) -> dict[str, Pipeline]
         checkpoint="never",
         loss_fn=lm_loss,
     )
-    return {"D=2 x K=1": replicated, "K=2 x D=1": staged}
+    return {"D=2 x K=1": replicated, "K=2 x D=1": staged, ONE_BUCKET: one_bucket}
 
 
 def _step(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
@@ -117,6 +130,7 @@ def side_by_side(cfg: dict) -> dict:
         order = names if cycle % 2 == 0 else names[::-1]
         found = {name: _step(contenders[name], x, y) for name in order}
         found["allreduce_alone"] = _allreduce_alone(contenders["D=2 x K=1"])
+        found["one_bucket_alone"] = _allreduce_alone(contenders[ONE_BUCKET])
         cycles.append(found)
     # costs for the simulator, both processes at once: contended, as in the runs above
     dist.barrier()
@@ -204,9 +218,9 @@ def main() -> None:
     median = {
         name: {
             key: statistics.median(c[name][key] for c in cycles)
-            for key in ("seconds", "bubble", "allreduce_wait")
+            for key in ("seconds", "bubble", "allreduce_wait", "buckets", "early")
         }
-        for name in names
+        for name in (*names, ONE_BUCKET)
     }
     ratios = [c[names[0]]["seconds"] / c[names[1]]["seconds"] for c in cycles]
     alone = statistics.median(c["allreduce_alone"] for c in cycles)
@@ -224,10 +238,19 @@ def main() -> None:
         f"D=2 x K=1 / K=2 x D=1, per cycle: median {statistics.median(ratios):.3f} "
         f"(min {min(ratios):.3f}, max {max(ratios):.3f}, {len(ratios)} cycles)"
     )
+    for name, key in ((names[0], "allreduce_alone"), (ONE_BUCKET, "one_bucket_alone")):
+        took = statistics.median(c[key] for c in cycles)
+        waited = median[name]["allreduce_wait"]
+        print(
+            f"{name}: all-reduce in {median[name]['buckets']:.0f} bucket(s), "
+            f"{median[name]['early']:.0f} started during the last backward: {took * 1e3:.1f} ms "
+            f"alone, {waited * 1e3:.1f} ms exposed after the last backward, "
+            f"{max(0.0, took - waited) * 1e3:.1f} ms ({max(0.0, 1 - waited / took):.0%}) hidden"
+        )
+    buckets = [c[names[0]]["seconds"] / c[ONE_BUCKET]["seconds"] for c in cycles]
     print(
-        f"all-reduce: {alone * 1e3:.1f} ms alone, {exposed * 1e3:.1f} ms exposed after the last "
-        f"backward: {max(0.0, alone - exposed) * 1e3:.1f} ms ({max(0.0, 1 - exposed / alone):.0%})"
-        " hidden"
+        f"{names[0]} / {ONE_BUCKET}, per cycle: median {statistics.median(buckets):.3f} "
+        f"(min {min(buckets):.3f}, max {max(buckets):.3f})"
     )
     checks = {}
     for name, d, k in (("D=2 x K=1", 2, 1), ("K=2 x D=1", 1, 2)):
@@ -252,7 +275,13 @@ def main() -> None:
         "workload": cfg,
         "median": median,
         "ratio_per_cycle": ratios,
-        "allreduce": {"alone": alone, "exposed": exposed},
+        "allreduce": {
+            "alone": alone,
+            "exposed": exposed,
+            "one_bucket_alone": statistics.median(c["one_bucket_alone"] for c in cycles),
+            "one_bucket_exposed": median[ONE_BUCKET]["allreduce_wait"],
+            "default_over_one_bucket_per_cycle": buckets,
+        },
         "memory": memory,
         "checks": checks,
         "table": table,

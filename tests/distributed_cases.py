@@ -392,12 +392,31 @@ def data_parallel(d: int) -> dict:
             torch.testing.assert_close(tensor, ref_state[name], **exact)
             cases += 1
     times = pipe.last_step
-    return {"cases": cases, "buckets": times.allreduce_buckets, "early": times.allreduce_early}
+    found = {"cases": cases, "buckets": times.allreduce_buckets, "early": times.allreduce_early}
+    # buckets of one parameter each: still exact, and each starts during the last backward
+    pipe = Pipeline(
+        mlp(), BALANCES[k], chunks=4, loss_fn=mse_loss, data_parallel=d, bucket_bytes=1,
+    )  # fmt: skip
+    x, y = batch(11)
+    xs, ys = _shards(x, y, replica, d, uneven=True)
+    reference = mlp()
+    ref_loss = _reference(reference, x, y)
+    loss = pipe.step(xs if pipe.is_first else None, ys if pipe.is_last else None)
+    torch.testing.assert_close(loss, ref_loss.double(), **exact)
+    ref = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name].grad, **exact)
+    found["small"] = (pipe.last_step.allreduce_buckets, pipe.last_step.allreduce_early)
+    found["held"] = sum(1 for p in pipe.parameters() if p.requires_grad)
+    return found
 
 
 def data_parallel_bad_inputs() -> dict:
     init_process_group(torch.device("cpu"))
-    errors = {"divides": _error(lambda: Pipeline(mlp(), [8], data_parallel=3, loss_fn=mse_loss))}
+    errors = {
+        "divides": _error(lambda: Pipeline(mlp(), [8], data_parallel=3, loss_fn=mse_loss)),
+        "bucket": _error(lambda: Pipeline(mlp(), [8], bucket_bytes=0, loss_fn=mse_loss)),
+    }
     errors["both"] = _error(
         lambda: Pipeline(mlp(), [8], data_parallel=2, group=dist.new_group([0, 1]))
     )

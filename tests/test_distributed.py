@@ -124,6 +124,7 @@ def test_data_parallel_replicas_give_the_gradients_of_one_step_on_their_union(d,
         assert r["cases"] == 12 + (3 if world // d == 2 else 6), rank
         if d > 1:  # the last backward is whole: every bucket starts during it
             assert r["buckets"] >= 1 and r["early"] == r["buckets"], r
+            assert r["small"] == (r["held"], r["held"]), r  # one bucket per parameter
 
 
 def test_data_parallel_bad_inputs_are_named():
@@ -133,5 +134,6 @@ def test_data_parallel_bad_inputs_are_named():
         assert "data_parallel=3 does not divide the world size 2" in e["divides"]
         assert "pass group or data_parallel, not both" in e["both"]
         assert "data_parallel must be a positive integer, got 0" in e["type"]
+        assert "bucket_bytes must be a positive number of bytes or None" in e["bucket"]
     assert "has an empty batch" in errors[1]["empty"] or "no rows" in errors[1]["empty"]
     assert "no rows" in errors[0]["empty"] or "StageError" in errors[0]["empty"]

@@ -399,13 +399,21 @@ def test_closed_form_bubbles_where_they_hold_and_none_where_not():
         closed_form_bubble("nope", 4, 8)
 
 
-@pytest.mark.parametrize(("overlap", "exposed"), [(True, 2.0), (False, 4.0)])
-def test_replicas_add_their_gradient_all_reduce_to_the_step(overlap, exposed):
+@pytest.mark.parametrize(
+    ("overlap", "bucket_bytes", "exposed"),
+    [(False, None, 4.0), (True, None, 4.0), (False, 1.0, 4.0), (True, 1.0, 2.5)],
+)
+def test_replicas_add_their_gradient_all_reduce_to_the_step(overlap, bucket_bytes, exposed):
     """K = 2, M = 4, F = 1, B = 2: each stage's 4 gradient bytes over a ring of 2 replicas at
-    1 byte/s take 2 x 1/2 x 4 = 4 s; overlapped, they start with the last backward (2 s)."""
+    1 byte/s take 2 x 1/2 x 4 = 4 s. In one bucket (the default for so few bytes) they start
+    when the last backward ends, overlapped or not; in four 1-byte buckets, overlapped, the
+    buckets are ready 0.5, 1, 1.5 and 2 s into that backward and take 1 s each, one after
+    the other: the last ends 4.5 s after the backward began, 2.5 s after it ended."""
     costs = Costs(forward=1.0, backward=2.0, grad_bytes=4.0, bandwidth=1.0)
     alone = simulate(gpipe(2, 4), costs)
-    result = simulate(gpipe(2, 4), costs, data_parallel=2, overlap=overlap)
+    result = simulate(
+        gpipe(2, 4), costs, data_parallel=2, overlap=overlap, bucket_bytes=bucket_bytes
+    )
     assert result.allreduce_exposed == (exposed, exposed)
     assert result.makespan == alone.makespan + exposed
     assert simulate(gpipe(2, 4), costs, data_parallel=1).allreduce_exposed == (0.0, 0.0)
@@ -421,7 +429,7 @@ def test_cli_adds_the_all_reduce_of_replicas(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 replicas" in out
     row = next(line for line in out.splitlines() if line.startswith("gpipe "))
-    assert row.split()[:3] == ["gpipe", "17", "2"]  # 15 alone, 2 s of all-reduce exposed
+    assert row.split()[:3] == ["gpipe", "19", "4"]  # 15 alone, 4 s of all-reduce exposed
     assert main([*args, "--data-parallel", "0"]) == 2
     assert "--data-parallel must be a positive integer, got 0" in capsys.readouterr().err
 

@@ -48,7 +48,7 @@ from .p2p import DistributedTransport
 from .partition import as_sequential, check_balance, even_balance, materialize, stage_bounds
 from .payload import tensors_of, with_tensors
 from .pipes import open_pipes
-from .replicas import BUCKET_BYTES, GradientBuckets, Replicas
+from .replicas import GradientBuckets, Replicas, check_bucket_bytes
 from .schedule import (
     Action,
     Kind,
@@ -213,6 +213,9 @@ class Pipeline(nn.Module):
             (``gpipe.replicas.shard``), gradients are summed across replicas in buckets while
             the last backward still runs, and ``step`` returns the loss of the union of the
             shards, weighted by rows.
+        bucket_bytes: the size of those buckets; by default a quarter of the stage's
+            gradients, between 1 MiB and 25 MiB (``gpipe.replicas.bucket_size``), so that
+            most of them start before the last backward ends.
         deferred_batch_norm: replace every BatchNorm by ``gpipe.batchnorm.DeferredBatchNorm``,
             so running statistics are tracked once per mini-batch, from all its micro-batches.
         autocast: a dtype (``torch.bfloat16``, ``torch.float16``) each stage's forward and
@@ -247,6 +250,7 @@ class Pipeline(nn.Module):
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
         data_parallel: int = 1,
+        bucket_bytes: float | None = None,
         deferred_batch_norm: bool = False,
         autocast: torch.dtype | None = None,
         local_pipes: bool = True,
@@ -274,6 +278,7 @@ class Pipeline(nn.Module):
             or data_parallel < 1
         ):
             raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
+        bucket_bytes = check_bucket_bytes(bucket_bytes)
         if data_parallel != 1 and group is not None:
             raise ValueError(
                 "pass group or data_parallel, not both: data_parallel lays its pipelines out "
@@ -370,7 +375,7 @@ class Pipeline(nn.Module):
         if self.replicas is not None:
             for stage, runner in self._stages.items():
                 params = list(runner.module.parameters())
-                self._buckets[stage] = GradientBuckets(params, self.replicas, stage, BUCKET_BYTES)
+                self._buckets[stage] = GradientBuckets(params, self.replicas, stage, bucket_bytes)
         self._rows_all = 0  # rows of the step over every replica
         self._tied = TiedGradients(
             self.ties,

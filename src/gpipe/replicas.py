@@ -23,9 +23,36 @@ from torch import Tensor, nn
 
 from .errors import StageError
 
-__all__ = ["GradientBuckets", "Replicas", "layout", "shard"]
+__all__ = ["GradientBuckets", "Replicas", "bucket_size", "layout", "shard"]
 
 BUCKET_BYTES = 25 * 2**20  # as DDP's default: big enough to amortize a collective's latency
+MIN_BUCKET_BYTES = 2**20  # below this, a collective's latency outweighs what it hides
+BUCKETS_PER_STAGE = 4  # so that about three quarters can start while the backward runs
+
+
+def bucket_size(stage_bytes: float, bucket_bytes: float | None = None) -> float:
+    """The bucket size for a stage holding ``stage_bytes`` of gradients: ``bucket_bytes``
+    if given, else a quarter of the stage, kept between 1 MiB and 25 MiB.
+
+    Only the buckets complete before the last backward ends can hide behind it, and the last
+    one never does; one 25 MiB bucket for a 25 MiB stage would hide nothing."""
+    if bucket_bytes is not None:
+        return bucket_bytes
+    return min(BUCKET_BYTES, max(MIN_BUCKET_BYTES, stage_bytes / BUCKETS_PER_STAGE))
+
+
+def check_bucket_bytes(bucket_bytes: object) -> float | None:
+    ok = bucket_bytes is None or (
+        isinstance(bucket_bytes, (int, float))
+        and not isinstance(bucket_bytes, bool)
+        and bucket_bytes > 0
+    )
+    if not ok:
+        raise ValueError(
+            f"bucket_bytes must be a positive number of bytes or None (a quarter of each "
+            f"stage's gradients, between 1 MiB and 25 MiB), got {bucket_bytes!r}"
+        )
+    return bucket_bytes  # type: ignore[return-value]
 
 
 def layout(world: int, data_parallel: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -135,7 +162,7 @@ class _Bucket:
 
 
 class GradientBuckets:
-    """Sums one stage's gradients over its replicas, in buckets of about ``BUCKET_BYTES``
+    """Sums one stage's gradients over its replicas, in buckets of about ``bucket_size``
     taken in the reverse order of the parameters (the order a backward reaches them).
 
     ``arm`` before the stage's last backward: from then on a parameter whose gradient is
@@ -145,13 +172,19 @@ class GradientBuckets:
     """
 
     def __init__(
-        self, params: Sequence[nn.Parameter], replicas: Replicas, stage: int, bucket_bytes: int
+        self,
+        params: Sequence[nn.Parameter],
+        replicas: Replicas,
+        stage: int,
+        bucket_bytes: float | None = None,
     ) -> None:
         self._replicas = replicas
         self._stage = stage
         self.buckets: list[_Bucket] = []
+        trained = [p for p in params if p.requires_grad]
+        bucket_bytes = bucket_size(sum(p.numel() * p.element_size() for p in trained), bucket_bytes)
         size = bucket_bytes
-        for p in reversed([p for p in params if p.requires_grad]):
+        for p in reversed(trained):
             nbytes = p.numel() * p.element_size()
             if not self.buckets or size + nbytes > bucket_bytes:
                 self.buckets.append(_Bucket([]))

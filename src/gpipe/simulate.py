@@ -245,6 +245,7 @@ def simulate(
     *,
     data_parallel: int = 1,
     overlap: bool = True,
+    bucket_bytes: float | None = None,
 ) -> SimResult:
     """Predict when every action of ``schedule`` runs, on ranks that each run their program.
 
@@ -262,10 +263,12 @@ def simulate(
     unless ``schedule`` already has R actions; neither does a forward-only schedule, which
     keeps nothing.
 
-    ``data_parallel`` replicas of the pipeline sum each stage's gradients (``Costs``): with
-    ``overlap``, a stage's all-reduce starts with its last backward action (its buckets start
-    while it runs) and cannot end before it; without, it starts when that action ends. A
-    rank's all-reduces run one after the other, and its step ends when the last does.
+    ``data_parallel`` replicas of the pipeline sum each stage's gradients (``Costs``) in
+    buckets as the runtime cuts them (``gpipe.replicas.bucket_size`` of ``bucket_bytes``):
+    with ``overlap``, bucket i of n is complete i/n of the way through the stage's last
+    backward action and starts then, so only the last bucket is sure to run after it;
+    without, they all start when that action ends. A rank's all-reduces run one after the
+    other, and its step ends when the last does.
     """
     check_checkpoint(checkpoint)
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
@@ -442,7 +445,7 @@ def simulate(
         raise ScheduleError(f"{schedule.name} deadlocks: {blocked}")
     exposed = [0.0] * n_ranks
     if data_parallel > 1 and schedule.backward:
-        exposed = _allreduce(schedule, times, clock, costs, data_parallel, overlap)
+        exposed = _allreduce(schedule, times, clock, costs, data_parallel, overlap, bucket_bytes)
     return _result(schedule, times, clock, busy, peak, stage_peak, rank_peak, checkpoint, exposed)
 
 
@@ -453,9 +456,12 @@ def _allreduce(
     costs: Costs,
     data_parallel: int,
     overlap: bool,
+    bucket_bytes: float | None,
 ) -> list[float]:
     """Move each rank's clock past its stages' gradient all-reduces; returns what each rank
     waits for them after its program."""
+    from .replicas import bucket_size  # here: the rest of the simulator needs no torch
+
     d = data_parallel
     grad = costs.per_stage("grad_bytes", schedule.n_stages)
     bandwidth = costs.allreduce_bandwidth or costs.bandwidth
@@ -468,9 +474,12 @@ def _allreduce(
         link = 0.0  # when this rank's link is free for the next all-reduce
         for stage in sorted(last, key=lambda s: last[s][0]):
             start, end = last[stage]
-            seconds = 2 * (d - 1) / d * grad[stage] / bandwidth + 2 * (d - 1) * costs.latency
-            begin = max(link, start if overlap else end)
-            link = max(begin + seconds, end)
+            n = max(1, math.ceil(grad[stage] / bucket_size(grad[stage], bucket_bytes)))
+            seconds = 2 * (d - 1) / d * grad[stage] / n / bandwidth + 2 * (d - 1) * costs.latency
+            for i in range(1, n + 1):
+                ready = start + i / n * (end - start) if overlap else end
+                link = max(link, ready) + seconds
+            link = max(link, end)
         finish = max(clock[rank], link)
         exposed.append(finish - clock[rank])
         clock[rank] = finish

@@ -60,7 +60,8 @@ def add_parser(sub: Any) -> None:
         default=1,
         metavar="D",
         help="replicas of the pipeline: adds each stage's gradient all-reduce (the costs' "
-        "grad_bytes over allreduce_bandwidth, started with the last backward) (default 1)",
+        "grad_bytes over allreduce_bandwidth, in the runtime's buckets, each started as the "
+        "last backward completes it) (default 1)",
     )
     p.add_argument("--plot", metavar="PNG", help="also draw each schedule's predicted timeline")
     p.add_argument(
