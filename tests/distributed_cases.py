@@ -425,6 +425,11 @@ def data_parallel_bad_inputs() -> dict:
     x, y = batch(4)
     rows = 4 if dist.get_rank() == 0 else 0
     errors["empty"] = _error(lambda: pipe.step(x[:rows] if rows else x[:0], y[:rows]))
+    counts = torch.tensor([1.0, -2.0, 1.0, 1.0]) if dist.get_rank() == 1 else torch.ones(4)
+    errors["counts"] = _error(lambda: pipe.step(x, y, counts=counts))
+    pipe.zero_grad()
+    pipe.step(x, y)
+    errors["after"] = "ok"
     return errors
 
 
@@ -544,6 +549,26 @@ def measured_layer_memory(name: str) -> dict:
                 pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
             out[f"{schedule}/{policy}"] = meter.peak
     return out
+
+
+def two_ties() -> dict:
+    """Two ties over different sets of ranks ({0, 2} and {1, 2}): built without waiting
+    forever, and each copy's gradient is its shared weight's."""
+    from .models import token_loss, tokens, two_ties
+
+    exact = {"rtol": 1e-12, "atol": 1e-14}
+    reference = two_ties()
+    pipe = Pipeline(two_ties(), [1, 1, 2], chunks=3, loss_fn=token_loss, timeout=20)
+    ids, targets = tokens(7)
+    ref_loss = token_loss(reference(ids), targets)
+    ref_loss.backward()
+    loss = pipe.step(ids, targets)
+    torch.testing.assert_close(loss, ref_loss.detach(), **exact)
+    ref = dict(reference.named_parameters())
+    shared = {"3.weight": "0.weight", "2.weight": "1.weight"}
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref[shared.get(name, name)].grad, **exact)
+    return {"ties": sorted(t.stages for t in pipe.ties)}
 
 
 def tied_weights(balance: list[int], schedule: str = "gpipe") -> dict:

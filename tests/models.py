@@ -147,6 +147,26 @@ def tied(dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*layers).to(dtype)
 
 
+class Reused(nn.Module):
+    """Applies another layer's weight again (the same Parameter), then tanh."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+
+    def forward(self, x):
+        return torch.tanh(nn.functional.linear(x, self.weight))
+
+
+def two_ties(dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Sequential:
+    """Cut [1, 1, 2]: the embedding is shared by stages 0 and 2, a linear weight by stages 1
+    and 2, so the last stage holds copies of two ties over different sets of ranks."""
+    torch.manual_seed(seed)
+    embedding, linear = nn.Embedding(VOCAB, EMBED), nn.Linear(EMBED, EMBED)
+    layers = [embedding, linear, Reused(linear), TiedHead(embedding)]
+    return nn.Sequential(*layers).to(dtype)
+
+
 def tokens(rows: int, length: int = 5, seed: int = 2):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (rows, length), generator=g)

@@ -85,6 +85,9 @@ def test_the_advice_is_one_line_with_the_bubble_and_the_chunks_that_fix_it():
     assert "--chunks 28 would bring it under 10% (9.7%)" in line
     short = chunks_advice("1f1b", 4, 8, checkpoint="never", batch_size=16)
     assert "--chunks 28 (and --batch-size 28) would" in short
+    # two replicas share the global batch: each needs a row per micro-batch
+    shared = chunks_advice("gpipe", 4, 8, checkpoint="never", batch_size=32, data_parallel=2)
+    assert "--chunks 28 (and --batch-size 56) would" in shared
 
 
 def test_a_schedule_already_under_the_target_is_told_so():

@@ -278,13 +278,21 @@ def test_the_shape_under_torchrun_follows_the_pinned_dimension():
     from gpipe.cli.train import UsageError, _shape_from_world
     from gpipe.train import TrainOptions
 
+    def given(stages=None, data_parallel=None):
+        return Namespace(stages=stages, data_parallel=data_parallel)
+
     opts = TrainOptions(data_parallel=2)
-    _shape_from_world(Namespace(stages=None), opts, 8)
+    _shape_from_world(given(), opts, 8)
     assert (opts.stages, opts.data_parallel) == (4, 2)  # D kept, K follows
     opts = TrainOptions(data_parallel=2)
-    _shape_from_world(Namespace(stages=2), opts, 6)
+    _shape_from_world(given(stages=2), opts, 6)
     assert (opts.stages, opts.data_parallel) == (2, 3)  # K pinned, D follows
     with pytest.raises(UsageError, match="--stages 4, but torchrun started 6 processes"):
-        _shape_from_world(Namespace(stages=4), TrainOptions(), 6)
+        _shape_from_world(given(stages=4), TrainOptions(), 6)
     with pytest.raises(UsageError, match="--data-parallel 4, but torchrun started 6"):
-        _shape_from_world(Namespace(stages=None), TrainOptions(data_parallel=4), 6)
+        _shape_from_world(given(), TrainOptions(data_parallel=4), 6)
+    with pytest.raises(UsageError, match="--stages 2 x --data-parallel 2 processes, but torchrun"):
+        _shape_from_world(given(stages=2, data_parallel=2), TrainOptions(data_parallel=2), 6)
+    for flag, value in (("stages", 0), ("data_parallel", -1)):
+        with pytest.raises(UsageError, match="must be a positive integer, got"):
+            _shape_from_world(given(**{flag: value}), TrainOptions(), 6)

@@ -135,5 +135,10 @@ def test_data_parallel_bad_inputs_are_named():
         assert "pass group or data_parallel, not both" in e["both"]
         assert "data_parallel must be a positive integer, got 0" in e["type"]
         assert "bucket_bytes must be a positive number of bytes or None" in e["bucket"]
-    assert "has an empty batch" in errors[1]["empty"] or "no rows" in errors[1]["empty"]
-    assert "no rows" in errors[0]["empty"] or "StageError" in errors[0]["empty"]
+    # the replica with bad input raises its own error, the other stops at once with a
+    # ValueError saying so (not a timeout)
+    assert "ValueError: inputs has an empty batch" in errors[1]["empty"]
+    assert "ValueError: replica 1 refused its inputs this step" in errors[0]["empty"]
+    assert "counts must not be negative, got -2 for row 1" in errors[1]["counts"]
+    assert "ValueError: another replica refused its counts" in errors[0]["counts"]
+    assert errors[0]["after"] == errors[1]["after"] == "ok"  # and the next step runs

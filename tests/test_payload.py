@@ -49,6 +49,14 @@ def test_trees_cross_the_wire_with_their_plain_leaves_and_requires_grad():
     assert got["list"][:3] == [None, 1.5, True] and got["list"][3].shape == (0,)
 
 
+def test_equal_plain_leaves_of_other_types_keep_their_type():
+    """True == 1 == 1.0 and -0.0 == 0.0 (and hash alike): each still arrives as sent."""
+    x = torch.zeros(2)
+    for value in (True, 1, 1.0, 0.0, -0.0, False, 0):
+        got = _wire({"x": x, "flag": value})["flag"]
+        assert type(got) is type(value) and repr(got) == repr(value), (value, got)
+
+
 def test_flat_messages_need_no_structure():
     x, y = torch.ones(2), torch.zeros(3)
     for message, form in [(x, payload.TENSOR), ((x,), payload.FLAT_TUPLE), ((x, None), 0)]:

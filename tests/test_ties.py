@@ -59,6 +59,13 @@ def test_pipeline_tie_over_three_stages_with_one_between():
     assert results[2]["ties"] == [(0, 2)]
 
 
+def test_ties_over_different_ranks_share_one_group():
+    """The last stage holds copies of two ties, the others one each: one group for every tie
+    (a group per tie would be named differently on its members, and they would wait)."""
+    results = launch(cases.two_ties, 3)
+    assert results[0]["ties"] == [(0, 2), (1, 2)]
+
+
 def test_interleaved_stages_of_one_process_share_their_copy_sum():
     results = launch(cases.tied_weights, 2, ([1, 1, 1, 1], "interleaved"))
     assert results[0]["ties"] == [(0, 3)]

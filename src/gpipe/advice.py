@@ -90,11 +90,13 @@ def chunks_advice(
     virtual_stages: int = 1,
     checkpoint: str = "never",
     batch_size: int | None = None,
+    data_parallel: int = 1,
 ) -> str | None:
     """One line for a run of ``chunks`` micro-batches on ``stages`` processes with fewer than
     ``RULE_OF_THUMB`` per stage: its predicted bubble and the fewest micro-batches that bring
-    it under ``TARGET_BUBBLE`` (and the batch size that needs, if ``batch_size`` is smaller).
-    None when the rule holds or one process leaves no bubble."""
+    it under ``TARGET_BUBBLE`` (and the batch size that needs, if ``batch_size`` is smaller:
+    the global batch, which ``data_parallel`` replicas share, so each needs a row per
+    micro-batch). None when the rule holds or one process leaves no bubble."""
     if stages < 2 or chunks >= RULE_OF_THUMB * stages:
         return None
     options = {"virtual_stages": virtual_stages, "checkpoint": checkpoint}
@@ -107,5 +109,7 @@ def chunks_advice(
         return f"{head}, already under {TARGET_BUBBLE:.0%}"
     needed = chunks_for_bubble(schedule, stages, **options)
     then = bubble(schedule, stages, needed, **options)
-    rows = "" if batch_size is None or batch_size >= needed else f" (and --batch-size {needed})"
+    rows_needed = needed * data_parallel
+    short = batch_size is not None and batch_size < rows_needed
+    rows = f" (and --batch-size {rows_needed})" if short else ""
     return f"{head}; --chunks {needed}{rows} would bring it under {TARGET_BUBBLE:.0%} ({then:.1%})"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import warnings
 from collections import OrderedDict
@@ -71,6 +72,7 @@ __all__ = [
     "StepTimes",
     "agreed_balance",
     "finish_process_group",
+    "backend_for",
     "init_process_group",
 ]
 
@@ -133,10 +135,19 @@ def init_process_group(device: torch.device, timeout: float = 60.0) -> None:
             f"{', '.join(missing)}): run under torchrun or gpipe.launch, or call "
             "torch.distributed.init_process_group first"
         )
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 60.0)))
+    dist.init_process_group(
+        backend_for(device), timeout=datetime.timedelta(seconds=max(timeout, 60.0))
+    )
+
+
+def backend_for(device: torch.device) -> str:
+    """The process group's backend for ``device`` (and, on CUDA, make it the current one):
+    gloo on CPU; on CUDA, NCCL for CUDA tensors and gloo beside it for the few small CPU
+    tensors the bookkeeping exchanges (row counts, flags, timings), which NCCL refuses."""
+    if device.type != "cuda":
+        return "gloo"
+    torch.cuda.set_device(device)
+    return "cpu:gloo,cuda:nccl"
 
 
 def finish_process_group() -> None:
@@ -449,14 +460,22 @@ class Pipeline(nn.Module):
         """The mini-batch's row and micro-batch counts, and on the first rank its inputs.
 
         The first rank reads them off the inputs; every other rank off the envelope of its
-        first message, which every step's program begins by receiving: no collective."""
+        first message, which every step's program begins by receiving, so the pipeline needs
+        no collective for them. Replicas share their row counts (one small all-reduce), and a
+        traced step aligns the ranks' clocks with a broadcast."""
         batch = None
         if self.recorder is not None:
             if self.n_ranks > 1:  # align the ranks' clocks: a step starts here everywhere
                 self._broadcast(torch.zeros(1, device=self.device), 0, "the start of the step")
             self.recorder.step()
         if self.is_first:
-            rows = check_payload(inputs, "inputs")
+            try:
+                rows = check_payload(inputs, "inputs")
+            except (TypeError, ValueError):
+                if self.replicas is not None:  # the other replicas stop too, not time out
+                    with contextlib.suppress(ValueError, StageError):
+                        self.replicas.rows(-1, self.stage_index)
+                raise
             batch = payload_to(inputs, self.device)
             m = len(split_sizes(rows, self.chunks))
         else:
@@ -572,24 +591,34 @@ class Pipeline(nn.Module):
         """Each micro-batch's share of ``counts`` (one per row), and their total over the
         replicas."""
         given = torch.as_tensor(counts, dtype=torch.float64).detach().cpu()
+        parts: list[float] = []
+        problem = None
         if given.dim() != 1 or given.numel() != rows:
-            raise ValueError(
+            problem = (
                 f"counts must hold one count per row of the mini-batch ({rows}), got shape "
                 f"{tuple(given.shape)}"
             )
-        if (given < 0).any():
-            raise ValueError("counts must not be negative")
-        parts = [float(part.sum()) for part in given.split(sizes)]
-        total = torch.tensor([sum(parts)], dtype=torch.float64, device=self.device)
+        elif (given < 0).any():
+            row = int((given < 0).nonzero()[0])
+            problem = f"counts must not be negative, got {given[row].item():g} for row {row}"
+        else:
+            parts = [float(part.sum()) for part in given.split(sizes)]
+            empty = [i for i, part in enumerate(parts) if part == 0]
+            if empty:
+                problem = (
+                    f"counts are 0 for every row of micro-batch {empty[0]}: a mean over "
+                    "nothing has no weight; drop such rows or use more of them per micro-batch"
+                )
+        # a replica with bad counts sends NaN, so that every replica stops, not times out
+        total = torch.tensor(
+            [math.nan if problem else sum(parts)], dtype=torch.float64, device=self.device
+        )
         if self.replicas is not None:
             self.replicas.sum(total, "the counts", self.stage_index)
-        empty = [i for i, part in enumerate(parts) if part == 0]
-        if empty or float(total) == 0:
-            raise ValueError(
-                f"counts are 0 for every row of micro-batch {empty[0] if empty else 0}: a "
-                "mean over nothing has no weight; drop such rows or use more of them per "
-                "micro-batch"
-            )
+        if problem is not None:
+            raise ValueError(problem)
+        if math.isnan(float(total)):
+            raise ValueError("another replica refused its counts this step (its error says why)")
         return parts, float(total)
 
     def _loss(self, data: StepData, m: int) -> Tensor:
@@ -645,9 +674,14 @@ class Pipeline(nn.Module):
         if self.is_last:
             self._targets(targets, rows, sizes, data, scale, counts)
         busy = self._run(schedule, data)
-        loss = self._loss(data, m) / scale
-        waited, buckets, early = self._sum_gradients()
-        self._tied.sum()
+        try:
+            loss = self._loss(data, m) / scale
+            waited, buckets, early = self._sum_gradients()
+            self._tied.sum()
+        except BaseException:
+            for gradient_buckets in self._buckets.values():
+                gradient_buckets.reset()  # a retried step must not take this one's sums
+            raise
         self.last_step = StepTimes(perf_counter() - started, busy, waited, buckets, early)
         return self._result(loss, data, m) if return_outputs else loss
 

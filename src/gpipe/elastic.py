@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .distributed import init_process_group
+from .distributed import backend_for, init_process_group
 
 __all__ = ["KILL_VARIABLE", "job_id", "join_process_group", "kill_point", "restart_count"]
 
@@ -70,9 +70,7 @@ def join_process_group(device: torch.device, timeout: float) -> None:
         agent.set(_STORE_KEY, f"{store.port} {nonce}")
     else:
         store = _attempt_store(agent, host, wait)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend_for(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=wait)
 
 

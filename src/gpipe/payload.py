@@ -130,8 +130,17 @@ def _rebuild(structure: Structure, tensors: Sequence[Tensor | None]) -> Any:
     return pytree.tree_unflatten(leaves, structure.spec)
 
 
-@functools.lru_cache(maxsize=256)
 def _pickled(structure: Structure) -> bytes:
+    # equal structures may still differ in their leaves' types (True == 1 == 1.0) or in a
+    # float's sign (-0.0 == 0.0), which the bytes must keep: both are in the cache's key
+    exact = tuple(
+        (type(leaf), repr(leaf) if isinstance(leaf, float) else None) for leaf in structure.leaves
+    )
+    return _pickled_exactly(structure, exact)
+
+
+@functools.lru_cache(maxsize=256)
+def _pickled_exactly(structure: Structure, exact: tuple) -> bytes:
     return pickle.dumps(structure)
 
 

@@ -120,11 +120,17 @@ class Replicas:
             raise StageError(stage, f"lost a replica while summing {what} ({exc})") from exc
 
     def rows(self, rows: int, stage: int) -> list[int]:
-        """Every replica's row count this step, in replica order."""
+        """Every replica's row count this step, in replica order; a replica whose inputs
+        were refused says -1, and every replica raises."""
         counts = torch.zeros(self.data_parallel, dtype=torch.int64)
         counts[self.replica] = rows
         self._wait(dist.all_reduce(counts, group=self.group, async_op=True), "row counts", stage)
         found = counts.tolist()
+        refused = [r for r, n in enumerate(found) if n < 0]
+        if refused:
+            raise ValueError(
+                f"replica {refused[0]} refused its inputs this step (its error says why)"
+            )
         empty = [r for r, n in enumerate(found) if n == 0]
         if empty:
             raise ValueError(

@@ -28,9 +28,11 @@ __all__ = ["Tie", "TiedGradients", "counted", "find_ties", "sum_local", "untie"]
 @dataclass(frozen=True)
 class Tie:
     """One parameter shared across stages: for each stage that uses it, the names (in the
-    whole ``nn.Sequential``) under which that stage's layers hold it, stages in order."""
+    whole ``nn.Sequential``) under which that stage's layers hold it, stages in order; and
+    its shape, for the ranks that sum it without holding a copy."""
 
     copies: tuple[tuple[int, tuple[str, ...]], ...]
+    shape: tuple[int, ...] = ()
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -46,13 +48,15 @@ def find_ties(module: nn.Sequential, balance: Sequence[int]) -> list[Tie]:
     layers), in the order of their first use."""
     bounds = stage_bounds(balance)
     owners: dict[int, dict[int, list[str]]] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
     for index, (name, layer) in enumerate(module.named_children()):
         stage = next(s for s, (start, stop) in enumerate(bounds) if start <= index < stop)
         for qualified, param in layer.named_parameters(prefix=name, remove_duplicate=False):
             owners.setdefault(id(param), {}).setdefault(stage, []).append(qualified)
+            shapes[id(param)] = tuple(param.shape)
     return [
-        Tie(tuple((stage, tuple(names)) for stage, names in by_stage.items()))
-        for by_stage in owners.values()
+        Tie(tuple((stage, tuple(names)) for stage, names in by_stage.items()), shapes[key])
+        for key, by_stage in owners.items()
         if len(by_stage) > 1
     ]
 
@@ -112,8 +116,12 @@ class TiedGradients:
     """The ties of a pipeline spread over processes, as one rank holds them.
 
     ``rank_of(stage)`` gives a stage's rank in the pipeline's group and ``global_rank``
-    turns that into a rank of the world. Creating it is collective among the ranks that
-    share a tie: each makes the group of the ranks holding copies (only they take part)."""
+    turns that into a rank of the world. Every tie that spans processes is summed over one
+    group: the ranks that hold a copy of any tie. A rank of that group without a copy of a
+    given tie adds zeros. One group for all, rather than one per tie, because torch names a
+    group made by only its members after the groups each member made before: ties over
+    different sets of ranks would give one group two names, and its members would wait for
+    each other forever. Creating it is collective among those ranks."""
 
     def __init__(
         self,
@@ -126,19 +134,29 @@ class TiedGradients:
     ) -> None:
         self._timeout = datetime.timedelta(seconds=timeout)
         self._stage = min(stages)
-        self._entries: list[tuple[list[nn.Parameter], dist.ProcessGroup | None, int]] = []
-        for tie in ties:
-            mine = [s for s in tie.stages if s in stages]
-            ranks = sorted({global_rank(rank_of(s)) for s in tie.stages})
-            group = None
-            if len(ranks) > 1:
-                if not mine:
-                    continue
-                group = dist.new_group(ranks, use_local_synchronization=True)
-            if not mine:
-                continue
+        # per tie: this rank's copies, the group (None within one process), the source of
+        # the first copy, and the tie's shape
+        self._entries: list[
+            tuple[list[nn.Parameter], dist.ProcessGroup | None, int, tuple[int, ...]]
+        ] = []
+        spread = {i for i, t in enumerate(ties) if len({rank_of(s) for s in t.stages}) > 1}
+        holders = sorted({global_rank(rank_of(s)) for i in spread for s in ties[i].stages})
+        group = None
+        if dist.get_rank() in holders:
+            group = dist.new_group(holders, use_local_synchronization=True)
+        for i, tie in enumerate(ties):
+            mine = [params[tie.name(s)] for s in tie.stages if s in stages]
             source = global_rank(rank_of(tie.stages[0]))
-            self._entries.append(([params[tie.name(s)] for s in mine], group, source))
+            if i in spread and group is not None:
+                self._entries.append((mine, group, source, tie.shape))
+            elif i not in spread and mine:
+                self._entries.append((mine, None, source, tie.shape))
+        held = [p for params_, _, _, _ in self._entries for p in params_]
+        self._like = held[0] if held else None  # device and dtype of the zeros added
+
+    def _zeros(self, shape: tuple[int, ...]) -> Tensor:
+        assert self._like is not None
+        return torch.zeros(shape, dtype=self._like.dtype, device=self._like.device)
 
     def __bool__(self) -> bool:
         return bool(self._entries)
@@ -152,20 +170,20 @@ class TiedGradients:
     @torch.no_grad()
     def broadcast(self) -> None:
         """Make every copy equal to the first stage's (after each rank built its own)."""
-        for params, group, source in self._entries:
-            first = params[0]
+        for params, group, source, shape in self._entries:
+            value = params[0].data if params else self._zeros(shape)
             if group is not None:
                 self._wait(
-                    dist.broadcast(first.data, src=source, group=group, async_op=True),
+                    dist.broadcast(value, src=source, group=group, async_op=True),
                     "setting its copies equal",
                 )
             for p in params[1:]:
-                p.data.copy_(first.data)
+                p.data.copy_(value)
 
     def sum(self) -> None:
         """Set every copy's gradient to the sum over all copies, on every rank."""
-        for params, group, _ in self._entries:
-            total = _sum([p.grad for p in params], params[0])
+        for params, group, _, shape in self._entries:
+            total = _sum([p.grad for p in params], params[0]) if params else self._zeros(shape)
             if group is not None:
                 self._wait(
                     dist.all_reduce(total, group=group, async_op=True), "summing its gradients"

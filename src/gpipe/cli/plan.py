@@ -291,6 +291,7 @@ def _plan(args: argparse.Namespace) -> int:
         virtual_stages=args.virtual_stages,
         checkpoint=args.checkpoint,
         batch_size=args.batch_size,
+        data_parallel=args.data_parallel,
     )
     if advice is not None:
         print(advice)

@@ -378,10 +378,18 @@ def _shape_from_world(args: argparse.Namespace, opts: Any, world: int) -> None:
     pipeline's depth and the replicas follow (D = world / K), so a machine admitted or lost
     under ``--nnodes 1:2`` adds or drops replicas; otherwise D stays (``--data-parallel``,
     or what the run had) and the depth follows (K = world / D)."""
+    for flag, value in (("--stages", args.stages), ("--data-parallel", args.data_parallel)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be a positive integer, got {value}")
     if args.stages is not None:
         if world % args.stages:
             raise UsageError(
                 f"--stages {args.stages}, but torchrun started {world} processes, not a multiple"
+            )
+        if args.data_parallel is not None and args.data_parallel * args.stages != world:
+            raise UsageError(
+                f"--stages {args.stages} x --data-parallel {args.data_parallel} processes, but "
+                f"torchrun started {world}: pass one of them, and the other follows"
             )
         opts.stages, opts.data_parallel = args.stages, world // args.stages
         return
@@ -404,6 +412,7 @@ def _advise(opts: Any) -> None:
         virtual_stages=opts.virtual_stages,
         checkpoint=opts.checkpoint,
         batch_size=opts.batch_size,
+        data_parallel=opts.data_parallel,
     )
     if line is not None:
         print(line, flush=True)
