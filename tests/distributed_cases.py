@@ -340,6 +340,22 @@ def _shards(x, y, replica: int, d: int, uneven: bool):
     return x[cut[replica] : cut[replica + 1]], y[cut[replica] : cut[replica + 1]]
 
 
+def _replicated_step_is_exact(pipe: Pipeline, replica: int, d: int, uneven: bool):
+    """One step of ``pipe`` on this replica's shard: its loss and every gradient equal one
+    un-pipelined step on the union of the shards (float64). Returns the shard and loss."""
+    exact = {"rtol": 1e-12, "atol": 1e-14}
+    x, y = batch(11)
+    xs, ys = _shards(x, y, replica, d, uneven)
+    reference = mlp()
+    ref_loss = _reference(reference, x, y)
+    loss = pipe.step(xs if pipe.is_first else None, ys if pipe.is_last else None)
+    torch.testing.assert_close(loss, ref_loss.double(), **exact)
+    ref = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name].grad, **exact)
+    return xs, ys, ref_loss
+
+
 def data_parallel(d: int) -> dict:
     """D replicas of a K-stage pipeline (K = world / D) against one un-pipelined step on the
     union of the shards: loss on every rank, every gradient, float64; even and uneven shards,
@@ -359,15 +375,7 @@ def data_parallel(d: int) -> dict:
                     mlp(), BALANCES[k], chunks=4, checkpoint=mode, schedule=schedule,
                     loss_fn=mse_loss, data_parallel=d, timeout=10,
                 )  # fmt: skip
-                x, y = batch(11)
-                xs, ys = _shards(x, y, replica, d, uneven)
-                reference = mlp()
-                ref_loss = _reference(reference, x, y)
-                loss = pipe.step(xs if pipe.is_first else None, ys if pipe.is_last else None)
-                torch.testing.assert_close(loss, ref_loss.double(), **exact)
-                ref = dict(reference.named_parameters())
-                for name, p in pipe.named_parameters():
-                    torch.testing.assert_close(p.grad, ref[name].grad, **exact)
+                xs, ys, ref_loss = _replicated_step_is_exact(pipe, replica, d, uneven)
                 torch.testing.assert_close(pipe.evaluate(xs, ys), ref_loss.double(), **exact)
                 cases += 1
     # BatchNorm: the statistics of the global mini-batch, equal on every replica
@@ -397,15 +405,7 @@ def data_parallel(d: int) -> dict:
     pipe = Pipeline(
         mlp(), BALANCES[k], chunks=4, loss_fn=mse_loss, data_parallel=d, bucket_bytes=1,
     )  # fmt: skip
-    x, y = batch(11)
-    xs, ys = _shards(x, y, replica, d, uneven=True)
-    reference = mlp()
-    ref_loss = _reference(reference, x, y)
-    loss = pipe.step(xs if pipe.is_first else None, ys if pipe.is_last else None)
-    torch.testing.assert_close(loss, ref_loss.double(), **exact)
-    ref = dict(reference.named_parameters())
-    for name, p in pipe.named_parameters():
-        torch.testing.assert_close(p.grad, ref[name].grad, **exact)
+    _replicated_step_is_exact(pipe, replica, d, uneven=True)
     found["small"] = (pipe.last_step.allreduce_buckets, pipe.last_step.allreduce_early)
     found["held"] = sum(1 for p in pipe.parameters() if p.requires_grad)
     return found
