@@ -37,7 +37,7 @@ from gpipe.schedule import gpipe
 from gpipe.simulate import Costs, simulate
 
 from .bench_scaling import _layer_costs, _link, _stage_costs
-from .common import machine, write_results
+from .common import gpt_model, machine, write_results
 
 DS = (1, 2, 4, 8)
 ONE_BUCKET = "D=2 x K=1, one bucket"
@@ -203,10 +203,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, to check it runs")
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
-    model = {"n_layer": 8, "d_model": 256, "n_head": 4, "seq_len": 256, "dropout": 0.0}
+    model = gpt_model(args.quick)
     cfg = {"model": model, "batch": 32, "rows": 4, "repeats": args.repeats}
     if args.quick:
-        model |= {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16}
         cfg["repeats"] = 3
     config = GPTConfig(**model)
     found = launch(side_by_side, 2, (cfg,), threads=1)[0]

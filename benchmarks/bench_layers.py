@@ -26,7 +26,7 @@ from gpipe.checkpointing import Layers
 from gpipe.memory import ActivationMeter, plan, profile
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 
-from .common import machine, write_results
+from .common import gpt_model, machine, write_results
 
 POLICIES = {
     "never": "never",
@@ -108,10 +108,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, to check it runs")
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
-    model = {"n_layer": 8, "d_model": 256, "n_head": 4, "seq_len": 256, "dropout": 0.0}
+    model = gpt_model(args.quick)
     cfg = {"model": model, "batch": 32, "chunks": 8, "repeats": args.repeats}
     if args.quick:
-        model |= {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16}
         cfg["repeats"] = 3
     found = launch(run, 2, (cfg,), threads=1)
     cycles = found[0]["cycles"]

@@ -30,7 +30,7 @@ from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 from gpipe.schedule import gpipe
 from gpipe.simulate import Costs, simulate
 
-from .common import machine, write_results
+from .common import gpt_model, machine, write_results
 
 KS = (1, 2, 4, 8, 16)
 MS = (1, 2, 4, 8, 16, 32)
@@ -175,10 +175,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, to check it runs")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    model = {"n_layer": 8, "d_model": 256, "n_head": 4, "seq_len": 256, "dropout": 0.0}
+    model = gpt_model(args.quick)
     batch, deep = 32, 32  # the table's model: 32 blocks, so that 16 stages get 2 each
-    if args.quick:
-        model |= {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16}
     cfg = {"model": model, "batch": batch, "repeats": args.repeats, "check_chunks": (1, 2, 4, 8)}
     per_rank = launch(run, 2, (cfg,), threads=1)
     got = per_rank[0]

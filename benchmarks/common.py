@@ -14,6 +14,14 @@ __all__ = ["RESULTS", "machine", "summary", "write_results"]
 RESULTS = Path(__file__).parent / "results"
 
 
+def gpt_model(quick: bool) -> dict[str, Any]:
+    """The GPT the scaling, data-parallel and Layers benchmarks share (``GPTConfig``
+    fields); ``quick``, a tiny one to check that a script runs."""
+    if quick:
+        return {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16, "dropout": 0.0}
+    return {"n_layer": 8, "d_model": 256, "n_head": 4, "seq_len": 256, "dropout": 0.0}
+
+
 def write_results(name: str, results: dict[str, Any]) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"

@@ -15,7 +15,7 @@ from torch.nn.functional import mse_loss
 from gpipe import Pipeline, StageError
 from gpipe.distributed import init_process_group
 
-from .models import BALANCES, SPLITS, batch, mlp
+from .models import BALANCES, SPLITS, batch, bn_model, mlp
 
 MODES = ["never", "always", "except_last"]
 
@@ -279,18 +279,6 @@ def measured_memory(name: str) -> dict:
     return out
 
 
-def _bn_model():
-    torch.manual_seed(0)
-    return nn.Sequential(  # (N, C, L): a one-row micro-batch still has statistics
-        nn.Conv1d(5, 6, 1),
-        nn.BatchNorm1d(6),
-        nn.Tanh(),
-        nn.Conv1d(6, 6, 1),
-        nn.BatchNorm1d(6, momentum=None),
-        nn.Conv1d(6, 2, 1),
-    ).double()
-
-
 def deferred_batch_norm() -> int:
     """Pipeline(deferred_batch_norm=True) against the same deferred model run micro-batch by
     micro-batch in one piece: running statistics, outputs and gradients, every schedule and
@@ -302,9 +290,9 @@ def deferred_batch_norm() -> int:
     for schedule in ("gpipe", "1f1b", "zero-bubble", "interleaved"):
         balance = [1, 2, 1, 2] if schedule == "interleaved" else [2, 4]
         for mode in MODES:
-            reference = convert_deferred_batch_norm(_bn_model(), chunks=4)
+            reference = convert_deferred_batch_norm(bn_model(), chunks=4)
             pipe = Pipeline(
-                _bn_model(), balance, chunks=4, checkpoint=mode, schedule=schedule,
+                bn_model(), balance, chunks=4, checkpoint=mode, schedule=schedule,
                 loss_fn=lambda out, y: out.pow(2).mean(), deferred_batch_norm=True,
             )  # fmt: skip
             for step, rows in enumerate([16, 4 if schedule == "interleaved" else 3]):
@@ -379,9 +367,9 @@ def data_parallel(d: int) -> dict:
                 torch.testing.assert_close(pipe.evaluate(xs, ys), ref_loss.double(), **exact)
                 cases += 1
     # BatchNorm: the statistics of the global mini-batch, equal on every replica
-    reference = convert_deferred_batch_norm(_bn_model(), chunks=2, auto_commit=False)
+    reference = convert_deferred_batch_norm(bn_model(), chunks=2, auto_commit=False)
     pipe = Pipeline(
-        _bn_model(), [2, 4] if k == 2 else [6], chunks=2, loss_fn=lambda o, t: o.pow(2).mean(),
+        bn_model(), [2, 4] if k == 2 else [6], chunks=2, loss_fn=lambda o, t: o.pow(2).mean(),
         deferred_batch_norm=True, data_parallel=d,
     )  # fmt: skip
     x = torch.randn(8, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))

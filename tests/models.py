@@ -167,6 +167,20 @@ def two_ties(dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Sequential
     return nn.Sequential(*layers).to(dtype)
 
 
+def bn_model() -> nn.Sequential:
+    """Convolutions and BatchNorm (one with momentum=None) on (N, C, L), so that a one-row
+    micro-batch still has statistics; float64."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv1d(5, 6, 1),
+        nn.BatchNorm1d(6),
+        nn.Tanh(),
+        nn.Conv1d(6, 6, 1),
+        nn.BatchNorm1d(6, momentum=None),
+        nn.Conv1d(6, 2, 1),
+    ).double()
+
+
 def tokens(rows: int, length: int = 5, seed: int = 2):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (rows, length), generator=g)

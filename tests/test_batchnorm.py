@@ -11,6 +11,8 @@ from gpipe import GPipe
 from gpipe.balance import balance_by_size, balance_by_time
 from gpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 
+from .models import bn_model
+
 RELATIVE = 1e-12  # float64, merged statistics against one pass over the concatenated batch
 
 SHAPES = {
@@ -121,18 +123,6 @@ def test_bad_arguments_are_named():
         DeferredBatchNorm(3)(torch.zeros(3))
 
 
-def _bn_model():
-    torch.manual_seed(0)
-    return nn.Sequential(  # on (N, C, L), so a one-row micro-batch has statistics too
-        nn.Conv1d(5, 6, 1),
-        nn.BatchNorm1d(6),
-        nn.Tanh(),
-        nn.Conv1d(6, 6, 1),
-        nn.BatchNorm1d(6, momentum=None),
-        nn.Conv1d(6, 2, 1),
-    ).double()
-
-
 def _chunked(model, x, chunks):
     """The reference: the same deferred model run micro-batch by micro-batch in one piece."""
     return torch.cat([model(part) for part in x.chunk(chunks)])
@@ -141,9 +131,9 @@ def _chunked(model, x, chunks):
 @pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])
 @pytest.mark.parametrize("rows", [16, 3])  # 3 rows: fewer micro-batches than chunks
 def test_gpipe_tracks_running_statistics_once_per_minibatch(checkpoint, rows):
-    reference = convert_deferred_batch_norm(_bn_model(), chunks=4)
+    reference = convert_deferred_batch_norm(bn_model(), chunks=4)
     pipe = GPipe(
-        _bn_model(), [2, 4], devices=["cpu"] * 2, chunks=4, checkpoint=checkpoint,
+        bn_model(), [2, 4], devices=["cpu"] * 2, chunks=4, checkpoint=checkpoint,
         deferred_batch_norm=True,
     )  # fmt: skip
     for step in range(2):
@@ -166,7 +156,7 @@ def test_gpipe_tracks_running_statistics_once_per_minibatch(checkpoint, rows):
 
 
 def test_the_balancing_profilers_leave_running_statistics_alone():
-    model = _bn_model()
+    model = bn_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     sample = torch.randn(8, 5, 3, dtype=torch.float64)
     balance_by_time(2, model, sample, device="cpu", timeout=0.1)
@@ -190,10 +180,10 @@ class _Fails(nn.Module):
 def test_a_failed_step_leaves_no_statistics_behind():
     failing = _Fails()
     pipe = GPipe(
-        nn.Sequential(_bn_model(), failing), [1, 1], devices=["cpu"] * 2, chunks=4,
+        nn.Sequential(bn_model(), failing), [1, 1], devices=["cpu"] * 2, chunks=4,
         deferred_batch_norm=True,
     )  # fmt: skip
-    reference = convert_deferred_batch_norm(_bn_model(), chunks=4)
+    reference = convert_deferred_batch_norm(bn_model(), chunks=4)
     x = torch.randn(16, 5, 3, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="second micro-batch"):
         pipe(x)
