@@ -22,7 +22,6 @@ batch, side by side; then the simulator, fed the measured costs, for D x K up to
 
 from __future__ import annotations
 
-import argparse
 import resource
 import statistics
 from time import perf_counter
@@ -37,7 +36,7 @@ from gpipe.schedule import gpipe
 from gpipe.simulate import Costs, simulate
 
 from .bench_scaling import _layer_costs, _link, _stage_costs
-from .common import gpt_model, machine, write_results
+from .common import gpt_model, machine, quick_or_repeats, write_results
 
 DS = (1, 2, 4, 8)
 ONE_BUCKET = "D=2 x K=1, one bucket"
@@ -47,33 +46,17 @@ KS = (1, 2, 4, 8, 16)
 def _contenders(config: GPTConfig, rows: int, batch: int) -> dict[str, Pipeline]:
     """Both ways of using 2 processes, micro-batches of ``rows`` sequences each."""
     layers = config.n_layer + 2
-    torch.manual_seed(0)
-    replicated = Pipeline(
-        build_gpt(config),
-        [layers],
-        data_parallel=2,
-        chunks=batch // 2 // rows,
-        checkpoint="never",
-        loss_fn=lm_loss,
-    )
-    torch.manual_seed(0)
-    one_bucket = Pipeline(
-        build_gpt(config),
-        [layers],
-        data_parallel=2,
-        bucket_bytes=2**40,
-        chunks=batch // 2 // rows,
-        checkpoint="never",
-        loss_fn=lm_loss,
-    )
-    torch.manual_seed(0)
-    staged = Pipeline(
-        build_gpt(config),
-        [layers - layers // 2, layers // 2],
-        chunks=batch // rows,
-        checkpoint="never",
-        loss_fn=lm_loss,
-    )
+
+    def built(balance: list[int], chunks: int, **options) -> Pipeline:
+        torch.manual_seed(0)  # the same weights in every contender
+        model = build_gpt(config)
+        return Pipeline(
+            model, balance, chunks=chunks, checkpoint="never", loss_fn=lm_loss, **options
+        )
+
+    replicated = built([layers], batch // 2 // rows, data_parallel=2)
+    one_bucket = built([layers], batch // 2 // rows, data_parallel=2, bucket_bytes=2**40)
+    staged = built([layers - layers // 2, layers // 2], batch // rows)
     return {"D=2 x K=1": replicated, "K=2 x D=1": staged, ONE_BUCKET: one_bucket}
 
 
@@ -199,14 +182,9 @@ def predict(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, to check it runs")
-    parser.add_argument("--repeats", type=int, default=9)
-    args = parser.parse_args()
+    args = quick_or_repeats(__doc__, repeats=9)
     model = gpt_model(args.quick)
     cfg = {"model": model, "batch": 32, "rows": 4, "repeats": args.repeats}
-    if args.quick:
-        cfg["repeats"] = 3
     config = GPTConfig(**model)
     found = launch(side_by_side, 2, (cfg,), threads=1)[0]
     memory = {

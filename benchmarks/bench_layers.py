@@ -14,7 +14,6 @@ prediction for the same policy.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from time import perf_counter
 
@@ -26,7 +25,7 @@ from gpipe.checkpointing import Layers
 from gpipe.memory import ActivationMeter, plan, profile
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 
-from .common import gpt_model, machine, write_results
+from .common import gpt_model, machine, quick_or_repeats, write_results
 
 POLICIES = {
     "never": "never",
@@ -104,14 +103,9 @@ def predicted(cfg: dict, balance: list[int]) -> dict[str, list[float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, to check it runs")
-    parser.add_argument("--repeats", type=int, default=9)
-    args = parser.parse_args()
+    args = quick_or_repeats(__doc__, repeats=9)
     model = gpt_model(args.quick)
     cfg = {"model": model, "batch": 32, "chunks": 8, "repeats": args.repeats}
-    if args.quick:
-        cfg["repeats"] = 3
     found = launch(run, 2, (cfg,), threads=1)
     cycles = found[0]["cycles"]
     plans = predicted(cfg, found[0]["balance"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,17 @@ from gpipe.bench.run import machine
 __all__ = ["RESULTS", "machine", "summary", "write_results"]
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def quick_or_repeats(description: str, repeats: int) -> argparse.Namespace:
+    """The options the GPT benchmarks share: ``--quick`` and ``--repeats`` (3 when quick)."""
+    parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, to check it runs")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats = 3
+    return args
 
 
 def gpt_model(quick: bool) -> dict[str, Any]:
