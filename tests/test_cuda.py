@@ -35,3 +35,24 @@ def test_gpipe_on_cuda_matches_unpipelined(mode):
 def test_pipeline_over_nccl_matches_unpipelined():
     results = launch(cases.equivalence_cuda, 2)
     assert all(r == "ok" for r in results.values())
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_gpipe_copies_between_gpus_on_copy_streams(mode):
+    """Activations and gradients cross GPUs on each device's copy stream, and every step
+    still equals the unpipelined one (a copy read before it is written, or memory reused
+    while a copy reads it, would show as wrong gradients)."""
+    reference = mlp().cuda(0)
+    pipe = GPipe(copy.deepcopy(reference), [4, 4], devices=["cuda:0", "cuda:1"], chunks=8,
+                 checkpoint=mode)  # fmt: skip
+    for step in range(3):
+        x, y = (t.cuda(0) for t in batch(64, seed=step))
+        pipe.zero_grad()
+        reference.zero_grad()
+        mse_loss(pipe(x), y.cuda(1)).backward()
+        mse_loss(reference(x), y).backward()
+        ref = dict(reference.named_parameters())
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad.cuda(0), ref[name.split(".", 2)[2]].grad)
+    assert set(pipe._run.copies._streams) == {torch.device("cuda", 0), torch.device("cuda", 1)}

@@ -152,3 +152,17 @@ def test_backward_twice_is_refused():
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="only once"):
         out.sum().backward()
+
+
+def test_copies_off_gpu_need_no_stream():
+    """Only a copy between two GPUs takes the copy streams (tested on CUDA in test_cuda.py);
+    anything else is a plain detached copy, and no stream is made."""
+    from gpipe.copies import DeviceCopies
+
+    copies, cpu = DeviceCopies(), torch.device("cpu")
+    assert copies.mark(cpu, cpu) is None
+    assert copies.mark(torch.device("cuda", 0), torch.device("cuda", 0)) is None
+    t = torch.randn(3, 2, requires_grad=True)
+    moved = copies.move(t, cpu, None)
+    assert torch.equal(moved, t) and not moved.requires_grad
+    assert copies._streams == {}

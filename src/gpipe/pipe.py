@@ -29,6 +29,7 @@ from .checkpointing import (
     recomputed_layers,
     should_checkpoint,
 )
+from .copies import DeviceCopies
 from .errors import MovingDenied, PipelineError
 from .executor import StepData, run_program
 from .microbatch import Batch, as_tuple, check_batch, check_chunks, gather, like, scatter
@@ -96,6 +97,7 @@ class _Run:
         self._groups = list(dict.fromkeys(self.devices))  # one worker per distinct device
         self._pools: dict[torch.device, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
+        self.copies = DeviceCopies()  # a copy stream per GPU, kept from step to step
 
     def _programs(self, schedule: Schedule, phase: str) -> dict[torch.device, list[Action]]:
         """Each device's actions of one phase, in clock-cycle order (which cannot deadlock)."""
@@ -124,7 +126,7 @@ class _Run:
         The first exception raised in a stage is re-raised here as it was, with a note naming
         the stage and micro-batch; the other devices stop before their next micro-batch.
         ``autocast``: the caller's settings, which the worker threads take on too."""
-        transport = InProcessTransport(self.devices, self.timeout)
+        transport = InProcessTransport(self.devices, self.timeout, self.copies)
         stages = dict(enumerate(self.stages))
         programs = self._programs(schedule, phase)
         inline = self.devices[-1]

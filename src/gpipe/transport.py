@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from . import payload
+from .copies import DeviceCopies
 from .errors import PipelineError, StageError
 from .schedule import RECV_OF, Kind
 
@@ -50,22 +51,30 @@ class Transport(Protocol):
 
 
 class InProcessTransport:
-    """Hands tensors between stages of one process, copying them to the receiver's device.
+    """Hands tensors between stages of one process, copying them to the receiver's device
+    (between GPUs on copy streams: ``copies``).
 
     Stages may run on different threads; a receive waits for the matching send, for at most
     ``timeout`` seconds, and gives up at once when ``abort`` is set by a failing peer.
     """
 
-    def __init__(self, devices: Sequence[torch.device], timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        devices: Sequence[torch.device],
+        timeout: float = 60.0,
+        copies: DeviceCopies | None = None,
+    ) -> None:
         self._devices = list(devices)
         self._timeout = timeout
-        self._box: dict[tuple[int, int, Kind, int], Message] = {}
+        self._copies = copies if copies is not None else DeviceCopies()
+        self._box: dict[tuple[int, int, Kind, int], tuple[Message, Any]] = {}
         self._cond = threading.Condition()
         self.abort = threading.Event()
 
     def send(self, message: Message, src: int, dst: int, microbatch: int, kind: Kind) -> None:
+        ready = self._copies.mark(self._devices[src], self._devices[dst])
         with self._cond:
-            self._box[(src, dst, RECV_OF[kind], microbatch)] = message
+            self._box[(src, dst, RECV_OF[kind], microbatch)] = (message, ready)
             self._cond.notify_all()
 
     def recv(self, src: int, dst: int, microbatch: int, kind: Kind) -> Message:
@@ -83,11 +92,11 @@ class InProcessTransport:
                         f"{what(kind, microbatch, src)}",
                     )
                 self._cond.wait(min(left, 0.1))
-            message = self._box.pop(key)
-        device = self._devices[dst]
+            message, ready = self._box.pop(key)
+        device, copies = self._devices[dst], self._copies
 
         def moved(t: Tensor) -> Tensor:
-            return t.detach().to(device, non_blocking=True).requires_grad_(t.requires_grad)
+            return copies.move(t, device, ready).requires_grad_(t.requires_grad)
 
         if isinstance(message, Tensor):
             return moved(message)
