@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from gpipe import weightgrad
 from gpipe.stage import Stage
 
 
@@ -18,7 +19,10 @@ def _layers():
 
 
 @pytest.mark.parametrize("checkpoint", [False, True])
-def test_b_then_w_equals_one_backward(checkpoint):
+@pytest.mark.parametrize("direct", [True, False], ids=["engine", "public-api"])
+def test_b_then_w_equals_one_backward(checkpoint, direct, monkeypatch):
+    if not direct:  # a torch without the private engine entry point takes the public one
+        monkeypatch.setattr(weightgrad, "_engine_run_backward", None)
     layers = _layers()
     reference = copy.deepcopy(layers)
     x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
@@ -48,3 +52,39 @@ def test_w_before_b_is_refused():
     stage = Stage(0, 1, _layers(), torch.device("cpu"))
     with pytest.raises(RuntimeError, match="weight gradients of micro-batch 3 before its B"):
         stage.backward_weight(3)
+
+
+def test_w_covers_every_output_of_a_layer_and_none_on_a_first_stage():
+    """A layer whose output nests several tensors gets W from each of them; a stage whose
+    inputs need no gradient notes nothing (B has nothing to do there, W is the whole
+    backward)."""
+
+    class Split(nn.Module):  # like an LSTM's (output, (h, c))
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(6, 4))
+
+        def forward(self, x):
+            y = x @ self.weight.t()
+            return y[:, :3], (y[:, 3:],)
+
+    class Join(nn.Module):
+        def forward(self, out):
+            return out[0] * out[1][0]
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(Split(), Join(), nn.Linear(3, 2)).double()
+    reference = copy.deepcopy(layers)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    g = torch.randn(5, 2, dtype=torch.float64)
+    for needs_grad in (True, False):
+        layers.zero_grad()
+        reference.zero_grad()
+        stage = Stage(1, 3, layers, torch.device("cpu"))
+        stage.forward(0, x.requires_grad_(needs_grad), build_graph=True, split_backward=True)
+        assert len(stage._saved[0].weights.edges) == (3 if needs_grad else 0)
+        stage.backward_input(0, (g,))
+        stage.backward_weight(0)
+        reference(x).backward(g)
+        for p, q in zip(layers.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)

@@ -27,7 +27,7 @@ from .payload import check_same_structure, signature, tensors_of, with_tensors
 from .skip.layout import StagePorts
 from .skip.namespace import SkipKey
 from .skip.tracker import StageTracker, use_tracker
-from .weightgrad import WeightGradients
+from .weightgrad import Owners, WeightGradients, owners
 
 __all__ = ["NO_TARGET", "Grads", "LossFn", "Stage"]
 
@@ -124,6 +124,7 @@ class Stage:
         self.payloads = payloads
         self._saved: dict[int, _Saved] = {}
         self._first_output: Any = None  # micro-batch 0's, which the others must be shaped like
+        self._owners: Owners | None = None  # parameter-holding layers, for a split backward
 
     @property
     def is_last(self) -> bool:
@@ -261,7 +262,14 @@ class Stage:
         return sent, self._by_destination(sent_skips), None if loss is None else loss.detach()
 
     def _capturing(self, saved: _Saved) -> Any:
-        return saved.weights.capturing(self.module) if saved.weights is not None else nullcontext()
+        """Note the layer outputs that B stops at for W; not on a stage whose inputs need no
+        gradient, where B has nothing to do and W is the whole backward."""
+        leaves = [*tensors_of(saved.inputs), *saved.imported.values()]
+        if saved.weights is None or not any(t is not None and t.requires_grad for t in leaves):
+            return nullcontext()
+        if self._owners is None:
+            self._owners = owners(self.module)
+        return saved.weights.capturing(self._owners)
 
     def _graph(self, microbatch: int, pop: bool) -> _Saved:
         """What the forward of ``microbatch`` kept, with its graph rebuilt if it was not."""
@@ -376,8 +384,12 @@ class Stage:
         wanted = [t for t in leaves if t is not None and t.requires_grad]
         found: dict[int, Tensor | None] = {}
         if roots and wanted:
-            got = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
-            found = {id(t): g for t, g in zip(wanted, got, strict=True)}
+            edges = saved.weights.edges  # W's starting points: B collects their gradients
+            got = torch.autograd.grad(
+                roots, [*wanted, *edges], grads, retain_graph=True, allow_unused=True
+            )
+            found = {id(t): g for t, g in zip(wanted, got[: len(wanted)], strict=True)}
+            saved.weights.take(got[len(wanted) :])
             saved.b_ran = True
         saved.roots, saved.root_grads = roots, grads
         return self._input_grads(saved, lambda t: found.get(id(t)))

@@ -1,43 +1,63 @@
 """Splitting a stage's backward into input gradients (B) and weight gradients (W).
 
 B runs autograd only towards the stage's inputs: that is all the previous stage waits for.
-On its way it passes the output of every layer that holds parameters; a hook keeps the
-gradient that arrives there. W then needs, per such layer, only one short autograd call from
-that output to the layer's own parameters, so the split costs no recomputation.
+On its way it passes the output of every layer that holds parameters; B asks autograd for
+the gradient there too (the forward noted where each such output entered the graph). W then
+needs, per such layer, only one short autograd call from that output to the layer's own
+parameters, so the split costs no recomputation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["WeightGradients"]
+from .payload import tensors_of
+
+__all__ = ["Owners", "WeightGradients", "owners"]
+
+Owners = list[tuple[nn.Module, list[nn.Parameter]]]
+
+# autograd's engine without the checks of torch.autograd.backward, which re-validate a
+# gradient autograd itself produced: they are a third of a W call on narrow layers
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def _backward_to(edge: GradientEdge, grad: Tensor, params: list[nn.Parameter]) -> None:
+    """Accumulate into ``params``' ``.grad`` the backward from ``edge`` given ``grad``."""
+    if _engine_run_backward is None:
+        torch.autograd.backward([edge], [grad], inputs=params, retain_graph=True)
+        return
+    _engine_run_backward(
+        (edge,), (grad,), True, False, tuple(params), allow_unreachable=True, accumulate_grad=True
+    )
+
+
+def owners(module: nn.Module) -> Owners:
+    """Layers that hold parameters directly (not through a child), with those parameters;
+    the ones that need no gradient are left out when W runs."""
+    found = []
+    for layer in module.modules():
+        params = list(layer.parameters(recurse=False))
+        if params:
+            found.append((layer, params))
+    return found
 
 
 @dataclass
 class _Part:
-    """One output of a parameter-holding layer: where it entered the graph, its parameters,
-    and the gradient that reached it during B."""
+    """One output of a parameter-holding layer: where it entered the graph, the layer's
+    parameters, and the gradient that reached it during B (None if B did not pass it)."""
 
     edge: GradientEdge
     params: list[nn.Parameter]
-    grads: list[Tensor] = field(default_factory=list)
-
-
-def _owners(module: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """Layers that hold trainable parameters directly (not through a child)."""
-    owners = []
-    for layer in module.modules():
-        params = [p for p in layer.parameters(recurse=False) if p.requires_grad]
-        if params:
-            owners.append((layer, params))
-    return owners
+    grad: Tensor | None = None
 
 
 class WeightGradients:
@@ -47,29 +67,35 @@ class WeightGradients:
         self._parts: list[_Part] = []
 
     @contextmanager
-    def capturing(self, module: nn.Module) -> Iterator[None]:
-        """Run a forward of ``module`` inside this to note every parameter-holding layer's
-        output, and have B keep the gradient that reaches it."""
+    def capturing(self, layers: Owners) -> Iterator[None]:
+        """Run a forward inside this to note the output of every layer of ``layers``."""
 
-        def note(layer: nn.Module, params: list[nn.Parameter], output: Any) -> None:
-            outputs = output if isinstance(output, (tuple, list)) else (output,)
-            for out in outputs:
-                if isinstance(out, Tensor) and out.requires_grad:
-                    part = _Part(get_gradient_edge(out), params)
-                    out.register_hook(part.grads.append)
-                    self._parts.append(part)
+        def note(params: list[nn.Parameter], output: Any) -> None:
+            for out in tensors_of(output):  # every leaf, however nested
+                if out.requires_grad:
+                    self._parts.append(_Part(get_gradient_edge(out), params))
 
         handles = [
             layer.register_forward_hook(
-                lambda layer, args, output, params=params: note(layer, params, output)
+                lambda layer, args, output, params=params: note(params, output)
             )
-            for layer, params in _owners(module)
+            for layer, params in layers
         ]
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+
+    @property
+    def edges(self) -> list[GradientEdge]:
+        """Where B should also stop to collect a gradient (``take`` the results)."""
+        return [part.edge for part in self._parts]
+
+    def take(self, grads: Sequence[Tensor | None]) -> None:
+        """The gradients B found at ``edges``, in their order."""
+        for part, grad in zip(self._parts, grads, strict=True):
+            part.grad = grad
 
     def compute(
         self,
@@ -88,13 +114,14 @@ class WeightGradients:
             torch.autograd.backward(roots, root_grads)
             return
         # a parameter is served by its layers' outputs only if B reached every one of them
-        missed = {id(p) for part in self._parts if not part.grads for p in part.params}
+        missed = {id(p) for part in self._parts if part.grad is None for p in part.params}
         covered: set[int] = set()
         for part in self._parts:
-            if part.grads and not any(id(p) in missed for p in part.params):
-                grad = part.grads[0] if len(part.grads) == 1 else torch.stack(part.grads).sum(0)
-                torch.autograd.backward([part.edge], [grad], inputs=part.params, retain_graph=True)
-                covered.update(id(p) for p in part.params)
+            params = [p for p in part.params if p.requires_grad]
+            if part.grad is None or not params or any(id(p) in missed for p in params):
+                continue
+            _backward_to(part.edge, part.grad, params)
+            covered.update(id(p) for p in params)
         rest = [p for p in module.parameters() if p.requires_grad and id(p) not in covered]
         if rest:
             torch.autograd.backward(roots, root_grads, inputs=rest, retain_graph=True)
