@@ -36,7 +36,7 @@ from gpipe.schedule import gpipe
 from gpipe.simulate import Costs, simulate
 
 from .bench_scaling import _layer_costs, _link, _stage_costs
-from .common import gpt_model, machine, quick_or_repeats, write_results
+from .common import gpt_model, machine, quick_or_repeats, timed_step, write_results
 
 DS = (1, 2, 4, 8)
 ONE_BUCKET = "D=2 x K=1, one bucket"
@@ -64,16 +64,11 @@ def _step(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
     """One step; the slower rank's seconds, and the pipeline's own bubble and wait."""
     if pipe.replicas is not None:
         x, y = shard(x, pipe.replicas.replica, 2), shard(y, pipe.replicas.replica, 2)
-    pipe.zero_grad()
-    dist.barrier()
-    start = perf_counter()
-    pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
-    took = torch.tensor([perf_counter() - start])
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    took = timed_step(pipe, x, y)
     times = pipe.last_step
     assert times is not None
     return {
-        "seconds": float(took),
+        "seconds": took,
         "bubble": times.idle_fraction,
         "allreduce_wait": times.allreduce_wait,
         "buckets": times.allreduce_buckets,

@@ -15,17 +15,15 @@ prediction for the same policy.
 from __future__ import annotations
 
 import statistics
-from time import perf_counter
 
 import torch
-import torch.distributed as dist
 
 from gpipe import Pipeline, launch
 from gpipe.checkpointing import Layers
 from gpipe.memory import ActivationMeter, plan, profile
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 
-from .common import gpt_model, machine, quick_or_repeats, write_results
+from .common import gpt_model, machine, quick_or_repeats, timed_step, write_results
 
 POLICIES = {
     "never": "never",
@@ -54,23 +52,14 @@ def run(cfg: dict) -> dict:
     tokens = torch.randint(0, config.vocab_size, shape, generator=generator)
     x, y = tokens[:, :-1], tokens[:, 1:]
 
-    def step(pipe: Pipeline) -> float:
-        pipe.zero_grad()
-        dist.barrier()
-        start = perf_counter()
-        pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
-        took = torch.tensor([perf_counter() - start])
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        return float(took)
-
     for pipe in pipes.values():
-        step(pipe)
+        timed_step(pipe, x, y)
     names = list(pipes)
     cycles = []
     for cycle in range(cfg["repeats"]):
         shift = cycle % len(names)
         order = names[shift:] + names[:shift]
-        cycles.append({name: step(pipes[name]) for name in order})
+        cycles.append({name: timed_step(pipes[name], x, y) for name in order})
     peaks = {}
     for name, pipe in pipes.items():
         with ActivationMeter(pipe) as meter:

@@ -5,12 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from gpipe import Pipeline
 from gpipe.bench.report import summary
 from gpipe.bench.run import machine
 
-__all__ = ["RESULTS", "machine", "summary", "write_results"]
+__all__ = ["RESULTS", "machine", "summary", "timed_step", "write_results"]
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -32,6 +37,17 @@ def gpt_model(quick: bool) -> dict[str, Any]:
     if quick:
         return {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16, "dropout": 0.0}
     return {"n_layer": 8, "d_model": 256, "n_head": 4, "seq_len": 256, "dropout": 0.0}
+
+
+def timed_step(pipe: Pipeline, x: Any, y: Any) -> float:
+    """Seconds of one ``pipe.step`` started together on every rank: the slowest rank's."""
+    pipe.zero_grad()
+    dist.barrier()
+    start = perf_counter()
+    pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+    took = torch.tensor([perf_counter() - start])
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took)
 
 
 def write_results(name: str, results: dict[str, Any]) -> Path:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from . import payload
-from .copies import DeviceCopies
+from .copies import DeviceCopies, Ready
 from .errors import PipelineError, StageError
 from .schedule import RECV_OF, Kind
 
@@ -67,7 +67,7 @@ class InProcessTransport:
         self._devices = list(devices)
         self._timeout = timeout
         self._copies = copies if copies is not None else DeviceCopies()
-        self._box: dict[tuple[int, int, Kind, int], tuple[Message, Any]] = {}
+        self._box: dict[tuple[int, int, Kind, int], tuple[Message, Ready | None]] = {}
         self._cond = threading.Condition()
         self.abort = threading.Event()
 
