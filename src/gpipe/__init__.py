@@ -1,11 +1,11 @@
 """gpipe: pipeline-parallel training of models too large for one device (arXiv:1811.06965)."""
 
-from .checkpointing import is_checkpointing, is_recomputing
-from .distributed import Pipeline
-from .errors import BalanceError, MovingDenied, PipelineError, StageError
-from .launch import LaunchError, launch
-from .pipe import GPipe
-from .splitting import split
+from gpipe.checkpointing import is_checkpointing, is_recomputing
+from gpipe.distributed import Pipeline
+from gpipe.errors import BalanceError, MovingDenied, PipelineError, StageError
+from gpipe.launch import LaunchError, launch
+from gpipe.pipe import GPipe
+from gpipe.splitting import split
 
 __all__ = [
     "BalanceError",

@@ -18,10 +18,10 @@ from itertools import accumulate
 import torch
 from torch import Tensor, nn
 
-from .microbatch import Batch, as_tuple, like
-from .partition import as_sequential, materialize
-from .skip.namespace import SkipKey
-from .skip.tracker import use_tracker
+from gpipe.microbatch import Batch, as_tuple, like
+from gpipe.partition import as_sequential, materialize
+from gpipe.skip.namespace import SkipKey
+from gpipe.skip.tracker import use_tracker
 
 __all__ = [
     "balance_by_params",

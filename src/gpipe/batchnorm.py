@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .checkpointing import is_recomputing
-from .microbatch import check_chunks
+from gpipe.checkpointing import is_recomputing
+from gpipe.microbatch import check_chunks
 
 __all__ = [
     "DeferredBatchNorm",

@@ -70,7 +70,7 @@ def recomputed_layers(
     skip connections (its stashes and pops cannot be replayed inside a backward), is refused."""
     if not isinstance(mode, Layers):
         return [frozenset()] * len(balance)
-    from .skip.skippable import Skippable
+    from gpipe.skip.skippable import Skippable
 
     picked: list[frozenset[int]] = []
     start = 0

@@ -21,22 +21,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .amp import unscale_
-from .balance import balance_by_time
-from .batchnorm import (
+from gpipe.amp import unscale_
+from gpipe.balance import balance_by_time
+from gpipe.batchnorm import (
     commit_deferred_batch_norm,
     convert_deferred_batch_norm,
     discard_deferred_batch_norm,
 )
-from .checkpointing import (
+from gpipe.checkpointing import (
     check_autocast,
     check_checkpoint,
     recomputed_layers,
     should_checkpoint,
 )
-from .errors import StageError
-from .executor import StepData, run_program
-from .microbatch import (
+from gpipe.errors import StageError
+from gpipe.executor import StepData, run_program
+from gpipe.microbatch import (
     Batch,
     check_chunks,
     check_payload,
@@ -45,12 +45,12 @@ from .microbatch import (
     scatter_payload,
     split_sizes,
 )
-from .p2p import DistributedTransport
-from .partition import as_sequential, check_balance, even_balance, materialize, stage_bounds
-from .payload import tensors_of, with_tensors
-from .pipes import open_pipes
-from .replicas import GradientBuckets, Replicas, check_bucket_bytes
-from .schedule import (
+from gpipe.p2p import DistributedTransport
+from gpipe.partition import as_sequential, check_balance, even_balance, materialize, stage_bounds
+from gpipe.payload import tensors_of, with_tensors
+from gpipe.pipes import open_pipes
+from gpipe.replicas import GradientBuckets, Replicas, check_bucket_bytes
+from gpipe.schedule import (
     Action,
     Kind,
     Schedule,
@@ -59,12 +59,12 @@ from .schedule import (
     forward_only,
     get_schedule,
 )
-from .skip.layout import SkipLayout
-from .skip.skippable import find_skips
-from .stage import NO_TARGET, LossFn, Stage
-from .ties import TiedGradients, find_ties, untie
-from .ties import counted as counted_once
-from .trace import Event, Recorder, merge
+from gpipe.skip.layout import SkipLayout
+from gpipe.skip.skippable import find_skips
+from gpipe.stage import NO_TARGET, LossFn, Stage
+from gpipe.ties import TiedGradients, find_ties, untie
+from gpipe.ties import counted as counted_once
+from gpipe.trace import Event, Recorder, merge
 
 __all__ = [
     "Pipeline",

@@ -15,11 +15,11 @@ from typing import Any
 
 from torch import Tensor
 
-from .errors import PipelineError
-from .microbatch import Batch
-from .schedule import RECV_KINDS, Action, Kind
-from .stage import Grads, Stage
-from .transport import Transport
+from gpipe.errors import PipelineError
+from gpipe.microbatch import Batch
+from gpipe.schedule import RECV_KINDS, Action, Kind
+from gpipe.stage import Grads, Stage
+from gpipe.transport import Transport
 
 __all__ = ["StepData", "run_program"]
 

@@ -11,8 +11,8 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from .distributed import finish_process_group
-from .errors import PipelineError
+from gpipe.distributed import finish_process_group
+from gpipe.errors import PipelineError
 
 __all__ = ["LaunchError", "launch", "threads_per_process"]
 

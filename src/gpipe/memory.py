@@ -28,12 +28,12 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
-from .checkpointing import Layers, check_checkpoint, recomputed_layers, should_checkpoint
-from .microbatch import check_payload, split_sizes
-from .partition import as_sequential, check_balance, stage_bounds
-from .payload import flatten, tensors_of
-from .schedule import Kind, Schedule, add_recompute, get_schedule
-from .skip.tracker import observe, use_tracker
+from gpipe.checkpointing import Layers, check_checkpoint, recomputed_layers, should_checkpoint
+from gpipe.microbatch import check_payload, split_sizes
+from gpipe.partition import as_sequential, check_balance, stage_bounds
+from gpipe.payload import flatten, tensors_of
+from gpipe.schedule import Kind, Schedule, add_recompute, get_schedule
+from gpipe.skip.tracker import observe, use_tracker
 
 __all__ = [
     "OPTIMIZER_STATES",

@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import payload
+from gpipe import payload
 
 __all__ = [
     "Batch",

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import envelope, payload
-from .errors import PipelineError, StageError
-from .pipes import PipeClosed, Pipes, PipeTimeout
-from .schedule import RECV_KINDS, RECV_OF, SEND_KINDS, Action, Kind
-from .transport import Message, what
+from gpipe import envelope, payload
+from gpipe.errors import PipelineError, StageError
+from gpipe.pipes import PipeClosed, Pipes, PipeTimeout
+from gpipe.schedule import RECV_KINDS, RECV_OF, SEND_KINDS, Action, Kind
+from gpipe.transport import Message, what
 
 __all__ = ["DistributedTransport"]
 

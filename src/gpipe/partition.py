@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from .errors import BalanceError
+from gpipe.errors import BalanceError
 
 __all__ = [
     "as_sequential",

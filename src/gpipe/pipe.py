@@ -18,23 +18,23 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .batchnorm import (
+from gpipe.batchnorm import (
     commit_deferred_batch_norm,
     convert_deferred_batch_norm,
     discard_deferred_batch_norm,
 )
-from .checkpointing import (
+from gpipe.checkpointing import (
     AutocastState,
     check_checkpoint,
     recomputed_layers,
     should_checkpoint,
 )
-from .copies import DeviceCopies
-from .errors import MovingDenied, PipelineError
-from .executor import StepData, run_program
-from .microbatch import Batch, as_tuple, check_batch, check_chunks, gather, like, scatter
-from .partition import as_sequential, check_balance, split_sequential
-from .schedule import (
+from gpipe.copies import DeviceCopies
+from gpipe.errors import MovingDenied, PipelineError
+from gpipe.executor import StepData, run_program
+from gpipe.microbatch import Batch, as_tuple, check_batch, check_chunks, gather, like, scatter
+from gpipe.partition import as_sequential, check_balance, split_sequential
+from gpipe.schedule import (
     FORWARD_KINDS,
     Action,
     Schedule,
@@ -44,12 +44,12 @@ from .schedule import (
     forward_only,
     gpipe,
 )
-from .skip.layout import SkipLayout
-from .skip.skippable import find_skips
-from .stage import Stage
-from .ties import find_ties, sum_local, untie
-from .trace import Event, Recorder
-from .transport import InProcessTransport
+from gpipe.skip.layout import SkipLayout
+from gpipe.skip.skippable import find_skips
+from gpipe.stage import Stage
+from gpipe.ties import find_ties, sum_local, untie
+from gpipe.trace import Event, Recorder
+from gpipe.transport import InProcessTransport
 
 __all__ = ["GPipe"]
 

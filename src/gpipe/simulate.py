@@ -13,9 +13,9 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-from .checkpointing import check_checkpoint, should_checkpoint
-from .schedule import Action, Kind, Schedule, ScheduleError, add_recompute, get_schedule
-from .trace import Event
+from gpipe.checkpointing import check_checkpoint, should_checkpoint
+from gpipe.schedule import Action, Kind, Schedule, ScheduleError, add_recompute, get_schedule
+from gpipe.trace import Event
 
 __all__ = [
     "Costs",
@@ -460,7 +460,7 @@ def _allreduce(
 ) -> list[float]:
     """Move each rank's clock past its stages' gradient all-reduces; returns what each rank
     waits for them after its program."""
-    from .replicas import bucket_size  # here: the rest of the simulator needs no torch
+    from gpipe.replicas import bucket_size  # here: the rest of the simulator needs no torch
 
     d = data_parallel
     grad = costs.per_stage("grad_bytes", schedule.n_stages)

@@ -20,13 +20,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .balance import layer_times, partition
-from .checkpointing import CHECKPOINT_MODES, check_checkpoint
-from .memory import MemoryPlan, Profile, plan
-from .microbatch import as_tuple
-from .partition import as_sequential, check_balance, even_balance, stage_bounds
-from .schedule import SCHEDULES, get_schedule
-from .simulate import Costs, simulate
+from gpipe.balance import layer_times, partition
+from gpipe.checkpointing import CHECKPOINT_MODES, check_checkpoint
+from gpipe.memory import MemoryPlan, Profile, plan
+from gpipe.microbatch import as_tuple
+from gpipe.partition import as_sequential, check_balance, even_balance, stage_bounds
+from gpipe.schedule import SCHEDULES, get_schedule
+from gpipe.simulate import Costs, simulate
 
 __all__ = [
     "MAX_STAGES",

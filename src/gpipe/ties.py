@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .errors import StageError
-from .partition import stage_bounds
+from gpipe.errors import StageError
+from gpipe.partition import stage_bounds
 
 __all__ = ["Tie", "TiedGradients", "counted", "find_ties", "sum_local", "untie"]
 

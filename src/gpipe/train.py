@@ -22,26 +22,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .balance import balance_by_params
-from .data import BatchSampler, ByteDataset, decode, encode, load_text, stdlib_corpus
-from .distributed import Pipeline, agreed_balance, init_process_group
-from .elastic import join_process_group, kill_point, restart_count
-from .errors import StageError
-from .microbatch import split_sizes
-from .models.gpt import GPTConfig, build_gpt, lm_loss, tied_weights
-from .partition import even_balance
-from .replicas import shard
-from .saving import (
+from gpipe.balance import balance_by_params
+from gpipe.data import BatchSampler, ByteDataset, decode, encode, load_text, stdlib_corpus
+from gpipe.distributed import Pipeline, agreed_balance, init_process_group
+from gpipe.elastic import join_process_group, kill_point, restart_count
+from gpipe.errors import StageError
+from gpipe.microbatch import split_sizes
+from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss, tied_weights
+from gpipe.partition import even_balance
+from gpipe.replicas import shard
+from gpipe.saving import (
     discard_partial,
     latest_checkpoint,
     load_checkpoint,
     read_description,
     save_checkpoint,
 )
-from .simulate import analytic_bubble, predict
-from .trace import Event, plot_gantt, to_chrome
-from .view import Measured
-from .view import write as write_page
+from gpipe.simulate import analytic_bubble, predict
+from gpipe.trace import Event, plot_gantt, to_chrome
+from gpipe.view import Measured
+from gpipe.view import write as write_page
 
 __all__ = ["TrainOptions", "RunSpec", "load_corpus", "run_stage"]
 

@@ -18,10 +18,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from . import payload
-from .copies import DeviceCopies, Ready
-from .errors import PipelineError, StageError
-from .schedule import RECV_OF, Kind
+from gpipe import payload
+from gpipe.copies import DeviceCopies, Ready
+from gpipe.errors import PipelineError, StageError
+from gpipe.schedule import RECV_OF, Kind
 
 __all__ = ["InProcessTransport", "Message", "Transport", "what"]
 

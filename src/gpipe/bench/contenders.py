@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..checkpointing import CHECKPOINT_MODES
-from ..distributed import Pipeline
-from ..partition import stage_bounds
-from ..pipe import GPipe
-from ..schedule import SCHEDULES
-from .workloads import Workload
+from gpipe.bench.workloads import Workload
+from gpipe.checkpointing import CHECKPOINT_MODES
+from gpipe.distributed import Pipeline
+from gpipe.partition import stage_bounds
+from gpipe.pipe import GPipe
+from gpipe.schedule import SCHEDULES
 
 __all__ = ["Contender", "Runner", "contenders"]
 

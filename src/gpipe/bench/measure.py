@@ -11,10 +11,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..distributed import init_process_group
-from ..memory import ActivationMeter
-from .contenders import Contender, Runner, contenders
-from .workloads import get_workload
+from gpipe.bench.contenders import Contender, Runner, contenders
+from gpipe.bench.workloads import get_workload
+from gpipe.distributed import init_process_group
+from gpipe.memory import ActivationMeter
 
 __all__ = ["memory_pass", "timing_pass"]
 

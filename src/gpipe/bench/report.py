@@ -6,9 +6,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from ..simulate import analytic_bubble
-from .contenders import Contender, K
-from .workloads import Workload
+from gpipe.bench.contenders import Contender, K
+from gpipe.bench.workloads import Workload
+from gpipe.simulate import analytic_bubble
 
 __all__ = ["figures", "markdown", "summary", "targets"]
 

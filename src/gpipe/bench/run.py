@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from ..checkpointing import CHECKPOINT_MODES
-from ..launch import launch
-from ..schedule import SCHEDULES
-from .contenders import K, contenders
-from .measure import memory_pass, timing_pass
-from .report import figures, markdown, targets
-from .workloads import get_workload
+from gpipe.bench.contenders import K, contenders
+from gpipe.bench.measure import memory_pass, timing_pass
+from gpipe.bench.report import figures, markdown, targets
+from gpipe.bench.workloads import get_workload
+from gpipe.checkpointing import CHECKPOINT_MODES
+from gpipe.launch import launch
+from gpipe.schedule import SCHEDULES
 
 __all__ = ["BenchOptions", "machine", "matches", "run_bench"]
 
@@ -165,7 +165,7 @@ def _write(report: dict[str, Any], options: BenchOptions) -> None:
     (out / "bench.md").write_text(markdown(report))
     report["files"] = [str(out / "bench.json"), str(out / "bench.md")]
     if options.plots:
-        from .plots import plot_memory, plot_step_times
+        from gpipe.bench.plots import plot_memory, plot_step_times
 
         for name, w in report["workloads"].items():
             report["files"].append(str(plot_step_times(w, out / f"bench-{name}-step-time.png")))

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..models.gpt import GPTConfig, build_gpt, lm_loss
-from ..models.resnet import resnet
+from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
+from gpipe.models.resnet import resnet
 
 __all__ = ["WORKLOADS", "Workload", "get_workload"]
 

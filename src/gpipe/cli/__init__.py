@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import PipelineError
-from . import bench, plan, sample, simulate, train, view
-from .common import Parser, UsageError
+from gpipe.cli import bench, plan, sample, simulate, train, view
+from gpipe.cli.common import Parser, UsageError
+from gpipe.errors import PipelineError
 
 __all__ = ["main"]
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from . import main
+from gpipe.cli import main
 
 sys.exit(main())

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..checkpointing import CHECKPOINT_MODES
-from ..schedule import SCHEDULES
-from .common import UsageError
+from gpipe.checkpointing import CHECKPOINT_MODES
+from gpipe.cli.common import UsageError
+from gpipe.schedule import SCHEDULES
 
 __all__ = ["add_parser"]
 
@@ -100,9 +100,9 @@ def _counts(flag: str, value: str) -> tuple[int, ...]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ..bench.contenders import contenders
-    from ..bench.run import BenchOptions, matches, run_bench
-    from ..bench.workloads import WORKLOADS
+    from gpipe.bench.contenders import contenders
+    from gpipe.bench.run import BenchOptions, matches, run_bench
+    from gpipe.bench.workloads import WORKLOADS
 
     workloads = _names("workload", args.workload, tuple(WORKLOADS))
     schedules = _names("schedules", args.schedules, tuple(SCHEDULES))

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from ..advice import chunks_advice
-from ..checkpointing import CHECKPOINT_MODES
-from ..memory import OPTIMIZER_STATES, MemoryPlan, Profile, plan, profile
-from ..schedule import SCHEDULES
-from ..suggest import MAX_STAGES, Candidate, LayerCosts, Search, flop_costs, search, timed_costs
-from .common import UsageError
+from gpipe.advice import chunks_advice
+from gpipe.checkpointing import CHECKPOINT_MODES
+from gpipe.cli.common import UsageError
+from gpipe.memory import OPTIMIZER_STATES, MemoryPlan, Profile, plan, profile
+from gpipe.schedule import SCHEDULES
+from gpipe.suggest import MAX_STAGES, Candidate, LayerCosts, Search, flop_costs, search, timed_costs
 
 __all__ = ["add_parser", "parse_bytes"]
 
@@ -138,7 +138,7 @@ _PLAN_DEFAULTS = {
 
 
 def _config(args: argparse.Namespace, n_layer: int) -> Any:
-    from ..models.gpt import GPTConfig
+    from gpipe.models.gpt import GPTConfig
 
     return GPTConfig(
         n_layer=n_layer,
@@ -153,7 +153,7 @@ def _config(args: argparse.Namespace, n_layer: int) -> Any:
 
 def _one_block(args: argparse.Namespace, device: str = "meta") -> tuple[Any, torch.Tensor]:
     """A one-block model on the meta device, and a micro-batch of tokens on ``device``."""
-    from ..models.gpt import build_gpt
+    from gpipe.models.gpt import build_gpt
 
     layers = build_gpt(_config(args, 1), device="meta").to(_DTYPES[args.dtype])
     tokens = torch.zeros(min(2, args.batch_size), args.seq_len, dtype=torch.int64, device=device)
@@ -162,7 +162,7 @@ def _one_block(args: argparse.Namespace, device: str = "meta") -> tuple[Any, tor
 
 def _template(args: argparse.Namespace) -> Profile:
     """The profile of a one-block model; deeper models repeat its block (``Profile.repeat``)."""
-    from ..models.gpt import lm_loss
+    from gpipe.models.gpt import lm_loss
 
     layers, tokens = _one_block(args)
     return profile(layers, tokens, target=tokens, loss_fn=lm_loss)
@@ -171,7 +171,7 @@ def _template(args: argparse.Namespace) -> Profile:
 def _templates(args: argparse.Namespace) -> tuple[Profile, LayerCosts]:
     """The one-block model's profile, and its costs per layer: FLOPs counted, or (with
     ``--measure``) forward and backward timed on this machine's CPU."""
-    from ..models.gpt import lm_loss
+    from gpipe.models.gpt import lm_loss
 
     layers, tokens = _one_block(args)
     prof = profile(layers, tokens, target=tokens, loss_fn=lm_loss)
@@ -181,9 +181,9 @@ def _templates(args: argparse.Namespace) -> tuple[Profile, LayerCosts]:
 
 
 def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> MemoryPlan:
-    from ..balance import partition
-    from ..partition import even_balance
-    from ..train import parse_balance
+    from gpipe.balance import partition
+    from gpipe.partition import even_balance
+    from gpipe.train import parse_balance
 
     prof = template.repeat(1, n_layer)
     parts = args.stages * args.virtual_stages

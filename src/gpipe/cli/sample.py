@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .common import UsageError, positive
+from gpipe.cli.common import UsageError, positive
 
 __all__ = ["add_parser"]
 
@@ -30,9 +30,9 @@ def add_parser(sub: Any) -> None:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from ..data import decode, encode
-    from ..models.gpt import GPTConfig, build_gpt, generate
-    from ..saving import (
+    from gpipe.data import decode, encode
+    from gpipe.models.gpt import GPTConfig, build_gpt, generate
+    from gpipe.saving import (
         DESCRIPTION,
         latest_checkpoint,
         load_model_weights,

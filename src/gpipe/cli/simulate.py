@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..schedule import SCHEDULES, get_schedule
-from ..simulate import Costs, SimResult, analytic_bubble, compare, scenario, simulate
-from ..view import Settings, check_settings
-from ..view import write as write_page
-from .common import PAGE_OPTIONS, UsageError, read_costs
+from gpipe.cli.common import PAGE_OPTIONS, UsageError, read_costs
+from gpipe.schedule import SCHEDULES, get_schedule
+from gpipe.simulate import Costs, SimResult, analytic_bubble, compare, scenario, simulate
+from gpipe.view import Settings, check_settings
+from gpipe.view import write as write_page
 
 __all__ = ["add_parser"]
 

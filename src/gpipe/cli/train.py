@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ..checkpointing import check_checkpoint
-from ..schedule import get_schedule
-from .common import UsageError, positive
+from gpipe.checkpointing import check_checkpoint
+from gpipe.cli.common import UsageError, positive
+from gpipe.schedule import get_schedule
 
 __all__ = ["add_parser"]
 
@@ -128,7 +128,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _model_config(args: argparse.Namespace, saved: dict[str, Any] | None, out: Path) -> Any:
-    from ..models.gpt import GPTConfig, config_from_preset
+    from gpipe.models.gpt import GPTConfig, config_from_preset
 
     overrides = {
         field_: getattr(args, flag)
@@ -152,7 +152,7 @@ def _model_config(args: argparse.Namespace, saved: dict[str, Any] | None, out: P
 
 
 def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> Any:
-    from ..train import TrainOptions
+    from gpipe.train import TrainOptions
 
     values = dict(saved or {})
     for f in fields(TrainOptions):
@@ -166,7 +166,7 @@ def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> An
 
 
 def _check(config: Any, opts: Any) -> None:
-    from ..train import parse_balance
+    from gpipe.train import parse_balance
 
     for name in (
         "stages",
@@ -227,8 +227,8 @@ def _check(config: Any, opts: Any) -> None:
 
 
 def _check_data(opts: Any, seq_len: int) -> None:
-    from ..data import ByteDataset
-    from ..train import load_corpus
+    from gpipe.data import ByteDataset
+    from gpipe.train import load_corpus
 
     try:
         dataset = ByteDataset.split(load_corpus(opts.data))
@@ -260,7 +260,7 @@ def _prepare_folder(out: Path, resume: bool, force: bool, run: dict[str, Any]) -
 def _saved_run(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.resume is None:
         return None
-    from ..saving import checkpoint_dirs, verify_checkpoint
+    from gpipe.saving import checkpoint_dirs, verify_checkpoint
 
     folder = Path(args.resume)
     # Sizes only here; the processes check every file's SHA-256 before they load one.
@@ -275,7 +275,7 @@ def _saved_run(args: argparse.Namespace) -> dict[str, Any] | None:
 def _this_jobs_run(out: Path) -> dict[str, Any] | None:
     """The run in ``out`` if this torchrun job started it: the job is being restarted (after
     a lost process, or to admit or drop a machine) and continues it."""
-    from ..elastic import job_id
+    from gpipe.elastic import job_id
 
     try:
         run = json.loads((out / RUN_FILE).read_text())
@@ -291,7 +291,7 @@ def _agree_on_folder(prepare: Any, device: str, timeout: float, restarted: bool)
     written it could think so wrongly); returns that."""
     import torch.distributed as dist
 
-    from ..elastic import join_process_group
+    from gpipe.elastic import join_process_group
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     join_process_group(
@@ -310,8 +310,8 @@ def _agree_on_folder(prepare: Any, device: str, timeout: float, restarted: bool)
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ..launch import launch, threads_per_process
-    from ..train import RunSpec, run_stage
+    from gpipe.launch import launch, threads_per_process
+    from gpipe.train import RunSpec, run_stage
 
     torchrun = _under_torchrun()
     if torchrun and args.max_restarts is not None:
@@ -335,7 +335,7 @@ def _train(args: argparse.Namespace) -> int:
     run: dict[str, Any] = {"model": asdict(config), "train": asdict(opts)}
     restarted = held is not None
     if torchrun:
-        from ..elastic import job_id
+        from gpipe.elastic import job_id
 
         run["job"] = job_id()  # how a restart of this job knows the folder for its own
     if not torchrun or os.environ["RANK"] == "0":
@@ -359,7 +359,7 @@ def _train(args: argparse.Namespace) -> int:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else processes
     threads = (args.threads or threads_per_process(local)) if opts.device == "cpu" else None
     if torchrun:
-        from ..distributed import finish_process_group
+        from gpipe.distributed import finish_process_group
 
         if threads is not None:
             torch.set_num_threads(threads)
@@ -403,7 +403,7 @@ def _shape_from_world(args: argparse.Namespace, opts: Any, world: int) -> None:
 
 def _advise(opts: Any) -> None:
     """One line if the run has fewer micro-batches than the GPipe paper's rule of thumb."""
-    from ..advice import chunks_advice
+    from gpipe.advice import chunks_advice
 
     line = chunks_advice(
         opts.schedule,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..checkpointing import CHECKPOINT_MODES
-from ..schedule import SCHEDULES
-from ..view import DEFAULT_COSTS, Settings, check_settings, write
-from .common import PAGE_OPTIONS, UsageError, read_costs
+from gpipe.checkpointing import CHECKPOINT_MODES
+from gpipe.cli.common import PAGE_OPTIONS, UsageError, read_costs
+from gpipe.schedule import SCHEDULES
+from gpipe.view import DEFAULT_COSTS, Settings, check_settings, write
 
 __all__ = ["add_parser"]
 

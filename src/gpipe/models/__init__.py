@@ -1,6 +1,6 @@
 """Reference models, written as flat lists of layers a pipeline can cut anywhere."""
 
-from .gpt import (
+from gpipe.models.gpt import (
     PRESETS,
     Block,
     Embedding,

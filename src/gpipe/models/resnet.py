@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from ..skip import Namespace, pop, skippable, stash
+from gpipe.skip import Namespace, pop, skippable, stash
 
 __all__ = ["BlockIn", "BlockOut", "resnet"]
 

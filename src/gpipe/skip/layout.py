@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .namespace import SkipKey
-from .skippable import Skip
+from gpipe.skip.namespace import SkipKey
+from gpipe.skip.skippable import Skip
 
 __all__ = ["SkipLayout", "StagePorts"]
 

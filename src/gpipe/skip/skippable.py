@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 from torch import Tensor, nn
 
-from .namespace import DEFAULT_NAMESPACE, Namespace, SkipKey
-from .tracker import current_tracker
+from gpipe.skip.namespace import DEFAULT_NAMESPACE, Namespace, SkipKey
+from gpipe.skip.tracker import current_tracker
 
 __all__ = ["Skippable", "pop", "skippable", "stash", "verify_skippables"]
 

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from .namespace import SkipKey
+from gpipe.skip.namespace import SkipKey
 
 __all__ = ["SkipTracker", "StageTracker", "current_tracker", "observe", "use_tracker"]
 

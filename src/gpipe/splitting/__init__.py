@@ -21,11 +21,18 @@ import torch.fx._pytree as fx_pytree
 from torch import Tensor, fx, nn
 from torch.fx.passes.split_module import split_module
 
-from ..balance import partition
-from ..skip import Namespace
-from .cuts import CutError, assign_stages, candidates, drop_checks, module_starts, resolve
-from .stages import ATTR, SplitStage, plan_stages
-from .tracing import TraceError, check_one_row, trace
+from gpipe.balance import partition
+from gpipe.skip import Namespace
+from gpipe.splitting.cuts import (
+    CutError,
+    assign_stages,
+    candidates,
+    drop_checks,
+    module_starts,
+    resolve,
+)
+from gpipe.splitting.stages import ATTR, SplitStage, plan_stages
+from gpipe.splitting.tracing import TraceError, check_one_row, trace
 
 __all__ = ["CutError", "SplitModel", "SplitStage", "TraceError", "split"]
 

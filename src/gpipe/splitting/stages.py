@@ -28,8 +28,8 @@ import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 from torch import Tensor, fx, nn
 
-from ..skip import Namespace, pop, stash
-from ..skip.skippable import Skippable
+from gpipe.skip import Namespace, pop, stash
+from gpipe.skip.skippable import Skippable
 
 __all__ = ["SplitStage", "StagePlan", "plan_stages"]
 

@@ -2,7 +2,7 @@
 schedules and simulator say (mirrored in JavaScript, held to the Python by a test), beside a
 measured step where there is one."""
 
-from .page import (
+from gpipe.view.page import (
     DEFAULT_COSTS,
     LIMITS,
     Measured,

@@ -12,10 +12,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..checkpointing import check_checkpoint
-from ..schedule import SCHEDULES, Schedule, get_schedule
-from ..simulate import Costs, measured_costs
-from ..trace import Event
+from gpipe.checkpointing import check_checkpoint
+from gpipe.schedule import SCHEDULES, Schedule, get_schedule
+from gpipe.simulate import Costs, measured_costs
+from gpipe.trace import Event
 
 __all__ = [
     "DEFAULT_COSTS",
