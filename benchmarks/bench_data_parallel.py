@@ -32,7 +32,7 @@ import torch.distributed as dist
 from gpipe import Pipeline, launch
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 from gpipe.replicas import shard
-from gpipe.schedule import gpipe
+from gpipe.schedules import gpipe
 from gpipe.simulate import Costs, simulate
 
 from .bench_scaling import _layer_costs, _link, _stage_costs

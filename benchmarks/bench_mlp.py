@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline, launch
-from gpipe.schedule import gpipe as gpipe_schedule
+from gpipe.schedules import gpipe as gpipe_schedule
 
 from .common import machine, summary, write_results
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from gpipe import Pipeline, launch
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
-from gpipe.schedule import gpipe
+from gpipe.schedules import gpipe
 from gpipe.simulate import Costs, simulate
 
 from .common import gpt_model, machine, write_results
@@ -76,7 +76,7 @@ def _link(repeats: int, big: int) -> tuple[float, float]:
     through the transport a Pipeline uses (pipes on one machine)."""
     from gpipe.p2p import DistributedTransport
     from gpipe.pipes import open_pipes
-    from gpipe.schedule import Kind
+    from gpipe.schedules import Kind
 
     transport = DistributedTransport([0, 1], torch.device("cpu"))
     receives, sends = transport.channels([dist.get_rank()], ())

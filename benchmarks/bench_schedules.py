@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline, launch
-from gpipe.schedule import get_schedule, interleaved
+from gpipe.schedules import get_schedule, interleaved
 from gpipe.simulate import measured_costs, simulate
 
 from .bench_mlp import _data, _model

@@ -9,7 +9,7 @@ import json
 import statistics
 from time import perf_counter
 
-from gpipe.schedule import SCHEDULES, interleaved
+from gpipe.schedules import SCHEDULES, interleaved
 from gpipe.simulate import Costs, simulate
 
 from .common import machine, summary, write_results

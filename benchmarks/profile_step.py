@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline, launch
-from gpipe.schedule import SCHEDULES
+from gpipe.schedules import SCHEDULES
 
 from .common import machine, write_results
 

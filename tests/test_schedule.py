@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpipe.schedule import (
+from gpipe.schedules import (
     Action,
     Kind,
     ScheduleError,

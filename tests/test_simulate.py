@@ -11,7 +11,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from gpipe.cli import main
-from gpipe.schedule import (
+from gpipe.schedules import (
     SCHEDULES,
     Action,
     Kind,

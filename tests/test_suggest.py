@@ -12,7 +12,7 @@ from gpipe.cli import main
 from gpipe.memory import plan, profile
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 from gpipe.partition import stage_bounds
-from gpipe.schedule import get_schedule
+from gpipe.schedules import get_schedule
 from gpipe.simulate import Costs, simulate
 from gpipe.suggest import (
     LayerCosts,

@@ -7,7 +7,7 @@ import pytest
 from torch.nn.functional import mse_loss
 
 from gpipe import GPipe, launch
-from gpipe.schedule import Action, Kind, add_recompute, gpipe
+from gpipe.schedules import Action, Kind, add_recompute, gpipe
 from gpipe.trace import Event, Recorder, merge, plot_gantt, to_chrome
 
 from . import distributed_cases as cases

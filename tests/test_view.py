@@ -10,7 +10,7 @@ from torch.nn.functional import mse_loss
 
 from gpipe import GPipe
 from gpipe.cli import main
-from gpipe.schedule import gpipe, interleaved
+from gpipe.schedules import gpipe, interleaved
 from gpipe.simulate import Costs, measured_costs
 from gpipe.trace import Event
 from gpipe.view import LIMITS, Measured, Settings, page_data, render, write

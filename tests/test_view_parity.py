@@ -1,5 +1,5 @@
 """One source of truth: the page's JavaScript, run in node on a grid of (schedule, K, M, v,
-costs, checkpoint), gives action for action the programs of ``gpipe.schedule``'s generators
+costs, checkpoint), gives action for action the programs of ``gpipe.schedules``'s generators
 and the times, bubble and memory of ``gpipe.simulate``, and draws messages that agree."""
 
 import itertools
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpipe.checkpointing import should_checkpoint
-from gpipe.schedule import SCHEDULES
+from gpipe.schedules import SCHEDULES
 from gpipe.simulate import Costs, closed_form_bubble, scenario, simulate
 from gpipe.view import asset_path
 from gpipe.view.page import _costs_json
@@ -202,7 +202,7 @@ def test_messages_and_recomputations_drawn_agree_with_the_simulators_model(runs)
 def test_schedules_given_as_data_with_skips_and_recomputation_simulate_alike():
     """What a measured run hands the page: skip actions (``0SEND_SKIP3@2``) and R actions
     included, simulated as gpipe.simulate does."""
-    from gpipe.schedule import add_recompute, add_skips
+    from gpipe.schedules import add_recompute, add_skips
     from gpipe.view.page import _schedule_json
 
     costs = Costs(forward=1.0, backward=2.0, weight=0.5, latency=0.3, message_bytes=2.0,

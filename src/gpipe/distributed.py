@@ -50,7 +50,7 @@ from gpipe.partition import as_sequential, check_balance, even_balance, material
 from gpipe.payload import tensors_of, with_tensors
 from gpipe.pipes import open_pipes
 from gpipe.replicas import GradientBuckets, Replicas, check_bucket_bytes
-from gpipe.schedule import (
+from gpipe.schedules import (
     Action,
     Kind,
     Schedule,

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from gpipe.errors import PipelineError
 from gpipe.microbatch import Batch
-from gpipe.schedule import RECV_KINDS, Action, Kind
+from gpipe.schedules import RECV_KINDS, Action, Kind
 from gpipe.stage import Grads, Stage
 from gpipe.transport import Transport
 

@@ -32,7 +32,7 @@ from gpipe.checkpointing import Layers, check_checkpoint, recomputed_layers, sho
 from gpipe.microbatch import check_payload, split_sizes
 from gpipe.partition import as_sequential, check_balance, stage_bounds
 from gpipe.payload import flatten, tensors_of
-from gpipe.schedule import Kind, Schedule, add_recompute, get_schedule
+from gpipe.schedules import Kind, Schedule, add_recompute, get_schedule
 from gpipe.skip.tracker import observe, use_tracker
 
 __all__ = [

@@ -30,7 +30,7 @@ from torch import Tensor
 from gpipe import envelope, payload
 from gpipe.errors import PipelineError, StageError
 from gpipe.pipes import PipeClosed, Pipes, PipeTimeout
-from gpipe.schedule import RECV_KINDS, RECV_OF, SEND_KINDS, Action, Kind
+from gpipe.schedules import RECV_KINDS, RECV_OF, SEND_KINDS, Action, Kind
 from gpipe.transport import Message, what
 
 __all__ = ["DistributedTransport"]

@@ -34,7 +34,7 @@ from gpipe.errors import MovingDenied, PipelineError
 from gpipe.executor import StepData, run_program
 from gpipe.microbatch import Batch, as_tuple, check_batch, check_chunks, gather, like, scatter
 from gpipe.partition import as_sequential, check_balance, split_sequential
-from gpipe.schedule import (
+from gpipe.schedules import (
     FORWARD_KINDS,
     Action,
     Schedule,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.checkpointing import check_checkpoint, should_checkpoint
-from gpipe.schedule import Action, Kind, Schedule, ScheduleError, add_recompute, get_schedule
+from gpipe.schedules import Action, Kind, Schedule, ScheduleError, add_recompute, get_schedule
 from gpipe.trace import Event
 
 __all__ = [

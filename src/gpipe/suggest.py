@@ -25,7 +25,7 @@ from gpipe.checkpointing import CHECKPOINT_MODES, check_checkpoint
 from gpipe.memory import MemoryPlan, Profile, plan
 from gpipe.microbatch import as_tuple
 from gpipe.partition import as_sequential, check_balance, even_balance, stage_bounds
-from gpipe.schedule import SCHEDULES, get_schedule
+from gpipe.schedules import SCHEDULES, get_schedule
 from gpipe.simulate import Costs, simulate
 
 __all__ = [

@@ -12,7 +12,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gpipe.schedule import Action
+    from gpipe.schedules import Action
 
 __all__ = ["Event", "Recorder", "merge", "plot_gantt", "to_chrome"]
 

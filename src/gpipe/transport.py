@@ -21,7 +21,7 @@ from torch import Tensor
 from gpipe import payload
 from gpipe.copies import DeviceCopies, Ready
 from gpipe.errors import PipelineError, StageError
-from gpipe.schedule import RECV_OF, Kind
+from gpipe.schedules import RECV_OF, Kind
 
 __all__ = ["InProcessTransport", "Message", "Transport", "what"]
 

@@ -20,7 +20,7 @@ from gpipe.checkpointing import CHECKPOINT_MODES
 from gpipe.distributed import Pipeline
 from gpipe.partition import stage_bounds
 from gpipe.pipe import GPipe
-from gpipe.schedule import SCHEDULES
+from gpipe.schedules import SCHEDULES
 
 __all__ = ["Contender", "Runner", "contenders"]
 

@@ -20,7 +20,7 @@ from gpipe.bench.report import figures, markdown, targets
 from gpipe.bench.workloads import get_workload
 from gpipe.checkpointing import CHECKPOINT_MODES
 from gpipe.launch import launch
-from gpipe.schedule import SCHEDULES
+from gpipe.schedules import SCHEDULES
 
 __all__ = ["BenchOptions", "machine", "matches", "run_bench"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from gpipe.checkpointing import CHECKPOINT_MODES
 from gpipe.cli.common import UsageError
-from gpipe.schedule import SCHEDULES
+from gpipe.schedules import SCHEDULES
 
 __all__ = ["add_parser"]
 

@@ -17,7 +17,7 @@ from gpipe.advice import chunks_advice
 from gpipe.checkpointing import CHECKPOINT_MODES
 from gpipe.cli.common import UsageError
 from gpipe.memory import OPTIMIZER_STATES, MemoryPlan, Profile, plan, profile
-from gpipe.schedule import SCHEDULES
+from gpipe.schedules import SCHEDULES
 from gpipe.suggest import MAX_STAGES, Candidate, LayerCosts, Search, flop_costs, search, timed_costs
 
 __all__ = ["add_parser", "parse_bytes"]

@@ -15,7 +15,7 @@ import torch
 
 from gpipe.checkpointing import check_checkpoint
 from gpipe.cli.common import UsageError, positive
-from gpipe.schedule import get_schedule
+from gpipe.schedules import get_schedule
 
 __all__ = ["add_parser"]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from gpipe.checkpointing import CHECKPOINT_MODES
 from gpipe.cli.common import PAGE_OPTIONS, UsageError, read_costs
-from gpipe.schedule import SCHEDULES
+from gpipe.schedules import SCHEDULES
 from gpipe.view import DEFAULT_COSTS, Settings, check_settings, write
 
 __all__ = ["add_parser"]

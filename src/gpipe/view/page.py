@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.checkpointing import check_checkpoint
-from gpipe.schedule import SCHEDULES, Schedule, get_schedule
+from gpipe.schedules import SCHEDULES, Schedule, get_schedule
 from gpipe.simulate import Costs, measured_costs
 from gpipe.trace import Event
 
