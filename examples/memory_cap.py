@@ -49,7 +49,7 @@ import gpipe
 from gpipe.balance import balance_by_params
 from gpipe.launch import LaunchError
 from gpipe.memory import plan, profile
-from gpipe.partition import materialize
+from gpipe.runtime.partitions import materialize
 
 CLASSES = 10
 

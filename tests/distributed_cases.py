@@ -283,7 +283,7 @@ def deferred_batch_norm() -> int:
     """Pipeline(deferred_batch_norm=True) against the same deferred model run micro-batch by
     micro-batch in one piece: running statistics, outputs and gradients, every schedule and
     checkpoint mode, over two steps, one of them shorter than ``chunks``."""
-    from gpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+    from gpipe.runtime.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 
     exact = {"rtol": 1e-12, "atol": 1e-14}
     cases = 0
@@ -348,7 +348,7 @@ def data_parallel(d: int) -> dict:
     """D replicas of a K-stage pipeline (K = world / D) against one un-pipelined step on the
     union of the shards: loss on every rank, every gradient, float64; even and uneven shards,
     gpipe and 1f1b, every checkpoint mode; deferred BatchNorm statistics merged over replicas."""
-    from gpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+    from gpipe.runtime.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 
     exact = {"rtol": 1e-12, "atol": 1e-14}
     init_process_group(torch.device("cpu"))
@@ -502,7 +502,7 @@ def loss_scaling() -> dict:
 
 def layer_checkpoint() -> int:
     """checkpoint=Layers(...) under every schedule: the gradients of un-pipelined training."""
-    from gpipe.checkpointing import Layers
+    from gpipe.runtime.recompute import Layers
 
     from .models import INTERLEAVED_MLP
 
@@ -522,8 +522,8 @@ LAYER_POLICIES = {"every-1": 1, "every-2": 2}
 
 def measured_layer_memory(name: str) -> dict:
     """Peak activation bytes of this rank with layers recomputed selectively."""
-    from gpipe.checkpointing import Layers
     from gpipe.memory import ActivationMeter
+    from gpipe.runtime.recompute import Layers
 
     init_process_group(torch.device("cpu"))
     model, x, y, loss_fn = memory_workload(name, device="meta")

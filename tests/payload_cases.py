@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from gpipe import Pipeline
-from gpipe.microbatch import split_sizes
+from gpipe.runtime.microbatch import split_sizes
 
 D = 5
 SCHEDULES = [("gpipe", [2, 2]), ("1f1b", [2, 2]), ("zero-bubble", [2, 2])]

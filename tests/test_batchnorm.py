@@ -9,7 +9,7 @@ from torch import nn
 
 from gpipe import GPipe
 from gpipe.balance import balance_by_size, balance_by_time
-from gpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+from gpipe.runtime.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 
 from .models import bn_model
 

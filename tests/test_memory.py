@@ -175,7 +175,7 @@ def test_layers_recomputed_selectively_hold_what_the_planner_says(measured_layer
     The planner adds what one recomputed layer holds again inside its backward, which the
     meter cannot see (it happens inside torch.utils.checkpoint): measured <= predicted <=
     measured + that."""
-    from gpipe.checkpointing import Layers
+    from gpipe.runtime.recompute import Layers
 
     model, x, y, loss_fn = cases.memory_workload("mlp", device="meta")
     prof = profile(model, x[:4].to("meta"), target=y[:4].to("meta"), loss_fn=loss_fn)

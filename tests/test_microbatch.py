@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpipe.microbatch import check_batch, gather, scatter, split_sizes
+from gpipe.runtime.microbatch import check_batch, gather, scatter, split_sizes
 
 
 def test_uneven_split_is_as_even_as_possible():

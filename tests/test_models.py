@@ -20,7 +20,7 @@ from gpipe.models import (
     tie_,
     tied_weights,
 )
-from gpipe.partition import layer_seed, materialize
+from gpipe.runtime.partitions import layer_seed, materialize
 
 TINY = PRESETS["tiny"]
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from gpipe.errors import BalanceError
-from gpipe.partition import (
+from gpipe.runtime.partitions import (
     as_sequential,
     check_balance,
     even_balance,

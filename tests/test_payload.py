@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpipe import envelope, launch, payload
-from gpipe.microbatch import check_payload, gather_payload, scatter_payload
+from gpipe.runtime.microbatch import check_payload, gather_payload, scatter_payload
 
 from . import payload_cases as cases
 

@@ -53,7 +53,7 @@ def test_pipeline_autocast_matches_the_plain_model_under_autocast_everywhere():
 
 
 def test_an_autocast_dtype_the_device_cannot_take_is_named():
-    from gpipe.checkpointing import check_autocast
+    from gpipe.runtime.recompute import check_autocast
 
     with pytest.raises(ValueError, match="autocast=torch.float32 is not supported on cpu"):
         check_autocast(torch.float32, torch.device("cpu"))

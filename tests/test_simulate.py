@@ -11,6 +11,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from gpipe.cli import main
+from gpipe.runtime.timeline import Event
 from gpipe.schedules import (
     SCHEDULES,
     Action,
@@ -31,7 +32,6 @@ from gpipe.simulate import (
     scenario,
     simulate,
 )
-from gpipe.trace import Event
 
 F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT
 UNIT = Costs(forward=1.0, backward=1.0)

@@ -11,7 +11,7 @@ from gpipe.balance import partition
 from gpipe.cli import main
 from gpipe.memory import plan, profile
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
-from gpipe.partition import stage_bounds
+from gpipe.runtime.partitions import stage_bounds
 from gpipe.schedules import get_schedule
 from gpipe.simulate import Costs, simulate
 from gpipe.suggest import (

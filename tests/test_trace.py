@@ -7,8 +7,8 @@ import pytest
 from torch.nn.functional import mse_loss
 
 from gpipe import GPipe, launch
+from gpipe.runtime.timeline import Event, Recorder, merge, plot_gantt, to_chrome
 from gpipe.schedules import Action, Kind, add_recompute, gpipe
-from gpipe.trace import Event, Recorder, merge, plot_gantt, to_chrome
 
 from . import distributed_cases as cases
 from .models import batch, mlp

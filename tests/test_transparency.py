@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.functional import mse_loss
 
 from gpipe import GPipe
-from gpipe.checkpointing import Layers
+from gpipe.runtime.recompute import Layers
 from gpipe.transport import InProcessTransport
 
 from .models import BALANCES, SPLITS, UNET_BALANCES, batch, mlp, unet, unet_batch

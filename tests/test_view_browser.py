@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe.checkpointing import should_checkpoint
+from gpipe.runtime.recompute import should_checkpoint
 from gpipe.schedules import Kind, gpipe
 from gpipe.simulate import Costs, closed_form_bubble, predict, scenario, simulate
 from gpipe.view import DEFAULT_COSTS, Measured, Settings, write

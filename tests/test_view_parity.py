@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe.checkpointing import should_checkpoint
+from gpipe.runtime.recompute import should_checkpoint
 from gpipe.schedules import SCHEDULES
 from gpipe.simulate import Costs, closed_form_bubble, scenario, simulate
 from gpipe.view import asset_path

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from gpipe import weightgrad
-from gpipe.stage import Stage
+from gpipe.runtime.stage import Stage
 
 
 def _layers():

@@ -5,11 +5,11 @@ import sys as _sys
 from typing import Any as _Any
 
 from gpipe import _moved
-from gpipe.checkpointing import is_checkpointing, is_recomputing
 from gpipe.distributed import Pipeline
 from gpipe.errors import BalanceError, MovingDenied, PipelineError, StageError
 from gpipe.launch import LaunchError, launch
 from gpipe.pipe import GPipe
+from gpipe.runtime.recompute import is_checkpointing, is_recomputing
 from gpipe.splitting import split
 
 __all__ = [

@@ -18,8 +18,8 @@ from itertools import accumulate
 import torch
 from torch import Tensor, nn
 
-from gpipe.microbatch import Batch, as_tuple, like
-from gpipe.partition import as_sequential, materialize
+from gpipe.runtime.microbatch import Batch, as_tuple, like
+from gpipe.runtime.partitions import as_sequential, materialize
 from gpipe.skip.namespace import SkipKey
 from gpipe.skip.tracker import use_tracker
 

@@ -21,22 +21,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpipe.amp import unscale_
 from gpipe.balance import balance_by_time
-from gpipe.batchnorm import (
+from gpipe.errors import StageError
+from gpipe.p2p import DistributedTransport
+from gpipe.payload import tensors_of, with_tensors
+from gpipe.pipes import open_pipes
+from gpipe.replicas import GradientBuckets, Replicas, check_bucket_bytes
+from gpipe.runtime.batchnorm import (
     commit_deferred_batch_norm,
     convert_deferred_batch_norm,
     discard_deferred_batch_norm,
 )
-from gpipe.checkpointing import (
-    check_autocast,
-    check_checkpoint,
-    recomputed_layers,
-    should_checkpoint,
-)
-from gpipe.errors import StageError
-from gpipe.executor import StepData, run_program
-from gpipe.microbatch import (
+from gpipe.runtime.executor import StepData, run_program
+from gpipe.runtime.loss_scaling import unscale_
+from gpipe.runtime.microbatch import (
     Batch,
     check_chunks,
     check_payload,
@@ -45,11 +43,21 @@ from gpipe.microbatch import (
     scatter_payload,
     split_sizes,
 )
-from gpipe.p2p import DistributedTransport
-from gpipe.partition import as_sequential, check_balance, even_balance, materialize, stage_bounds
-from gpipe.payload import tensors_of, with_tensors
-from gpipe.pipes import open_pipes
-from gpipe.replicas import GradientBuckets, Replicas, check_bucket_bytes
+from gpipe.runtime.partitions import (
+    as_sequential,
+    check_balance,
+    even_balance,
+    materialize,
+    stage_bounds,
+)
+from gpipe.runtime.recompute import (
+    check_autocast,
+    check_checkpoint,
+    recomputed_layers,
+    should_checkpoint,
+)
+from gpipe.runtime.stage import NO_TARGET, LossFn, Stage
+from gpipe.runtime.timeline import Event, Recorder, merge
 from gpipe.schedules import (
     Action,
     Kind,
@@ -61,10 +69,8 @@ from gpipe.schedules import (
 )
 from gpipe.skip.layout import SkipLayout
 from gpipe.skip.skippable import find_skips
-from gpipe.stage import NO_TARGET, LossFn, Stage
 from gpipe.ties import TiedGradients, find_ties, untie
 from gpipe.ties import counted as counted_once
-from gpipe.trace import Event, Recorder, merge
 
 __all__ = [
     "Pipeline",
@@ -210,7 +216,7 @@ class Pipeline(nn.Module):
             rank only, so the others may pass None.
         chunks: micro-batches per mini-batch.
         checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"``; or
-            ``gpipe.checkpointing.Layers(every=k)`` / ``Layers(select=...)`` to recompute some
+            ``gpipe.runtime.recompute.Layers(every=k)`` / ``Layers(select=...)`` to recompute some
             layers of every stage and keep the others' activations.
         schedule: the schedule's name (``"gpipe"``).
         loss_fn: ``loss_fn(output, target) -> scalar``, evaluated on the last stage.
@@ -227,7 +233,7 @@ class Pipeline(nn.Module):
         bucket_bytes: the size of those buckets; by default a quarter of the stage's
             gradients, between 1 MiB and 25 MiB (``gpipe.replicas.bucket_size``), so that
             most of them start before the last backward ends.
-        deferred_batch_norm: replace every BatchNorm by ``gpipe.batchnorm.DeferredBatchNorm``,
+        deferred_batch_norm: replace every BatchNorm by ``gpipe.runtime.batchnorm.DeferredBatchNorm``,
             so running statistics are tracked once per mini-batch, from all its micro-batches.
         autocast: a dtype (``torch.bfloat16``, ``torch.float16``) each stage's forward and
             recomputation run under, as ``torch.autocast`` on this rank's device (a caller's
@@ -644,7 +650,7 @@ class Pipeline(nn.Module):
         """Forward and backward of one mini-batch; gradients accumulate in ``.grad``.
 
         ``inputs`` are read on the first stage and ``targets`` on the last (other ranks may
-        pass None); either may be any payload (a dict, a dataclass ...: ``gpipe.microbatch``
+        pass None); either may be any payload (a dict, a dataclass ...: ``gpipe.runtime.microbatch``
         says which leaves are split into micro-batches). Without targets the last stage
         computes ``loss_fn(outputs)``, for models that compute their own loss. ``counts``
         (last stage, ``loss_reduction="mean"``) gives each row's weight in the mean, such as

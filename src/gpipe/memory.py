@@ -28,10 +28,10 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
-from gpipe.checkpointing import Layers, check_checkpoint, recomputed_layers, should_checkpoint
-from gpipe.microbatch import check_payload, split_sizes
-from gpipe.partition import as_sequential, check_balance, stage_bounds
 from gpipe.payload import flatten, tensors_of
+from gpipe.runtime.microbatch import check_payload, split_sizes
+from gpipe.runtime.partitions import as_sequential, check_balance, stage_bounds
+from gpipe.runtime.recompute import Layers, check_checkpoint, recomputed_layers, should_checkpoint
 from gpipe.schedules import Kind, Schedule, add_recompute, get_schedule
 from gpipe.skip.tracker import observe, use_tracker
 

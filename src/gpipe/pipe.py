@@ -18,22 +18,32 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gpipe.batchnorm import (
+from gpipe.copies import DeviceCopies
+from gpipe.errors import MovingDenied, PipelineError
+from gpipe.runtime.batchnorm import (
     commit_deferred_batch_norm,
     convert_deferred_batch_norm,
     discard_deferred_batch_norm,
 )
-from gpipe.checkpointing import (
+from gpipe.runtime.executor import StepData, run_program
+from gpipe.runtime.microbatch import (
+    Batch,
+    as_tuple,
+    check_batch,
+    check_chunks,
+    gather,
+    like,
+    scatter,
+)
+from gpipe.runtime.partitions import as_sequential, check_balance, split_sequential
+from gpipe.runtime.recompute import (
     AutocastState,
     check_checkpoint,
     recomputed_layers,
     should_checkpoint,
 )
-from gpipe.copies import DeviceCopies
-from gpipe.errors import MovingDenied, PipelineError
-from gpipe.executor import StepData, run_program
-from gpipe.microbatch import Batch, as_tuple, check_batch, check_chunks, gather, like, scatter
-from gpipe.partition import as_sequential, check_balance, split_sequential
+from gpipe.runtime.stage import Stage
+from gpipe.runtime.timeline import Event, Recorder
 from gpipe.schedules import (
     FORWARD_KINDS,
     Action,
@@ -46,9 +56,7 @@ from gpipe.schedules import (
 )
 from gpipe.skip.layout import SkipLayout
 from gpipe.skip.skippable import find_skips
-from gpipe.stage import Stage
 from gpipe.ties import find_ties, sum_local, untie
-from gpipe.trace import Event, Recorder
 from gpipe.transport import InProcessTransport
 
 __all__ = ["GPipe"]
@@ -222,8 +230,8 @@ class GPipe(nn.Module):
         devices: one device per partition (default: every CUDA device, else CPU).
         chunks: number of micro-batches a mini-batch is split into.
         checkpoint: when to re-materialize: ``"always"``, ``"except_last"`` or ``"never"``;
-            or ``gpipe.checkpointing.Layers(...)`` to recompute only some layers.
-        deferred_batch_norm: replace every BatchNorm by ``gpipe.batchnorm.DeferredBatchNorm``,
+            or ``gpipe.runtime.recompute.Layers(...)`` to recompute only some layers.
+        deferred_batch_norm: replace every BatchNorm by ``gpipe.runtime.batchnorm.DeferredBatchNorm``,
             so running statistics are tracked once per mini-batch, from all its micro-batches.
         timeout: seconds a stage waits for its neighbour before it gives up.
         trace: record what each stage runs when, for ``timeline`` (``self.recorder``).

@@ -74,7 +74,7 @@ def layout(world: int, data_parallel: int) -> tuple[list[list[int]], list[list[i
 def shard(batch: Tensor, replica: int, data_parallel: int) -> Tensor:
     """Replica ``replica``'s rows of a global mini-batch: as even a split as possible, larger
     shards first (the same rule as micro-batches)."""
-    from gpipe.microbatch import split_sizes
+    from gpipe.runtime.microbatch import split_sizes
 
     rows = batch.size(0)
     if rows < data_parallel:
@@ -146,7 +146,7 @@ class Replicas:
     def merge_batch_norm(self, modules: Iterable[nn.Module], stage: int) -> None:
         """Give every DeferredBatchNorm the statistics counted on all replicas, merged in
         replica order, so running statistics are the global mini-batch's, equal everywhere."""
-        from gpipe.batchnorm import DeferredBatchNorm
+        from gpipe.runtime.batchnorm import DeferredBatchNorm
 
         layers = [m for module in modules for m in module.modules()]
         norms = [m for m in layers if isinstance(m, DeferredBatchNorm)]

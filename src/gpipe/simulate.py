@@ -13,9 +13,9 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-from gpipe.checkpointing import check_checkpoint, should_checkpoint
+from gpipe.runtime.recompute import check_checkpoint, should_checkpoint
+from gpipe.runtime.timeline import Event
 from gpipe.schedules import Action, Kind, Schedule, ScheduleError, add_recompute, get_schedule
-from gpipe.trace import Event
 
 __all__ = [
     "Costs",
@@ -110,7 +110,7 @@ class Costs:
     shared, free and instant.
 
     ``recompute`` is the forward time each backward runs again when only some layers are
-    recomputed (``gpipe.checkpointing.Layers``); it is added to every B.
+    recomputed (``gpipe.runtime.recompute.Layers``); it is added to every B.
 
     With replicas (``simulate``'s ``data_parallel``), each stage's ``grad_bytes`` of
     gradients are summed over them by a ring all-reduce: ``2 (D - 1) / D x grad_bytes /
@@ -255,7 +255,7 @@ def simulate(
     its shape); ranks that end up waiting on each other raise ScheduleError. Time and memory
     are linear in the number of actions.
 
-    ``checkpoint`` is a re-materialization mode (``gpipe.checkpointing``): the micro-batches
+    ``checkpoint`` is a re-materialization mode (``gpipe.runtime.recompute``): the micro-batches
     it picks keep only ``message_bytes`` (their input) after their forward, and each stage
     recomputes their forward as an R action right before it receives their gradient
     (``add_recompute``, as the runtime does), which costs the stage's forward time and holds

@@ -21,10 +21,10 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe.balance import layer_times, partition
-from gpipe.checkpointing import CHECKPOINT_MODES, check_checkpoint
 from gpipe.memory import MemoryPlan, Profile, plan
-from gpipe.microbatch import as_tuple
-from gpipe.partition import as_sequential, check_balance, even_balance, stage_bounds
+from gpipe.runtime.microbatch import as_tuple
+from gpipe.runtime.partitions import as_sequential, check_balance, even_balance, stage_bounds
+from gpipe.runtime.recompute import CHECKPOINT_MODES, check_checkpoint
 from gpipe.schedules import SCHEDULES, get_schedule
 from gpipe.simulate import Costs, simulate
 

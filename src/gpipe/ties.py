@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe.errors import StageError
-from gpipe.partition import stage_bounds
+from gpipe.runtime.partitions import stage_bounds
 
 __all__ = ["Tie", "TiedGradients", "counted", "find_ties", "sum_local", "untie"]
 

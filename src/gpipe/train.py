@@ -27,10 +27,11 @@ from gpipe.data import BatchSampler, ByteDataset, decode, encode, load_text, std
 from gpipe.distributed import Pipeline, agreed_balance, init_process_group
 from gpipe.elastic import join_process_group, kill_point, restart_count
 from gpipe.errors import StageError
-from gpipe.microbatch import split_sizes
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss, tied_weights
-from gpipe.partition import even_balance
 from gpipe.replicas import shard
+from gpipe.runtime.microbatch import split_sizes
+from gpipe.runtime.partitions import even_balance
+from gpipe.runtime.timeline import Event, plot_gantt, to_chrome
 from gpipe.saving import (
     discard_partial,
     latest_checkpoint,
@@ -39,7 +40,6 @@ from gpipe.saving import (
     save_checkpoint,
 )
 from gpipe.simulate import analytic_bubble, predict
-from gpipe.trace import Event, plot_gantt, to_chrome
 from gpipe.view import Measured
 from gpipe.view import write as write_page
 

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe.bench.workloads import Workload
-from gpipe.checkpointing import CHECKPOINT_MODES
 from gpipe.distributed import Pipeline
-from gpipe.partition import stage_bounds
 from gpipe.pipe import GPipe
+from gpipe.runtime.partitions import stage_bounds
+from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import SCHEDULES
 
 __all__ = ["Contender", "Runner", "contenders"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gpipe.checkpointing import CHECKPOINT_MODES
+from gpipe.runtime.recompute import CHECKPOINT_MODES
 
 __all__ = ["plot_memory", "plot_step_times"]
 

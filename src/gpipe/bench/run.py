@@ -18,8 +18,8 @@ from gpipe.bench.contenders import K, contenders
 from gpipe.bench.measure import memory_pass, timing_pass
 from gpipe.bench.report import figures, markdown, targets
 from gpipe.bench.workloads import get_workload
-from gpipe.checkpointing import CHECKPOINT_MODES
 from gpipe.launch import launch
+from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import SCHEDULES
 
 __all__ = ["BenchOptions", "machine", "matches", "run_bench"]

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gpipe.checkpointing import CHECKPOINT_MODES
 from gpipe.cli.common import UsageError
+from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import SCHEDULES
 
 __all__ = ["add_parser"]

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from gpipe.advice import chunks_advice
-from gpipe.checkpointing import CHECKPOINT_MODES
 from gpipe.cli.common import UsageError
 from gpipe.memory import OPTIMIZER_STATES, MemoryPlan, Profile, plan, profile
+from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import SCHEDULES
 from gpipe.suggest import MAX_STAGES, Candidate, LayerCosts, Search, flop_costs, search, timed_costs
 
@@ -182,7 +182,7 @@ def _templates(args: argparse.Namespace) -> tuple[Profile, LayerCosts]:
 
 def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> MemoryPlan:
     from gpipe.balance import partition
-    from gpipe.partition import even_balance
+    from gpipe.runtime.partitions import even_balance
     from gpipe.train import parse_balance
 
     prof = template.repeat(1, n_layer)

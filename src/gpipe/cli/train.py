@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from gpipe.checkpointing import check_checkpoint
 from gpipe.cli.common import UsageError, positive
+from gpipe.runtime.recompute import check_checkpoint
 from gpipe.schedules import get_schedule
 
 __all__ = ["add_parser"]

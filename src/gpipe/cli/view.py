@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gpipe.checkpointing import CHECKPOINT_MODES
 from gpipe.cli.common import PAGE_OPTIONS, UsageError, read_costs
+from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import SCHEDULES
 from gpipe.view import DEFAULT_COSTS, Settings, check_settings, write
 

@@ -12,10 +12,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from gpipe.checkpointing import check_checkpoint
+from gpipe.runtime.recompute import check_checkpoint
+from gpipe.runtime.timeline import Event
 from gpipe.schedules import SCHEDULES, Schedule, get_schedule
 from gpipe.simulate import Costs, measured_costs
-from gpipe.trace import Event
 
 __all__ = [
     "DEFAULT_COSTS",

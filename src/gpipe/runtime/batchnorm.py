@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from gpipe.checkpointing import is_recomputing
-from gpipe.microbatch import check_chunks
+from gpipe.runtime.microbatch import check_chunks
+from gpipe.runtime.recompute import is_recomputing
 
 __all__ = [
     "DeferredBatchNorm",

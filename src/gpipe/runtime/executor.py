@@ -16,9 +16,9 @@ from typing import Any
 from torch import Tensor
 
 from gpipe.errors import PipelineError
-from gpipe.microbatch import Batch
+from gpipe.runtime.microbatch import Batch
+from gpipe.runtime.stage import Grads, Stage
 from gpipe.schedules import RECV_KINDS, Action, Kind
-from gpipe.stage import Grads, Stage
 from gpipe.transport import Transport
 
 __all__ = ["StepData", "run_program"]

@@ -21,13 +21,13 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from gpipe.checkpointing import AutocastState, RNGState, checkpointing, recomputing
-from gpipe.microbatch import Batch, check_batch
 from gpipe.payload import check_same_structure, signature, tensors_of, with_tensors
+from gpipe.runtime.microbatch import Batch, check_batch
+from gpipe.runtime.recompute import AutocastState, RNGState, checkpointing, recomputing
+from gpipe.runtime.weight_gradients import Owners, WeightGradients, owners
 from gpipe.skip.layout import StagePorts
 from gpipe.skip.namespace import SkipKey
 from gpipe.skip.tracker import StageTracker, use_tracker
-from gpipe.weightgrad import Owners, WeightGradients, owners
 
 __all__ = ["NO_TARGET", "Grads", "LossFn", "Stage"]
 

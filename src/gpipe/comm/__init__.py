@@ -1,0 +1,1 @@
+"""Moving tensors between stages: the transport protocol, torch.distributed point-to-point, named pipes, envelopes, payloads, GPU copy streams."""

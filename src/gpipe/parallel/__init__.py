@@ -1,0 +1,1 @@
+"""Dimensions beside the pipeline: replicas of a stage (data parallelism) and parameters tied across stages."""

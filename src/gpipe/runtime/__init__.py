@@ -1,0 +1,1 @@
+"""One stage's work: stages, the executor of a schedule, re-materialization, weight gradients, micro-batches, deferred BatchNorm, timelines."""
