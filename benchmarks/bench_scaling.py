@@ -74,8 +74,8 @@ def _layer_costs(config: GPTConfig, rows: int, repeats: int) -> dict[str, tuple[
 def _link(repeats: int, big: int) -> tuple[float, float]:
     """One-way seconds of a small message, and bytes per second of a large one, rank 0 <-> 1,
     through the transport a Pipeline uses (pipes on one machine)."""
-    from gpipe.p2p import DistributedTransport
-    from gpipe.pipes import open_pipes
+    from gpipe.comm.distributed import DistributedTransport
+    from gpipe.comm.named_pipes import open_pipes
     from gpipe.schedules import Kind
 
     transport = DistributedTransport([0, 1], torch.device("cpu"))

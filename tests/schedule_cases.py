@@ -128,8 +128,8 @@ def separate_envelopes(k: int) -> int:
     interleaved with skips sends and receives in different orders, the hardest case."""
     import torch.distributed as dist
 
+    from gpipe.comm.distributed import DistributedTransport
     from gpipe.distributed import init_process_group
-    from gpipe.p2p import DistributedTransport
 
     init_process_group(torch.device("cpu"))
     side = dist.new_group(list(range(k)), backend="gloo")

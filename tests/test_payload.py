@@ -1,4 +1,4 @@
-"""Payloads between stages: any pytree of tensors and plain values (gpipe.payload)."""
+"""Payloads between stages: any pytree of tensors and plain values (gpipe.comm.payload)."""
 
 import dataclasses
 from typing import NamedTuple
@@ -6,7 +6,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from gpipe import envelope, launch, payload
+from gpipe import launch
+from gpipe.comm import envelope, payload
 from gpipe.runtime.microbatch import check_payload, gather_payload, scatter_payload
 
 from . import payload_cases as cases

@@ -157,7 +157,7 @@ def test_backward_twice_is_refused():
 def test_copies_off_gpu_need_no_stream():
     """Only a copy between two GPUs takes the copy streams (tested on CUDA in test_cuda.py);
     anything else is a plain detached copy, and no stream is made."""
-    from gpipe.copies import DeviceCopies
+    from gpipe.comm.copy_streams import DeviceCopies
 
     copies, cpu = DeviceCopies(), torch.device("cpu")
     assert copies.mark(cpu, cpu) is None

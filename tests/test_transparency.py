@@ -11,8 +11,8 @@ from torch import nn
 from torch.nn.functional import mse_loss
 
 from gpipe import GPipe
+from gpipe.comm.transport import InProcessTransport
 from gpipe.runtime.recompute import Layers
-from gpipe.transport import InProcessTransport
 
 from .models import BALANCES, SPLITS, UNET_BALANCES, batch, mlp, unet, unet_batch
 

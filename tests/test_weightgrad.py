@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe import weightgrad
+from gpipe.runtime import weight_gradients as weightgrad
 from gpipe.runtime.stage import Stage
 
 

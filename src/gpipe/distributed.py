@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe.balance import balance_by_time
+from gpipe.comm.distributed import DistributedTransport
+from gpipe.comm.named_pipes import open_pipes
+from gpipe.comm.payload import tensors_of, with_tensors
 from gpipe.errors import StageError
-from gpipe.p2p import DistributedTransport
-from gpipe.payload import tensors_of, with_tensors
-from gpipe.pipes import open_pipes
 from gpipe.replicas import GradientBuckets, Replicas, check_bucket_bytes
 from gpipe.runtime.batchnorm import (
     commit_deferred_batch_norm,
@@ -233,7 +233,8 @@ class Pipeline(nn.Module):
         bucket_bytes: the size of those buckets; by default a quarter of the stage's
             gradients, between 1 MiB and 25 MiB (``gpipe.replicas.bucket_size``), so that
             most of them start before the last backward ends.
-        deferred_batch_norm: replace every BatchNorm by ``gpipe.runtime.batchnorm.DeferredBatchNorm``,
+        deferred_batch_norm: replace every BatchNorm by
+            ``gpipe.runtime.batchnorm.DeferredBatchNorm``,
             so running statistics are tracked once per mini-batch, from all its micro-batches.
         autocast: a dtype (``torch.bfloat16``, ``torch.float16``) each stage's forward and
             recomputation run under, as ``torch.autocast`` on this rank's device (a caller's

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
-from gpipe.payload import flatten, tensors_of
+from gpipe.comm.payload import flatten, tensors_of
 from gpipe.runtime.microbatch import check_payload, split_sizes
 from gpipe.runtime.partitions import as_sequential, check_balance, stage_bounds
 from gpipe.runtime.recompute import Layers, check_checkpoint, recomputed_layers, should_checkpoint

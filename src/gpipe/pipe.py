@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gpipe.copies import DeviceCopies
+from gpipe.comm.copy_streams import DeviceCopies
+from gpipe.comm.transport import InProcessTransport
 from gpipe.errors import MovingDenied, PipelineError
 from gpipe.runtime.batchnorm import (
     commit_deferred_batch_norm,
@@ -57,7 +58,6 @@ from gpipe.schedules import (
 from gpipe.skip.layout import SkipLayout
 from gpipe.skip.skippable import find_skips
 from gpipe.ties import find_ties, sum_local, untie
-from gpipe.transport import InProcessTransport
 
 __all__ = ["GPipe"]
 
@@ -231,7 +231,8 @@ class GPipe(nn.Module):
         chunks: number of micro-batches a mini-batch is split into.
         checkpoint: when to re-materialize: ``"always"``, ``"except_last"`` or ``"never"``;
             or ``gpipe.runtime.recompute.Layers(...)`` to recompute only some layers.
-        deferred_batch_norm: replace every BatchNorm by ``gpipe.runtime.batchnorm.DeferredBatchNorm``,
+        deferred_batch_norm: replace every BatchNorm by
+            ``gpipe.runtime.batchnorm.DeferredBatchNorm``,
             so running statistics are tracked once per mini-batch, from all its micro-batches.
         timeout: seconds a stage waits for its neighbour before it gives up.
         trace: record what each stage runs when, for ``timeline`` (``self.recorder``).

@@ -1,1 +1,2 @@
-"""Moving tensors between stages: the transport protocol, torch.distributed point-to-point, named pipes, envelopes, payloads, GPU copy streams."""
+"""Moving tensors between stages: the transport protocol, torch.distributed point-to-point,
+named pipes, envelopes, payloads and GPU copy streams."""

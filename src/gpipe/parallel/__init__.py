@@ -1,1 +1,2 @@
-"""Dimensions beside the pipeline: replicas of a stage (data parallelism) and parameters tied across stages."""
+"""Dimensions beside the pipeline: replicas of a stage (data parallelism) and parameters
+tied across stages."""

@@ -1,1 +1,2 @@
-"""One stage's work: stages, the executor of a schedule, re-materialization, weight gradients, micro-batches, deferred BatchNorm, timelines."""
+"""One stage's work: stages, the executor of a schedule, re-materialization, weight
+gradients, micro-batches, deferred BatchNorm and the timeline of what ran."""

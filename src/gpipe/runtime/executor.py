@@ -15,11 +15,11 @@ from typing import Any
 
 from torch import Tensor
 
+from gpipe.comm.transport import Transport
 from gpipe.errors import PipelineError
 from gpipe.runtime.microbatch import Batch
 from gpipe.runtime.stage import Grads, Stage
 from gpipe.schedules import RECV_KINDS, Action, Kind
-from gpipe.transport import Transport
 
 __all__ = ["StepData", "run_program"]
 

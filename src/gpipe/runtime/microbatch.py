@@ -2,7 +2,7 @@
 
 A batch is what a layer takes and returns at a stage boundary: one tensor, or a tuple of
 tensors (a 1-tuple stays a 1-tuple), as in torchgpipe. ``Pipeline`` also takes any payload
-(``gpipe.payload``: dicts, dataclasses, ``ModelOutput`` ...): its rows are dim 0 of its first
+(``gpipe.comm.payload``: dicts, dataclasses, ``ModelOutput`` ...): its rows are dim 0 of its first
 tensor leaf that has dimensions, and a leaf is *batched*, split with the rows, when it is a
 tensor whose dim 0 has that size; every other leaf (plain values, 0-d tensors, tensors of
 another length) is given whole to every micro-batch.
@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from gpipe import payload
+from gpipe.comm import payload
 
 __all__ = [
     "Batch",

@@ -21,7 +21,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from gpipe.payload import check_same_structure, signature, tensors_of, with_tensors
+from gpipe.comm.payload import check_same_structure, signature, tensors_of, with_tensors
 from gpipe.runtime.microbatch import Batch, check_batch
 from gpipe.runtime.recompute import AutocastState, RNGState, checkpointing, recomputing
 from gpipe.runtime.weight_gradients import Owners, WeightGradients, owners
@@ -96,7 +96,7 @@ class Stage:
     The last stage may own the loss: ``forward`` then also takes the micro-batch's target and
     the weight of its loss in the mini-batch loss, and ``backward`` starts from that loss.
     ``ports`` says which skip tensors the stage receives from and sends to which stages.
-    With ``payloads`` the stage takes and returns any pytree (``gpipe.payload``), else a
+    With ``payloads`` the stage takes and returns any pytree (``gpipe.comm.payload``), else a
     tensor or a tuple of tensors, as torchgpipe's did.
     """
 

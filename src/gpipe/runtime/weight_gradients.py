@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from gpipe.payload import tensors_of
+from gpipe.comm.payload import tensors_of
 
 __all__ = ["Owners", "WeightGradients", "owners"]
 

@@ -1,1 +1,2 @@
-"""The job behind ``gpipe train``: the loop every rank runs, data, checkpoints on disk, restarts, launching, reference models."""
+"""The job behind ``gpipe train``: the loop every rank runs, its data, checkpoints on disk,
+restarts, launching local processes and the reference models."""

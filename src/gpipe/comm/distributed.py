@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gpipe import envelope, payload
+from gpipe.comm import envelope, payload
+from gpipe.comm.named_pipes import PipeClosed, Pipes, PipeTimeout
+from gpipe.comm.transport import Message, what
 from gpipe.errors import PipelineError, StageError
-from gpipe.pipes import PipeClosed, Pipes, PipeTimeout
 from gpipe.schedules import RECV_KINDS, RECV_OF, SEND_KINDS, Action, Kind
-from gpipe.transport import Message, what
 
 __all__ = ["DistributedTransport"]
 

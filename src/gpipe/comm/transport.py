@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from gpipe import payload
-from gpipe.copies import DeviceCopies, Ready
+from gpipe.comm import payload
+from gpipe.comm.copy_streams import DeviceCopies, Ready
 from gpipe.errors import PipelineError, StageError
 from gpipe.schedules import RECV_OF, Kind
 

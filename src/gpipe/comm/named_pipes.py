@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gpipe import envelope
+from gpipe.comm import envelope
 
 __all__ = ["PipeClosed", "PipeTimeout", "Pipes", "open_pipes"]
 
