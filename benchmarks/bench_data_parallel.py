@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from gpipe import Pipeline, launch
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
-from gpipe.replicas import shard
+from gpipe.parallel.replicas import shard
 from gpipe.schedules import gpipe
 from gpipe.simulate import Costs, simulate
 

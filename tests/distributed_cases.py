@@ -319,8 +319,8 @@ def deferred_batch_norm() -> int:
 
 
 def _shards(x, y, replica: int, d: int, uneven: bool):
-    """Replica ``replica``'s rows: gpipe.replicas.shard, or a deliberately lopsided cut."""
-    from gpipe.replicas import shard
+    """Replica ``replica``'s rows: gpipe.parallel.replicas.shard, or a deliberately lopsided cut."""
+    from gpipe.parallel.replicas import shard
 
     if not uneven:
         return shard(x, replica, d), shard(y, replica, d)

@@ -50,7 +50,7 @@ def test_shared_layers_and_non_sequential_modules_are_refused():
         as_sequential(nn.Sequential(layer, nn.ReLU(), layer))
     with pytest.raises(TypeError, match="must be nn.Sequential"):
         as_sequential(nn.Linear(2, 2))
-    # two layers holding one module: refused; holding one parameter: a tie (gpipe.ties)
+    # two layers holding one module: refused; holding one parameter: a tie (gpipe.parallel.ties)
     wrap = [nn.Sequential(layer), nn.Sequential(layer)]
     with pytest.raises(ValueError, match="duplicate parameters in distinct children.*'1.0'"):
         as_sequential(nn.Sequential(*wrap))

@@ -3,7 +3,7 @@
 import torch
 
 from gpipe import GPipe, launch
-from gpipe.ties import find_ties, untie
+from gpipe.parallel.ties import find_ties, untie
 
 from . import distributed_cases as cases
 from .models import tied, token_loss, tokens

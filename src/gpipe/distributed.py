@@ -26,7 +26,9 @@ from gpipe.comm.distributed import DistributedTransport
 from gpipe.comm.named_pipes import open_pipes
 from gpipe.comm.payload import tensors_of, with_tensors
 from gpipe.errors import StageError
-from gpipe.replicas import GradientBuckets, Replicas, check_bucket_bytes
+from gpipe.parallel.replicas import GradientBuckets, Replicas, check_bucket_bytes
+from gpipe.parallel.ties import TiedGradients, find_ties, untie
+from gpipe.parallel.ties import counted as counted_once
 from gpipe.runtime.batchnorm import (
     commit_deferred_batch_norm,
     convert_deferred_batch_norm,
@@ -69,8 +71,6 @@ from gpipe.schedules import (
 )
 from gpipe.skip.layout import SkipLayout
 from gpipe.skip.skippable import find_skips
-from gpipe.ties import TiedGradients, find_ties, untie
-from gpipe.ties import counted as counted_once
 
 __all__ = [
     "Pipeline",
@@ -227,11 +227,11 @@ class Pipeline(nn.Module):
         data_parallel: D replicas of the pipeline side by side over a world of D x K
             processes (rank = position in the pipeline x D + replica: a stage's replicas are
             neighbours, on one machine where they fit); each trains on its own shard
-            (``gpipe.replicas.shard``), gradients are summed across replicas in buckets while
+            (``gpipe.parallel.replicas.shard``), gradients are summed across replicas in buckets while
             the last backward still runs, and ``step`` returns the loss of the union of the
             shards, weighted by rows.
         bucket_bytes: the size of those buckets; by default a quarter of the stage's
-            gradients, between 1 MiB and 25 MiB (``gpipe.replicas.bucket_size``), so that
+            gradients, between 1 MiB and 25 MiB (``gpipe.parallel.replicas.bucket_size``), so that
             most of them start before the last backward ends.
         deferred_batch_norm: replace every BatchNorm by
             ``gpipe.runtime.batchnorm.DeferredBatchNorm``,

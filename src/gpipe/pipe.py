@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from gpipe.comm.copy_streams import DeviceCopies
 from gpipe.comm.transport import InProcessTransport
 from gpipe.errors import MovingDenied, PipelineError
+from gpipe.parallel.ties import find_ties, sum_local, untie
 from gpipe.runtime.batchnorm import (
     commit_deferred_batch_norm,
     convert_deferred_batch_norm,
@@ -57,7 +58,6 @@ from gpipe.schedules import (
 )
 from gpipe.skip.layout import SkipLayout
 from gpipe.skip.skippable import find_skips
-from gpipe.ties import find_ties, sum_local, untie
 
 __all__ = ["GPipe"]
 

@@ -264,7 +264,7 @@ def simulate(
     keeps nothing.
 
     ``data_parallel`` replicas of the pipeline sum each stage's gradients (``Costs``) in
-    buckets as the runtime cuts them (``gpipe.replicas.bucket_size`` of ``bucket_bytes``):
+    buckets as the runtime cuts them (``gpipe.parallel.replicas.bucket_size`` of ``bucket_bytes``):
     with ``overlap``, bucket i of n is complete i/n of the way through the stage's last
     backward action and starts then, so only the last bucket is sure to run after it;
     without, they all start when that action ends. A rank's all-reduces run one after the
@@ -460,7 +460,9 @@ def _allreduce(
 ) -> list[float]:
     """Move each rank's clock past its stages' gradient all-reduces; returns what each rank
     waits for them after its program."""
-    from gpipe.replicas import bucket_size  # here: the rest of the simulator needs no torch
+    from gpipe.parallel.replicas import (
+        bucket_size,  # here: the rest of the simulator needs no torch
+    )
 
     d = data_parallel
     grad = costs.per_stage("grad_bytes", schedule.n_stages)

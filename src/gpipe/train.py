@@ -28,7 +28,7 @@ from gpipe.distributed import Pipeline, agreed_balance, init_process_group
 from gpipe.elastic import join_process_group, kill_point, restart_count
 from gpipe.errors import StageError
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss, tied_weights
-from gpipe.replicas import shard
+from gpipe.parallel.replicas import shard
 from gpipe.runtime.microbatch import split_sizes
 from gpipe.runtime.partitions import even_balance
 from gpipe.runtime.timeline import Event, plot_gantt, to_chrome

@@ -23,7 +23,7 @@ __all__ = [
 
 def as_sequential(layers: nn.Sequential | Iterable[nn.Module]) -> nn.Sequential:
     """An ``nn.Sequential`` of the layers, checked to share no module between two layers
-    (a parameter they may share: ``gpipe.ties``)."""
+    (a parameter they may share: ``gpipe.parallel.ties``)."""
     if isinstance(layers, nn.Sequential):
         module = layers
     elif isinstance(layers, nn.Module):
