@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from gpipe import Pipeline, launch
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
+from gpipe.planning.simulate import Costs, simulate
 from gpipe.schedules import gpipe
-from gpipe.simulate import Costs, simulate
 
 from .common import gpt_model, machine, write_results
 

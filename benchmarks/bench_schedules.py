@@ -30,8 +30,8 @@ from torch import Tensor, nn
 from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline, launch
+from gpipe.planning.simulate import measured_costs, simulate
 from gpipe.schedules import get_schedule, interleaved
-from gpipe.simulate import measured_costs, simulate
 
 from .bench_mlp import _data, _model
 from .common import machine, summary, write_results

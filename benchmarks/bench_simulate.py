@@ -9,8 +9,8 @@ import json
 import statistics
 from time import perf_counter
 
+from gpipe.planning.simulate import Costs, simulate
 from gpipe.schedules import SCHEDULES, interleaved
-from gpipe.simulate import Costs, simulate
 
 from .common import machine, summary, write_results
 

@@ -46,9 +46,9 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import gpipe
-from gpipe.balance import balance_by_params
 from gpipe.launch import LaunchError
-from gpipe.memory import plan, profile
+from gpipe.planning.balancing import balance_by_params
+from gpipe.planning.memory import plan, profile
 from gpipe.runtime.partitions import materialize
 
 CLASSES = 10

@@ -39,7 +39,7 @@ DROPPED_IMPORTS = [
     r"from gpipe\.balance\.profile import layerwise_sandbox\n",
 ]
 RESTORED_IMPORTS = {
-    "test_balance.py": "from gpipe.balance import balance_by_size, balance_by_time\n",
+    "test_balance.py": "from gpipe.planning.balancing import balance_by_size, balance_by_time\n",
 }
 
 DESELECTED = [

@@ -1,6 +1,6 @@
-"""Not a module: balancing lives in ``gpipe.balance``; importing this name says so."""
+"""Not a module: balancing lives in ``gpipe.planning.balancing``; importing this name says so."""
 
 raise ImportError(
-    "gpipe_balancing does not exist: balancing lives in gpipe.balance "
-    "(from gpipe.balance import balance_by_time, balance_by_size)"
+    "gpipe_balancing does not exist: balancing lives in gpipe.planning.balancing "
+    "(from gpipe.planning.balancing import balance_by_time, balance_by_size)"
 )

@@ -258,7 +258,7 @@ def memory_balance(n_layers: int, schedule: str) -> list[int]:
 
 def measured_memory(name: str) -> dict:
     """Peak activation bytes of this rank, measured in one step of every schedule and mode."""
-    from gpipe.memory import ActivationMeter
+    from gpipe.planning.memory import ActivationMeter
 
     init_process_group(torch.device("cpu"))
     model, x, y, loss_fn = memory_workload(name, device="meta")
@@ -522,7 +522,7 @@ LAYER_POLICIES = {"every-1": 1, "every-2": 2}
 
 def measured_layer_memory(name: str) -> dict:
     """Peak activation bytes of this rank with layers recomputed selectively."""
-    from gpipe.memory import ActivationMeter
+    from gpipe.planning.memory import ActivationMeter
     from gpipe.runtime.recompute import Layers
 
     init_process_group(torch.device("cpu"))

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpipe.advice import TARGET_BUBBLE, bubble, chunks_advice, chunks_for_bubble
 from gpipe.cli import main
+from gpipe.planning.advice import TARGET_BUBBLE, bubble, chunks_advice, chunks_for_bubble
+from gpipe.planning.simulate import Costs, closed_form_bubble, scenario, simulate
 from gpipe.schedules import SCHEDULES
-from gpipe.simulate import Costs, closed_form_bubble, scenario, simulate
 
 UNIT = Costs(forward=1.0, backward=1.0, weight=1.0)
 

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from gpipe.balance import (
+from gpipe.planning.balancing import (
     balance_by_params,
     balance_by_size,
     balance_by_time,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from gpipe import GPipe
-from gpipe.balance import balance_by_size, balance_by_time
+from gpipe.planning.balancing import balance_by_size, balance_by_time
 from gpipe.runtime.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 
 from .models import bn_model

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from gpipe.balance import balance_by_params
 from gpipe.cli import main
 from gpipe.models import PRESETS, GPTConfig, build_gpt
+from gpipe.planning.balancing import balance_by_params
 from gpipe.saving import load_model_weights
 
 TINY = [

@@ -10,7 +10,7 @@ from torch import nn
 
 import gpipe
 from gpipe import GPipe
-from gpipe.balance import balance_by_size, balance_by_time
+from gpipe.planning.balancing import balance_by_size, balance_by_time
 
 # Separate CPU "devices": GPipe runs one worker thread per distinct device.
 THREADED = [torch.device("cpu", j) for j in range(4)]

@@ -11,6 +11,15 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from gpipe.cli import main
+from gpipe.planning.simulate import (
+    Costs,
+    analytic_bubble,
+    closed_form_bubble,
+    compare,
+    predict,
+    scenario,
+    simulate,
+)
 from gpipe.runtime.timeline import Event
 from gpipe.schedules import (
     SCHEDULES,
@@ -22,15 +31,6 @@ from gpipe.schedules import (
     forward_only,
     gpipe,
     validate,
-)
-from gpipe.simulate import (
-    Costs,
-    analytic_bubble,
-    closed_form_bubble,
-    compare,
-    predict,
-    scenario,
-    simulate,
 )
 
 F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT

@@ -189,7 +189,7 @@ class PopComputed(nn.Module):
 
 @pytest.mark.parametrize("profile", ["time", "size"])
 def test_balancing_profiles_skip_models_layer_by_layer(profile):
-    from gpipe.balance import balance_by_size, balance_by_time
+    from gpipe.planning.balancing import balance_by_size, balance_by_time
 
     model = nn.Sequential(StashComputed(), nn.Linear(6, 6).double(), PopComputed(), *unet())
     x = torch.randn(8, 6, dtype=torch.float64)

@@ -8,7 +8,7 @@ from torch import nn
 
 import gpipe
 from gpipe import GPipe
-from gpipe.memory import plan, profile
+from gpipe.planning.memory import plan, profile
 from gpipe.splitting import CutError, SplitModel, TraceError
 
 from .split_models import TinyLM, images, tiny_lm, tiny_resnet, token_batch

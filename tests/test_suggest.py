@@ -7,14 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe.balance import partition
 from gpipe.cli import main
-from gpipe.memory import plan, profile
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
-from gpipe.runtime.partitions import stage_bounds
-from gpipe.schedules import get_schedule
-from gpipe.simulate import Costs, simulate
-from gpipe.suggest import (
+from gpipe.planning.balancing import partition
+from gpipe.planning.memory import plan, profile
+from gpipe.planning.simulate import Costs, simulate
+from gpipe.planning.suggest import (
     LayerCosts,
     candidates,
     chunk_choices,
@@ -23,6 +21,8 @@ from gpipe.suggest import (
     search,
     timed_costs,
 )
+from gpipe.runtime.partitions import stage_bounds
+from gpipe.schedules import get_schedule
 
 MODEL = ["--n-layer", "6", "--d-model", "64", "--n-head", "2", "--vocab-size", "500",
          "--seq-len", "64", "--batch-size", "16"]  # fmt: skip
@@ -171,7 +171,7 @@ def test_timed_costs_fit_a_fixed_cost_and_a_cost_per_row(monkeypatch):
         calls.append(sample.size(0))
         return [3.0 + 2.0 * sample.size(0), 6.0 * sample.size(0)]
 
-    monkeypatch.setattr("gpipe.suggest.layer_times", times)
+    monkeypatch.setattr("gpipe.planning.suggest.layer_times", times)
     with torch.device("meta"):
         layers = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     costs = timed_costs(layers, torch.randn(8, 4), device="cpu")

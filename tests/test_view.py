@@ -10,9 +10,9 @@ from torch.nn.functional import mse_loss
 
 from gpipe import GPipe
 from gpipe.cli import main
+from gpipe.planning.simulate import Costs, measured_costs
 from gpipe.runtime.timeline import Event
 from gpipe.schedules import gpipe, interleaved
-from gpipe.simulate import Costs, measured_costs
 from gpipe.view import LIMITS, Measured, Settings, page_data, render, write
 from gpipe.view.page import asset
 

@@ -1,5 +1,5 @@
 """The page in a real browser: headless Chromium opens it from disk, the tests set its controls
-as a user would and read its read-outs, which must be gpipe.simulate's; it draws one block per
+as a user would and read its read-outs, which must be gpipe.planning.simulate's; it draws one block per
 action, loads a measured step, answers the keyboard and fits a phone. Screenshots are saved
 (into $GPIPE_VIEW_SCREENSHOTS if set, as for docs/view.png)."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from gpipe.planning.simulate import Costs, closed_form_bubble, predict, scenario, simulate
 from gpipe.runtime.recompute import should_checkpoint
 from gpipe.schedules import Kind, gpipe
-from gpipe.simulate import Costs, closed_form_bubble, predict, scenario, simulate
 from gpipe.view import DEFAULT_COSTS, Measured, Settings, write
 
 from .test_view import traced_step

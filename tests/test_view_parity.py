@@ -1,6 +1,6 @@
 """One source of truth: the page's JavaScript, run in node on a grid of (schedule, K, M, v,
 costs, checkpoint), gives action for action the programs of ``gpipe.schedules``'s generators
-and the times, bubble and memory of ``gpipe.simulate``, and draws messages that agree."""
+and the times, bubble and memory of ``gpipe.planning.simulate``, and draws messages that agree."""
 
 import itertools
 import json
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from gpipe.planning.simulate import Costs, closed_form_bubble, scenario, simulate
 from gpipe.runtime.recompute import should_checkpoint
 from gpipe.schedules import SCHEDULES
-from gpipe.simulate import Costs, closed_form_bubble, scenario, simulate
 from gpipe.view import asset_path
 from gpipe.view.page import _costs_json
 
@@ -201,7 +201,7 @@ def test_messages_and_recomputations_drawn_agree_with_the_simulators_model(runs)
 
 def test_schedules_given_as_data_with_skips_and_recomputation_simulate_alike():
     """What a measured run hands the page: skip actions (``0SEND_SKIP3@2``) and R actions
-    included, simulated as gpipe.simulate does."""
+    included, simulated as gpipe.planning.simulate does."""
     from gpipe.schedules import add_recompute, add_skips
     from gpipe.view.page import _schedule_json
 

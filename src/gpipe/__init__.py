@@ -36,7 +36,7 @@ for _old, _new in _moved.MOVED.items():
 
 
 def __getattr__(name: str) -> _Any:
-    """``gpipe.simulate`` and the other old module names, imported on first use."""
+    """``gpipe.planning.simulate`` and the other old module names, imported on first use."""
     new = _moved.current_name(f"{__name__}.{name}")
     if new is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

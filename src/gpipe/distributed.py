@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpipe.balance import balance_by_time
 from gpipe.comm.distributed import DistributedTransport
 from gpipe.comm.named_pipes import open_pipes
 from gpipe.comm.payload import tensors_of, with_tensors
@@ -29,6 +28,7 @@ from gpipe.errors import StageError
 from gpipe.parallel.replicas import GradientBuckets, Replicas, check_bucket_bytes
 from gpipe.parallel.ties import TiedGradients, find_ties, untie
 from gpipe.parallel.ties import counted as counted_once
+from gpipe.planning.balancing import balance_by_time
 from gpipe.runtime.batchnorm import (
     commit_deferred_batch_norm,
     convert_deferred_batch_norm,
@@ -210,7 +210,7 @@ class Pipeline(nn.Module):
             weights do not depend on the number of stages.
         balance: layers per stage, one stage per process. ``None`` measures each layer's
             forward and backward time on ``sample`` and cuts where the slowest stage is
-            fastest (``gpipe.balance.balance_by_time``, on the first rank, told to the others);
+            fastest (``gpipe.planning.balancing.balance_by_time``, on the first rank, told to the others);
             without a sample, as even as possible by layer count.
         sample: one micro-batch of the model's input, for ``balance=None``; read on the first
             rank only, so the others may pass None.

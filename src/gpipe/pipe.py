@@ -225,7 +225,7 @@ class GPipe(nn.Module):
         module: the model, an ``nn.Sequential`` cut into consecutive partitions. Its layers
             may be ``gpipe.skip.skippable``: a skip that crosses partitions is copied straight
             to the partition that pops it.
-        balance: number of layers in each partition (a list or tuple); ``gpipe.balance``
+        balance: number of layers in each partition (a list or tuple); ``gpipe.planning.balancing``
             chooses one from measured costs.
         devices: one device per partition (default: every CUDA device, else CPU).
         chunks: number of micro-batches a mini-batch is split into.

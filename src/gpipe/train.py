@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpipe.balance import balance_by_params
 from gpipe.data import BatchSampler, ByteDataset, decode, encode, load_text, stdlib_corpus
 from gpipe.distributed import Pipeline, agreed_balance, init_process_group
 from gpipe.elastic import join_process_group, kill_point, restart_count
 from gpipe.errors import StageError
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss, tied_weights
 from gpipe.parallel.replicas import shard
+from gpipe.planning.balancing import balance_by_params
+from gpipe.planning.simulate import analytic_bubble, predict
 from gpipe.runtime.microbatch import split_sizes
 from gpipe.runtime.partitions import even_balance
 from gpipe.runtime.timeline import Event, plot_gantt, to_chrome
@@ -39,7 +40,6 @@ from gpipe.saving import (
     read_description,
     save_checkpoint,
 )
-from gpipe.simulate import analytic_bubble, predict
 from gpipe.view import Measured
 from gpipe.view import write as write_page
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from gpipe.bench.contenders import Contender, K
 from gpipe.bench.workloads import Workload
-from gpipe.simulate import analytic_bubble
+from gpipe.planning.simulate import analytic_bubble
 
 __all__ = ["figures", "markdown", "summary", "targets"]
 

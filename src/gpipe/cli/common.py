@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, NoReturn
 
-from gpipe.simulate import Costs
+from gpipe.planning.simulate import Costs
 
 __all__ = ["PAGE_OPTIONS", "Parser", "UsageError", "positive", "read_costs"]
 

@@ -13,12 +13,20 @@ from typing import Any
 
 import torch
 
-from gpipe.advice import chunks_advice
 from gpipe.cli.common import UsageError
-from gpipe.memory import OPTIMIZER_STATES, MemoryPlan, Profile, plan, profile
+from gpipe.planning.advice import chunks_advice
+from gpipe.planning.memory import OPTIMIZER_STATES, MemoryPlan, Profile, plan, profile
+from gpipe.planning.suggest import (
+    MAX_STAGES,
+    Candidate,
+    LayerCosts,
+    Search,
+    flop_costs,
+    search,
+    timed_costs,
+)
 from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import SCHEDULES
-from gpipe.suggest import MAX_STAGES, Candidate, LayerCosts, Search, flop_costs, search, timed_costs
 
 __all__ = ["add_parser", "parse_bytes"]
 
@@ -181,7 +189,7 @@ def _templates(args: argparse.Namespace) -> tuple[Profile, LayerCosts]:
 
 
 def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> MemoryPlan:
-    from gpipe.balance import partition
+    from gpipe.planning.balancing import partition
     from gpipe.runtime.partitions import even_balance
     from gpipe.train import parse_balance
 

@@ -6,8 +6,8 @@ import argparse
 from typing import Any
 
 from gpipe.cli.common import PAGE_OPTIONS, UsageError, read_costs
+from gpipe.planning.simulate import Costs, SimResult, analytic_bubble, compare, scenario, simulate
 from gpipe.schedules import SCHEDULES, get_schedule
-from gpipe.simulate import Costs, SimResult, analytic_bubble, compare, scenario, simulate
 from gpipe.view import Settings, check_settings
 from gpipe.view import write as write_page
 

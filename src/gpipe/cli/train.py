@@ -403,7 +403,7 @@ def _shape_from_world(args: argparse.Namespace, opts: Any, world: int) -> None:
 
 def _advise(opts: Any) -> None:
     """One line if the run has fewer micro-batches than the GPipe paper's rule of thumb."""
-    from gpipe.advice import chunks_advice
+    from gpipe.planning.advice import chunks_advice
 
     line = chunks_advice(
         opts.schedule,

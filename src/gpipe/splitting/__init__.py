@@ -21,7 +21,7 @@ import torch.fx._pytree as fx_pytree
 from torch import Tensor, fx, nn
 from torch.fx.passes.split_module import split_module
 
-from gpipe.balance import partition
+from gpipe.planning.balancing import partition
 from gpipe.skip import Namespace
 from gpipe.splitting.cuts import (
     CutError,

@@ -12,10 +12,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from gpipe.planning.simulate import Costs, measured_costs
 from gpipe.runtime.recompute import check_checkpoint
 from gpipe.runtime.timeline import Event
 from gpipe.schedules import SCHEDULES, Schedule, get_schedule
-from gpipe.simulate import Costs, measured_costs
 
 __all__ = [
     "DEFAULT_COSTS",
@@ -94,7 +94,7 @@ def check_settings(
             f"{name('stages')}, got {chunks} and {stages}"
         )
     if not isinstance(costs, Costs):
-        raise ValueError(f"{name('costs')} must be a gpipe.simulate.Costs, got {costs!r}")
+        raise ValueError(f"{name('costs')} must be a gpipe.planning.simulate.Costs, got {costs!r}")
     for key in _PER_RANK:
         try:
             costs.per_stage(key, stages)
@@ -112,7 +112,7 @@ def check_settings(
 class Settings:
     """Where the page's controls start: K ranks, M micro-batches, the schedule (with
     ``virtual_stages`` stages per rank when interleaved), the re-materialization mode and the
-    costs of one rank, as ``gpipe simulate`` takes them (see ``gpipe.simulate.scenario``)."""
+    costs of one rank, as ``gpipe simulate`` takes them (see ``gpipe.planning.simulate.scenario``)."""
 
     stages: int = 4
     chunks: int = 8
@@ -136,7 +136,7 @@ class Settings:
 class Measured:
     """One measured step: the schedule that ran and what every rank did when
     (``Pipeline.timeline()``). The page draws it above the simulator's prediction from the
-    step's own mean action times (``gpipe.simulate.predict``)."""
+    step's own mean action times (``gpipe.planning.simulate.predict``)."""
 
     schedule: Schedule
     events: Sequence[Event]

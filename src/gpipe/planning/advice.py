@@ -11,8 +11,8 @@ under 10 %.
 
 from __future__ import annotations
 
+from gpipe.planning.simulate import Costs, closed_form_bubble, scenario, simulate
 from gpipe.runtime.recompute import check_checkpoint
-from gpipe.simulate import Costs, closed_form_bubble, scenario, simulate
 
 __all__ = ["RULE_OF_THUMB", "TARGET_BUBBLE", "chunks_advice", "chunks_for_bubble", "bubble"]
 

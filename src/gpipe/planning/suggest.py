@@ -1,8 +1,8 @@
 """Which configuration to run: the fastest that fits, found by the memory planner and the
 simulator over stages, micro-batches, schedules and re-materialization modes.
 
-Memory comes from ``gpipe.memory.plan`` on a profile (taken on the meta device, so the model
-is never allocated). Time comes from ``gpipe.simulate.simulate`` fed with per-layer costs:
+Memory comes from ``gpipe.planning.memory.plan`` on a profile (taken on the meta device, so the model
+is never allocated). Time comes from ``gpipe.planning.simulate.simulate`` fed with per-layer costs:
 counted (the FLOPs of each layer's forward, on the meta device) or timed (each layer's
 forward and backward on a real device, at two micro-batch sizes). Either way a layer's
 backward costs twice its forward, half of it the weight gradient, and messages between
@@ -20,13 +20,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from gpipe.balance import layer_times, partition
-from gpipe.memory import MemoryPlan, Profile, plan
+from gpipe.planning.balancing import layer_times, partition
+from gpipe.planning.memory import MemoryPlan, Profile, plan
+from gpipe.planning.simulate import Costs, simulate
 from gpipe.runtime.microbatch import as_tuple
 from gpipe.runtime.partitions import as_sequential, check_balance, even_balance, stage_bounds
 from gpipe.runtime.recompute import CHECKPOINT_MODES, check_checkpoint
 from gpipe.schedules import SCHEDULES, get_schedule
-from gpipe.simulate import Costs, simulate
 
 __all__ = [
     "MAX_STAGES",
@@ -108,7 +108,7 @@ def timed_costs(
     timeout: float = 1.0,
     device: torch.device | str | None = None,
 ) -> LayerCosts:
-    """Each layer's forward and backward timed on ``device`` (``gpipe.balance.layer_times``)
+    """Each layer's forward and backward timed on ``device`` (``gpipe.planning.balancing.layer_times``)
     for micro-batches of the rows of ``sample`` and half of them, after a pass that warms
     the kernels up, and fitted as a fixed cost plus a cost per row; the forward is taken as
     a third of the two. Layers built on the meta device are allocated one at a time, so the
