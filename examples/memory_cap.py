@@ -46,10 +46,10 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import gpipe
-from gpipe.launch import LaunchError
 from gpipe.planning.balancing import balance_by_params
 from gpipe.planning.memory import plan, profile
 from gpipe.runtime.partitions import materialize
+from gpipe.training.launch import LaunchError
 
 CLASSES = 10
 

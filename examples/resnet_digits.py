@@ -1,6 +1,6 @@
 """A small ResNet trained pipelined: BatchNorm, and residual shortcuts that cross the cut.
 
-The model (``gpipe.models.resnet``) is an ``nn.Sequential`` whose residual blocks are written
+The model (``gpipe.training.models.resnet``) is an ``nn.Sequential`` whose residual blocks are written
 as two layers: the first stashes the block's input (``gpipe.skip.stash``), the second pops it
 and adds it back. Cut between them, the shortcut travels straight from one process to the
 other. BatchNorm layers
@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import gpipe
-from gpipe.models.resnet import resnet
+from gpipe.training.models.resnet import resnet
 
 
 def digits_resnet() -> nn.Sequential:

@@ -1,6 +1,6 @@
 """What each process runs in tests/test_distributed.py (importable by name in new processes).
 
-Every function runs on every rank under gpipe.launch and returns what the test checks.
+Every function runs on every rank under gpipe.training.launch and returns what the test checks.
 Assertions inside fail the launch with the rank's message.
 """
 
@@ -166,7 +166,7 @@ def bad_inputs() -> dict:
 
 def different_text() -> str:
     """Stage 1 reads other training text than stage 0: the job must refuse to start."""
-    from gpipe.train import _check_same_text
+    from gpipe.training.job import _check_same_text
 
     pipe = Pipeline(mlp(), BALANCES[2], loss_fn=mse_loss)
     return _error(lambda: _check_same_text(b"same" if pipe.is_first else b"other", pipe))
@@ -222,7 +222,7 @@ MEMORY_SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved")
 
 def memory_workload(name: str, device: str = "cpu"):
     """The model, its balance per schedule, a mini-batch and the loss of a memory check."""
-    from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
+    from gpipe.training.models.gpt import GPTConfig, build_gpt, lm_loss
 
     generator = torch.Generator().manual_seed(0)
     if name == "mlp":

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from gpipe.cli import main
-from gpipe.models import PRESETS, GPTConfig, build_gpt
 from gpipe.planning.balancing import balance_by_params
-from gpipe.saving import load_model_weights
+from gpipe.training.checkpoints import load_model_weights
+from gpipe.training.models import PRESETS, GPTConfig, build_gpt
 
 TINY = [
     "--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--chunks", "4",
@@ -276,7 +276,7 @@ def test_the_shape_under_torchrun_follows_the_pinned_dimension():
     from argparse import Namespace
 
     from gpipe.cli.train import UsageError, _shape_from_world
-    from gpipe.train import TrainOptions
+    from gpipe.training.job import TrainOptions
 
     def given(stages=None, data_parallel=None):
         return Namespace(stages=stages, data_parallel=data_parallel)

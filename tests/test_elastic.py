@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 _WORKER = """
 import torch, torch.distributed as dist
-from gpipe.elastic import join_process_group
+from gpipe.training.elastic import join_process_group
 join_process_group(torch.device("cpu"), 10.0)
 total = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(total)

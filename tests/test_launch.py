@@ -1,4 +1,4 @@
-"""gpipe.launch shares the machine's cores among the processes it starts, and takes a
+"""gpipe.training.launch shares the machine's cores among the processes it starts, and takes a
 number of restarts for torchrun's agent."""
 
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 
 from gpipe import launch
-from gpipe.launch import threads_per_process
+from gpipe.training.launch import threads_per_process
 
 from . import launch_cases
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from gpipe.manifest import MANIFEST, digest, listed_files, verify, write_manifest
+from gpipe.training.manifest import MANIFEST, digest, listed_files, verify, write_manifest
 
 
 @pytest.fixture

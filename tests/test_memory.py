@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from gpipe import launch
-from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 from gpipe.planning.memory import OPTIMIZER_STATES, ActivationMeter, plan, profile
+from gpipe.training.models.gpt import GPTConfig, build_gpt, lm_loss
 
 from . import distributed_cases as cases
 

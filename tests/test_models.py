@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from gpipe.models import (
+from gpipe.runtime.partitions import layer_seed, materialize
+from gpipe.training.models import (
     PRESETS,
     Block,
     Embedding,
@@ -20,7 +21,6 @@ from gpipe.models import (
     tie_,
     tied_weights,
 )
-from gpipe.runtime.partitions import layer_seed, materialize
 
 TINY = PRESETS["tiny"]
 

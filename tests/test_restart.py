@@ -5,7 +5,7 @@ interrupted; a damaged newest checkpoint is skipped for the one before, with a w
 
 Every run here is real processes over gloo: ``gpipe train`` started as a command, by itself
 or by two torchrun agents that meet at a rendezvous store this test holds. The kill is a real
-SIGKILL, planned through ``GPIPE_TEST_KILL`` (gpipe.elastic) at a step the test picks.
+SIGKILL, planned through ``GPIPE_TEST_KILL`` (gpipe.training.elastic) at a step the test picks.
 """
 
 import json
@@ -21,7 +21,7 @@ import pytest
 import torch.distributed as dist
 
 from gpipe.cli import main
-from gpipe.saving import verify_checkpoint
+from gpipe.training.checkpoints import verify_checkpoint
 
 RUN = [
     "--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--chunks", "4", "--lr", "1e-2",

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from gpipe.saving import (
+from gpipe.training.checkpoints import (
     DamagedCheckpointWarning,
     checkpoint_dirs,
     discard_partial,

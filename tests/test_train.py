@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpipe.train import TrainOptions, learning_rate
+from gpipe.training.job import TrainOptions, learning_rate
 
 
 def test_warmup_rises_linearly_to_the_peak():

@@ -138,7 +138,7 @@ def init_process_group(device: torch.device, timeout: float = 60.0) -> None:
     if missing:
         raise RuntimeError(
             "Pipeline needs a process group and found no torchrun environment (missing "
-            f"{', '.join(missing)}): run under torchrun or gpipe.launch, or call "
+            f"{', '.join(missing)}): run under torchrun or gpipe.training.launch, or call "
             "torch.distributed.init_process_group first"
         )
     dist.init_process_group(

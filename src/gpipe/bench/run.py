@@ -18,9 +18,9 @@ from gpipe.bench.contenders import K, contenders
 from gpipe.bench.measure import memory_pass, timing_pass
 from gpipe.bench.report import figures, markdown, targets
 from gpipe.bench.workloads import get_workload
-from gpipe.launch import launch
 from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import SCHEDULES
+from gpipe.training.launch import launch
 
 __all__ = ["BenchOptions", "machine", "matches", "run_bench"]
 

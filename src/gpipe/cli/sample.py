@@ -30,15 +30,15 @@ def add_parser(sub: Any) -> None:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from gpipe.data import decode, encode
-    from gpipe.models.gpt import GPTConfig, build_gpt, generate
-    from gpipe.saving import (
+    from gpipe.training.checkpoints import (
         DESCRIPTION,
         latest_checkpoint,
         load_model_weights,
         read_description,
         verify_checkpoint,
     )
+    from gpipe.training.data import decode, encode
+    from gpipe.training.models.gpt import GPTConfig, build_gpt, generate
 
     folder = Path(args.path)
     if (folder / DESCRIPTION).is_file():  # one checkpoint, named

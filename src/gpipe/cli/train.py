@@ -128,7 +128,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _model_config(args: argparse.Namespace, saved: dict[str, Any] | None, out: Path) -> Any:
-    from gpipe.models.gpt import GPTConfig, config_from_preset
+    from gpipe.training.models.gpt import GPTConfig, config_from_preset
 
     overrides = {
         field_: getattr(args, flag)
@@ -152,7 +152,7 @@ def _model_config(args: argparse.Namespace, saved: dict[str, Any] | None, out: P
 
 
 def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> Any:
-    from gpipe.train import TrainOptions
+    from gpipe.training.job import TrainOptions
 
     values = dict(saved or {})
     for f in fields(TrainOptions):
@@ -166,7 +166,7 @@ def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> An
 
 
 def _check(config: Any, opts: Any) -> None:
-    from gpipe.train import parse_balance
+    from gpipe.training.job import parse_balance
 
     for name in (
         "stages",
@@ -227,8 +227,8 @@ def _check(config: Any, opts: Any) -> None:
 
 
 def _check_data(opts: Any, seq_len: int) -> None:
-    from gpipe.data import ByteDataset
-    from gpipe.train import load_corpus
+    from gpipe.training.data import ByteDataset
+    from gpipe.training.job import load_corpus
 
     try:
         dataset = ByteDataset.split(load_corpus(opts.data))
@@ -260,7 +260,7 @@ def _prepare_folder(out: Path, resume: bool, force: bool, run: dict[str, Any]) -
 def _saved_run(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.resume is None:
         return None
-    from gpipe.saving import checkpoint_dirs, verify_checkpoint
+    from gpipe.training.checkpoints import checkpoint_dirs, verify_checkpoint
 
     folder = Path(args.resume)
     # Sizes only here; the processes check every file's SHA-256 before they load one.
@@ -275,7 +275,7 @@ def _saved_run(args: argparse.Namespace) -> dict[str, Any] | None:
 def _this_jobs_run(out: Path) -> dict[str, Any] | None:
     """The run in ``out`` if this torchrun job started it: the job is being restarted (after
     a lost process, or to admit or drop a machine) and continues it."""
-    from gpipe.elastic import job_id
+    from gpipe.training.elastic import job_id
 
     try:
         run = json.loads((out / RUN_FILE).read_text())
@@ -291,7 +291,7 @@ def _agree_on_folder(prepare: Any, device: str, timeout: float, restarted: bool)
     written it could think so wrongly); returns that."""
     import torch.distributed as dist
 
-    from gpipe.elastic import join_process_group
+    from gpipe.training.elastic import join_process_group
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     join_process_group(
@@ -310,8 +310,8 @@ def _agree_on_folder(prepare: Any, device: str, timeout: float, restarted: bool)
 
 
 def _train(args: argparse.Namespace) -> int:
-    from gpipe.launch import launch, threads_per_process
-    from gpipe.train import RunSpec, run_stage
+    from gpipe.training.job import RunSpec, run_stage
+    from gpipe.training.launch import launch, threads_per_process
 
     torchrun = _under_torchrun()
     if torchrun and args.max_restarts is not None:
@@ -335,7 +335,7 @@ def _train(args: argparse.Namespace) -> int:
     run: dict[str, Any] = {"model": asdict(config), "train": asdict(opts)}
     restarted = held is not None
     if torchrun:
-        from gpipe.elastic import job_id
+        from gpipe.training.elastic import job_id
 
         run["job"] = job_id()  # how a restart of this job knows the folder for its own
     if not torchrun or os.environ["RANK"] == "0":

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from gpipe.manifest import Digest, digest, listed_files, verify, write_manifest
+from gpipe.training.manifest import Digest, digest, listed_files, verify, write_manifest
 
 __all__ = [
     "DESCRIPTION",

@@ -1,6 +1,6 @@
 """Reference models, written as flat lists of layers a pipeline can cut anywhere."""
 
-from gpipe.models.gpt import (
+from gpipe.training.models.gpt import (
     PRESETS,
     Block,
     Embedding,

@@ -22,24 +22,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpipe.data import BatchSampler, ByteDataset, decode, encode, load_text, stdlib_corpus
 from gpipe.distributed import Pipeline, agreed_balance, init_process_group
-from gpipe.elastic import join_process_group, kill_point, restart_count
 from gpipe.errors import StageError
-from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss, tied_weights
 from gpipe.parallel.replicas import shard
 from gpipe.planning.balancing import balance_by_params
 from gpipe.planning.simulate import analytic_bubble, predict
 from gpipe.runtime.microbatch import split_sizes
 from gpipe.runtime.partitions import even_balance
 from gpipe.runtime.timeline import Event, plot_gantt, to_chrome
-from gpipe.saving import (
+from gpipe.training.checkpoints import (
     discard_partial,
     latest_checkpoint,
     load_checkpoint,
     read_description,
     save_checkpoint,
 )
+from gpipe.training.data import BatchSampler, ByteDataset, decode, encode, load_text, stdlib_corpus
+from gpipe.training.elastic import join_process_group, kill_point, restart_count
+from gpipe.training.models.gpt import GPTConfig, build_gpt, lm_loss, tied_weights
 from gpipe.view import Measured
 from gpipe.view import write as write_page
 
