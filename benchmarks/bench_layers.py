@@ -35,7 +35,7 @@ POLICIES = {
 
 
 def run(cfg: dict) -> dict:
-    from gpipe.distributed import init_process_group
+    from gpipe.pipeline import init_process_group
 
     init_process_group(torch.device("cpu"))
     config = GPTConfig(**cfg["model"])

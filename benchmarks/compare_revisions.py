@@ -77,7 +77,7 @@ def run(cfg: dict, path: str, package: str) -> dict[str, dict[str, list[float]]]
         name: importlib.import_module(f"{module.__name__}.memory").ActivationMeter
         for name, module in versions.items()
     }
-    from gpipe.distributed import init_process_group
+    from gpipe.pipeline import init_process_group
 
     init_process_group(torch.device("cpu"))
     g = torch.Generator().manual_seed(1)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline, StageError
-from gpipe.distributed import init_process_group
+from gpipe.pipeline import init_process_group
 
 from .models import BALANCES, SPLITS, batch, bn_model, mlp
 

@@ -5,9 +5,9 @@ import sys as _sys
 from typing import Any as _Any
 
 from gpipe import _moved
-from gpipe.distributed import Pipeline
 from gpipe.errors import BalanceError, MovingDenied, PipelineError, StageError
 from gpipe.pipe import GPipe
+from gpipe.pipeline import Pipeline
 from gpipe.runtime.recompute import is_checkpointing, is_recomputing
 from gpipe.splitting import split
 from gpipe.training.launch import LaunchError, launch

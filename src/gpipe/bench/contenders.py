@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe.bench.workloads import Workload
-from gpipe.distributed import Pipeline
 from gpipe.pipe import GPipe
+from gpipe.pipeline import Pipeline
 from gpipe.runtime.partitions import stage_bounds
 from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import SCHEDULES

@@ -359,7 +359,7 @@ def _train(args: argparse.Namespace) -> int:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else processes
     threads = (args.threads or threads_per_process(local)) if opts.device == "cpu" else None
     if torchrun:
-        from gpipe.distributed import finish_process_group
+        from gpipe.pipeline import finish_process_group
 
         if threads is not None:
             torch.set_num_threads(threads)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gpipe.distributed import backend_for, init_process_group
+from gpipe.pipeline import backend_for, init_process_group
 
 __all__ = ["KILL_VARIABLE", "job_id", "join_process_group", "kill_point", "restart_count"]
 
@@ -47,7 +47,7 @@ _STORE_KEY = "gpipe/attempt-store"  # in the agent's store: "PORT NONCE" of this
 
 def join_process_group(device: torch.device, timeout: float) -> None:
     """Join the default process group from torchrun's environment, as
-    ``gpipe.distributed.init_process_group`` does, unless joined already.
+    ``gpipe.pipeline.init_process_group`` does, unless joined already.
 
     Where the agent lends its own store to the workers (TORCHELASTIC_USE_AGENT_STORE, the
     default of torchrun's c10d rendezvous), that store outlives a restart, and the addresses

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpipe.distributed import Pipeline, agreed_balance, init_process_group
 from gpipe.errors import StageError
 from gpipe.parallel.replicas import shard
+from gpipe.pipeline import Pipeline, agreed_balance, init_process_group
 from gpipe.planning.balancing import balance_by_params
 from gpipe.planning.simulate import analytic_bubble, predict
 from gpipe.runtime.microbatch import split_sizes
