@@ -1,12 +1,11 @@
 """A small ResNet trained pipelined: BatchNorm, and residual shortcuts that cross the cut.
 
-The model (``gpipe.training.models.resnet``) is an ``nn.Sequential`` whose residual blocks are written
-as two layers: the first stashes the block's input (``gpipe.skip.stash``), the second pops it
-and adds it back. Cut between them, the shortcut travels straight from one process to the
-other. BatchNorm layers
-become ``DeferredBatchNorm`` (``deferred_batch_norm=True``): each micro-batch is normalized
-by its own statistics, and the running statistics used at test time are tracked once per
-mini-batch.
+The model (``gpipe.training.models.resnet``) is an ``nn.Sequential`` whose residual blocks are
+written as two layers: the first stashes the block's input (``gpipe.skip.stash``), the second
+pops it and adds it back. Cut between them, the shortcut travels straight from one process to
+the other. BatchNorm layers become ``DeferredBatchNorm`` (``deferred_batch_norm=True``): each
+micro-batch is normalized by its own statistics, and the running statistics used at test time
+are tracked once per mini-batch.
 
 It trains on scikit-learn's handwritten digits (8x8 images, shipped inside scikit-learn,
 nothing to download) in 2 processes (K = 2, checkpoint "always"), then trains the same model

@@ -1,6 +1,6 @@
 """What each process runs in tests/test_distributed.py (importable by name in new processes).
 
-Every function runs on every rank under gpipe.training.launch and returns what the test checks.
+Every function runs on every rank under gpipe.launch and returns what the test checks.
 Assertions inside fail the launch with the rank's message.
 """
 

@@ -91,7 +91,7 @@ def test_bad_inputs_are_named():
 def test_without_a_process_group_the_error_says_how_to_get_one(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(RuntimeError, match="run under torchrun or gpipe.training.launch"):
+    with pytest.raises(RuntimeError, match="run under torchrun or gpipe.launch"):
         Pipeline(nn.Sequential(nn.Linear(2, 2)), [1])
 
 

@@ -1,4 +1,4 @@
-"""gpipe.training.launch shares the machine's cores among the processes it starts, and takes a
+"""gpipe.launch shares the machine's cores among the processes it starts, and takes a
 number of restarts for torchrun's agent."""
 
 import os

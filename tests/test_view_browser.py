@@ -1,7 +1,7 @@
-"""The page in a real browser: headless Chromium opens it from disk, the tests set its controls
-as a user would and read its read-outs, which must be gpipe.planning.simulate's; it draws one block per
-action, loads a measured step, answers the keyboard and fits a phone. Screenshots are saved
-(into $GPIPE_VIEW_SCREENSHOTS if set, as for docs/view.png)."""
+"""The page in a real browser: headless Chromium opens it from disk, the tests set its controls as
+a user would and read its read-outs, which must be gpipe.planning.simulate's; it draws one
+block per action, loads a measured step, answers the keyboard and fits a phone. Screenshots are
+saved (into $GPIPE_VIEW_SCREENSHOTS if set, as for docs/view.png)."""
 
 import os
 import shutil

@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 
 _moved.install()
 # Old names of modules already loaded point at them now, so that importing one later does
-# not rebind a package attribute (``gpipe.training.launch`` stays the function).
+# not rebind a package attribute (``gpipe.launch`` stays the function).
 for _old, _new in _moved.MOVED.items():
     if _new in _sys.modules:
         _sys.modules.setdefault(_old, _sys.modules[_new])

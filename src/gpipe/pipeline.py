@@ -138,7 +138,7 @@ def init_process_group(device: torch.device, timeout: float = 60.0) -> None:
     if missing:
         raise RuntimeError(
             "Pipeline needs a process group and found no torchrun environment (missing "
-            f"{', '.join(missing)}): run under torchrun or gpipe.training.launch, or call "
+            f"{', '.join(missing)}): run under torchrun or gpipe.launch, or call "
             "torch.distributed.init_process_group first"
         )
     dist.init_process_group(
@@ -210,7 +210,8 @@ class Pipeline(nn.Module):
             weights do not depend on the number of stages.
         balance: layers per stage, one stage per process. ``None`` measures each layer's
             forward and backward time on ``sample`` and cuts where the slowest stage is
-            fastest (``gpipe.planning.balancing.balance_by_time``, on the first rank, told to the others);
+            fastest (``gpipe.planning.balancing.balance_by_time``, on the first rank, told
+            to the others);
             without a sample, as even as possible by layer count.
         sample: one micro-batch of the model's input, for ``balance=None``; read on the first
             rank only, so the others may pass None.
@@ -227,7 +228,8 @@ class Pipeline(nn.Module):
         data_parallel: D replicas of the pipeline side by side over a world of D x K
             processes (rank = position in the pipeline x D + replica: a stage's replicas are
             neighbours, on one machine where they fit); each trains on its own shard
-            (``gpipe.parallel.replicas.shard``), gradients are summed across replicas in buckets while
+            (``gpipe.parallel.replicas.shard``), gradients are summed across replicas in
+            buckets while
             the last backward still runs, and ``step`` returns the loss of the union of the
             shards, weighted by rows.
         bucket_bytes: the size of those buckets; by default a quarter of the stage's

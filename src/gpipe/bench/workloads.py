@@ -106,8 +106,8 @@ def gpt(n_layer: int, d_model: int, n_head: int, seq_len: int, batch: int) -> Wo
 
 
 def cnn(widths: tuple[int, ...], size: int, batch: int) -> Workload:
-    """A ResNet (``gpipe.training.models.resnet``) on random images; BatchNorm as PyTorch has it, and
-    every cut between blocks, so that every contender can run it."""
+    """A ResNet (``gpipe.training.models.resnet``) on random images; BatchNorm as PyTorch has
+    it, and every cut between blocks, so that every contender can run it."""
     blocks = len(widths)
     if blocks % 4:
         raise ValueError(

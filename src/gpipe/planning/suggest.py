@@ -1,14 +1,13 @@
 """Which configuration to run: the fastest that fits, found by the memory planner and the
 simulator over stages, micro-batches, schedules and re-materialization modes.
 
-Memory comes from ``gpipe.planning.memory.plan`` on a profile (taken on the meta device, so the model
-is never allocated). Time comes from ``gpipe.planning.simulate.simulate`` fed with per-layer costs:
-counted (the FLOPs of each layer's forward, on the meta device) or timed (each layer's
-forward and backward on a real device, at two micro-batch sizes). Either way a layer's
+Memory comes from ``gpipe.planning.memory.plan`` on a profile (taken on the meta device, so the
+model is never allocated). Time comes from ``gpipe.planning.simulate.simulate`` fed with per-
+layer costs: counted (the FLOPs of each layer's forward, on the meta device) or timed (each
+layer's forward and backward on a real device, at two micro-batch sizes). Either way a layer's
 backward costs twice its forward, half of it the weight gradient, and messages between
 processes are free: the simulator ranks configurations by their compute, their balance and
-their bubble, not by the interconnect.
-"""
+their bubble, not by the interconnect."""
 
 from __future__ import annotations
 
@@ -108,11 +107,12 @@ def timed_costs(
     timeout: float = 1.0,
     device: torch.device | str | None = None,
 ) -> LayerCosts:
-    """Each layer's forward and backward timed on ``device`` (``gpipe.planning.balancing.layer_times``)
-    for micro-batches of the rows of ``sample`` and half of them, after a pass that warms
-    the kernels up, and fitted as a fixed cost plus a cost per row; the forward is taken as
-    a third of the two. Layers built on the meta device are allocated one at a time, so the
-    model never is whole. About ``timeout`` seconds in all, more if a layer is slow."""
+    """Each layer's forward and backward timed on ``device``
+    (``gpipe.planning.balancing.layer_times``) for micro-batches of the rows of ``sample`` and
+    half of them, after a pass that warms the kernels up, and fitted as a fixed cost plus a
+    cost per row; the forward is taken as a third of the two. Layers built on the meta device
+    are allocated one at a time, so the model never is whole. About ``timeout`` seconds in all,
+    more if a layer is slow."""
     module = as_sequential(layers)
     rows = _rows(sample)
     half = max(1, rows // 2)

@@ -112,7 +112,8 @@ def check_settings(
 class Settings:
     """Where the page's controls start: K ranks, M micro-batches, the schedule (with
     ``virtual_stages`` stages per rank when interleaved), the re-materialization mode and the
-    costs of one rank, as ``gpipe simulate`` takes them (see ``gpipe.planning.simulate.scenario``)."""
+    costs of one rank, as ``gpipe simulate`` takes them
+    (see ``gpipe.planning.simulate.scenario``)."""
 
     stages: int = 4
     chunks: int = 8
