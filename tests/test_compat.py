@@ -210,6 +210,14 @@ def test_balancing_refuses_a_model_that_already_has_gradients(profile):
         profile(2, model, torch.randn(4, 2), device="cpu")
 
 
-def test_the_torchgpipe_balancing_module_name_points_to_gpipe_balance():
-    with pytest.raises(ImportError, match=r"gpipe\.balance"):
-        __import__("gpipe_balancing")
+def test_the_torchgpipe_balancing_module_name_is_a_deprecated_alias_of_gpipe_balance():
+    import importlib
+    import sys
+
+    sys.modules.pop("gpipe_balancing", None)
+    with pytest.warns(DeprecationWarning, match=r"import gpipe\.balance"):
+        old = importlib.import_module("gpipe_balancing")
+    import gpipe.balance
+
+    assert old.balance_by_time is gpipe.balance.balance_by_time
+    assert old.balance_by_size is gpipe.balance.balance_by_size

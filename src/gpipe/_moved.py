@@ -2,9 +2,9 @@
 
 The package was flat until 0.1; its modules then moved into folders by concern. Users'
 imports of the old names (``gpipe.balance``, ``gpipe.checkpointing``, ``gpipe.simulate``,
-...) stay valid until the next major version: a finder placed after the ordinary ones
-answers an old name with the module that now holds it, the very same module object, so
-classes, private names and monkeypatching behave as before.
+...) stay valid until the next major version: a finder placed before the ordinary ones
+answers an old name (and its submodules) with the module that now holds it, the very same
+module object, so classes, private names and monkeypatching behave as before.
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install() -> None:
-    """Answer old names after every ordinary finder (so a real module always wins)."""
+    """Answer old names before the ordinary finders: a submodule of an old package name
+    (``gpipe.models.gpt``) would otherwise be found again on the new package's path and
+    loaded a second time. No file lives under an old name, so nothing real is shadowed."""
     if not any(isinstance(finder, _Alias) for finder in sys.meta_path):
-        sys.meta_path.append(_Alias())
+        sys.meta_path.insert(0, _Alias())
