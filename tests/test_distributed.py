@@ -11,12 +11,13 @@ from gpipe import LaunchError, Pipeline, launch
 
 from . import distributed_cases as cases
 from .models import BALANCES
+from .workers import run
 
 
 @pytest.fixture(scope="module")
 def results():
     """One launch per K runs every equivalence case; K = 1..4."""
-    return {k: launch(cases.equivalence, k, (k,), threads=1) for k in sorted(BALANCES)}
+    return {k: run(cases.equivalence, k, (k,), threads=1) for k in sorted(BALANCES)}
 
 
 @pytest.mark.parametrize("k", sorted(BALANCES))
@@ -63,7 +64,7 @@ def test_a_failed_peer_ends_in_an_error_naming_the_stage(tmp_path, how, expected
 
 
 def test_bad_inputs_are_named():
-    errors = launch(cases.bad_inputs, 2)
+    errors = run(cases.bad_inputs, 2)
     both = {key: (errors[0][key], errors[1][key]) for key in errors[0]}
     for key in ("balance", "chunks", "checkpoint", "schedule", "reduction", "no_loss"):
         assert both[key][0] == both[key][1], key
@@ -96,13 +97,13 @@ def test_without_a_process_group_the_error_says_how_to_get_one(monkeypatch):
 
 
 def test_stages_reading_different_text_refuse_to_train():
-    errors = launch(cases.different_text, 2)
+    errors = run(cases.different_text, 2)
     assert errors[0] == errors[1]
     assert errors[0].startswith("StageError: stage 1: reads different training text")
 
 
 def test_balance_none_is_measured_on_the_first_rank_and_shared():
-    results = launch(cases.balanced_by_time, 2, threads=1)
+    results = run(cases.balanced_by_time, 2, threads=1)
     for rank in (0, 1):
         assert results[rank]["timed"] == [1, 5]  # the slow layer alone; an even cut is [3, 3]
         assert results[rank]["untimed"] == [3, 3]  # no sample: even by layer count
@@ -110,7 +111,7 @@ def test_balance_none_is_measured_on_the_first_rank_and_shared():
 
 
 def test_deferred_batch_norm_tracks_statistics_once_per_step_on_every_stage():
-    results = launch(cases.deferred_batch_norm, 2, threads=1)
+    results = run(cases.deferred_batch_norm, 2, threads=1)
     assert results == {0: 4 * 3 * 2, 1: 4 * 3 * 2}
 
 
@@ -118,7 +119,7 @@ def test_deferred_batch_norm_tracks_statistics_once_per_step_on_every_stage():
 def test_data_parallel_replicas_give_the_gradients_of_one_step_on_their_union(d, world):
     """D x K processes: every replica's shard, even or not, summed exactly as one un-pipelined
     step on the union; deferred BatchNorm statistics are the global mini-batch's."""
-    results = launch(cases.data_parallel, world, (d,), threads=1)
+    results = run(cases.data_parallel, world, (d,), threads=1)
     for rank, r in results.items():
         # 12 steps, and 3 buffers of each BatchNorm held here (one per stage at K = 2)
         assert r["cases"] == 12 + (3 if world // d == 2 else 6), rank
@@ -128,7 +129,7 @@ def test_data_parallel_replicas_give_the_gradients_of_one_step_on_their_union(d,
 
 
 def test_data_parallel_bad_inputs_are_named():
-    errors = launch(cases.data_parallel_bad_inputs, 2)
+    errors = run(cases.data_parallel_bad_inputs, 2)
     for rank in (0, 1):
         e = errors[rank]
         assert "data_parallel=3 does not divide the world size 2" in e["divides"]

@@ -7,16 +7,16 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe import launch
 from gpipe.planning.memory import OPTIMIZER_STATES, ActivationMeter, plan, profile
 from gpipe.training.models.gpt import GPTConfig, build_gpt, lm_loss
 
 from . import distributed_cases as cases
+from .workers import run
 
 
 @pytest.fixture(scope="module", params=["mlp", "gpt", "unet"])
 def measured(request):
-    return request.param, launch(cases.measured_memory, 2, (request.param,), threads=1)
+    return request.param, run(cases.measured_memory, 2, (request.param,), threads=1)
 
 
 @pytest.mark.parametrize("schedule", cases.MEMORY_SCHEDULES)
@@ -166,7 +166,7 @@ def test_bad_plans_are_named():
 
 @pytest.fixture(scope="module")
 def measured_layers():
-    return launch(cases.measured_layer_memory, 2, ("mlp",), threads=1)
+    return run(cases.measured_layer_memory, 2, ("mlp",), threads=1)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

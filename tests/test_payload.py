@@ -6,11 +6,11 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from gpipe import launch
 from gpipe.comm import envelope, payload
 from gpipe.runtime.microbatch import check_payload, gather_payload, scatter_payload
 
 from . import payload_cases as cases
+from .workers import run
 
 
 @dataclasses.dataclass
@@ -110,18 +110,18 @@ def test_a_changed_structure_names_the_leaf():
 
 
 def test_pytree_payloads_every_schedule_and_mode_exact():
-    results = launch(cases.every_schedule, 2)
+    results = run(cases.every_schedule, 2)
     assert results[0] == results[1] == 36
 
 
 def test_token_counts_weight_micro_batches_exactly():
-    results = launch(cases.token_counts, 2)
+    results = run(cases.token_counts, 2)
     # weighting by rows instead would be off: padding differs between micro-batches
     assert all(gap > 1e-3 for gap in results[0].values())
 
 
 def test_a_structure_change_between_micro_batches_names_stage_and_leaf():
-    results = launch(cases.changing_structure, 2)
+    results = run(cases.changing_structure, 2)
     assert results[0].startswith(
         "ValueError: the output of stage 0 changed structure within the step at leaf "
         "['odd']: a tensor in micro-batch 0, absent now"

@@ -7,10 +7,11 @@ import pytest
 import torch
 from torch.nn.functional import mse_loss
 
-from gpipe import GPipe, launch
+from gpipe import GPipe
 
 from . import distributed_cases as cases
 from .models import batch, mlp
+from .workers import run
 
 THREADED = [torch.device("cpu", j) for j in range(2)]
 
@@ -48,7 +49,7 @@ def test_gpipe_runs_every_partition_under_the_callers_autocast(mode):
 
 
 def test_pipeline_autocast_matches_the_plain_model_under_autocast_everywhere():
-    results = launch(cases.autocast, 2, threads=1)
+    results = run(cases.autocast, 2, threads=1)
     assert results[0] == results[1] == 4 * 3
 
 
@@ -63,7 +64,7 @@ def test_an_autocast_dtype_the_device_cannot_take_is_named():
 
 
 def test_loss_scaling_steps_or_skips_on_every_rank_alike():
-    results = launch(cases.loss_scaling, 2, threads=1)
+    results = run(cases.loss_scaling, 2, threads=1)
     for rank, r in results.items():
         assert r["scale_after_clean"] == 1024.0, rank  # growth waits for 2000 clean steps
         assert r["skipped"] is True and r["unchanged"] is True, rank

@@ -6,12 +6,13 @@ import sys
 import pytest
 from torch.nn.functional import mse_loss
 
-from gpipe import GPipe, launch
+from gpipe import GPipe
 from gpipe.runtime.timeline import Event, Recorder, merge, plot_gantt, to_chrome
 from gpipe.schedules import Action, Kind, add_recompute, gpipe
 
 from . import distributed_cases as cases
 from .models import batch, mlp
+from .workers import run
 
 
 def _traced_step(chunks: int = 4) -> list[Event]:
@@ -138,7 +139,7 @@ def test_gantt_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
 
 
 def test_pipeline_timeline_merges_the_events_of_every_rank():
-    results = launch(cases.traced, 2, threads=1)
+    results = run(cases.traced, 2, threads=1)
     step, evaluate = results[0]["step"], results[0]["evaluate"]
     assert results[1]["step"] == step
     assert {e.rank for e in step} == {0, 1}

@@ -6,20 +6,20 @@ import pytest
 import torch
 
 import gpipe
-from gpipe import launch
 
 pytest.importorskip("transformers", reason="the test extra installs transformers")
 
 from . import hf_cases as cases
+from .workers import run
 
 
 def test_gpt2_split_and_trained_through_pipeline_equals_its_own_step():
-    results = launch(cases.gpt2, 2)
+    results = run(cases.gpt2, 2)
     assert results[0] == results[1] == 16
 
 
 def test_bert_split_and_trained_through_pipeline_equals_its_own_step():
-    results = launch(cases.bert, 2)
+    results = run(cases.bert, 2)
     assert results[0] == results[1] == 16
 
 

@@ -1,0 +1,140 @@
+"""Started processes that the multi-process tests share: ``run`` is ``gpipe.launch`` without
+the start-up of new processes on every call.
+
+``gpipe.launch`` starts ``nprocs`` processes under torchrun's agent, each of which imports
+torch and gpipe and joins a gloo group: seconds of work that prove nothing new after the
+first time. Here the first ``run`` on ``nprocs`` processes launches them, with
+``gpipe.launch`` itself, into a loop that takes one function at a time, and later calls
+reuse them: the process group and the imports stay, while every test builds its own
+pipelines, models and data. A function that fails on any rank stops the whole group (its
+peers may be waiting for it) with a ``LaunchError`` that names each rank's error, as
+``launch`` does; the next ``run`` starts a fresh group.
+
+Tests of start-up, shutdown or a dying peer call ``gpipe.launch`` and keep processes of
+their own, and so do those of parameters tied across processes: torch names a group made
+with ``use_local_synchronization`` after the number of groups each member already holds, so
+a second pipeline whose ties span other ranks than the first's would wait forever.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import secrets
+import signal
+import threading
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+import torch
+
+from gpipe import LaunchError, launch
+from gpipe.training.launch import threads_per_process
+
+TASK_TIMEOUT = 300.0  # seconds one function may take on a group before the group is stopped
+_pools: dict[int, _Pool] = {}
+
+
+def serve(address: tuple[str, int], key: bytes) -> None:
+    """What each shared process runs: connect back, then run functions until told to stop."""
+    with Client(address, authkey=key) as conn:
+        conn.send((int(os.environ["RANK"]), os.getpid()))
+        while (task := conn.recv()) is not None:
+            fn, args, threads = task
+            if threads is not None:
+                torch.set_num_threads(threads)
+            try:
+                conn.send(("ok", fn(*args)))
+            except BaseException as exc:  # reported to the test, as launch reports it
+                last = traceback.format_exception_only(exc)[-1].strip()
+                conn.send(("error", last))
+
+
+class _Pool:
+    """``nprocs`` launched processes, each connected to this one."""
+
+    def __init__(self, nprocs: int) -> None:
+        key = secrets.token_bytes(16)
+        self._listener = Listener(("127.0.0.1", 0), authkey=key)
+        self._launched = threading.Thread(
+            target=self._launch, args=(nprocs, self._listener.address, key), daemon=True
+        )
+        self._failure: BaseException | None = None
+        self._launched.start()
+        found: dict[int, tuple[Connection, int]] = {}
+        for _ in range(nprocs):
+            conn = self._listener.accept()
+            rank, pid = conn.recv()
+            found[rank] = (conn, pid)
+        self._conns = [found[r][0] for r in range(nprocs)]
+        self._pids = [found[r][1] for r in range(nprocs)]
+
+    def _launch(self, nprocs: int, address: tuple[str, int], key: bytes) -> None:
+        try:
+            launch(serve, nprocs, (address, key), threads=None)
+        except BaseException as exc:  # the group was stopped; close() reports nothing more
+            self._failure = exc
+
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], threads: int | None) -> dict:
+        for conn in self._conns:
+            conn.send((fn, args, threads))
+        results, errors = {}, {}
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(TASK_TIMEOUT):
+                errors[rank] = f"no answer after {TASK_TIMEOUT:.0f} s"
+                break
+            try:
+                status, value = conn.recv()
+            except (EOFError, OSError):
+                errors[rank] = "the process ended"
+                break
+            (results if status == "ok" else errors)[rank] = value
+        if errors:
+            self.close(kill=True)
+            lines = [f"rank {rank}: {text}" for rank, text in sorted(errors.items())]
+            raise LaunchError("launched processes failed:\n" + "\n".join(lines))
+        return results
+
+    def close(self, kill: bool = False) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        if kill:
+            for pid in self._pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self._launched.join(timeout=30)
+        for conn in self._conns:
+            conn.close()
+        self._listener.close()
+
+
+def run(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple[Any, ...] = (),
+    *,
+    threads: int | str | None = "auto",
+) -> dict[int, Any]:
+    """``fn(*args)`` on each of ``nprocs`` shared processes; rank -> result, as ``launch``."""
+    if threads == "auto":
+        threads = threads_per_process(nprocs)
+    pool = _pools.get(nprocs)
+    if pool is None:
+        pool = _pools[nprocs] = _Pool(nprocs)
+    try:
+        return pool.run(fn, args, threads)
+    except LaunchError:
+        del _pools[nprocs]
+        raise
+
+
+@atexit.register
+def close_all() -> None:
+    """Stop every shared group (at the end of the session)."""
+    while _pools:
+        _, pool = _pools.popitem()
+        pool.close()
