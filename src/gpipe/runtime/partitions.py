@@ -57,14 +57,14 @@ def as_sequential(layers: nn.Sequential | Iterable[nn.Module]) -> nn.Sequential:
 
 
 _SEE_BALANCE = (
-    "gpipe.planning.balancing chooses one from measured costs, e.g. "
-    "balance = gpipe.planning.balancing.balance_by_time(partitions, model, sample)"
+    "gpipe.balance chooses one from measured costs, e.g. "
+    "balance = gpipe.balance.balance_by_time(partitions, model, sample)"
 )
 
 
 def check_balance(n_layers: int, balance: object) -> list[int]:
     """``balance`` (a list or tuple) as a list of positive ints summing to ``n_layers``, or a
-    BalanceError that points to ``gpipe.planning.balancing``."""
+    BalanceError that points to ``gpipe.balance``."""
     if balance is None:
         raise BalanceError(
             f"balance is required: the number of layers in each partition; {_SEE_BALANCE}"
