@@ -17,10 +17,28 @@ from gpipe.planning.balancing import balance_by_params
 from gpipe.training.checkpoints import load_model_weights
 from gpipe.training.models import PRESETS, GPTConfig, build_gpt
 
+from . import workers
+
 TINY = [
     "--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--chunks", "4",
     "--lr", "1e-2", "--warmup", "2", "--eval-every", "5", "--sample-tokens", "16", "--quiet",
 ]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _runs_on_shared_processes(monkeypatch):
+    """`gpipe train` runs its stages on the module's shared processes (real ones, over gloo)
+    rather than starting new ones for every run; runs that restart keep their own."""
+    import gpipe.training.launch
+
+    started = gpipe.training.launch.launch
+
+    def launch(fn, nprocs, args=(), *, threads="auto", max_restarts=0, **more):
+        if max_restarts or more:
+            return started(fn, nprocs, args, threads=threads, max_restarts=max_restarts, **more)
+        return workers.run(fn, nprocs, args, threads=threads)
+
+    monkeypatch.setattr(gpipe.training.launch, "launch", launch)
 
 
 def _losses(run) -> dict[int, float]:
