@@ -22,12 +22,9 @@ from gpipe.comm.copy_streams import DeviceCopies
 from gpipe.comm.transport import InProcessTransport
 from gpipe.errors import MovingDenied, PipelineError
 from gpipe.parallel.ties import find_ties, sum_local, untie
-from gpipe.runtime.batchnorm import (
-    commit_deferred_batch_norm,
-    convert_deferred_batch_norm,
-    discard_deferred_batch_norm,
-)
+from gpipe.runtime.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
 from gpipe.runtime.executor import StepData, run_program
+from gpipe.runtime.failed_step import forget_failed_step
 from gpipe.runtime.microbatch import (
     Batch,
     as_tuple,
@@ -168,9 +165,7 @@ class _Run:
             except BaseException as exc:
                 errors.append(exc)
         if errors:
-            for stage in self.stages:
-                stage.clear()
-                discard_deferred_batch_norm(stage.module)
+            forget_failed_step(self.stages)
             # The first failure is the cause; the others only stopped because of it.
             real = [e for e in errors if type(e) is not PipelineError] or errors
             raise real[0]

@@ -20,11 +20,14 @@ from gpipe.pipe import GPipe
 from gpipe.pipeline import Pipeline
 from gpipe.runtime.partitions import stage_bounds
 from gpipe.runtime.recompute import CHECKPOINT_MODES
-from gpipe.schedules import SCHEDULES
+from gpipe.schedules import SCHEDULES, traits
 
-__all__ = ["Contender", "Runner", "contenders"]
+__all__ = ["STAGES_PER_PROCESS", "Contender", "Runner", "contenders"]
 
 K = 2  # processes: the machine this runs on in CI has two cores
+# Stages per process under a schedule that places several on each (the workloads'
+# ``interleaved_balance`` cuts K times as many stages).
+STAGES_PER_PROCESS = 2
 
 
 @dataclass
@@ -130,7 +133,8 @@ def _at_once_held(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
 
 def _pipeline(schedule: str, checkpoint: str) -> Callable[..., Runner]:
     def build(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
-        balance = w.interleaved_balance if schedule == "interleaved" else w.balance
+        several = traits(schedule).several_stages_per_rank
+        balance = w.interleaved_balance if several else w.balance
         pipe = Pipeline(
             w.build(),
             list(balance),
@@ -231,7 +235,7 @@ def contenders(
                     "gpipe",
                     False,
                     _pipeline(schedule, mode),
-                    counterpart=counterpart[schedule],
+                    counterpart=counterpart.get(schedule),
                     schedule=schedule,
                     checkpoint=mode,
                 )
@@ -247,7 +251,8 @@ def contenders(
         )
     )
     pytorch = ["ScheduleGPipe", "Schedule1F1B"]
-    if "interleaved" in schedules:  # two stages per process: only as gpipe's counterpart
+    # several stages per process: only as the counterpart of a gpipe schedule that does so
+    if any(traits(s).several_stages_per_rank for s in schedules):
         pytorch.append("ScheduleInterleaved1F1B")
     for name in pytorch:
         out.append(Contender(f"pytorch/{name}", "pytorch", False, _pytorch(name)))

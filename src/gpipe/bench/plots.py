@@ -36,7 +36,8 @@ def _style(name: str) -> dict[str, Any]:
     baselines and the one-process libraries in greys and purples."""
     parts = name.split("/")
     if parts[0] == "gpipe" and len(parts) == 3:
-        return {"color": _SCHEDULE_COLOURS[parts[1]], "linestyle": _MODE_STYLES[parts[2]]}
+        colour = _SCHEDULE_COLOURS.get(parts[1], "C5")  # others: the default
+        return {"color": colour, "linestyle": _MODE_STYLES[parts[2]]}
     if parts[0] == "pytorch":
         return {"color": _SCHEDULE_COLOURS[_COUNTERPART.get(parts[1], "gpipe")], "linestyle": "--"}
     others = {

@@ -6,8 +6,16 @@ import argparse
 from typing import Any, NoReturn
 
 from gpipe.planning.simulate import Costs
+from gpipe.schedules import SCHEDULES, traits
 
-__all__ = ["PAGE_OPTIONS", "Parser", "UsageError", "positive", "read_costs"]
+__all__ = [
+    "PAGE_OPTIONS",
+    "Parser",
+    "UsageError",
+    "multi_stage_schedules",
+    "positive",
+    "read_costs",
+]
 
 # The options that set each of the page's settings (gpipe.view.check_settings names them).
 PAGE_OPTIONS = {
@@ -46,3 +54,9 @@ def read_costs(path: str, n_stages: int) -> Costs:
     except (OSError, ValueError) as exc:
         raise UsageError(f"--costs {path}: {exc}") from None
     return costs
+
+
+def multi_stage_schedules() -> str:
+    """The registered schedules that place several stages on each rank, as ``--schedule``
+    values for a message or a help text: ``interleaved``, or ``a or b``."""
+    return " or ".join(name for name in SCHEDULES if traits(name).several_stages_per_rank)

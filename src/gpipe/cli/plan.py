@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gpipe.cli.common import UsageError
+from gpipe.cli.common import UsageError, multi_stage_schedules
 from gpipe.planning.advice import chunks_advice
 from gpipe.planning.memory import OPTIMIZER_STATES, MemoryPlan, Profile, plan, profile
 from gpipe.planning.suggest import (
@@ -26,7 +26,7 @@ from gpipe.planning.suggest import (
     timed_costs,
 )
 from gpipe.runtime.recompute import CHECKPOINT_MODES
-from gpipe.schedules import SCHEDULES
+from gpipe.schedules import SCHEDULES, traits
 
 __all__ = ["add_parser", "parse_bytes"]
 
@@ -93,7 +93,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--virtual-stages",
         type=int,
-        help="stages per process with interleaved (default 1; 2 with --suggest)",
+        help=f"stages per process with {multi_stage_schedules()} (default 1; 2 with --suggest)",
     )
     p.add_argument(
         "--checkpoint",
@@ -234,11 +234,12 @@ def _check(args: argparse.Namespace) -> None:
             f"--batch-size {args.batch_size} cannot give each of --data-parallel "
             f"{args.data_parallel} replicas a row"
         )
-    if args.virtual_stages > 1 and args.schedule != "interleaved":
-        raise UsageError("--virtual-stages needs --schedule interleaved")
-    if args.schedule == "interleaved" and args.chunks % args.stages:
+    schedule = traits(args.schedule)
+    if args.virtual_stages > 1 and not schedule.several_stages_per_rank:
+        raise UsageError(f"--virtual-stages needs --schedule {multi_stage_schedules()}")
+    if schedule.microbatches_per_round and args.chunks % args.stages:
         raise UsageError(
-            f"--schedule interleaved needs --chunks a multiple of --stages {args.stages}"
+            f"--schedule {args.schedule} needs --chunks a multiple of --stages {args.stages}"
         )
     if args.balance == "time":
         raise UsageError(
@@ -367,8 +368,8 @@ def _suggest(args: argparse.Namespace) -> int:
     v = 2 if args.virtual_stages is None else args.virtual_stages
     if v < 2:
         raise UsageError(
-            f"--virtual-stages with --suggest is the interleaved schedule's stages per "
-            f"process: at least 2, got {v}"
+            f"--virtual-stages with --suggest is the {multi_stage_schedules()} schedule's "
+            f"stages per process: at least 2, got {v}"
         )
     try:
         memory = parse_bytes(args.device_memory)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gpipe.cli.common import PAGE_OPTIONS, UsageError, read_costs
+from gpipe.cli.common import PAGE_OPTIONS, UsageError, multi_stage_schedules, read_costs
 from gpipe.planning.simulate import Costs, SimResult, analytic_bubble, compare, scenario, simulate
 from gpipe.schedules import SCHEDULES, get_schedule
 from gpipe.view import Settings, check_settings
@@ -51,8 +51,8 @@ def add_parser(sub: Any) -> None:
         type=int,
         default=2,
         metavar="V",
-        help="stages per rank for the interleaved schedule, each with 1/V of the rank's "
-        "costs (default 2)",
+        help=f"stages per rank for the {multi_stage_schedules()} schedule, each with 1/V of "
+        "the rank's costs (default 2)",
     )
     p.add_argument(
         "--data-parallel",

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from gpipe.cli.common import UsageError, positive
+from gpipe.cli.common import UsageError, multi_stage_schedules, positive
 from gpipe.runtime.recompute import check_checkpoint
-from gpipe.schedules import get_schedule
+from gpipe.schedules import SCHEDULES, traits
 
 __all__ = ["add_parser"]
 
@@ -44,7 +44,14 @@ def add_parser(sub: Any) -> None:
         "With no arguments: the 'small' preset on the Python standard library's sources, "
         "2 stages in 2 local processes, GPipe schedule, 8 micro-batches.",
     )
-    model = p.add_argument_group("model")
+    _add_model_options(p.add_argument_group("model"))
+    _add_pipeline_options(p.add_argument_group("pipeline"))
+    _add_training_options(p.add_argument_group("training"))
+    _add_run_folder_options(p.add_argument_group("run folder"))
+    p.set_defaults(command=_train)
+
+
+def _add_model_options(model: Any) -> None:
     model.add_argument("--preset", default="small", help="named model size (default: small)")
     model.add_argument("--n-layer", type=int, help="transformer blocks")
     model.add_argument("--d-model", type=int, help="width of the residual stream")
@@ -55,7 +62,9 @@ def add_parser(sub: Any) -> None:
     model.add_argument(
         "--untied", action="store_true", help="separate embedding and LM-head weights"
     )
-    pipe = p.add_argument_group("pipeline")
+
+
+def _add_pipeline_options(pipe: Any) -> None:
     pipe.add_argument("--stages", type=int, help="pipeline stages, one process each (default 2)")
     pipe.add_argument(
         "--data-parallel",
@@ -68,10 +77,12 @@ def add_parser(sub: Any) -> None:
     pipe.add_argument("--checkpoint", help="re-materialization: always, except_last, never")
     pipe.add_argument(
         "--schedule",
-        help="pipeline schedule: gpipe, 1f1b, zero-bubble, interleaved (default gpipe)",
+        help=f"pipeline schedule: {', '.join(SCHEDULES)} (default gpipe)",
     )
     pipe.add_argument(
-        "--virtual-stages", type=int, help="stages per process with --schedule interleaved"
+        "--virtual-stages",
+        type=int,
+        help=f"stages per process with --schedule {multi_stage_schedules()}",
     )
     pipe.add_argument(
         "--balance",
@@ -91,7 +102,9 @@ def add_parser(sub: Any) -> None:
         help="intra-op threads per process on CPU (default: this machine's cores shared "
         "among its processes)",
     )
-    run = p.add_argument_group("training")
+
+
+def _add_training_options(run: Any) -> None:
     run.add_argument("--steps", type=int, help="optimizer steps in all (default 200)")
     run.add_argument("--batch-size", type=int, help="sequences per mini-batch (default 32)")
     run.add_argument("--seq-len", type=int, help="training sequence length (default: --context)")
@@ -113,7 +126,9 @@ def add_parser(sub: Any) -> None:
     )
     run.add_argument("--prompt", help="start of the sample printed at the end")
     run.add_argument("--sample-tokens", type=int, help="bytes to generate at the end")
-    out = p.add_argument_group("run folder")
+
+
+def _add_run_folder_options(out: Any) -> None:
     out.add_argument("--out", default="runs/gpt", help="run folder (default runs/gpt)")
     out.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
     out.add_argument("--force", action="store_true", help="replace what is in the run folder")
@@ -124,7 +139,6 @@ def add_parser(sub: Any) -> None:
         help="write the last step's timeline (trace.json, timeline.png, view.html) into the "
         "run folder",
     )
-    p.set_defaults(command=_train)
 
 
 def _model_config(args: argparse.Namespace, saved: dict[str, Any] | None, out: Path) -> Any:
@@ -182,9 +196,13 @@ def _check(config: Any, opts: Any) -> None:
     if opts.warmup < 0 or opts.save_every < 0:
         raise UsageError("--warmup and --save-every must not be negative")
     layers = config.n_layer + 2
-    if opts.virtual_stages > 1 and opts.schedule != "interleaved":
+    try:
+        schedule = traits(opts.schedule)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if opts.virtual_stages > 1 and not schedule.several_stages_per_rank:
         raise UsageError(
-            f"--virtual-stages {opts.virtual_stages} needs --schedule interleaved, "
+            f"--virtual-stages {opts.virtual_stages} needs --schedule {multi_stage_schedules()}, "
             f"not {opts.schedule}"
         )
     if opts.batch_size < opts.data_parallel:
@@ -192,11 +210,11 @@ def _check(config: Any, opts: Any) -> None:
             f"--batch-size {opts.batch_size} cannot give each of --data-parallel "
             f"{opts.data_parallel} replicas a row"
         )
-    if opts.schedule == "interleaved" and (
+    if schedule.microbatches_per_round and (
         opts.chunks % opts.stages or opts.batch_size // opts.data_parallel < opts.chunks
     ):
         raise UsageError(
-            f"--schedule interleaved needs --chunks a multiple of --stages ({opts.stages}) and "
+            f"--schedule {opts.schedule} needs --chunks a multiple of --stages ({opts.stages}) and "
             f"each replica's share of --batch-size at least --chunks, got --chunks "
             f"{opts.chunks} and --batch-size {opts.batch_size} over {opts.data_parallel} "
             "replica(s)"
@@ -218,7 +236,6 @@ def _check(config: Any, opts: Any) -> None:
         )
     try:
         check_checkpoint(opts.checkpoint)
-        get_schedule(opts.schedule)
         parse_balance(opts.balance, opts.stages * opts.virtual_stages, layers)
     except ValueError as exc:
         raise UsageError(str(exc)) from None

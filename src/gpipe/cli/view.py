@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gpipe.cli.common import PAGE_OPTIONS, UsageError, read_costs
+from gpipe.cli.common import PAGE_OPTIONS, UsageError, multi_stage_schedules, read_costs
 from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import SCHEDULES
 from gpipe.view import DEFAULT_COSTS, Settings, check_settings, write
@@ -32,7 +32,7 @@ def add_parser(sub: Any) -> None:
         type=int,
         default=2,
         metavar="V",
-        help="stages per rank with --schedule interleaved (default 2)",
+        help=f"stages per rank with --schedule {multi_stage_schedules()} (default 2)",
     )
     p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, default="never", help="default never")
     p.add_argument(

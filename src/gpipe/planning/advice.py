@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from gpipe.planning.simulate import Costs, closed_form_bubble, scenario, simulate
 from gpipe.runtime.recompute import check_checkpoint
+from gpipe.schedules import traits
 
 __all__ = ["RULE_OF_THUMB", "TARGET_BUBBLE", "chunks_advice", "chunks_for_bubble", "bubble"]
 
@@ -33,11 +34,11 @@ def bubble(
 ) -> float:
     """The predicted bubble (idle share of all processes' time) of ``schedule`` on ``stages``
     processes of equal cost with ``chunks`` micro-batches: its closed form where it has one
-    and nothing is recomputed, the simulator otherwise. ``virtual_stages`` is the interleaved
-    schedule's stages per process."""
+    and nothing is recomputed, the simulator otherwise. ``virtual_stages`` is the stages per
+    process of a schedule that places several (the interleaved one)."""
     check_checkpoint(checkpoint)
     if checkpoint == "never":
-        v = virtual_stages if schedule == "interleaved" else 1
+        v = traits(schedule).stages_per_rank(virtual_stages)
         exact = closed_form_bubble(schedule, stages, chunks, v, 1.0, 1.0, 1.0)
         if exact is not None:
             return exact
@@ -54,12 +55,13 @@ def chunks_for_bubble(
     checkpoint: str = "never",
 ) -> int:
     """The fewest micro-batches whose predicted ``bubble`` is below ``target`` (a multiple
-    of ``stages`` for the interleaved schedule, which needs one): bisection, since the
-    bubble only shrinks as micro-batches are added. Under re-materialization the search
-    starts from the answer without it, which the simulator then only has to refine."""
+    of ``stages`` for a schedule whose micro-batches go in rounds of K, as the interleaved
+    one's do): bisection, since the bubble only shrinks as micro-batches are added. Under
+    re-materialization the search starts from the answer without it, which the simulator
+    then only has to refine."""
     if not 0 < target < 1:
         raise ValueError(f"target must be a fraction between 0 and 1, got {target!r}")
-    step = stages if schedule == "interleaved" else 1
+    step = stages if traits(schedule).microbatches_per_round else 1
 
     def below(n: int) -> bool:
         return (

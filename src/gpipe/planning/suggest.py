@@ -25,7 +25,7 @@ from gpipe.planning.simulate import Costs, simulate
 from gpipe.runtime.microbatch import as_tuple
 from gpipe.runtime.partitions import as_sequential, check_balance, even_balance, stage_bounds
 from gpipe.runtime.recompute import CHECKPOINT_MODES, check_checkpoint
-from gpipe.schedules import SCHEDULES, get_schedule
+from gpipe.schedules import SCHEDULES, build, traits
 
 __all__ = [
     "MAX_STAGES",
@@ -204,10 +204,11 @@ def candidates(
     """The grid ``search`` walks, as ``(stages, chunks, schedule, checkpoint, v)``.
 
     By default: 1 to ``max_stages`` processes (no more than there are layers), the
-    ``chunk_choices`` of ``batch_size``, every schedule and every checkpoint mode. The
-    interleaved schedule runs ``virtual_stages`` stages per process, on two processes or
-    more, with a number of micro-batches that is a multiple of the processes; the others
-    one stage each. Each argument given replaces its default list.
+    ``chunk_choices`` of ``batch_size``, every schedule and every checkpoint mode. A
+    schedule that places several stages per process (the interleaved one) runs
+    ``virtual_stages`` of them, on two processes or more; one whose micro-batches go in
+    rounds of K only takes a number of micro-batches that is a multiple of the processes;
+    the others run one stage each. Each argument given replaces its default list.
     """
     ks = list(stages) if stages is not None else range(1, min(max_stages, n_layers) + 1)
     ms = list(chunks) if chunks is not None else chunk_choices(batch_size)
@@ -216,11 +217,13 @@ def candidates(
     grid = []
     for k in ks:
         for name in names:
-            v = virtual_stages if name == "interleaved" else 1
-            if k * v > n_layers or (name == "interleaved" and (k < 2 or v < 2)):
+            placement = traits(name)
+            v = placement.stages_per_rank(virtual_stages)
+            several = placement.several_stages_per_rank
+            if k * v > n_layers or (several and (k < 2 or v < 2)):
                 continue
             for m in ms:
-                if m > batch_size or (name == "interleaved" and m % k):
+                if m > batch_size or (placement.microbatches_per_round and m % k):
                     continue
                 grid += [(k, m, name, mode, v) for mode in modes]
     return grid
@@ -272,11 +275,7 @@ class _Config:
         forward = [
             sum(costs.forward(i, self.rows) for i in range(*bounds)) for bounds in stage_bounds(cut)
         ]
-        make = get_schedule(self.schedule)
-        if len(cut) == self.stages:
-            program = make(len(cut), self.chunks)
-        else:
-            program = make(len(cut), self.chunks, self.stages)  # type: ignore[call-arg]
+        program = build(self.schedule, self.stages, self.chunks, len(cut) // self.stages)
         result = simulate(program, Costs(forward, forward, forward), self.checkpoint)
         return Candidate(
             self.stages, self.chunks, self.schedule, self.checkpoint, self.virtual_stages,

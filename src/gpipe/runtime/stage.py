@@ -6,7 +6,7 @@ else. Gradients of parameters accumulate in ``.grad`` across micro-batches.
 
 Besides the batch it hands to the next stage, a stage may receive skip tensors from earlier
 stages and send skips to later ones (``gpipe.skip``); their gradients travel back the same
-way, so each stage's backward still ends at its own boundary.
+way, so each stage's backward still ends at its own boundary (``stage_boundary``).
 """
 
 from __future__ import annotations
@@ -24,16 +24,14 @@ from torch import Tensor, nn
 from gpipe.comm.payload import check_same_structure, signature, tensors_of, with_tensors
 from gpipe.runtime.microbatch import Batch, check_batch
 from gpipe.runtime.recompute import AutocastState, RNGState, checkpointing, recomputing
+from gpipe.runtime.stage_boundary import Grads, Skips, StageBoundary
 from gpipe.runtime.weight_gradients import Owners, WeightGradients, owners
 from gpipe.skip.layout import StagePorts
-from gpipe.skip.namespace import SkipKey
 from gpipe.skip.tracker import StageTracker, use_tracker
 
 __all__ = ["NO_TARGET", "Grads", "LossFn", "Stage"]
 
 LossFn = Callable[..., Tensor]
-Grads = tuple[Tensor | None, ...]
-Skips = dict[SkipKey, Tensor | None]
 
 
 class _NoTarget:
@@ -117,7 +115,7 @@ class Stage:
         self.module = module
         self.device = device
         self.loss_fn = loss_fn
-        self.ports = ports if ports is not None else StagePorts()
+        self._boundary = StageBoundary(index, ports if ports is not None else StagePorts())
         self.autocast = autocast  # the stage's own: its forwards and recomputations run under it
         # positions of the layers (children of ``module``) recomputed in the backward
         self.recomputed_layers = recomputed_layers
@@ -130,38 +128,10 @@ class Stage:
     def is_last(self) -> bool:
         return self.index == self.n_stages - 1
 
-    # -- skips in and out, in the order of ``ports`` ----------------------------------------
-    def _imported(self, skips: Mapping[int, Grads]) -> Skips:
-        imported: Skips = {}
-        for src, keys in self.ports.imports.items():
-            message = skips.get(src)
-            if message is None or len(message) != len(keys):
-                got = "nothing" if message is None else f"{len(message)} tensors"
-                raise RuntimeError(
-                    f"stage {self.index} expected {len(keys)} skip tensors from stage {src}, "
-                    f"got {got}"
-                )
-            imported.update(zip(keys, message, strict=True))
-        return imported
-
-    def _exported(self, stashed: Skips, microbatch: int) -> list[Tensor | None]:
-        out = []
-        for keys in self.ports.exports.values():
-            for key in keys:
-                if key not in stashed:
-                    raise RuntimeError(
-                        f"skip {key[1]!r} is popped on a later stage, but no layer of stage "
-                        f"{self.index} stashed it in micro-batch {microbatch}"
-                    )
-                out.append(stashed[key])
-        return out
-
-    def _by_destination(self, exported: list[Tensor | None]) -> dict[int, Grads]:
-        out, start = {}, 0
-        for dst, keys in self.ports.exports.items():
-            out[dst] = tuple(exported[start : start + len(keys)])
-            start += len(keys)
-        return out
+    @property
+    def ports(self) -> StagePorts:
+        """Which skips the stage receives from and sends to which stages."""
+        return self._boundary.ports
 
     # -- forward --------------------------------------------------------------------------
     def _run(
@@ -176,7 +146,7 @@ class Stage:
         with own, use_tracker(tracker):
             raw = self._layers(inputs)
             outputs = self._checked(raw, microbatch)
-            exported = self._exported(tracker.stashed, microbatch)
+            exported = self._boundary.exported(tracker.stashed, microbatch)
             loss = None
             if self.is_last and self.loss_fn is not None and saved.target is not None:
                 if saved.target is NO_TARGET:
@@ -235,14 +205,14 @@ class Stage:
         back for them. With ``split_backward`` the backward comes in two halves,
         ``backward_input`` and then ``backward_weight``.
         """
-        imported = self._imported(skips or {})
+        imported = self._boundary.imported(skips or {})
         saved = _Saved(inputs=inputs, imported=imported, target=target, weight=weight)
         if split_backward and build_graph:
             saved.weights = WeightGradients()
         if not build_graph:
             with torch.no_grad():
                 outputs, exported, loss = self._run(inputs, imported, saved, microbatch)
-            return outputs, self._by_destination(exported), loss
+            return outputs, self._boundary.by_destination(exported), loss
         saved.inputs = with_tensors(inputs, [_leaf(t) for t in tensors_of(inputs)])
         saved.imported = {key: _maybe(_leaf, t) for key, t in imported.items()}
         if checkpoint:
@@ -259,7 +229,8 @@ class Stage:
             sent = with_tensors(outputs, [_leaf(t) for t in tensors_of(outputs)])
             sent_skips = [_maybe(_leaf, t) for t in exported]
         self._saved[microbatch] = saved
-        return sent, self._by_destination(sent_skips), None if loss is None else loss.detach()
+        loss = None if loss is None else loss.detach()
+        return sent, self._boundary.by_destination(sent_skips), loss
 
     def _capturing(self, saved: _Saved) -> Any:
         """Note the layer outputs that B stops at for W; not on a stage whose inputs need no
@@ -301,56 +272,6 @@ class Stage:
         self._graph(microbatch, pop=False)
 
     # -- backward -------------------------------------------------------------------------
-    def _roots(
-        self,
-        saved: _Saved,
-        microbatch: int,
-        grad_outputs: Grads | None,
-        skip_grads: Mapping[int, Grads],
-    ) -> tuple[list[Tensor], list[Tensor] | None]:
-        """Where this micro-batch's backward starts: its loss, or its outputs and the skips
-        it sent, with their gradients from later stages."""
-        assert saved.outputs is not None
-        if saved.loss is not None and grad_outputs is None:
-            return [saved.loss], None
-        n_skips = sum(len(keys) for keys in self.ports.exports.values())
-        n_outputs = len(saved.outputs) - n_skips
-        if grad_outputs is None or len(grad_outputs) != n_outputs:
-            got = "none" if grad_outputs is None else len(grad_outputs)
-            raise ValueError(
-                f"expected {n_outputs} output gradients for micro-batch {microbatch}, got {got}"
-            )
-        grads = list(grad_outputs)
-        for dst, keys in self.ports.exports.items():
-            message = skip_grads.get(dst)
-            if message is None or len(message) != len(keys):
-                raise RuntimeError(
-                    f"stage {self.index} expected {len(keys)} skip gradients from stage {dst} "
-                    f"for micro-batch {microbatch}"
-                )
-            grads += message
-        pairs = [
-            (o, g)
-            for o, g in zip(saved.outputs, grads, strict=True)
-            if g is not None and o is not None and o.requires_grad
-        ]
-        return [o for o, _ in pairs], [g for _, g in pairs]
-
-    def _input_grads(
-        self, saved: _Saved, grad_of: Callable[[Tensor], Tensor | None]
-    ) -> tuple[Grads, dict[int, Grads]]:
-        """Gradients of the batch input and, by source stage, of the skips received."""
-
-        def of(t: Tensor | None) -> Tensor | None:
-            return grad_of(t) if t is not None and t.requires_grad else None
-
-        batch = tuple(of(t) for t in tensors_of(saved.inputs))
-        skips = {
-            src: tuple(of(saved.imported[key]) for key in keys)
-            for src, keys in self.ports.imports.items()
-        }
-        return batch, skips
-
     def backward(
         self,
         microbatch: int,
@@ -361,10 +282,13 @@ class Stage:
         gradients of the skips it sent, by destination stage); returns the gradients of the
         stage's inputs (None where one needs none) and of the skips it received."""
         saved = self._graph(microbatch, pop=True)
-        roots, grads = self._roots(saved, microbatch, grad_outputs, skip_grads or {})
+        assert saved.outputs is not None
+        roots, grads = self._boundary.roots(
+            saved.outputs, saved.loss, microbatch, grad_outputs, skip_grads or {}
+        )
         if roots:
             torch.autograd.backward(roots, grads)
-        return self._input_grads(saved, lambda t: t.grad)
+        return self._boundary.input_grads(saved.inputs, saved.imported, lambda t: t.grad)
 
     def backward_input(
         self,
@@ -379,7 +303,10 @@ class Stage:
             raise RuntimeError(
                 f"micro-batch {microbatch} was run forward without split_backward=True"
             )
-        roots, grads = self._roots(saved, microbatch, grad_outputs, skip_grads or {})
+        assert saved.outputs is not None
+        roots, grads = self._boundary.roots(
+            saved.outputs, saved.loss, microbatch, grad_outputs, skip_grads or {}
+        )
         leaves = [*tensors_of(saved.inputs), *saved.imported.values()]
         wanted = [t for t in leaves if t is not None and t.requires_grad]
         found: dict[int, Tensor | None] = {}
@@ -392,7 +319,7 @@ class Stage:
             saved.weights.take(got[len(wanted) :])
             saved.b_ran = True
         saved.roots, saved.root_grads = roots, grads
-        return self._input_grads(saved, lambda t: found.get(id(t)))
+        return self._boundary.input_grads(saved.inputs, saved.imported, lambda t: found.get(id(t)))
 
     def backward_weight(self, microbatch: int) -> None:
         """W of a split backward: the weight gradients, accumulated into ``.grad``."""

@@ -89,9 +89,49 @@ def plan_stages(
 ) -> list[StagePlan]:
     """One plan per ``submod_i`` of ``split_module``'s ``root``."""
     placeholders = [n for n in root.graph.nodes if n.op == "placeholder"]
-    traced_values = {n.name: n.meta.get("val") for n in traced.graph.nodes if n.op == "placeholder"}
     calls = [n for n in root.graph.nodes if n.op == "call_module"]
     n_stages = len(calls)
+    last = n_stages - 1
+    producer, kinds, produces = _stage_outputs(root, calls, placeholders, traced)
+    consumers: dict[str, list[int]] = {}  # value -> the later stages that read it
+    stage_args = _stage_arguments(calls, producer, consumers)
+    outputs = _model_outputs(root, producer, consumers, last)
+    receives, pops, stashes = _routes(consumers, producer, kinds, n_stages)
+    fixed = tuple(
+        (position, name, value)
+        for position, (name, value) in enumerate(
+            zip((n.name for n in placeholders), example_inputs, strict=True)
+        )
+        if not isinstance(value, Tensor)
+    )
+    return [
+        StagePlan(
+            index=i,
+            n_stages=n_stages,
+            args=tuple(stage_args[i]),
+            produces=tuple(produces[i]),
+            receives=tuple(receives[i]),
+            sends=tuple(receives[i + 1]) if i + 1 < n_stages else (),
+            pops=tuple(pops[i]),
+            stashes=tuple(stashes[i]),
+            kinds=dict(kinds),
+            inputs=tuple(n.name for n in placeholders) if i == 0 else (),
+            in_spec=in_spec if i == 0 else None,
+            arg_names=tuple(arg_names) if i == 0 else (),
+            fixed=fixed if i == 0 else (),
+            outputs=tuple(outputs) if i == last else (),
+            out_spec=out_spec if i == last else None,
+        )
+        for i in range(n_stages)
+    ]
+
+
+def _stage_outputs(
+    root: fx.GraphModule, calls: list[fx.Node], placeholders: list[fx.Node], traced: fx.GraphModule
+) -> tuple[dict[str, int], dict[str, str], list[list[str]]]:
+    """Which stage produces each value (the model's inputs: the first), each value's kind, and
+    the keys of every stage's outputs in order ("" for an output nothing reads)."""
+    traced_values = {n.name: n.meta.get("val") for n in traced.graph.nodes if n.op == "placeholder"}
     producer: dict[str, int] = {n.name: 0 for n in placeholders}
     kinds: dict[str, str] = {n.name: _kind(traced_values.get(n.name)) for n in placeholders}
     produces: list[list[str]] = []
@@ -111,11 +151,14 @@ def plan_stages(
                 producer[key] = i
                 kinds[key] = _kind(out.meta.get("val") if isinstance(out, fx.Node) else out)
         produces.append(keys)
+    return producer, kinds, produces
 
-    def key_of(node: fx.Node) -> str:
-        return node.name
 
-    consumers: dict[str, list[int]] = {}
+def _stage_arguments(
+    calls: list[fx.Node], producer: Mapping[str, int], consumers: dict[str, list[int]]
+) -> list[list[tuple[str, str]]]:
+    """Each stage's graph arguments; adds to ``consumers`` each stage that reads a value
+    another stage produced."""
     stage_args: list[list[tuple[str, str]]] = []
     for i, call in enumerate(calls):
         args = []
@@ -125,31 +168,50 @@ def plan_stages(
             if arg.op == "get_attr":
                 args.append((ATTR, str(arg.target)))
                 continue
-            key = key_of(arg)
-            args.append((VALUE, key))
-            if producer[key] != i:
-                consumers.setdefault(key, []).append(i)
+            args.append((VALUE, arg.name))
+            if producer[arg.name] != i:
+                consumers.setdefault(arg.name, []).append(i)
         stage_args.append(args)
+    return stage_args
+
+
+def _model_outputs(
+    root: fx.GraphModule,
+    producer: Mapping[str, int],
+    consumers: dict[str, list[int]],
+    last: int,
+) -> list[tuple[bool, Any]]:
+    """The model's flat outputs, (True, key) or (False, a constant); the last stage returns
+    them, so it is added to ``consumers`` of each one an earlier stage produced."""
     (output,) = [n for n in root.graph.nodes if n.op == "output"]
     flat_out = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
-    last = n_stages - 1
     outputs: list[tuple[bool, Any]] = []
     for item in flat_out:
         if isinstance(item, fx.Node):
-            key = key_of(item)
-            outputs.append((True, key))
-            if producer[key] != last:
-                consumers.setdefault(key, []).append(last)
+            outputs.append((True, item.name))
+            if producer[item.name] != last:
+                consumers.setdefault(item.name, []).append(last)
         else:
             outputs.append((False, item))
+    return outputs
 
+
+def _routes(
+    consumers: Mapping[str, list[int]],
+    producer: Mapping[str, int],
+    kinds: Mapping[str, str],
+    n_stages: int,
+) -> tuple[list[list[str]], list[list[tuple[str, str]]], list[list[tuple[str, str]]]]:
+    """How each value reaches the stages that read it: per stage, the keys it receives in the
+    payload, and the skips it pops and stashes. A tensor goes to the next stage in the
+    payload and further as a skip; sizes and flags ride in the payload through each stage."""
     receives: list[list[str]] = [[] for _ in range(n_stages)]
     pops: list[list[tuple[str, str]]] = [[] for _ in range(n_stages)]
     stashes: list[list[tuple[str, str]]] = [[] for _ in range(n_stages)]
     for key, users in consumers.items():
         source = producer[key]
         targets = sorted(set(users))
-        if kinds[key] != "tensor":  # sizes and flags ride in the payload through each stage
+        if kinds[key] != "tensor":
             for stage in range(source + 1, targets[-1] + 1):
                 receives[stage].append(key)
             continue
@@ -160,36 +222,7 @@ def plan_stages(
                 name = f"{key}>{target}"
                 stashes[source].append((name, key))
                 pops[target].append((name, key))
-
-    fixed = tuple(
-        (position, name, value)
-        for position, (name, value) in enumerate(
-            zip((n.name for n in placeholders), example_inputs, strict=True)
-        )
-        if not isinstance(value, Tensor)
-    )
-    plans = []
-    for i in range(n_stages):
-        plans.append(
-            StagePlan(
-                index=i,
-                n_stages=n_stages,
-                args=tuple(stage_args[i]),
-                produces=tuple(produces[i]),
-                receives=tuple(receives[i]),
-                sends=tuple(receives[i + 1]) if i + 1 < n_stages else (),
-                pops=tuple(pops[i]),
-                stashes=tuple(stashes[i]),
-                kinds=dict(kinds),
-                inputs=tuple(n.name for n in placeholders) if i == 0 else (),
-                in_spec=in_spec if i == 0 else None,
-                arg_names=tuple(arg_names) if i == 0 else (),
-                fixed=fixed if i == 0 else (),
-                outputs=tuple(outputs) if i == last else (),
-                out_spec=out_spec if i == last else None,
-            )
-        )
-    return plans
+    return receives, pops, stashes
 
 
 # ops whose behaviour follows the module's mode, and the position of that flag

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gpipe.pipeline import backend_for, init_process_group
+from gpipe.comm.process_group import backend_for, init_process_group
 
 __all__ = ["KILL_VARIABLE", "job_id", "join_process_group", "kill_point", "restart_count"]
 

@@ -11,8 +11,8 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from gpipe.comm.process_group import finish_process_group
 from gpipe.errors import PipelineError
-from gpipe.pipeline import finish_process_group
 
 __all__ = ["LaunchError", "launch", "threads_per_process"]
 

@@ -15,7 +15,7 @@ from typing import Any
 from gpipe.planning.simulate import Costs, measured_costs
 from gpipe.runtime.recompute import check_checkpoint
 from gpipe.runtime.timeline import Event
-from gpipe.schedules import SCHEDULES, Schedule, get_schedule
+from gpipe.schedules import SCHEDULES, Schedule, get_schedule, traits
 
 __all__ = [
     "DEFAULT_COSTS",
@@ -45,9 +45,9 @@ _PER_RANK = ("forward", "backward", "weight", "activation_bytes")
 
 
 def _actions(stages: int, chunks: int, schedule: str, virtual_stages: int) -> int:
-    """At most how many actions the schedule has: F, B, W and four messages per stage and
-    micro-batch (the page estimates the same)."""
-    per = 7 if schedule == "zero-bubble" else 6
+    """At most how many actions the schedule has: F, B, W (when its backward is split) and four
+    messages per stage and micro-batch (the page estimates the same)."""
+    per = 7 if traits(schedule).split_backward else 6
     return stages * virtual_stages * chunks * per
 
 
@@ -88,9 +88,9 @@ def check_settings(
         check_checkpoint(checkpoint)
     except ValueError as exc:
         raise ValueError(f"{name('checkpoint')}: {exc}") from None
-    if schedule == "interleaved" and chunks % stages:
+    if traits(schedule).microbatches_per_round and chunks % stages:
         raise ValueError(
-            f"{name('schedule')} interleaved needs {name('chunks')} a multiple of "
+            f"{name('schedule')} {schedule} needs {name('chunks')} a multiple of "
             f"{name('stages')}, got {chunks} and {stages}"
         )
     if not isinstance(costs, Costs):
@@ -100,7 +100,7 @@ def check_settings(
             costs.per_stage(key, stages)
         except ValueError as exc:
             raise ValueError(f"{name('costs')}: {exc} (one value per rank)") from None
-    actions = _actions(stages, chunks, schedule, v if schedule == "interleaved" else 1)
+    actions = _actions(stages, chunks, schedule, traits(schedule).stages_per_rank(v))
     if actions > LIMITS["actions"]:
         raise ValueError(
             f"{name('stages')} {stages}, {name('chunks')} {chunks}: up to {actions} actions, "
@@ -111,8 +111,8 @@ def check_settings(
 @dataclass(frozen=True)
 class Settings:
     """Where the page's controls start: K ranks, M micro-batches, the schedule (with
-    ``virtual_stages`` stages per rank when interleaved), the re-materialization mode and the
-    costs of one rank, as ``gpipe simulate`` takes them
+    ``virtual_stages`` stages per rank when it places several on each), the
+    re-materialization mode and the costs of one rank, as ``gpipe simulate`` takes them
     (see ``gpipe.planning.simulate.scenario``)."""
 
     stages: int = 4
@@ -153,7 +153,7 @@ class Measured:
         costs (or the page's defaults if the run is larger than the page plays)."""
         s = self.schedule
         name = s.name if s.name in SCHEDULES else "gpipe"
-        v = s.n_stages // s.n_ranks if name == "interleaved" else 2
+        v = s.n_stages // s.n_ranks if traits(name).several_stages_per_rank else 2
         try:
             return Settings(s.n_ranks, s.n_microbatches, name, v, self.checkpoint)
         except ValueError:

@@ -1,0 +1,248 @@
+"""The receiving side of ``DistributedTransport``: receives posted ahead on every channel.
+
+At the start of a step one receive is posted per channel that will carry anything, and the
+next one as soon as the previous message is taken. A *grow* envelope makes the channel post
+bigger buffers from then on. With separate envelopes (CUDA), a peer's tensors arrive in the
+order it sent them whatever their channel, so the messages sent before the one asked for are
+taken first and kept, each for its own channel.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gpipe.comm import envelope, payload
+from gpipe.comm.channel_map import ChannelMap
+from gpipe.comm.message import Message, what
+from gpipe.comm.named_pipes import PipeClosed, Pipes, PipeTimeout
+from gpipe.errors import PipelineError, StageError
+from gpipe.schedules import RECV_KINDS, RECV_OF, SEND_KINDS, Action, Kind
+
+__all__ = ["FIRST_CAPACITY", "ReceiveAhead"]
+
+FIRST_CAPACITY = 16 * 1024  # bytes a channel's buffers hold until a message needs more
+
+_Channel = tuple[int, int, Kind]  # (source stage, destination stage, receive kind)
+
+
+@dataclass
+class _Arrived:
+    """A message taken off the wire, with what its envelope said."""
+
+    message: Message
+    info: tuple[int, ...]
+    channel: _Channel
+
+
+@dataclass
+class _Inbox:
+    """One receiving channel: the receive posted on it, messages taken but not yet asked for,
+    and how many more to post this step."""
+
+    capacity: int = FIRST_CAPACITY
+    posted: tuple[dist.Work, Tensor] | None = None
+    ready: deque[_Arrived] = field(default_factory=deque)
+    to_post: int = 0
+
+
+@functools.lru_cache(maxsize=64)
+def _receives(program: tuple[Action, ...]) -> dict[_Channel, int]:
+    """How many messages each (source stage, destination stage, kind) channel brings."""
+    counts: dict[_Channel, int] = {}
+    for a in program:
+        if a.kind in RECV_KINDS:
+            key = (a.other_stage, a.stage, a.kind)
+            counts[key] = counts.get(key, 0) + 1  # type: ignore[index]
+    return counts
+
+
+class ReceiveAhead:
+    """Receives of this process (global rank ``me``) over ``channels``: envelopes on
+    ``envelope_group``, and with ``separate`` the tensors after them on ``group``, into
+    ``device``'s memory; from the peers ``pipes`` reach, over the pipes instead."""
+
+    def __init__(
+        self,
+        channels: ChannelMap,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
+        envelope_group: dist.ProcessGroup | None,
+        separate: bool,
+        timeout: float,
+    ) -> None:
+        self._channels = channels
+        self._device = device
+        self._group = group
+        self._envelope_group = envelope_group
+        self._separate = separate
+        self._timeout = datetime.timedelta(seconds=timeout)
+        self._timeout_s = timeout
+        self._me = dist.get_rank()
+        self._inboxes: dict[tuple[int, int], _Inbox] = {}  # (peer rank, tag)
+        # separate envelopes: each peer's messages to this process in the order it sends them
+        self._sends_from: dict[int, deque[_Channel]] = {}
+        self.pipes: Pipes | None = None
+
+    def _inbox(self, src: int, dst: int, kind: Kind) -> tuple[tuple[int, int], _Inbox]:
+        key = (self._channels.rank(src), self._channels.tag(kind, src, dst))
+        inbox = self._inboxes.get(key)
+        if inbox is None:
+            inbox = self._inboxes[key] = _Inbox()
+        return key, inbox
+
+    def _piped(self, key: tuple[int, int]) -> bool:
+        return self.pipes is not None and key in self.pipes.incoming
+
+    def begin(self, programs: Sequence[Sequence[Action]], rank: int) -> None:
+        """Post the first receive of every channel that rank ``rank``'s program receives on
+        (``programs`` are every rank's, in the pipeline group's numbering)."""
+        program = tuple(programs[rank])
+        if self._separate:
+            self._plan_order(programs, rank)
+        for (src, dst, kind), count in _receives(program).items():
+            if self._channels.rank(src) == self._me:
+                continue
+            key, inbox = self._inbox(src, dst, kind)
+            if self._piped(key):
+                continue  # the kernel holds what arrives: nothing to post
+            inbox.to_post = count - len(inbox.ready) - (inbox.posted is not None)
+            if inbox.to_post < 0:
+                raise PipelineError(f"stage {dst}: more messages arrived than the step expects")
+            if inbox.posted is None and inbox.to_post:
+                self._post(key, inbox)
+
+    def _plan_order(self, programs: Sequence[Sequence[Action]], rank: int) -> None:
+        """For separate envelopes: the order in which each peer sends to this rank, less the
+        messages already taken (by ``peek``), which must be the first ones."""
+        self._sends_from = {}
+        for peer, program in enumerate(programs):
+            if peer == rank:
+                continue
+            order: deque[_Channel] = deque()
+            for a in program:
+                dst = a.other_stage
+                if a.kind in SEND_KINDS and self._channels.stage_to_rank[dst] == rank:  # type: ignore[index]
+                    order.append((a.stage, dst, RECV_OF[a.kind]))  # type: ignore[arg-type]
+            self._sends_from[self._channels.global_rank(peer)] = order
+        for (peer, _), inbox in self._inboxes.items():
+            for arrived in inbox.ready:
+                order = self._sends_from.get(peer, deque())
+                if not order or order[0] != arrived.channel:
+                    raise PipelineError("a message arrived ahead of the order it was sent in")
+                order.popleft()
+
+    def peek(self, src: int, dst: int, kind: Kind) -> tuple[int, ...]:
+        """The info words of the next message from stage ``src``, which stays to be received."""
+        _, inbox = self._inbox(src, dst, kind)
+        if not inbox.ready:
+            inbox.ready.append(self._take_one(src, dst, 0, kind))
+        return inbox.ready[0].info
+
+    def recv(self, src: int, dst: int, microbatch: int, kind: Kind) -> Message:
+        """The next message of a channel: one taken already, or the one on its way."""
+        _, inbox = self._inbox(src, dst, kind)
+        if inbox.ready:
+            return inbox.ready.popleft().message
+        return self._take(src, dst, microbatch, kind).message
+
+    def _post(self, key: tuple[int, int], inbox: _Inbox) -> None:
+        buffer = torch.empty(inbox.capacity, dtype=torch.uint8)
+        work = dist.irecv(buffer, src=key[0], group=self._envelope_group, tag=key[1])
+        inbox.posted = (work, buffer)
+        inbox.to_post -= 1
+
+    def _wait(self, work: dist.Work, dst: int, src: int, microbatch: int, kind: Kind) -> None:
+        try:
+            work.wait(self._timeout)
+        except RuntimeError as exc:
+            text = str(exc).lower()
+            reason = (
+                f"timed out after {self._timeout_s:g} s"
+                if "timed out" in text or "timeout" in text
+                else f"lost stage {src} ({str(exc).splitlines()[0]})"
+            )
+            raise StageError(dst, f"{reason} waiting for {what(kind, microbatch, src)}") from exc
+
+    def _take(self, src: int, dst: int, microbatch: int, kind: Kind) -> _Arrived:
+        """The next message of a channel. With separate envelopes, the peer's messages sent
+        before it are taken first (and kept for their own channels): NCCL delivers tensors
+        between two processes in the order they were sent."""
+        order = self._sends_from.get(self._channels.rank(src))
+        if order:
+            while order[0] != (src, dst, kind):
+                earlier = order.popleft()
+                _, inbox = self._inbox(*earlier)
+                inbox.ready.append(self._take_one(earlier[0], earlier[1], -1, earlier[2]))
+            order.popleft()
+        return self._take_one(src, dst, microbatch, kind)
+
+    def _take_one(self, src: int, dst: int, microbatch: int, kind: Kind) -> _Arrived:
+        """Wait for the next envelope of a channel and read it; post the receive after it."""
+        key, inbox = self._inbox(src, dst, kind)
+        if self._piped(key):
+            return self._take_piped(key, src, dst, microbatch, kind)
+        while True:
+            if inbox.posted is None:
+                inbox.to_post = max(inbox.to_post, 1)
+                self._post(key, inbox)
+            work, buffer = inbox.posted  # type: ignore[misc]
+            self._wait(work, dst, src, microbatch, kind)
+            inbox.posted = None
+            words = envelope.header_words(buffer)
+            if words[0] != envelope.GROW:
+                break
+            inbox.capacity = words[1]  # the message follows in a bigger buffer
+        items, form, info, used, structure = envelope.read(buffer, words)
+        if self._separate:
+            items = self._fetch(items, key[0], dst, src, microbatch, kind)
+        elif used < buffer.numel() - buffer.numel() // 8:  # much slack: do not keep it alive
+            items = tuple(None if t is None else t.clone() for t in items)
+        if inbox.to_post > 0:
+            self._post(key, inbox)
+        return _Arrived(payload.decode(items, form, structure), info, (src, dst, kind))
+
+    def _take_piped(
+        self, key: tuple[int, int], src: int, dst: int, microbatch: int, kind: Kind
+    ) -> _Arrived:
+        assert self.pipes is not None
+        try:
+            items, form, info, structure = self.pipes.recv(key, self._timeout_s)
+        except PipeTimeout as exc:
+            raise StageError(
+                dst,
+                f"timed out after {self._timeout_s:g} s waiting for {what(kind, microbatch, src)}",
+            ) from exc
+        except PipeClosed as exc:
+            raise StageError(
+                dst, f"lost stage {src} ({exc}) waiting for {what(kind, microbatch, src)}"
+            ) from exc
+        return _Arrived(payload.decode(items, form, structure), info, (src, dst, kind))
+
+    def _fetch(
+        self,
+        described: tuple[Tensor | None, ...],
+        peer: int,
+        dst: int,
+        src: int,
+        microbatch: int,
+        kind: Kind,
+    ) -> tuple[Tensor | None, ...]:
+        """Separate envelopes: receive the tensors themselves, in the order they were sent."""
+        out: list[Tensor | None] = []
+        for t in described:
+            if t is None:
+                out.append(None)
+                continue
+            buffer = torch.empty(t.shape, dtype=t.dtype, device=self._device)
+            work = dist.irecv(buffer, src=peer, group=self._group, tag=0)
+            self._wait(work, dst, src, microbatch, kind)
+            out.append(buffer.requires_grad_(t.requires_grad))
+        return tuple(out)

@@ -1,0 +1,148 @@
+"""Where a pipeline's stages sit on its ranks, and this rank's stages built: their layers made
+real on its device, parameters tied across stages untied into copies, skips between stages."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpipe.parallel.ties import Tie, find_ties, untie
+from gpipe.runtime.batchnorm import convert_deferred_batch_norm
+from gpipe.runtime.partitions import materialize, stage_bounds
+from gpipe.runtime.recompute import Layers, recomputed_layers
+from gpipe.runtime.stage import LossFn, Stage
+from gpipe.schedules import SCHEDULES, traits
+from gpipe.skip.layout import SkipLayout
+from gpipe.skip.skippable import Skip
+
+__all__ = ["BuiltStages", "RankPlacement", "StageRecipe", "build_stages", "check_stages_per_rank"]
+
+
+def check_stages_per_rank(n_stages: int, n_ranks: int, schedule: str) -> None:
+    """Refuse stages that do not sit evenly on the ranks, or several stages per rank under a
+    schedule that places one on each."""
+    placing = " or ".join(
+        f"schedule={name!r}" for name in SCHEDULES if traits(name).several_stages_per_rank
+    )
+    if n_stages % n_ranks:
+        raise ValueError(
+            f"balance has {n_stages} partitions but the process group has {n_ranks} "
+            "processes; Pipeline runs one stage per process, or the same number of stages "
+            f"on each with {placing}"
+        )
+    if n_stages != n_ranks and not traits(schedule).several_stages_per_rank:
+        raise ValueError(
+            f"balance has {n_stages} partitions for {n_ranks} processes: several stages per "
+            f"process need {placing}, not {schedule!r}"
+        )
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Which stages each rank of the pipeline's group holds: of ``len(balance)`` stages on K
+    ranks, rank r holds r, r + K, r + 2K, ... (one stage, unless the schedule loops)."""
+
+    balance: tuple[int, ...]
+    rank: int
+    n_ranks: int
+    group: dist.ProcessGroup | None  # None: the whole world
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.balance)
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """This rank's stages, in order."""
+        return tuple(range(self.rank, self.n_stages, self.n_ranks))
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank_of(0) == self.rank
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank_of(self.n_stages - 1) == self.rank
+
+    def rank_of(self, stage: int) -> int:
+        """The rank (in the pipeline's group) that holds ``stage``."""
+        return stage % self.n_ranks
+
+    def global_rank(self, rank: int) -> int:
+        """The rank in the world of rank ``rank`` of the pipeline's group."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def stage_of(self, layer: int) -> int:
+        """The stage that holds layer ``layer`` of the whole model."""
+        bounds = stage_bounds(self.balance)
+        if not 0 <= layer < bounds[-1][1]:
+            raise IndexError(f"layer must be in [0, {bounds[-1][1]}), got {layer}")
+        return next(s for s, (start, stop) in enumerate(bounds) if start <= layer < stop)
+
+
+@dataclass(frozen=True)
+class StageRecipe:
+    """How this rank builds its stages and what they run with."""
+
+    device: torch.device
+    chunks: int
+    checkpoint: str | Layers
+    loss_fn: LossFn | None
+    autocast: torch.dtype | None
+    deferred_batch_norm: bool
+    seed: int  # of the initialization of layers built on the meta device
+
+
+class BuiltStages(NamedTuple):
+    """This rank's stages, and what the whole pipeline shares about them."""
+
+    layers: dict[str, nn.Module]  # this rank's layers, by their names in the whole model
+    stages: dict[int, Stage]
+    ties: list[Tie]  # parameters that layers of several stages share
+    skip_layout: SkipLayout
+
+
+def build_stages(
+    module: nn.Sequential, skips: Sequence[Skip], placement: RankPlacement, recipe: StageRecipe
+) -> BuiltStages:
+    """Build this rank's stages out of ``module``, identical on every rank: only this rank's
+    layers are allocated (and, built on the meta device, initialized from the seed and their
+    index, so that the weights do not depend on the number of stages)."""
+    balance = list(placement.balance)
+    skip_layout = SkipLayout(skips, balance)
+    recomputed = recomputed_layers(recipe.checkpoint, module, balance)
+    # a parameter that layers of several stages share: a copy on each, gradients summed
+    # over the copies at the end of every step (so they stay equal)
+    ties = find_ties(module, balance)
+    untie(module, ties)
+    children = list(module.named_children())
+    layers: dict[str, nn.Module] = {}
+    stages: dict[int, Stage] = {}
+    for stage in placement.stages:
+        start, stop = stage_bounds(balance)[stage]
+        for index in range(start, stop):
+            name, layer = children[index]
+            if recipe.deferred_batch_norm:
+                layer = convert_deferred_batch_norm(layer, recipe.chunks, auto_commit=False)
+            layers[name] = materialize(layer, index, recipe.device, recipe.seed)
+        partition = nn.Sequential(
+            OrderedDict((name, layers[name]) for name, _ in children[start:stop])
+        )
+        stages[stage] = Stage(
+            stage,
+            placement.n_stages,
+            partition,
+            recipe.device,
+            recipe.loss_fn,
+            ports=skip_layout.ports(stage),
+            autocast=recipe.autocast,
+            recomputed_layers=recomputed[stage],
+            payloads=True,
+        )
+    return BuiltStages(layers, stages, ties, skip_layout)

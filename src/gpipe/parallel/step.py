@@ -1,0 +1,397 @@
+"""One step of this rank's stages: its share of a mini-batch in, its program of the schedule
+run over the transport, and the loss, outputs and times out, known to every rank that needs
+them; with replicas, gradients summed over them while the last backward still runs."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gpipe.comm.distributed import DistributedTransport
+from gpipe.comm.named_pipes import open_pipes
+from gpipe.comm.payload import tensors_of, with_tensors
+from gpipe.errors import StageError
+from gpipe.parallel.loss_weights import loss_weights, scatter_targets
+from gpipe.parallel.placement import BuiltStages, RankPlacement
+from gpipe.parallel.replicas import GradientBuckets, Replicas
+from gpipe.parallel.ties import TiedGradients
+from gpipe.runtime.batchnorm import commit_deferred_batch_norm
+from gpipe.runtime.executor import StepData, run_program
+from gpipe.runtime.failed_step import forget_failed_step
+from gpipe.runtime.microbatch import (
+    Batch,
+    check_payload,
+    gather_payload,
+    payload_to,
+    scatter_payload,
+    split_sizes,
+)
+from gpipe.runtime.timeline import Recorder
+from gpipe.schedules import Action, Kind, Schedule
+
+__all__ = ["StepResult", "StepRunner", "StepTimes", "connect"]
+
+ScheduleFor = Callable[[int], Schedule]  # the schedule of a step with that many micro-batches
+
+
+class StepResult(NamedTuple):
+    """What ``step(..., return_outputs=True)`` returns: the loss on every rank; on the last
+    stage the mini-batch's outputs (detached, micro-batches gathered in order) and each
+    micro-batch's loss, as ``loss_fn`` gave it; None elsewhere."""
+
+    loss: Tensor
+    outputs: Batch | None
+    losses: list[Tensor] | None
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Where this rank's time went in the last ``step``: ``busy`` seconds of forward and
+    backward out of ``total``; the rest is the bubble plus communication. With replicas,
+    ``allreduce_wait`` seconds went to waiting for the gradients' sums after the last
+    backward, of ``allreduce_buckets`` buckets of which ``allreduce_early`` had started
+    during it."""
+
+    total: float
+    busy: float
+    allreduce_wait: float = 0.0
+    allreduce_buckets: int = 0
+    allreduce_early: int = 0
+
+    @property
+    def idle_fraction(self) -> float:
+        return 1.0 - self.busy / self.total if self.total > 0 else 0.0
+
+
+def connect(
+    placement: RankPlacement,
+    routes: tuple[tuple[int, int], ...],
+    device: torch.device,
+    timeout: float,
+    local_pipes: bool,
+) -> DistributedTransport:
+    """The point-to-point transport of this rank's stages (and the skips ``routes`` between
+    stages); on CPU with ``local_pipes``, through pipes to the processes of this machine."""
+    # where the host cannot read the tensors cheaply, their descriptions go on a gloo group
+    envelopes = None
+    if device.type != "cpu" and placement.n_ranks > 1:
+        ranks = [placement.global_rank(r) for r in range(placement.n_ranks)]
+        envelopes = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    transport = DistributedTransport(
+        [placement.rank_of(s) for s in range(placement.n_stages)],
+        device,
+        placement.group,
+        timeout,
+        envelope_group=envelopes,
+    )
+    if local_pipes and device.type == "cpu" and placement.n_ranks > 1:
+        receives, sends = transport.channels(placement.stages, routes)
+        transport.use_pipes(open_pipes(receives, sends, placement.group))
+    return transport
+
+
+def _gradient_points(program: tuple[Action, ...]) -> tuple[set[Action], set[Action]]:
+    """Where each stage's gradients become final: the actions before which its buckets arm
+    (its last backward, when whole: one autograd pass, so each gradient is added to once),
+    and the ones after which the rest start (its last backward or, split, its last W, which
+    may add to a gradient in several passes)."""
+    last: dict[int, Action] = {}
+    for a in program:
+        if a.kind in (Kind.BACKWARD, Kind.WEIGHT):
+            last[a.stage] = a
+    arm = {a for a in last.values() if a.kind is Kind.BACKWARD}
+    return arm, set(last.values())
+
+
+class StepRunner:
+    """Runs this rank's stages through training steps, evaluations and forwards.
+
+    Building it is collective over the pipeline (the transport's groups and pipes, the ties'
+    group, and the tied copies made equal). ``params``: this rank's parameters by their names
+    in the whole model, copies of tied ones included."""
+
+    def __init__(
+        self,
+        placement: RankPlacement,
+        built: BuiltStages,
+        params: dict[str, nn.Parameter],
+        *,
+        device: torch.device,
+        chunks: int,
+        loss_reduction: str,
+        timeout: float,
+        local_pipes: bool,
+        replicas: Replicas | None,
+        bucket_bytes: float | None,
+        deferred_batch_norm: bool,
+        recorder: Recorder | None,
+    ) -> None:
+        self.placement = placement
+        self.stages = built.stages
+        self.device = device
+        self.chunks = chunks
+        self.loss_reduction = loss_reduction
+        self.timeout = timeout
+        self.replicas = replicas
+        self.deferred_batch_norm = deferred_batch_norm
+        self.recorder = recorder
+        self.transport = connect(placement, built.skip_layout.routes, device, timeout, local_pipes)
+        self.buckets: dict[int, GradientBuckets] = {}  # each stage's, summed over replicas
+        if replicas is not None:
+            for stage, runner in self.stages.items():
+                params_ = list(runner.module.parameters())
+                self.buckets[stage] = GradientBuckets(params_, replicas, stage, bucket_bytes)
+        self._rows_all = 0  # rows of the step over every replica
+        self.tied = TiedGradients(
+            built.ties,
+            params,
+            placement.stages,
+            placement.rank_of,
+            placement.global_rank,
+            timeout,
+        )
+        self.tied.broadcast()  # each rank built its own copy: start them equal
+
+    @property
+    def stage_index(self) -> int:
+        """This rank's first stage, which its errors name."""
+        return self.placement.stages[0]
+
+    # -- the three kinds of step ------------------------------------------------------------
+    def train(
+        self,
+        inputs: Any,
+        targets: Any,
+        schedule_for: ScheduleFor,
+        *,
+        scale: float,
+        counts: Any,
+        keep_outputs: bool,
+        training: bool,
+    ) -> tuple[Tensor | StepResult, StepTimes]:
+        """Forward and backward of one mini-batch, with the loss scaled by ``scale`` on the last
+        stage; returns the loss (a ``StepResult`` with ``keep_outputs``) and the times."""
+        started = perf_counter()
+        rows, m, batch = self._start(inputs)
+        sizes = split_sizes(rows, self.chunks)
+        schedule = schedule_for(m)
+        data = self._data(
+            batch,
+            build_graph=True,
+            checkpoint=schedule.recomputed.__contains__,
+            keep_outputs=keep_outputs,
+        )
+        if self.placement.is_last:
+            self._targets(targets, rows, sizes, data, scale, counts)
+        busy = self._run(schedule, data, training)
+        try:
+            loss = self._loss(data, m) / scale
+            waited, buckets, early = self._sum_gradients()
+            self.tied.sum()
+        except BaseException:
+            self._forget_sums()  # a retried step must not take this one's sums
+            raise
+        times = StepTimes(perf_counter() - started, busy, waited, buckets, early)
+        return self._answer(loss, data, m, keep_outputs), times
+
+    def evaluate(
+        self,
+        inputs: Any,
+        targets: Any,
+        schedule_for: ScheduleFor,
+        *,
+        counts: Any,
+        keep_outputs: bool,
+        training: bool,
+    ) -> Tensor | StepResult:
+        """The mini-batch loss of a forward alone (a ``StepResult`` with ``keep_outputs``)."""
+        rows, m, batch = self._start(inputs)
+        sizes = split_sizes(rows, self.chunks)
+        data = self._data(batch, build_graph=False, keep_outputs=keep_outputs)
+        if self.placement.is_last:
+            self._targets(targets, rows, sizes, data, counts=counts)
+        self._run(schedule_for(m), data, training)
+        loss = self._loss(data, m)
+        return self._answer(loss, data, m, keep_outputs)
+
+    def forward(self, inputs: Any, schedule_for: ScheduleFor, training: bool) -> Any:
+        """The outputs of a forward alone, on the last stage; None elsewhere."""
+        _, m, batch = self._start(inputs)
+        data = self._data(batch, build_graph=False)
+        self._run(schedule_for(m), data, training)
+        if not self.placement.is_last:
+            return None
+        return gather_payload([data.outputs[i] for i in range(m)])
+
+    # -- in and out ---------------------------------------------------------------------------
+    def _start(self, inputs: Any) -> tuple[int, int, Batch | None]:
+        """The mini-batch's row and micro-batch counts, and on the first rank its inputs.
+
+        The first rank reads them off the inputs; every other rank off the envelope of its
+        first message, which every step's program begins by receiving, so the pipeline needs
+        no collective for them. Replicas share their row counts (one small all-reduce), and a
+        traced step aligns the ranks' clocks with a broadcast."""
+        batch = None
+        if self.recorder is not None:
+            if self.placement.n_ranks > 1:  # align the ranks' clocks: a step starts here
+                self._broadcast(torch.zeros(1, device=self.device), 0, "the start of the step")
+            self.recorder.step()
+        if self.placement.is_first:
+            try:
+                rows = check_payload(inputs, "inputs")
+            except (TypeError, ValueError):
+                if self.replicas is not None:  # the other replicas stop too, not time out
+                    with contextlib.suppress(ValueError, StageError):
+                        self.replicas.rows(-1, self.stage_index)
+                raise
+            batch = payload_to(inputs, self.device)
+            m = len(split_sizes(rows, self.chunks))
+        else:
+            first = self.placement.stages[0]
+            m, rows = self.transport.peek(first - 1, first, Kind.RECV_F)
+        self.transport.info = (m, rows)
+        self._rows_all = rows
+        if self.replicas is not None:
+            self._rows_all = sum(self.replicas.rows(rows, self.stage_index))
+        return rows, m, batch
+
+    def _data(self, batch: Batch | None, **options: Any) -> StepData:
+        """The step's data, with the inputs split into micro-batches on the first rank."""
+        data = StepData(n_stages=self.placement.n_stages, **options)
+        if batch is not None:
+            data.inputs = scatter_payload(batch, self.chunks)
+        return data
+
+    def _targets(
+        self,
+        targets: Any,
+        rows: int,
+        sizes: list[int],
+        data: StepData,
+        scale: float = 1.0,
+        counts: Any = None,
+    ) -> None:
+        """Give the last stage each micro-batch's target and the weight of its loss."""
+        data.targets = scatter_targets(targets, rows, len(sizes), self.chunks, self.device)
+        data.loss_weights = loss_weights(
+            sizes,
+            self.loss_reduction,
+            rows_all=self._rows_all,
+            scale=scale,
+            counts=counts,
+            replicas=self.replicas,
+            stage=self.stage_index,
+            device=self.device,
+        )
+
+    def _loss(self, data: StepData, m: int) -> Tensor:
+        """The mini-batch loss, computed on the last stage and known to every rank."""
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.placement.is_last:
+            loss += sum(data.losses[i].double() for i in range(m))
+        if self.placement.n_ranks > 1:
+            last = self.placement.rank_of(self.placement.n_stages - 1)
+            self._broadcast(loss, last, "the loss")
+        if self.replicas is not None:
+            self.replicas.sum(loss, "the loss", self.stage_index)
+        return loss
+
+    def _answer(
+        self, loss: Tensor, data: StepData, m: int, keep_outputs: bool
+    ) -> Tensor | StepResult:
+        """The loss; with ``keep_outputs``, also the last stage's outputs and per-micro-batch
+        losses."""
+        if not keep_outputs:
+            return loss
+        if not self.placement.is_last:
+            return StepResult(loss, None, None)
+        assert data.loss_weights is not None
+        outputs = gather_payload([data.outputs[i] for i in range(m)])
+        outputs = with_tensors(outputs, [t.detach() for t in tensors_of(outputs)])
+        losses = [
+            (data.losses[i] / data.loss_weights[i]).detach() if data.loss_weights[i] else None
+            for i in range(m)
+        ]
+        return StepResult(loss, outputs, losses)  # type: ignore[arg-type]
+
+    def _broadcast(self, value: Tensor, src_rank: int, what: str) -> Tensor:
+        """Broadcast from ``src_rank``; losing it ends in StageError rather than a hang."""
+        src_stage = src_rank  # its first stage
+        work = dist.broadcast(
+            value,
+            src=self.placement.global_rank(src_rank),
+            group=self.placement.group,
+            async_op=True,
+        )
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            raise StageError(
+                self.stage_index, f"lost stage {src_stage} while waiting for {what} ({exc})"
+            ) from exc
+        return value
+
+    # -- running the program ----------------------------------------------------------------
+    def _run(self, schedule: Schedule, data: StepData, training: bool) -> float:
+        """Run this rank's program; returns the seconds spent computing (forward, backward)."""
+        busy = 0.0
+        recorder = self.recorder
+        program = schedule.programs[self.placement.rank]
+        self.transport.begin(schedule.programs, self.placement.rank)
+        arm, launch = _gradient_points(program) if self.buckets else (set(), set())
+
+        def before(action: Action) -> None:
+            if action in arm:
+                self.buckets[action.stage].arm()
+
+        def timed(action: Action, start: float, end: float) -> None:
+            nonlocal busy
+            if action.is_compute:
+                busy += end - start
+            if action in launch:
+                self.buckets[action.stage].launch()
+            if recorder is not None:
+                recorder.on_action(action, start, end)
+
+        try:
+            run_program(
+                program,
+                self.stages,
+                self.transport,
+                data,
+                on_action=timed,
+                before_action=before if arm else None,
+            )
+        except BaseException:
+            forget_failed_step(self.stages.values())
+            self._forget_sums()
+            raise
+        if self.deferred_batch_norm and training:
+            modules = [stage.module for stage in self.stages.values()]
+            if self.replicas is not None:
+                self.replicas.merge_batch_norm(modules, self.stage_index)
+            for module in modules:
+                commit_deferred_batch_norm(module)
+        return busy
+
+    def _sum_gradients(self) -> tuple[float, int, int]:
+        """Wait for the replicas' gradient sums; returns seconds waited, buckets, early."""
+        waited, buckets, early = 0.0, 0, 0
+        for grads in self.buckets.values():
+            seconds, started = grads.finish()
+            waited += seconds
+            buckets += len(grads.buckets)
+            early += started
+        return waited, buckets, early
+
+    def _forget_sums(self) -> None:
+        for buckets in self.buckets.values():
+            buckets.reset()

@@ -1,0 +1,58 @@
+"""The training job's settings: how to train, and what each rank is handed to run its stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["PRECISIONS", "RunSpec", "TrainOptions"]
+
+# autocast's dtype for each --precision; None runs without autocast
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainOptions:
+    """How to train; the model's shape lives in GPTConfig."""
+
+    stages: int = 2
+    data_parallel: int = 1  # replicas of the pipeline; --batch-size is split among them
+    chunks: int = 8
+    checkpoint: str = "except_last"
+    schedule: str = "gpipe"
+    virtual_stages: int = 1  # stages per process, for the interleaved schedule
+    balance: str = "time"  # time, params, even, or layers per stage such as "3,3"
+    steps: int = 200
+    batch_size: int = 32
+    seq_len: int | None = None  # default: the model's maximum
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 4
+    save_every: int = 50  # 0: only at the end; docs/train.md says why 50
+    seed: int = 0
+    device: str = "cpu"
+    precision: str = "fp32"  # fp32, bf16 (autocast) or fp16 (autocast and loss scaling)
+    data: str | None = None
+    timeout: float = 300.0
+    sample_tokens: int = 300
+    prompt: str = "def "
+    quiet: bool = False
+    trace: bool = False  # write the last step's timeline into the run folder
+
+
+@dataclass
+class RunSpec:
+    """Everything a rank needs to run its stage; small and picklable for new processes."""
+
+    model: dict[str, Any]
+    train: dict[str, Any]
+    out: str
+    resume: bool = False  # continue from the newest checkpoint that verifies; one must
+    restarted: bool = False  # the job was here before: continue from one if any verifies
+    extra: dict[str, Any] = field(default_factory=dict)

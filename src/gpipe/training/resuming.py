@@ -1,0 +1,53 @@
+"""Continuing a run: which checkpoint every rank starts from, and the metrics log cut to it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from gpipe.training.checkpoints import discard_partial, latest_checkpoint
+
+__all__ = ["resume_point", "trim_metrics"]
+
+
+def resume_point(out: Path, required: bool, restarted: bool) -> Path | None:
+    """The checkpoint to continue from, the same for every rank: rank 0 clears what unfinished
+    saves left and takes the newest checkpoint that verifies (warning of each newer one that
+    does not). None for a new run, or a restarted one that has no good checkpoint yet."""
+    if not (required or restarted):
+        return None
+    root = out / "checkpoints"
+    choice: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        discard_partial(root)
+        path = latest_checkpoint(root)
+        choice = [None if path is None else path.name]
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        if required and not restarted:
+            raise FileNotFoundError(f"no checkpoint in {root} verifies; nothing to resume from")
+        return None
+    return root / choice[0]
+
+
+def trim_metrics(path: Path, step: int) -> None:
+    """Keep the metrics of steps up to ``step``: a restarted run logs the steps after its
+    checkpoint again, so its log reads as one uninterrupted run's."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
+    temporary = path.with_name(f".{path.name}.tmp")  # renamed, so the log is never half gone
+    temporary.write_text("".join(line + "\n" for line in kept))
+    os.replace(temporary, path)
+
+
+def _step_of(line: str) -> float:
+    """The step a metrics line is of; infinite for a line cut short by a lost process."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf

@@ -1,0 +1,276 @@
+"""One rank's part of a training run: its stage, optimizer and data, stepped to the end."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpipe.parallel.replicas import shard
+from gpipe.pipeline import Pipeline
+from gpipe.runtime.microbatch import split_sizes
+from gpipe.training.balance_choice import choose_balance
+from gpipe.training.checkpoints import load_checkpoint, read_description, save_checkpoint
+from gpipe.training.corpus import check_same_text, load_corpus
+from gpipe.training.data import BatchSampler, ByteDataset
+from gpipe.training.elastic import join_process_group, kill_point, restart_count
+from gpipe.training.generation import generate_text
+from gpipe.training.models.gpt import GPTConfig, build_gpt, lm_loss
+from gpipe.training.optimization import build_optimizer, learning_rate
+from gpipe.training.options import PRECISIONS, RunSpec, TrainOptions
+from gpipe.training.reporting import Reporter, peak_memory
+from gpipe.training.resuming import resume_point, trim_metrics
+from gpipe.training.tied_copies import TiedCopies
+from gpipe.training.timelines import write_timeline
+
+__all__ = ["StageRun"]
+
+
+def _rank_device(name: str) -> torch.device:
+    """The device named; on CUDA, the GPU of this process's local rank."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+class StageRun:
+    """This rank's share of the job, from joining the process group to the run's summary.
+
+    Every rank draws the same batches from the same seeded sampler; the first stage feeds
+    the inputs and the last the targets. Rank 0 reports, logs and returns the summary."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        opts = self.opts = TrainOptions(**spec.train)
+        self.config = GPTConfig.from_dict(spec.model)
+        self.out = Path(spec.out)
+        self.seq_len = opts.seq_len or self.config.seq_len
+        self.device = _rank_device(opts.device)
+        torch.manual_seed(opts.seed)
+        layers = build_gpt(self.config, device="meta", init_seed=opts.seed)
+        join_process_group(self.device, opts.timeout)  # before anything else starts one
+        self.resumed = spec.resume
+        self.restarted = spec.restarted or restart_count() > 0
+        self.checkpoint = resume_point(self.out, spec.resume, self.restarted)
+        self.pipe = self._build_pipeline(layers)
+        self.replica = self.pipe.replicas.replica if self.pipe.replicas is not None else 0
+        self.world, self.me = dist.get_world_size(), dist.get_rank()
+        self.root = self.me == 0
+        self.tied = TiedCopies(self.pipe, layers)
+        self.optimizer = build_optimizer(self.pipe, opts)
+        # float16 needs its loss scaled; bfloat16 has float32's range and needs none
+        fp16 = opts.precision == "fp16"
+        self.scaler = torch.amp.GradScaler(self.device.type) if fp16 else None
+        corpus = load_corpus(opts.data)
+        check_same_text(corpus, self.pipe)
+        self.dataset = ByteDataset.split(corpus)
+        self.sampler = BatchSampler(
+            self.dataset.train, opts.batch_size, self.seq_len, seed=opts.seed
+        )
+        self.tokens_per_step = opts.batch_size * self.seq_len
+        self.step = 0
+        self.train_loss = self.val_loss = float("nan")
+
+    def _build_pipeline(self, layers: nn.Sequential) -> Pipeline:
+        """This rank's stage; a resumed run keeps the balance its checkpoint was trained with."""
+        opts = self.opts
+        measured = read_description(self.checkpoint).get("balance") if self.checkpoint else None
+        return Pipeline(
+            layers,
+            choose_balance(opts, layers, self.config, self.seq_len, self.device, measured),
+            chunks=opts.chunks,
+            checkpoint=opts.checkpoint,
+            schedule=opts.schedule,
+            loss_fn=lm_loss,
+            device=self.device,
+            data_parallel=opts.data_parallel,
+            autocast=PRECISIONS[opts.precision],
+            seed=opts.seed,
+            timeout=opts.timeout,
+            trace=opts.trace,
+        )
+
+    def run(self) -> dict[str, Any] | None:
+        """Train to the last step; returns the run's summary on rank 0 and None elsewhere."""
+        self.restore()
+        reporter = Reporter(self.opts, self.out, self.step, enabled=self.root)
+        started, trained_from = time.perf_counter(), self.step
+        try:
+            while self.step < self.opts.steps:
+                self._step_and_report(reporter)
+        finally:
+            reporter.close()
+        elapsed = time.perf_counter() - started
+        self.save()
+        return self._summary(elapsed, self.step - trained_from)
+
+    def restore(self) -> None:
+        """Continue from the checkpoint, if there is one: weights, optimizer, sampler, step
+        and loss scale; rank 0 cuts the metrics log back to the step continued from."""
+        if self.checkpoint is not None:
+            held = {"sampler": self.sampler.state_dict(), "step": 0}
+            if self.scaler is not None:
+                held["scaler"] = self.scaler.state_dict()
+            restored = load_checkpoint(
+                self.checkpoint, self.pipe, self.optimizer, held, group=self.pipe.group
+            )
+            self.sampler.load_state_dict(restored["sampler"])
+            self.step = int(restored["step"])
+            if self.scaler is not None:
+                self.scaler.load_state_dict(restored["scaler"])
+        if self.root and (self.resumed or self.restarted):
+            trim_metrics(self.out / "metrics.jsonl", self.step)
+            how = "restarted" if self.restarted else "resumed"
+            where = (
+                f"from {self.checkpoint}"
+                if self.checkpoint
+                else "with no checkpoint to continue from"
+            )
+            stages = self.pipe.balance
+            print(f"{how} {where}: training from step {self.step}, stages {stages}", flush=True)
+
+    def _mine(self, batch: torch.Tensor) -> torch.Tensor:
+        """This replica's rows of a global mini-batch."""
+        replicas = self.opts.data_parallel
+        return shard(batch, self.replica, replicas) if replicas > 1 else batch
+
+    def _step_and_report(self, reporter: Reporter) -> None:
+        """One training step, then what is due after it: evaluation, the log line, a save."""
+        opts = self.opts
+        record = self._train_step()
+        if self.step % opts.eval_every == 0 or self.step == opts.steps:
+            self.val_loss = record["val_loss"] = self.evaluate()
+        reporter.step(record)
+        if opts.save_every and self.step % opts.save_every == 0 and self.step != opts.steps:
+            self.save()
+
+    def _train_step(self) -> dict[str, Any]:
+        """Train on the next mini-batch; returns the step's metrics."""
+        opts, pipe = self.opts, self.pipe
+        kill_point("step", self.step + 1)  # tests only: GPIPE_TEST_KILL loses this process
+        # Dropout draws from a seed of the step, so a resumed run draws the same masks.
+        torch.manual_seed(opts.seed * 1_000_003 + self.step * self.world + self.me)
+        lr = learning_rate(self.step, opts)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = self.sampler.next()  # the global mini-batch, the same on every rank
+        x, y = self._mine(x), self._mine(y)
+        tick = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = pipe.step(
+            x if pipe.is_first else None, y if pipe.is_last else None, scaler=self.scaler
+        )
+        norm = self._apply_gradients()
+        seconds = time.perf_counter() - tick
+        self.step += 1
+        bubble = self._measured_bubble()
+        self.train_loss = float(loss)
+        if opts.trace and self.step == opts.steps:  # collective, before evaluate() records
+            events = pipe.timeline()
+            if self.root:
+                write_timeline(self.out, events, pipe, len(split_sizes(len(x), opts.chunks)))
+        return {
+            "step": self.step,
+            "loss": self.train_loss,
+            "lr": lr,
+            "grad_norm": float(norm),
+            "seconds": seconds,
+            "tokens_per_s": self.tokens_per_step / seconds,
+            "bubble": bubble,
+        }
+
+    def _apply_gradients(self) -> torch.Tensor:
+        """Sum the tied copies' gradients, clip, and step; returns the gradient norm."""
+        self.tied.sync_grads()
+        norm = self.pipe.clip_grad_norm_(
+            self.opts.grad_clip,
+            parameters=self.tied.counted(self.pipe),
+            scaler=self.scaler,
+            optimizer=self.optimizer,
+        )
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skipped, on every rank alike, if one overflowed
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return norm
+
+    def _measured_bubble(self) -> float:
+        """The share of the last step that the ranks together spent not computing."""
+        last = self.pipe.last_step
+        assert last is not None
+        times = torch.tensor([last.busy, last.total], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(times)
+        return float(1 - times[0] / times[1])
+
+    def evaluate(self) -> float:
+        """The mean loss over the first ``eval_batches`` batches of the held-out text."""
+        opts, pipe = self.opts, self.pipe
+        pipe.eval()
+        val = BatchSampler(self.dataset.val, opts.batch_size, self.seq_len, seed=opts.seed + 1)
+        losses = []
+        for _ in range(opts.eval_batches):
+            x, y = val.next()
+            x = self._mine(x) if pipe.is_first else None
+            losses.append(float(pipe.evaluate(x, self._mine(y))))
+        pipe.train()
+        return sum(losses) / len(losses)
+
+    def save(self) -> None:
+        """Once per stage: the replicas hold the same weights and optimizer state (their
+        gradients are summed, their BatchNorm statistics merged), so replica 0 writes."""
+        if self.replica != 0:
+            return
+        description = {
+            "model": asdict(self.config),
+            "train": asdict(self.opts),
+            "stages": self.pipe.n_ranks,
+            "data_parallel": self.opts.data_parallel,
+            "balance": self.pipe.balance,
+        }
+        extra: dict[str, Any] = {"sampler": self.sampler.state_dict(), "step": self.step}
+        if self.scaler is not None:
+            extra["scaler"] = self.scaler.state_dict()
+        step = self.step
+        save_checkpoint(
+            self.out / "checkpoints",
+            step,
+            self.pipe,
+            self.optimizer,
+            extra,
+            description,
+            group=self.pipe.group,
+            on_written=lambda: kill_point("save", step),
+        )
+
+    def _summary(self, elapsed: float, steps_run: int) -> dict[str, Any] | None:
+        """The sample text and every rank's peak memory, with the run's losses and speed."""
+        opts = self.opts
+        sample = generate_text(
+            self.pipe, opts.prompt, opts.sample_tokens, self.seq_len, opts.seed, self.device
+        )
+        memory: list[int] = [0] * self.world
+        if self.world > 1:
+            dist.all_gather_object(memory, peak_memory(self.device))
+        else:
+            memory = [peak_memory(self.device)]
+        if not self.root:
+            return None
+        tokens = steps_run * self.tokens_per_step
+        return {
+            "steps": self.step,
+            "train_loss": self.train_loss,
+            "val_loss": self.val_loss,
+            "seconds": elapsed,
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+            "peak_memory_bytes": memory,
+            "sample": sample,
+            "balance": self.pipe.balance,
+        }
