@@ -297,8 +297,9 @@ def split(
 
     Args:
         model: any ``nn.Module`` that ``torch.export`` can trace, on a device or on meta.
-        example_args, example_kwargs: inputs as ``model(*example_args, **example_kwargs)``
-            takes them (a lone tensor is taken as one argument), at least 2 rows.
+        example_args: positional inputs as ``model(*example_args, **example_kwargs)`` takes
+            them (a lone tensor is taken as one argument), at least 2 rows.
+        example_kwargs: keyword inputs, the same way.
         at: qualified names of submodules where stages begin (``["layers.4", "layers.8"]``
             gives three stages).
         parts: instead of ``at``, the number of stages, cut between the model's blocks (the
