@@ -99,16 +99,32 @@ class _Exit(nn.Module):
 
 
 class _Stall(nn.Module):
-    """Stalls longer than the peers' timeout, as a hung peer would."""
+    """Stalls longer than the peers' timeout, as a hung peer would, until stage 0 has
+    reported (8 s at most); then ends its process, as a hung peer's watchdog would."""
+
+    def __init__(self, report: str):
+        super().__init__()
+        self.report = report
 
     def forward(self, x):
-        time.sleep(8)
-        return x
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline and not _written(self.report):
+            time.sleep(0.05)
+        os._exit(17)
+
+
+def _written(path: str) -> bool:
+    """Whether stage 0's report is complete: its time, a newline, then its message."""
+    try:
+        with open(path) as f:
+            return "\n" in f.read()
+    except FileNotFoundError:
+        return False
 
 
 def failing_peer(how: str, report: str) -> None:
     """Stage 1 dies or stalls mid-step; stage 0 must raise within its timeout and say so."""
-    last = _Exit() if how == "dies" else _Stall()
+    last = _Exit() if how == "dies" else _Stall(report)
     pipe = Pipeline(
         nn.Sequential(nn.Linear(4, 4), last), [1, 1], chunks=2, timeout=2.0, loss_fn=mse_loss
     )

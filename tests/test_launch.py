@@ -31,3 +31,28 @@ def test_max_restarts_must_be_a_non_negative_integer():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="max_restarts must be a non-negative integer"):
             launch(launch_cases.threads, 2, max_restarts=bad)
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_processes_see_the_callers_directory_and_environment_as_they_are_now(
+    method, monkeypatch, tmp_path
+):
+    """The forkserver starts once, with the environment of its first launch; later launches
+    must still hand over the caller's current directory and variables, removals included."""
+    names = ["GPIPE_PROBE_SET", "GPIPE_PROBE_GONE"]
+    monkeypatch.setenv("GPIPE_PROBE_GONE", "here")
+    launch(launch_cases.threads, 2, start_method=method)  # the server starts, if it must
+    monkeypatch.delenv("GPIPE_PROBE_GONE")
+    monkeypatch.setenv("GPIPE_PROBE_SET", method)
+    monkeypatch.chdir(tmp_path)
+    seen = launch(launch_cases.surroundings, 2, (names,), start_method=method)
+    for rank, there in seen.items():
+        assert there["cwd"] == str(tmp_path)
+        assert there["env"] == {"GPIPE_PROBE_SET": method, "GPIPE_PROBE_GONE": None}
+        assert there["rank"] == str(rank)  # what torchrun's agent sets wins
+        assert there["torch_preloaded"]
+
+
+def test_an_unknown_start_method_is_named():
+    with pytest.raises(ValueError, match=r"start_method must be one of \('forkserver', 'spawn', "):
+        launch(launch_cases.threads, 2, start_method="thread")

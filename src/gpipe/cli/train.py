@@ -384,7 +384,13 @@ def _train(args: argparse.Namespace) -> int:
         finish_process_group()
     else:
         restarts = args.max_restarts or 0
-        summary = launch(run_stage, processes, (spec,), threads=threads, max_restarts=restarts)[0]
+        # spawn: the agent then sees a killed process die at once, and names it as the
+        # failure; through a forkserver its exit is relayed and a peer that stopped on losing
+        # it may be reported first
+        summary = launch(
+            run_stage, processes, (spec,), threads=threads, max_restarts=restarts,
+            start_method="spawn",
+        )[0]  # fmt: skip
     if summary is not None:
         _print_summary(summary, out)
     return 0

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -17,6 +18,11 @@ from gpipe.errors import PipelineError
 __all__ = ["LaunchError", "launch", "threads_per_process"]
 
 _OWN_STORES = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # read by torchrun's c10d rendezvous
+START_METHODS = ("forkserver", "spawn", "fork")
+
+# The environment this module was imported with. In a process forked from the forkserver that
+# is the server's, so what differs from it in a launched process is what torchrun's agent set.
+_ENV_AT_IMPORT = dict(os.environ)
 
 
 class LaunchError(PipelineError):
@@ -39,8 +45,34 @@ def threads_per_process(local_processes: int) -> int:
     return max(1, cores // local_processes)
 
 
+def _preload(fn: Callable[..., Any]) -> None:
+    """Have the forkserver import torch, gpipe and ``fn``'s module once, so that a launched
+    process starts as a fork of a process that has imported them and run nothing else,
+    instead of importing them itself (seconds of CPU each). Takes effect when the server
+    starts, at the first launch of this process."""
+    modules = ["torch", "gpipe", __name__]
+    module = getattr(fn, "__module__", None)
+    if module and module != "__main__":
+        modules.append(module)
+    multiprocessing.set_forkserver_preload(modules)
+
+
+def _take_environment(caller: Mapping[str, str]) -> None:
+    """The caller's environment as it is now, with what torchrun's agent set on top: a
+    forkserver's child inherits the server's, taken when the server started."""
+    agent = {k: v for k, v in os.environ.items() if _ENV_AT_IMPORT.get(k) != v}
+    for name in [k for k in os.environ if k not in caller and k not in agent]:
+        del os.environ[name]
+    os.environ.update(caller)
+    os.environ.update(agent)
+
+
 @record
-def _entry(fn: Callable[..., Any], threads: int | None, *args: Any) -> Any:
+def _entry(
+    fn: Callable[..., Any], threads: int | None, caller: Mapping[str, str] | None, *args: Any
+) -> Any:
+    if caller is not None:
+        _take_environment(caller)
     if threads is not None:
         torch.set_num_threads(threads)
     result = fn(*args)
@@ -64,7 +96,7 @@ def launch(
     threads: int | str | None = "auto",
     max_restarts: int = 0,
     monitor_interval: float = 0.1,
-    start_method: str = "spawn",
+    start_method: str = "forkserver",
 ) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``nprocs`` new processes on this machine; returns rank -> result.
 
@@ -76,6 +108,13 @@ def launch(
     fails, the others are stopped; then torchrun's agent starts them all again, up to
     ``max_restarts`` times (each new process finds TORCHELASTIC_RESTART_COUNT above 0), and
     after that LaunchError names the failed ranks.
+
+    ``start_method`` ``"forkserver"`` (the default, as in Python 3.14) forks each process
+    from a server that imported torch and gpipe once, so processes start in a fraction of a
+    second, restarts included; they see this process's working directory, ``sys.path`` and
+    environment as they are at the call. ``"spawn"`` starts each one from scratch;
+    ``"fork"`` copies this process, which is only safe if it has run no multi-threaded
+    torch work (OpenMP is not fork-safe).
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
@@ -89,6 +128,10 @@ def launch(
         raise ValueError(f"threads must be 'auto', None or a positive integer, got {threads!r}")
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts must be a non-negative integer, got {max_restarts!r}")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    if start_method == "forkserver":
+        _preload(fn)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -105,7 +148,8 @@ def launch(
     shared = os.environ.get(_OWN_STORES)
     os.environ[_OWN_STORES] = "1"
     try:
-        return elastic_launch(config, _entry)(fn, threads, *args)
+        caller = dict(os.environ) if start_method == "forkserver" else None
+        return elastic_launch(config, _entry)(fn, threads, caller, *args)
     except ChildFailedError as exc:
         lines = [f"rank {rank}: {_reason(f)}" for rank, f in sorted(exc.failures.items())]
         raise LaunchError("launched processes failed:\n" + "\n".join(lines)) from None
