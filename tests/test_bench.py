@@ -147,6 +147,7 @@ def test_ideal_ratios_and_bubble_follow_their_definitions():
         (["--skip", "deepspeed"], "--skip: 'deepspeed' names no contender"),
         (["--repeats", "0"], "--repeats must be a positive integer, got 0"),
         (["--memory-chunks", "-1"], "--memory-chunks must be 0 (no memory pass) or more, got -1"),
+        (["--memory-jobs", "0"], "--memory-jobs must be a positive integer, got 0"),
     ],
 )
 def test_bad_options_are_one_line_errors(capsys, args, message):

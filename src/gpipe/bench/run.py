@@ -8,6 +8,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,14 @@ class BenchOptions:
     out: Path = Path("benchmarks/results")
     plots: bool = True
     command: str = "gpipe bench"
-    # "fork" starts the processes in a fraction of a second, but only a parent that has run
-    # no multi-threaded torch work may fork (OpenMP is not fork-safe): the gpipe command's
-    # process qualifies; from a Python session that has trained, use "spawn".
-    start_method: str = "fork"
+    # "forkserver" starts each pass's processes in a fraction of a second from a server that
+    # imported torch and gpipe and ran nothing else, so they are as fresh as spawned ones.
+    start_method: str = "forkserver"
+    # Memory passes at once: each measures its own processes' peak RSS and saved activations,
+    # which other processes do not change, so they need not wait for each other. (With
+    # start_method "fork" they run one at a time: a process running agents in threads must
+    # not fork.)
+    memory_jobs: int = 2
     progress: Callable[[str], None] = field(default=print)
 
 
@@ -81,6 +86,26 @@ def matches(name: str, pattern: str) -> bool:
     """Whether contender ``name`` is ``pattern`` or lies under it ("pytorch" matches
     "pytorch/Schedule1F1B")."""
     return name == pattern or name.startswith(pattern.rstrip("/") + "/")
+
+
+def _memory_passes(
+    workload: str, spec: dict[str, Any], names: list[str], options: BenchOptions
+) -> dict[str, list[dict[str, Any]]]:
+    """Each contender's memory pass in fresh processes, ``options.memory_jobs`` at a time;
+    contender -> its processes' figures by rank, in the order of ``names``."""
+
+    def one(name: str) -> list[dict[str, Any]]:
+        per_rank = launch(
+            memory_pass, K, (spec, name), threads=options.threads,
+            start_method=options.start_method,
+        )  # fmt: skip
+        peak = max(r["rss_peak"] for r in per_rank.values()) / 2**20
+        options.progress(f"{workload}: memory of {name}: peak RSS {peak:.0f} MiB")
+        return [per_rank[r] for r in range(K)]
+
+    jobs = 1 if options.start_method == "fork" else max(1, options.memory_jobs)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return dict(zip(names, pool.map(one, names), strict=True))
 
 
 def run_bench(options: BenchOptions) -> dict[str, Any]:
@@ -123,19 +148,8 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         say(f"{name}: timing done in {time.perf_counter() - started:.0f} s")
         memory: dict[str, list[dict[str, Any]]] = {}
         if options.memory_chunks is not None:
-            for c in chosen:
-                if c.name in timing[0]["skipped"]:
-                    continue
-                per_rank = launch(
-                    memory_pass,
-                    K,
-                    (spec, c.name),
-                    threads=options.threads,
-                    start_method=options.start_method,
-                )
-                memory[c.name] = [per_rank[r] for r in range(K)]
-                peak = max(r["rss_peak"] for r in memory[c.name]) / 2**20
-                say(f"{name}: memory of {c.name}: peak RSS {peak:.0f} MiB")
+            measured = [c.name for c in chosen if c.name not in timing[0]["skipped"]]
+            memory = _memory_passes(name, spec, measured, options)
         results[name] = figures(
             workload, chosen, timing, memory, list(options.chunks), options.memory_chunks
         )

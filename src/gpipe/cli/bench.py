@@ -45,6 +45,13 @@ def add_parser(sub: Any) -> None:
         metavar="M",
         help="micro-batches of the memory pass (default 8; 0 skips the memory pass)",
     )
+    p.add_argument(
+        "--memory-jobs",
+        type=int,
+        default=2,
+        metavar="N",
+        help="memory passes at once, each in fresh processes (default 2; 1 where memory is short)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="measured steps per contender")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps per contender")
     p.add_argument(
@@ -108,9 +115,10 @@ def _bench(args: argparse.Namespace) -> int:
     schedules = _names("schedules", args.schedules, tuple(SCHEDULES))
     modes = _names("modes", args.modes, CHECKPOINT_MODES)
     chunks = _counts("chunks", args.chunks)
-    for flag in ("repeats", "threads"):
+    for flag in ("repeats", "threads", "memory_jobs"):
         if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
+            name = flag.replace("_", "-")
+            raise UsageError(f"--{name} must be a positive integer, got {getattr(args, flag)}")
     if args.warmup < 0:
         raise UsageError(f"--warmup must be 0 or more, got {args.warmup}")
     if args.memory_chunks < 0:
@@ -134,6 +142,7 @@ def _bench(args: argparse.Namespace) -> int:
         size=args.size,
         chunks=chunks,
         memory_chunks=args.memory_chunks or None,
+        memory_jobs=args.memory_jobs,
         repeats=args.repeats,
         warmup=args.warmup,
         schedules=schedules,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -43,6 +45,37 @@ def threads_per_process(local_processes: int) -> int:
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
     return max(1, cores // local_processes)
+
+
+class _OwnStores:
+    """Sets ``_OWN_STORES`` while any launch runs, from any number of threads at once, and
+    puts the caller's value back when the last one ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._saved: str | None = None
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            if self._running == 0:
+                self._saved = os.environ.get(_OWN_STORES)
+                os.environ[_OWN_STORES] = "1"
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+                if self._running == 0:
+                    if self._saved is None:
+                        os.environ.pop(_OWN_STORES, None)
+                    else:
+                        os.environ[_OWN_STORES] = self._saved
+
+
+_own_stores = _OwnStores()
 
 
 def _preload(fn: Callable[..., Any]) -> None:
@@ -145,16 +178,10 @@ def launch(
     )
     # The agent's store outlives a restart, and the addresses the lost processes left in it
     # would have the new ones connect to dead peers: each attempt gets a store of its own.
-    shared = os.environ.get(_OWN_STORES)
-    os.environ[_OWN_STORES] = "1"
-    try:
+    with _own_stores.held():
         caller = dict(os.environ) if start_method == "forkserver" else None
-        return elastic_launch(config, _entry)(fn, threads, caller, *args)
-    except ChildFailedError as exc:
-        lines = [f"rank {rank}: {_reason(f)}" for rank, f in sorted(exc.failures.items())]
-        raise LaunchError("launched processes failed:\n" + "\n".join(lines)) from None
-    finally:
-        if shared is None:
-            del os.environ[_OWN_STORES]
-        else:
-            os.environ[_OWN_STORES] = shared
+        try:
+            return elastic_launch(config, _entry)(fn, threads, caller, *args)
+        except ChildFailedError as exc:
+            lines = [f"rank {rank}: {_reason(f)}" for rank, f in sorted(exc.failures.items())]
+            raise LaunchError("launched processes failed:\n" + "\n".join(lines)) from None
