@@ -178,7 +178,11 @@ def launch(
     )
     # The agent's store outlives a restart, and the addresses the lost processes left in it
     # would have the new ones connect to dead peers: each attempt gets a store of its own.
-    with _own_stores.held():
+    # Without restarts the workers use the agent's store, whose port is already bound: a
+    # store of their own goes on a port the agent found free, which another process may take
+    # before it is bound.
+    owning = _own_stores.held() if max_restarts > 0 else contextlib.nullcontext()
+    with owning:
         caller = dict(os.environ) if start_method == "forkserver" else None
         try:
             return elastic_launch(config, _entry)(fn, threads, caller, *args)
