@@ -59,7 +59,7 @@ DESELECTED = [
     "test_deferred_batch_norm.py::test_input_requiring_grad",
     # asserts that the old balancing module raises; gpipe keeps it as a working, deprecated
     # alias instead (docs/migration.md), so that torchgpipe users' imports go on working
-    "test_balance.py::test_deprecated_torchgpipe_balancing",
+    "test_balance.py::test_deprecated_gpipe_balancing",  # (the name, renamed)
 ]
 
 
