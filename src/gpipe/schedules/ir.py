@@ -110,22 +110,6 @@ class Schedule:
         return [a for a in self.programs[rank] if a.is_compute]
 
 
-def clock_cycles(n_microbatches: int, n_stages: int) -> list[list[tuple[int, int]]]:
-    """GPipe's forward clock cycles: at cycle k, stage j works on micro-batch k - j.
-
-    Returns one list per cycle of ``(microbatch, stage)`` pairs that run at the same time.
-    """
-    if n_microbatches < 1 or n_stages < 1:
-        raise ValueError(
-            f"clock_cycles needs n_microbatches >= 1 and n_stages >= 1, "
-            f"got {n_microbatches} and {n_stages}"
-        )
-    return [
-        [(k - j, j) for j in range(max(0, k - n_microbatches + 1), min(k + 1, n_stages))]
-        for k in range(n_microbatches + n_stages - 1)
-    ]
-
-
 def with_communication(
     stage: int, n_stages: int, compute: Sequence[tuple[Kind, int]]
 ) -> list[Action]:
