@@ -21,13 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.optim import Optimizer
 
 from gpipe.training.manifest import Digest, digest, listed_files, verify, write_manifest
@@ -47,9 +41,6 @@ __all__ = [
 
 DESCRIPTION = "gpipe.json"  # what the checkpoint is: model config and step, readable by people
 _PREFIX = "step-"
-# Optimizer state keyed by parameter name, one entry per parameter, so that the stages'
-# parts never collide: this is what lets each rank save only its own.
-_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class DamagedCheckpointWarning(UserWarning):
@@ -119,10 +110,25 @@ def _is_writer(group: dist.ProcessGroup | None) -> bool:
     return not dist.is_initialized() or dist.get_rank(group) == 0
 
 
+# torch.distributed.checkpoint is imported where a checkpoint is written or read: it takes
+# most of a second, which a process that never touches one (the command that only launches
+# the stages, a run without checkpoints) need not spend.
+
+
+def _optimizer_options() -> Any:
+    """Optimizer state keyed by parameter name, one entry per parameter, so that the stages'
+    parts never collide: this is what lets each rank save only its own."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def _state(model: nn.Module, optimizer: Optimizer, extra: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     return {
         "model": model.state_dict(),
-        "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM),
+        "optim": get_optimizer_state_dict(model, optimizer, options=_optimizer_options()),
         **extra,
     }
 
@@ -165,6 +171,8 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
     _barrier(group)
+    import torch.distributed.checkpoint as dcp
+
     dcp.save(_state(model, optimizer, extra), checkpoint_id=partial, process_group=group)
     if on_written is not None:
         on_written()
@@ -209,15 +217,20 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load this rank's part of the checkpoint at ``path`` into ``model`` and ``optimizer``;
     returns ``extra`` filled with the saved values. Works for any number of stages."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
     state = _state(model, optimizer, extra)
     dcp.load(state, checkpoint_id=path, process_group=group)
     model.load_state_dict(state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"], options=_OPTIM)
+    set_optimizer_state_dict(model, optimizer, state["optim"], options=_optimizer_options())
     return {key: state[key] for key in extra}
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """Load the weights of a checkpoint into ``model``, the whole model in one process."""
+    import torch.distributed.checkpoint as dcp
+
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
