@@ -583,7 +583,8 @@ def tied_weights(balance: list[int], schedule: str = "gpipe") -> dict:
     exact = {"rtol": 1e-12, "atol": 1e-14}
     reference = tied()
     ref_opt = torch.optim.Adam(reference.parameters(), lr=0.1)
-    chunks = 4 if schedule == "interleaved" else 3  # interleaved: a multiple of the ranks
+    # several stages per process: a multiple of the ranks, and dualpipe-v's 2K
+    chunks = 3 if schedule in ("gpipe", "1f1b", "zero-bubble") else 4
     pipe = Pipeline(tied(), balance, chunks=chunks, schedule=schedule, loss_fn=token_loss)
     opt = torch.optim.Adam(pipe.parameters(), lr=0.1)
     last = len(balance) - 1

@@ -5,6 +5,7 @@ import pytest
 
 from . import distributed_cases
 from . import schedule_cases as cases
+from . import two_per_rank_cases as two_per_rank
 from .models import BALANCES, UNET_BALANCES, unet
 from .workers import run
 
@@ -46,3 +47,28 @@ def test_separate_envelopes_take_tensors_in_each_peers_send_order(k):
 def test_layers_recomputed_selectively_under_every_schedule():
     results = run(distributed_cases.layer_checkpoint, 2, threads=1)
     assert results == {0: 8, 1: 8}
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("schedule", two_per_rank.TWO_PER_RANK)
+def test_two_stages_per_process_match_unpipelined(schedule, k):
+    """The V schedules (rank r holds stages r and 2K - 1 - r, the loss on rank 0) and the
+    looped ones (r and r + K), float64, M from the fewest they take to 4K."""
+    results = run(two_per_rank.equivalence, k, (k, schedule), threads=1)
+    expected = 5 * (2 if schedule == "dualpipe-v" else 3)
+    assert all(r["cases"] == expected for r in results.values())
+    v = schedule in ("zero-bubble-v", "dualpipe-v")
+    stages = [[r, 2 * k - 1 - r] if v else [r, r + k] for r in range(k)]
+    assert [results[r]["stages"] for r in range(k)] == stages
+    assert [r for r in range(k) if results[r]["last"]] == [0 if v else k - 1]
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_two_stages_per_process_carry_skips(k):
+    results = run(two_per_rank.skips, k, (k,), threads=1)
+    assert all(n == len(two_per_rank.TWO_PER_RANK) * 3 for n in results.values())
+
+
+def test_two_stages_per_process_with_replicas():
+    results = run(two_per_rank.data_parallel, 4, (2,), threads=1)
+    assert all(n == 6 for n in results.values())

@@ -6,6 +6,7 @@ from gpipe import GPipe, launch
 from gpipe.parallel.ties import find_ties, untie
 
 from . import distributed_cases as cases
+from . import two_per_rank_cases as two_per_rank
 from .models import tied, token_loss, tokens
 
 EXACT = {"rtol": 1e-12, "atol": 1e-14}
@@ -66,6 +67,8 @@ def test_ties_over_different_ranks_share_one_group():
     assert results[0]["ties"] == [(0, 2), (1, 2)]
 
 
-def test_interleaved_stages_of_one_process_share_their_copy_sum():
-    results = launch(cases.tied_weights, 2, ([1, 1, 1, 1], "interleaved"))
-    assert results[0]["ties"] == [(0, 3)]
+def test_two_stages_per_process_sum_a_tie_of_the_first_and_last_stage():
+    """Interleaved and the other looped schedules, and the V schedules, where the first and
+    the last stage share process 0, which sums the copies itself."""
+    results = launch(two_per_rank.ties, 2)
+    assert all(ties == [(0, 3)] for ties in results[0].values())

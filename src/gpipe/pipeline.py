@@ -43,7 +43,15 @@ from gpipe.runtime.precision import Precision
 from gpipe.runtime.recompute import check_autocast, check_checkpoint, should_checkpoint
 from gpipe.runtime.stage import LossFn
 from gpipe.runtime.timeline import Event, Recorder, merge
-from gpipe.schedules import Schedule, add_recompute, add_skips, forward_only, get_schedule
+from gpipe.schedules import (
+    Placement,
+    Schedule,
+    add_recompute,
+    add_skips,
+    forward_only,
+    get_schedule,
+    traits,
+)
 from gpipe.schedules import build as build_schedule
 from gpipe.skip.skippable import find_skips
 
@@ -117,16 +125,16 @@ def _stage_balance(
     module: nn.Sequential,
     balance: list[int] | None,
     sample: Batch | None,
-    n_ranks: int,
+    n_parts: int,
     device: torch.device,
     group: dist.ProcessGroup | None,
 ) -> list[int]:
-    """``balance`` checked, or agreed by all ranks when None."""
+    """``balance`` checked, or agreed by all ranks when None (``n_parts`` stages)."""
     if balance is None:
-        if n_ranks == 1:
+        if n_parts == 1:
             balance = [len(module)]
         else:
-            balance = agreed_balance(module, n_ranks, sample, device=device, group=group)
+            balance = agreed_balance(module, n_parts, sample, device=device, group=group)
     checked = check_balance(len(module), balance)
     if not checked:
         raise ValueError("Pipeline needs at least one layer: layers is empty")
@@ -244,9 +252,8 @@ class Pipeline(nn.Module):
         self.group = group if self.replicas is None else self.replicas.pipeline_group
         self.n_ranks = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        self.balance = _stage_balance(
-            module, balance, sample, self.n_ranks, self.device, self.group
-        )
+        n_parts = self.n_ranks * (2 if traits(schedule).placement is Placement.V else 1)
+        self.balance = _stage_balance(module, balance, sample, n_parts, self.device, self.group)
         check_stages_per_rank(len(self.balance), self.n_ranks, schedule)
         self.n_stages = len(self.balance)
         self.deferred_batch_norm = deferred_batch_norm
@@ -254,7 +261,9 @@ class Pipeline(nn.Module):
         self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
         self.timeout = float(timeout)
-        self.placement = RankPlacement(tuple(self.balance), self.rank, self.n_ranks, self.group)
+        self.placement = RankPlacement(
+            tuple(self.balance), self.rank, self.n_ranks, self.group, traits(schedule).placement
+        )
         self.stages = self.placement.stages
         self.stage_index = self.stages[0]
         recipe = StageRecipe(
@@ -325,7 +334,9 @@ class Pipeline(nn.Module):
         return add_recompute(schedule, recomputed)
 
     def _forward_schedule(self, n_microbatches: int) -> Schedule:
-        schedule = forward_only(self.n_stages, n_microbatches, self.n_ranks)
+        schedule = forward_only(
+            self.n_stages, n_microbatches, self.n_ranks, self.placement.stage_to_rank
+        )
         return add_skips(schedule, self.skip_layout.routes)
 
     # -- steps --------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from gpipe.runtime.batchnorm import convert_deferred_batch_norm
 from gpipe.runtime.partitions import materialize, stage_bounds
 from gpipe.runtime.recompute import Layers, recomputed_layers
 from gpipe.runtime.stage import LossFn, Stage
-from gpipe.schedules import SCHEDULES, traits
+from gpipe.schedules import SCHEDULES, Placement, traits
 from gpipe.skip.layout import SkipLayout
 from gpipe.skip.skippable import Skip
 
@@ -26,7 +26,7 @@ __all__ = ["BuiltStages", "RankPlacement", "StageRecipe", "build_stages", "check
 
 def check_stages_per_rank(n_stages: int, n_ranks: int, schedule: str) -> None:
     """Refuse stages that do not sit evenly on the ranks, or several stages per rank under a
-    schedule that places one on each."""
+    schedule that places one on each, or a V that is not 2K stages long."""
     placing = " or ".join(
         f"schedule={name!r}" for name in SCHEDULES if traits(name).several_stages_per_rank
     )
@@ -41,17 +41,20 @@ def check_stages_per_rank(n_stages: int, n_ranks: int, schedule: str) -> None:
             f"balance has {n_stages} partitions for {n_ranks} processes: several stages per "
             f"process need {placing}, not {schedule!r}"
         )
+    traits(schedule).placement.check(n_stages, n_ranks, schedule)
 
 
 @dataclass(frozen=True)
 class RankPlacement:
     """Which stages each rank of the pipeline's group holds: of ``len(balance)`` stages on K
-    ranks, rank r holds r, r + K, r + 2K, ... (one stage, unless the schedule loops)."""
+    ranks, rank r holds r, r + K, r + 2K, ... (one stage, unless the schedule loops), or
+    under a V schedule r and 2K - 1 - r."""
 
     balance: tuple[int, ...]
     rank: int
     n_ranks: int
     group: dist.ProcessGroup | None  # None: the whole world
+    layout: Placement = Placement.LOOPED
 
     @property
     def n_stages(self) -> int:
@@ -60,7 +63,7 @@ class RankPlacement:
     @property
     def stages(self) -> tuple[int, ...]:
         """This rank's stages, in order."""
-        return tuple(range(self.rank, self.n_stages, self.n_ranks))
+        return self.layout.stages_of(self.rank, self.n_stages, self.n_ranks)
 
     @property
     def is_first(self) -> bool:
@@ -70,9 +73,13 @@ class RankPlacement:
     def is_last(self) -> bool:
         return self.rank_of(self.n_stages - 1) == self.rank
 
+    @property
+    def stage_to_rank(self) -> tuple[int, ...]:
+        return tuple(self.rank_of(s) for s in range(self.n_stages))
+
     def rank_of(self, stage: int) -> int:
         """The rank (in the pipeline's group) that holds ``stage``."""
-        return stage % self.n_ranks
+        return self.layout.rank_of(stage, self.n_stages, self.n_ranks)
 
     def global_rank(self, rank: int) -> int:
         """The rank in the world of rank ``rank`` of the pipeline's group."""

@@ -1,13 +1,14 @@
 """Schedules as data: per-rank ordered lists of actions, their generators and a validator.
 
 ``ir`` holds the actions and the ``Schedule``; one module per family generates schedules
-(``fill_drain``, ``one_f_one_b``, ``zero_bubble``, ``interleaved``); ``rewrite`` adds skip and
+(``fill_drain``, ``one_f_one_b``, ``zero_bubble``, ``interleaved``, ``looped_bfs``, and
+``v_shape`` for the schedules that place two stages per rank in a V); ``rewrite`` adds skip and
 recomputation actions to any of them; ``validate`` checks one can run; ``registry`` names
 them and declares their traits. A new schedule is a generator module and a ``register`` call.
 """
 
 from gpipe.schedules.fill_drain import clock_cycles, forward_only, gpipe
-from gpipe.schedules.interleaved import interleaved
+from gpipe.schedules.interleaved import interleaved, interleaved_zero_bubble
 from gpipe.schedules.ir import (
     FORWARD_KINDS,
     RECV_KINDS,
@@ -19,6 +20,7 @@ from gpipe.schedules.ir import (
     Schedule,
     ScheduleError,
 )
+from gpipe.schedules.looped_bfs import looped_bfs
 from gpipe.schedules.one_f_one_b import one_f_one_b
 from gpipe.schedules.registry import (
     SCHEDULES,
@@ -31,6 +33,7 @@ from gpipe.schedules.registry import (
     traits,
 )
 from gpipe.schedules.rewrite import add_recompute, add_skips
+from gpipe.schedules.v_shape import dualpipe_v, v_stage_to_rank, zero_bubble_v
 from gpipe.schedules.validate import execution_order, validate
 from gpipe.schedules.zero_bubble import zero_bubble_h1
 
@@ -51,15 +54,20 @@ __all__ = [
     "add_recompute",
     "add_skips",
     "build",
+    "dualpipe_v",
     "clock_cycles",
     "execution_order",
     "forward_only",
     "get_schedule",
     "gpipe",
     "interleaved",
+    "interleaved_zero_bubble",
+    "looped_bfs",
     "one_f_one_b",
     "register",
     "traits",
+    "v_stage_to_rank",
     "validate",
     "zero_bubble_h1",
+    "zero_bubble_v",
 ]

@@ -36,29 +36,32 @@ def gpipe(n_stages: int, n_microbatches: int, n_ranks: int | None = None) -> Sch
 
 
 @functools.lru_cache(maxsize=256)
-def forward_only(n_stages: int, n_microbatches: int, n_ranks: int | None = None) -> Schedule:
+def forward_only(
+    n_stages: int,
+    n_microbatches: int,
+    n_ranks: int | None = None,
+    stage_to_rank: tuple[int, ...] | None = None,
+) -> Schedule:
     """Inference: forwards only, in micro-batch order, nothing kept for a backward pass.
 
     With ``n_ranks`` < ``n_stages``, rank r holds stages r, r + K, ... as in ``interleaved``
-    and runs them one after the other."""
+    (or where ``stage_to_rank`` puts them) and runs them one after the other."""
     check_sizes(n_stages, n_microbatches)
     k = n_stages if n_ranks is None else n_ranks
     if not isinstance(k, int) or k < 1 or n_stages % k:
         raise ValueError(f"n_stages ({n_stages}) must be a multiple of n_ranks, got {k!r}")
+    if stage_to_rank is None:
+        stage_to_rank = tuple(s % k for s in range(n_stages))
     forwards = [(Kind.FORWARD, i) for i in range(n_microbatches)]
     programs = tuple(
         tuple(
             action
-            for stage in range(rank, n_stages, k)
+            for stage in range(n_stages)
+            if stage_to_rank[stage] == rank
             for action in with_communication(stage, n_stages, forwards)
         )
         for rank in range(k)
     )
     return Schedule(
-        "forward-only",
-        n_stages,
-        n_microbatches,
-        programs,
-        tuple(s % k for s in range(n_stages)),
-        backward=False,
+        "forward-only", n_stages, n_microbatches, programs, stage_to_rank, backward=False
     )

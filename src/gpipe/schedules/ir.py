@@ -134,6 +134,32 @@ def with_communication(
     return program
 
 
+def programs_of(
+    orders: Sequence[Sequence[tuple[Kind, int, int]]], n_stages: int
+) -> tuple[tuple[Action, ...], ...]:
+    """Each rank's program from its order of (kind, stage, micro-batch) compute actions, with
+    the receives and sends around each."""
+    return tuple(
+        tuple(
+            a
+            for kind, stage, mb in order
+            for a in with_communication(stage, n_stages, [(kind, mb)])
+        )
+        for order in orders
+    )
+
+
+def rank_count(n_stages: int, n_ranks: int | None, name: str) -> int:
+    """The number of ranks of a schedule that holds the same number of stages on each."""
+    k = n_stages if n_ranks is None else n_ranks
+    if not isinstance(k, int) or k < 1 or n_stages % k:
+        raise ValueError(
+            f"{name} needs a number of stages that is a multiple of the number of ranks, "
+            f"got {n_stages} stages for {k!r} ranks"
+        )
+    return k
+
+
 def check_sizes(n_stages: int, n_microbatches: int, n_ranks: int | None = None) -> None:
     """Positive sizes; ``n_ranks``, where given to a one-stage-per-rank generator, equal to
     ``n_stages``."""

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpipe.schedules.fill_drain import gpipe
-from gpipe.schedules.interleaved import interleaved
+from gpipe.schedules.interleaved import interleaved, interleaved_zero_bubble
 from gpipe.schedules.ir import Schedule
+from gpipe.schedules.looped_bfs import looped_bfs
 from gpipe.schedules.one_f_one_b import one_f_one_b
+from gpipe.schedules.v_shape import dualpipe_v, zero_bubble_v
 from gpipe.schedules.zero_bubble import zero_bubble_h1
 
 
@@ -31,6 +33,37 @@ class Placement(enum.Enum):
 
     ONE_PER_RANK = "one stage per rank"
     LOOPED = "rank r holds stages r, r + K, r + 2K, ..."
+    V = "rank r holds stages r and 2K - 1 - r"
+
+    def rank_of(self, stage: int, n_stages: int, n_ranks: int) -> int:
+        """The rank that holds ``stage`` of ``n_stages`` on ``n_ranks`` ranks."""
+        if self is Placement.V:
+            return stage if stage < n_ranks else n_stages - 1 - stage
+        return stage % n_ranks
+
+    def stages_of(self, rank: int, n_stages: int, n_ranks: int) -> tuple[int, ...]:
+        """The stages ``rank`` holds, in order."""
+        if self is Placement.V:
+            return (rank, n_stages - 1 - rank)
+        return tuple(range(rank, n_stages, n_ranks))
+
+    def check(self, n_stages: int, n_ranks: int, name: str) -> None:
+        """Refuse ``n_stages`` stages that this placement cannot put on ``n_ranks`` ranks."""
+        if self is Placement.V and n_stages != 2 * n_ranks:
+            raise ValueError(
+                f"schedule {name!r} places two stages per process in a V: the balance must "
+                f"have 2K = {2 * n_ranks} entries for {n_ranks} processes, got {n_stages}"
+            )
+        if self is Placement.ONE_PER_RANK and n_stages != n_ranks:
+            raise ValueError(
+                f"schedule {name!r} runs one stage per process: the balance must have "
+                f"{n_ranks} entries for {n_ranks} processes, got {n_stages}"
+            )
+        if n_stages % n_ranks:
+            raise ValueError(
+                f"schedule {name!r} runs the same number of stages on every process: the "
+                f"balance must have a multiple of {n_ranks} entries, got {n_stages}"
+            )
 
 
 @dataclass(frozen=True)
@@ -46,7 +79,10 @@ class Traits:
         return self.placement is not Placement.ONE_PER_RANK
 
     def stages_per_rank(self, virtual_stages: int) -> int:
-        """How many stages each rank holds when the user asks for ``virtual_stages``."""
+        """How many stages each rank holds when the user asks for ``virtual_stages`` (a V
+        holds two, whatever is asked)."""
+        if self.placement is Placement.V:
+            return 2
         return virtual_stages if self.several_stages_per_rank else 1
 
 
@@ -89,3 +125,11 @@ register("gpipe", gpipe, Traits(Placement.ONE_PER_RANK))
 register("1f1b", one_f_one_b, Traits(Placement.ONE_PER_RANK))
 register("zero-bubble", zero_bubble_h1, Traits(Placement.ONE_PER_RANK, split_backward=True))
 register("interleaved", interleaved, Traits(Placement.LOOPED, microbatches_per_round=True))
+register(
+    "interleaved-zero-bubble",
+    interleaved_zero_bubble,
+    Traits(Placement.LOOPED, split_backward=True, microbatches_per_round=True),
+)
+register("looped-bfs", looped_bfs, Traits(Placement.LOOPED))
+register("zero-bubble-v", zero_bubble_v, Traits(Placement.V, split_backward=True))
+register("dualpipe-v", dualpipe_v, Traits(Placement.V, split_backward=True))

@@ -1,0 +1,92 @@
+"""What each process runs for the schedules that place two stages on every process (the V
+schedules and the looped ones), in tests/test_distributed_schedules.py."""
+
+import torch
+import torch.distributed as dist
+from torch.nn.functional import mse_loss
+
+from gpipe import Pipeline
+from gpipe.runtime.recompute import Layers
+
+from .distributed_cases import MODES, _check_step, _replicated_step_is_exact, tied_weights
+from .models import UNET_INTERLEAVED, batch, mlp, unet, unet_batch
+from .schedule_cases import EXACT, _check_unet_step
+
+TWO_PER_RANK = ["zero-bubble-v", "dualpipe-v", "interleaved-zero-bubble", "looped-bfs"]
+# two stages per process over mlp()'s eight layers
+BALANCE = {1: [4, 4], 2: [2, 2, 2, 2], 4: [1] * 8}
+
+
+def fewest_microbatches(schedule: str, k: int) -> int:
+    return 2 * k if schedule == "dualpipe-v" else k
+
+
+def equivalence(k: int, schedule: str) -> dict:
+    """``schedule`` against un-pipelined training for M from the fewest it takes to 4K, one
+    micro-batch a row short, every checkpoint mode and layers recomputed selectively."""
+    cases = 0
+    modes = [*MODES, Layers(every=2), Layers(select=lambda name, layer: name in ("2", "5"))]
+    for chunks in sorted({fewest_microbatches(schedule, k), 2 * k, 4 * k}):
+        for mode in modes:
+            pipe = Pipeline(
+                mlp(), BALANCE[k], chunks=chunks, checkpoint=mode, schedule=schedule,
+                loss_fn=mse_loss,
+            )  # fmt: skip
+            _check_step(pipe, *batch(2 * chunks - 1), **EXACT)
+            cases += 1
+    # dropout replayed in the recomputation: the same gradients with and without it
+    grads = {}
+    for mode in MODES:
+        pipe = Pipeline(
+            mlp(dropout=0.5), BALANCE[k], chunks=2 * k, checkpoint=mode, schedule=schedule,
+            loss_fn=mse_loss,
+        )  # fmt: skip
+        torch.manual_seed(99 + dist.get_rank())
+        pipe.step(*batch(4 * k))
+        grads[mode] = [p.grad for p in pipe.parameters()]
+    for mode in ("always", "except_last"):
+        assert all(torch.equal(a, b) for a, b in zip(grads["never"], grads[mode], strict=True))
+    return {"cases": cases, "stages": list(pipe.stages), "last": pipe.is_last}
+
+
+def skips(k: int) -> int:
+    """The U-Net-like model, its skips within a process and across processes, under every
+    two-per-process schedule and checkpoint mode."""
+    cases = 0
+    for schedule in TWO_PER_RANK:
+        for mode in MODES:
+            pipe = Pipeline(
+                unet(), UNET_INTERLEAVED[k], chunks=2 * k, checkpoint=mode, schedule=schedule,
+                loss_fn=mse_loss,
+            )  # fmt: skip
+            _check_unet_step(pipe, *unet_batch(4 * k - 1))
+            cases += 1
+    return cases
+
+
+def data_parallel(d: int) -> int:
+    """D replicas of each two-per-process schedule against one un-pipelined step on the union
+    of the shards, even and uneven shards (the uneven cut leaves one replica 3 rows: too few
+    for dualpipe-v's 2K micro-batches and the interleaved schedules' multiple of K)."""
+    from gpipe.pipeline import init_process_group
+
+    init_process_group(torch.device("cpu"))
+    k = dist.get_world_size() // d
+    replica = dist.get_rank() % d
+    cases = 0
+    for schedule in TWO_PER_RANK:
+        any_m = schedule in ("zero-bubble-v", "looped-bfs")
+        for uneven in (False, True) if any_m else (False,):
+            pipe = Pipeline(
+                mlp(), BALANCE[k], chunks=2 * k, checkpoint="except_last", schedule=schedule,
+                loss_fn=mse_loss, data_parallel=d, timeout=10,
+            )  # fmt: skip
+            _replicated_step_is_exact(pipe, replica, d, uneven)
+            cases += 1
+    return cases
+
+
+def ties() -> dict:
+    """A weight shared by the first and the last stage under each schedule: on one process
+    in a V (its two copies summed there), on two in a loop."""
+    return {s: tied_weights([1, 1, 1, 1], s)["ties"] for s in ["interleaved", *TWO_PER_RANK]}
