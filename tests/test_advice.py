@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from gpipe.cli import main
 from gpipe.planning.advice import TARGET_BUBBLE, bubble, chunks_advice, chunks_for_bubble
 from gpipe.planning.simulate import Costs, closed_form_bubble, scenario, simulate
-from gpipe.schedules import SCHEDULES
+from gpipe.schedules import SCHEDULES, traits
 
 UNIT = Costs(forward=1.0, backward=1.0, weight=1.0)
 
@@ -21,10 +21,14 @@ UNIT = Costs(forward=1.0, backward=1.0, weight=1.0)
 def test_the_bubble_is_the_simulators_with_the_runs_checkpoint_mode(
     schedule, checkpoint, stages, chunks
 ):
+    if not traits(schedule).runs(stages, chunks, 2):
+        with pytest.raises(ValueError, match="micro-batches"):
+            bubble(schedule, stages, chunks, virtual_stages=2, checkpoint=checkpoint)
+        return
     got = bubble(schedule, stages, chunks, virtual_stages=2, checkpoint=checkpoint)
     simulated = simulate(*scenario(schedule, stages, chunks, UNIT, 2), checkpoint).bubble
     assert got == pytest.approx(simulated, abs=1e-12)
-    v = 2 if schedule == "interleaved" else 1
+    v = traits(schedule).stages_per_rank(2)
     closed = closed_form_bubble(schedule, stages, chunks, v, 1.0, 1.0, 1.0)
     if checkpoint == "never" and closed is not None:
         assert got == closed
@@ -46,9 +50,9 @@ def test_chunks_for_bubble_is_the_fewest_under_the_target(schedule, stages, chec
     m = chunks_for_bubble(schedule, stages, virtual_stages=2, checkpoint=checkpoint)
     options = {"virtual_stages": 2, "checkpoint": checkpoint}
     assert bubble(schedule, stages, m, **options) < TARGET_BUBBLE
-    step = stages if schedule == "interleaved" else 1
+    step = stages if traits(schedule).microbatches_per_round else 1
     assert m % step == 0
-    if m > step:
+    if m > step and traits(schedule).runs(stages, m - step, 2):
         assert bubble(schedule, stages, m - step, **options) >= TARGET_BUBBLE
 
 
@@ -58,8 +62,10 @@ def test_no_fewer_micro_batches_reach_the_target(schedule, checkpoint):
     """Against a plain scan from one micro-batch up: the bisection's answer is the first."""
     for stages in (2, 3, 5):
         options = {"virtual_stages": 2, "checkpoint": checkpoint}
-        step = stages if schedule == "interleaved" else 1
+        step = stages if traits(schedule).microbatches_per_round else 1
         m = step
+        while not traits(schedule).runs(stages, m, 2):
+            m += step
         while bubble(schedule, stages, m, **options) >= TARGET_BUBBLE:
             m += step
         assert chunks_for_bubble(schedule, stages, **options) == m

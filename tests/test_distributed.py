@@ -74,7 +74,8 @@ def test_bad_inputs_are_named():
     assert "chunks must be a positive integer, got 0" in both["chunks"][0]
     assert "checkpoint is not one of" in both["checkpoint"][0]
     assert (
-        "schedule must be one of ['1f1b', 'gpipe', 'interleaved', 'zero-bubble'], got 'fastest'"
+        "schedule must be one of ['1f1b', 'dualpipe-v', 'gpipe', 'interleaved', "
+        "'interleaved-zero-bubble', 'looped-bfs', 'zero-bubble', 'zero-bubble-v'], got 'fastest'"
         in both["schedule"][0]
     )
     assert "loss_reduction must be 'mean' or 'sum'" in both["reduction"][0]

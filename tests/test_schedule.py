@@ -129,7 +129,8 @@ def test_validator_rejects_duplicates_and_foreign_stages():
 def test_unknown_schedule_name_lists_the_known_ones():
     with pytest.raises(
         ValueError,
-        match=r"one of \['1f1b', 'gpipe', 'interleaved', 'zero-bubble'\], got 'fast'",
+        match=r"one of \['1f1b', 'dualpipe-v', 'gpipe', 'interleaved', 'interleaved-zero-bubble', "
+        r"'looped-bfs', 'zero-bubble', 'zero-bubble-v'\], got 'fast'",
     ):
         get_schedule("fast")
 

@@ -295,7 +295,9 @@ def test_skips_keep_every_schedule_valid_and_are_held_where_they_arrive(case):
     plain = simulate(schedule, dataclasses.replace(costs, skip_bytes={}))
     assert result.peak_live == plain.peak_live
     last = result.peak_activation_bytes[-1]
-    assert last == plain.peak_activation_bytes[-1] * 15 / 10  # its skips, for each micro-batch
+    # its skips, for each micro-batch, unless they come from its own rank (a V's first stage)
+    copied = schedule.stage_to_rank[0] != schedule.stage_to_rank[-1]
+    assert last == plain.peak_activation_bytes[-1] * (15 / 10 if copied else 1)
 
 
 def test_skip_bytes_read_from_a_file_and_refuse_bad_routes(tmp_path):

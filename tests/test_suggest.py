@@ -21,7 +21,7 @@ from gpipe.planning.suggest import (
     timed_costs,
 )
 from gpipe.runtime.partitions import stage_bounds
-from gpipe.schedules import get_schedule
+from gpipe.schedules import SCHEDULES, get_schedule, traits
 from gpipe.training.models.gpt import GPTConfig, build_gpt, lm_loss
 
 MODEL = ["--n-layer", "6", "--d-model", "64", "--n-head", "2", "--vocab-size", "500",
@@ -137,7 +137,11 @@ def test_the_grid_and_its_bounds():
     interleaved = [g for g in grid if g[2] == "interleaved"]
     assert interleaved and all(k >= 2 and m % k == 0 and v == 2 and k * v <= 6
                                for k, m, _, _, v in interleaved)  # fmt: skip
-    assert all(v == 1 for _, _, s, _, v in grid if s != "interleaved")
+    assert all(v == 1 for _, _, s, _, v in grid if not traits(s).several_stages_per_rank)
+    assert {s for _, _, s, _, v in grid if v == 2} == {
+        s for s in SCHEDULES if traits(s).several_stages_per_rank
+    }
+    assert all(m >= 2 * k for k, m, s, _, _ in grid if s == "dualpipe-v")
     pinned = candidates(6, 16, stages=[2], chunks=[8], schedules=["1f1b"], checkpoints=["never"])
     assert pinned == [(2, 8, "1f1b", "never", 1)]
     assert candidates(3, 16, max_stages=8) and max(g[0] for g in candidates(3, 16)) == 3

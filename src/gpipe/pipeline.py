@@ -31,9 +31,9 @@ from gpipe.parallel.placement import (
     RankPlacement,
     StageRecipe,
     build_stages,
-    check_stages_per_rank,
 )
 from gpipe.parallel.replicas import GradientBuckets, Replicas, check_bucket_bytes
+from gpipe.parallel.schedule_source import ScheduleSource
 from gpipe.parallel.step import StepResult, StepRunner, StepTimes
 from gpipe.parallel.ties import counted as counted_once
 from gpipe.planning.balancing import balance_by_time
@@ -44,15 +44,11 @@ from gpipe.runtime.recompute import check_autocast, check_checkpoint, should_che
 from gpipe.runtime.stage import LossFn
 from gpipe.runtime.timeline import Event, Recorder, merge
 from gpipe.schedules import (
-    Placement,
     Schedule,
     add_recompute,
     add_skips,
     forward_only,
-    get_schedule,
-    traits,
 )
-from gpipe.schedules import build as build_schedule
 from gpipe.skip.skippable import find_skips
 
 __all__ = [
@@ -175,7 +171,9 @@ class Pipeline(nn.Module):
         checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"``; or
             ``gpipe.runtime.recompute.Layers(every=k)`` / ``Layers(select=...)`` to recompute some
             layers of every stage and keep the others' activations.
-        schedule: the schedule's name (``"gpipe"``).
+        schedule: the schedule's name (``"gpipe"``; ``gpipe.schedules.SCHEDULES`` lists them),
+            or a ``Schedule`` for a fixed number of micro-batches, such as one read from a
+            PyTorch schedule file by ``gpipe.schedules.from_csv``.
         loss_fn: ``loss_fn(output, target) -> scalar``, evaluated on the last stage.
         loss_reduction: ``"mean"`` if ``loss_fn`` averages over the batch (each micro-batch's
             loss is then weighted by its share of the rows), ``"sum"`` if it adds up.
@@ -220,7 +218,7 @@ class Pipeline(nn.Module):
         sample: Batch | None = None,
         chunks: int = 1,
         checkpoint: str = "except_last",
-        schedule: str = "gpipe",
+        schedule: str | Schedule = "gpipe",
         loss_fn: LossFn | None = None,
         loss_reduction: str = "mean",
         device: torch.device | str | None = None,
@@ -237,7 +235,7 @@ class Pipeline(nn.Module):
         super().__init__()
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_checkpoint(checkpoint)
-        get_schedule(schedule)  # an unknown name is refused with the known ones
+        self._schedule = ScheduleSource.of(schedule)
         _check_step_options(loss_fn, loss_reduction, timeout)
         module = as_sequential(layers)
         skips = find_skips(module)  # a bad skip is refused before any process group work
@@ -252,17 +250,18 @@ class Pipeline(nn.Module):
         self.group = group if self.replicas is None else self.replicas.pipeline_group
         self.n_ranks = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        n_parts = self.n_ranks * (2 if traits(schedule).placement is Placement.V else 1)
-        self.balance = _stage_balance(module, balance, sample, n_parts, self.device, self.group)
-        check_stages_per_rank(len(self.balance), self.n_ranks, schedule)
+        self.balance = _stage_balance(
+            module, balance, sample, self._schedule.parts(self.n_ranks), self.device, self.group
+        )
+        self._schedule.check(len(self.balance), self.n_ranks, self.chunks)
         self.n_stages = len(self.balance)
         self.deferred_batch_norm = deferred_batch_norm
-        self.schedule_name = schedule
+        self.schedule_name = self._schedule.name
         self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
         self.timeout = float(timeout)
         self.placement = RankPlacement(
-            tuple(self.balance), self.rank, self.n_ranks, self.group, traits(schedule).placement
+            tuple(self.balance), self.rank, self.n_ranks, self.group, self._schedule.layout()
         )
         self.stages = self.placement.stages
         self.stage_index = self.stages[0]
@@ -325,7 +324,7 @@ class Pipeline(nn.Module):
     def schedule_for(self, n_microbatches: int) -> Schedule:
         """The schedule a step with ``n_microbatches`` micro-batches runs."""
         per_rank = self.n_stages // self.n_ranks
-        schedule = build_schedule(self.schedule_name, self.n_ranks, n_microbatches, per_rank)
+        schedule = self._schedule.build(self.n_ranks, n_microbatches, per_rank)
         schedule = add_skips(schedule, self.skip_layout.routes)
         mode = self.checkpoint if self.training else "never"
         recomputed = frozenset(

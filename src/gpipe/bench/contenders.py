@@ -48,6 +48,16 @@ class Contender:
     counterpart: str | None = None  # the contender this one is compared with
     schedule: str | None = None
     checkpoint: str | None = None
+    runs_like: str | None = None  # the gpipe schedule whose micro-batch counts it takes
+
+    def not_run_at(self, chunks: int) -> str | None:
+        """Why this contender cannot run ``chunks`` micro-batches on K processes, or None."""
+        name = self.schedule or self.runs_like
+        if name is None or traits(name).runs(K, chunks, STAGES_PER_PROCESS):
+            return None
+        fewest = traits(name).fewest_microbatches(K, STAGES_PER_PROCESS)
+        rounds = f", a multiple of {K}" if traits(name).microbatches_per_round else ""
+        return f"{name} takes at least {fewest} micro-batches{rounds} on {K} processes"
 
 
 def _layers(model: nn.Sequential, balance: tuple[int, ...], stage: int) -> nn.Sequential:
@@ -180,22 +190,39 @@ def _one_process(library: str) -> Callable[..., Runner]:
 # --- PyTorch's torch.distributed.pipelining ------------------------------------------------
 
 
+_V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+# each gpipe schedule's PyTorch counterpart (zero-bubble's ZB-H1 has none: 1F1B's it is)
+COUNTERPARTS = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "zero-bubble": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "interleaved-zero-bubble": "ScheduleInterleavedZeroBubble",
+    "looped-bfs": "ScheduleLoopedBFS",
+    "zero-bubble-v": "ScheduleZBVZeroBubble",
+    "dualpipe-v": "ScheduleDualPipeV",
+}
+
+
 def _pytorch(schedule_name: str) -> Callable[..., Runner]:
     def build(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
         from torch.distributed import pipelining
 
         rank = dist.get_rank()
         model = w.build()
-        interleaved = schedule_name == "ScheduleInterleaved1F1B"
-        balance = w.interleaved_balance if interleaved else w.balance
+        several = schedule_name not in ("ScheduleGPipe", "Schedule1F1B")
+        balance = w.interleaved_balance if several else w.balance
         n_stages = len(balance)
-        mine = list(range(rank, n_stages, K))
+        if schedule_name in _V_SHAPED:
+            mine = [rank, n_stages - 1 - rank]
+        else:
+            mine = list(range(rank, n_stages, K))
         parts = {s: _layers(model, balance, s) for s in mine}
         stages = [
             pipelining.PipelineStage(parts[s], s, n_stages, torch.device("cpu")) for s in mine
         ]
         schedule_class = getattr(pipelining, schedule_name)
-        schedule = schedule_class(stages if interleaved else stages[0], chunks, loss_fn=w.loss_fn)
+        schedule = schedule_class(stages if several else stages[0], chunks, loss_fn=w.loss_fn)
         holds_first, holds_last = 0 in mine, n_stages - 1 in mine
 
         def step() -> None:
@@ -221,12 +248,6 @@ def contenders(
         Contender("at-once", "baseline", False, _at_once),
         Contender("at-once-held", "baseline", False, _at_once_held),
     ]
-    counterpart = {
-        "gpipe": "pytorch/ScheduleGPipe",
-        "1f1b": "pytorch/Schedule1F1B",
-        "zero-bubble": "pytorch/Schedule1F1B",
-        "interleaved": "pytorch/ScheduleInterleaved1F1B",
-    }
     for schedule in schedules:
         for mode in modes:
             out.append(
@@ -235,7 +256,9 @@ def contenders(
                     "gpipe",
                     False,
                     _pipeline(schedule, mode),
-                    counterpart=counterpart.get(schedule),
+                    counterpart=f"pytorch/{COUNTERPARTS[schedule]}"
+                    if schedule in COUNTERPARTS
+                    else None,
                     schedule=schedule,
                     checkpoint=mode,
                 )
@@ -250,12 +273,13 @@ def contenders(
             checkpoint="except_last",
         )
     )
-    pytorch = ["ScheduleGPipe", "Schedule1F1B"]
-    # several stages per process: only as the counterpart of a gpipe schedule that does so
-    if any(traits(s).several_stages_per_rank for s in schedules):
-        pytorch.append("ScheduleInterleaved1F1B")
-    for name in pytorch:
-        out.append(Contender(f"pytorch/{name}", "pytorch", False, _pytorch(name)))
+    # the baselines of one stage per process, and the counterparts of the others chosen
+    pytorch = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b"}
+    for schedule in schedules:
+        if traits(schedule).several_stages_per_rank and schedule in COUNTERPARTS:
+            pytorch[COUNTERPARTS[schedule]] = schedule
+    for name, like in pytorch.items():
+        out.append(Contender(f"pytorch/{name}", "pytorch", False, _pytorch(name), runs_like=like))
     out.append(
         Contender(
             "torchgpipe", "torchgpipe", True, _one_process("torchgpipe"), checkpoint="except_last"

@@ -73,13 +73,15 @@ def timing_pass(spec: dict[str, Any]) -> dict[str, Any]:
     running = [c for c in selected if c.name not in skipped]
     out: dict[str, Any] = {"skipped": skipped, "chunks": {}}
     for chunks in spec["chunks"]:
-        runners = {c.name: _build(c, spec, chunks) for c in running}
-        seconds: dict[str, list[float]] = {c.name: [] for c in running}
-        cpu: dict[str, list[float]] = {c.name: [] for c in running}
+        not_run = {c.name: r for c in running if (r := c.not_run_at(chunks)) is not None}
+        here = [c for c in running if c.name not in not_run]
+        runners = {c.name: _build(c, spec, chunks) for c in here}
+        seconds: dict[str, list[float]] = {c.name: [] for c in here}
+        cpu: dict[str, list[float]] = {c.name: [] for c in here}
         cycles = spec["warmup"] + spec["repeats"]
         for cycle in range(cycles):
-            turn = cycle % len(running)
-            for c in running[turn:] + running[:turn]:
+            turn = cycle % len(here)
+            for c in here[turn:] + here[:turn]:
                 dist.barrier()
                 cpu_start, start = time.process_time(), time.perf_counter()
                 _step(c, runners[c.name], chunks)
@@ -93,7 +95,7 @@ def timing_pass(spec: dict[str, Any]) -> dict[str, Any]:
                     flush=True,
                 )
         del runners
-        out["chunks"][str(chunks)] = {"seconds": seconds, "cpu": cpu}
+        out["chunks"][str(chunks)] = {"seconds": seconds, "cpu": cpu, "not_run": not_run}
     return out
 
 

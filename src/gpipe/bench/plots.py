@@ -56,7 +56,7 @@ def plot_step_times(w: dict[str, Any], path: Path) -> Path:
     ideal), and gpipe's schedules under each re-materialization mode."""
     plt = _pyplot()
     chunk_counts = [int(m) for m in w["chunks"]]
-    names = list(next(iter(w["chunks"].values()))["contenders"])
+    names = list(dict.fromkeys(n for at in w["chunks"].values() for n in at["contenders"]))
     panels = {
         "no re-materialization; baselines; one-process libraries": [
             n for n in names if not n.startswith("gpipe/") or n.endswith(("/never", "process"))
@@ -68,9 +68,10 @@ def plot_step_times(w: dict[str, Any], path: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(15, 6), sharey=True)
     for ax, (title, chosen) in zip(axes, panels.items(), strict=True):
         for name in chosen:
-            seconds = [w["chunks"][str(m)]["contenders"][name]["seconds"] for m in chunk_counts]
+            ran = [m for m in chunk_counts if name in w["chunks"][str(m)]["contenders"]]
+            seconds = [w["chunks"][str(m)]["contenders"][name]["seconds"] for m in ran]
             ax.errorbar(
-                chunk_counts,
+                ran,
                 [s["median"] for s in seconds],
                 yerr=[
                     [s["median"] - s["min"] for s in seconds],

@@ -68,7 +68,8 @@ def figures(
         "memory": {},
     }
     for chunks in chunk_counts:
-        cycles = {c.name: _at(chunks, c, timing) for c in ran}
+        timed = timing[0]["chunks"][str(chunks)]["seconds"]
+        cycles = {c.name: _at(chunks, c, timing) for c in ran if c.name in timed}
         med = {n: statistics.median(v["wall"]) for n, v in cycles.items()}
         ideal = med["at-once"] * (chunks + K - 1) / chunks if "at-once" in med else None
         naive = (
@@ -100,7 +101,12 @@ def figures(
                     [a / b for a, b in zip(cyc["wall"], other, strict=True)]
                 )
             rows[name] = row
-        out["chunks"][str(chunks)] = {"ideal": ideal, "naive_ideal": naive, "contenders": rows}
+        out["chunks"][str(chunks)] = {
+            "ideal": ideal,
+            "naive_ideal": naive,
+            "contenders": rows,
+            "not_run": timing[0]["chunks"][str(chunks)].get("not_run", {}),
+        }
     for name, per_rank in memory.items():
         stages: dict[str, dict[str, int]] = {}
         for r in per_rank:
@@ -302,6 +308,10 @@ def _detail(w: dict[str, Any], chunks: str) -> list[str]:
         "(per cycle) | bubble (schedule) | peak RSS MiB | activations MiB | saved MiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    not_run = at.get("not_run", {})
+    if not_run:
+        told = "; ".join(f"{name} ({why})" for name, why in not_run.items())
+        lines[4:4] = [f"Not run at this M: {told}.", ""]
     for name, row in at["contenders"].items():
         s = row["seconds"]
         rate = row["tokens_per_s"] if w["workload"] == "gpt" else row["samples_per_s"]

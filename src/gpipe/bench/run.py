@@ -148,7 +148,12 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         say(f"{name}: timing done in {time.perf_counter() - started:.0f} s")
         memory: dict[str, list[dict[str, Any]]] = {}
         if options.memory_chunks is not None:
-            measured = [c.name for c in chosen if c.name not in timing[0]["skipped"]]
+            measured = [
+                c.name
+                for c in chosen
+                if c.name not in timing[0]["skipped"]
+                and c.not_run_at(options.memory_chunks) is None
+            ]
             memory = _memory_passes(name, spec, measured, options)
         results[name] = figures(
             workload, chosen, timing, memory, list(options.chunks), options.memory_chunks

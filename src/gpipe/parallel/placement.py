@@ -54,7 +54,7 @@ class RankPlacement:
     rank: int
     n_ranks: int
     group: dist.ProcessGroup | None  # None: the whole world
-    layout: Placement = Placement.LOOPED
+    layout: Placement | tuple[int, ...] = Placement.LOOPED  # or each stage's rank
 
     @property
     def n_stages(self) -> int:
@@ -63,6 +63,8 @@ class RankPlacement:
     @property
     def stages(self) -> tuple[int, ...]:
         """This rank's stages, in order."""
+        if isinstance(self.layout, tuple):
+            return tuple(s for s, r in enumerate(self.layout) if r == self.rank)
         return self.layout.stages_of(self.rank, self.n_stages, self.n_ranks)
 
     @property
@@ -79,6 +81,8 @@ class RankPlacement:
 
     def rank_of(self, stage: int) -> int:
         """The rank (in the pipeline's group) that holds ``stage``."""
+        if isinstance(self.layout, tuple):
+            return self.layout[stage]
         return self.layout.rank_of(stage, self.n_stages, self.n_ranks)
 
     def global_rank(self, rank: int) -> int:

@@ -64,6 +64,8 @@ def chunks_for_bubble(
     step = stages if traits(schedule).microbatches_per_round else 1
 
     def below(n: int) -> bool:
+        if not traits(schedule).runs(stages, n * step, virtual_stages):
+            return False  # too few for the schedule: more are needed anyway
         return (
             bubble(schedule, stages, n * step, virtual_stages=virtual_stages, checkpoint=checkpoint)
             < target

@@ -207,8 +207,9 @@ def candidates(
     ``chunk_choices`` of ``batch_size``, every schedule and every checkpoint mode. A
     schedule that places several stages per process (the interleaved one) runs
     ``virtual_stages`` of them, on two processes or more; one whose micro-batches go in
-    rounds of K only takes a number of micro-batches that is a multiple of the processes;
-    the others run one stage each. Each argument given replaces its default list.
+    rounds of K only takes a number of micro-batches that is a multiple of the processes,
+    one that needs a micro-batch per stage (dualpipe-v) at least that many; the others run
+    one stage each. Each argument given replaces its default list.
     """
     ks = list(stages) if stages is not None else range(1, min(max_stages, n_layers) + 1)
     ms = list(chunks) if chunks is not None else chunk_choices(batch_size)
@@ -223,7 +224,7 @@ def candidates(
             if k * v > n_layers or (several and (k < 2 or v < 2)):
                 continue
             for m in ms:
-                if m > batch_size or (placement.microbatches_per_round and m % k):
+                if m > batch_size or not placement.runs(k, m, v):
                     continue
                 grid += [(k, m, name, mode, v) for mode in modes]
     return grid

@@ -2,11 +2,13 @@
 
 ``ir`` holds the actions and the ``Schedule``; one module per family generates schedules
 (``fill_drain``, ``one_f_one_b``, ``zero_bubble``, ``interleaved``, ``looped_bfs``, and
-``v_shape`` for the schedules that place two stages per rank in a V); ``rewrite`` adds skip and
+``v_shape`` for the schedules that place two stages per rank in a V); ``csv_format`` reads
+and writes them as PyTorch's schedule files; ``rewrite`` adds skip and
 recomputation actions to any of them; ``validate`` checks one can run; ``registry`` names
 them and declares their traits. A new schedule is a generator module and a ``register`` call.
 """
 
+from gpipe.schedules.csv_format import from_csv, read_csv, to_csv
 from gpipe.schedules.fill_drain import clock_cycles, forward_only, gpipe
 from gpipe.schedules.interleaved import interleaved, interleaved_zero_bubble
 from gpipe.schedules.ir import (
@@ -58,13 +60,16 @@ __all__ = [
     "clock_cycles",
     "execution_order",
     "forward_only",
+    "from_csv",
     "get_schedule",
     "gpipe",
     "interleaved",
     "interleaved_zero_bubble",
     "looped_bfs",
     "one_f_one_b",
+    "read_csv",
     "register",
+    "to_csv",
     "traits",
     "v_stage_to_rank",
     "validate",

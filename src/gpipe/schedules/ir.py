@@ -14,7 +14,15 @@ from dataclasses import dataclass
 
 
 class ScheduleError(ValueError):
-    """A schedule that cannot run: a missing or duplicated action, a dependency cycle."""
+    """A schedule that cannot run: a missing or duplicated action, a dependency cycle.
+
+    ``blocked``, for a deadlock: each stuck rank's next action and what it waits for."""
+
+    def __init__(
+        self, message: str, blocked: dict[int, tuple[Action, list[Action]]] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.blocked = blocked or {}
 
 
 class Kind(enum.Enum):

@@ -73,6 +73,7 @@ class Traits:
     placement: Placement
     split_backward: bool = False  # B (input gradients) and W (weight gradients) apart
     microbatches_per_round: bool = False  # micro-batches go in rounds of K: M % K == 0
+    microbatch_per_stage: bool = False  # at least one micro-batch per stage: M >= K x v
 
     @property
     def several_stages_per_rank(self) -> bool:
@@ -84,6 +85,18 @@ class Traits:
         if self.placement is Placement.V:
             return 2
         return virtual_stages if self.several_stages_per_rank else 1
+
+    def fewest_microbatches(self, n_ranks: int, virtual_stages: int = 1) -> int:
+        """The fewest micro-batches the schedule runs on ``n_ranks`` ranks."""
+        if self.microbatch_per_stage:
+            return n_ranks * self.stages_per_rank(virtual_stages)
+        return n_ranks if self.microbatches_per_round else 1
+
+    def runs(self, n_ranks: int, n_microbatches: int, virtual_stages: int = 1) -> bool:
+        """Whether the schedule runs ``n_microbatches`` micro-batches on ``n_ranks`` ranks."""
+        if self.microbatches_per_round and n_microbatches % n_ranks:
+            return False
+        return n_microbatches >= self.fewest_microbatches(n_ranks, virtual_stages)
 
 
 SCHEDULES: dict[str, Generator] = {}  # name -> generator, in registration order
@@ -132,4 +145,6 @@ register(
 )
 register("looped-bfs", looped_bfs, Traits(Placement.LOOPED))
 register("zero-bubble-v", zero_bubble_v, Traits(Placement.V, split_backward=True))
-register("dualpipe-v", dualpipe_v, Traits(Placement.V, split_backward=True))
+register(
+    "dualpipe-v", dualpipe_v, Traits(Placement.V, split_backward=True, microbatch_per_stage=True)
+)

@@ -145,7 +145,12 @@ def execution_order(schedule: Schedule) -> list[Action]:
                 for r, q in enumerate(queues)
                 if q
             )
-            raise ScheduleError(f"schedule deadlocks: {blocked}")
+            waits = {
+                r: (q[0], [n for n in _requirements(q[0], schedule) if n not in done])
+                for r, q in enumerate(queues)
+                if q
+            }
+            raise ScheduleError(f"schedule deadlocks: {blocked}", waits)
     return order
 
 

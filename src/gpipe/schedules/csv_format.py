@@ -1,0 +1,216 @@
+"""Schedules as the CSV files ``torch.distributed.pipelining`` writes and reads.
+
+One row per rank, one cell per action, each action written ``<stage><kind><micro-batch>``:
+``F`` a forward, ``B`` a whole backward, ``I`` and ``W`` its input- and weight-gradient
+halves, ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B`` the messages (in the files that list
+them; gpipe places its own around the compute, and messages between two stages of one rank
+are not written, as PyTorch leaves them out). ``UNSHARD``, ``RESHARD`` and ``REDUCE_GRAD``
+belong to sharded replicas and are read and dropped; an ``OVERLAP_F_B`` cell, ``(a;b)``,
+runs its actions in order. An empty cell is an idle slot.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from os import PathLike
+from pathlib import Path
+
+from gpipe.schedules.ir import Action, Kind, Schedule, ScheduleError, programs_of
+from gpipe.schedules.validate import execution_order
+
+__all__ = ["from_csv", "read_csv", "to_csv"]
+
+_CELL = re.compile(r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)")
+_DROPPED = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+_MESSAGES = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+Step = tuple[int, str, int, int]  # (stage, kind as written, micro-batch, step in the row)
+
+
+def _cells(text: str, rank: int, step: int, where: str) -> list[tuple[int, str, int | None]]:
+    """The actions of one cell: (stage, kind, micro-batch or None)."""
+    text = text.strip()
+    if text in ("", "None"):
+        return []
+    if text.startswith("(") and text.endswith(")OVERLAP_F_B"):
+        inner = text[1 : -len(")OVERLAP_F_B")]
+        return [a for part in inner.split(";") for a in _cells(part, rank, step, where)]
+    match = _CELL.fullmatch(text)
+    if match is None:
+        raise ScheduleError(
+            f"{where}: rank {rank}, step {step}: {text!r} is not an action (expected "
+            "<stage><F|I|B|W|SEND_F|RECV_F|SEND_B|RECV_B><micro-batch>, e.g. 2F0)"
+        )
+    stage, kind, mb = match.groups()
+    return [(int(stage), kind, int(mb) if mb else None)]
+
+
+def read_csv(path: str | PathLike[str]) -> list[list[Step]]:
+    """Each rank's actions in a schedule file, as written, without the dropped kinds."""
+    where = str(path)
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))
+    except OSError as exc:
+        raise ValueError(f"cannot read the schedule file {where}: {exc.strerror}") from None
+    ranks: list[list[Step]] = []
+    for rank, row in enumerate(rows):
+        steps: list[Step] = []
+        for step, cell in enumerate(row):
+            for stage, kind, mb in _cells(cell, rank, step, where):
+                if kind in _DROPPED:
+                    continue
+                if mb is None:
+                    raise ScheduleError(
+                        f"{where}: rank {rank}, step {step}: {cell.strip()!r} names no micro-batch"
+                    )
+                steps.append((stage, kind, mb, step))
+        ranks.append(steps)
+    if not any(ranks):
+        raise ScheduleError(f"{where}: the schedule file holds no actions")
+    return ranks
+
+
+def _check_names(
+    ranks: list[list[Step]], where: str, n_stages: int, n_microbatches: int
+) -> dict[int, int]:
+    """Every action's stage and micro-batch exist and each stage is on one rank; returns
+    the rank of every stage."""
+    holders: dict[int, int] = {}
+    for rank, row in enumerate(ranks):
+        for stage, kind, mb, step in row:
+            at = f"{where}: rank {rank}, step {step}: {stage}{kind}{mb}"
+            if stage >= n_stages:
+                raise ScheduleError(
+                    f"{at} names stage {stage}, but there are {n_stages} (0 to {n_stages - 1})"
+                )
+            if mb >= n_microbatches:
+                raise ScheduleError(
+                    f"{at} names micro-batch {mb}, but there are {n_microbatches} "
+                    f"(0 to {n_microbatches - 1})"
+                )
+            holder = holders.setdefault(stage, rank)
+            if holder != rank:
+                raise ScheduleError(f"{at}: stage {stage} is run by rank {holder} too")
+    idle = [s for s in range(n_stages) if s not in holders]
+    if idle:
+        raise ScheduleError(f"{where}: no rank runs stage {idle[0]}")
+    return holders
+
+
+def _orders(
+    ranks: list[list[Step]], where: str, split: bool
+) -> tuple[list[list[tuple[Kind, int, int]]], dict[tuple[Kind, int, int], tuple[int, int]]]:
+    """Each rank's compute order in gpipe's kinds, and the (rank, step) of each action."""
+    kinds = {"F": [Kind.FORWARD], "I": [Kind.BACKWARD], "W": [Kind.WEIGHT]}
+    kinds["B"] = [Kind.BACKWARD, Kind.WEIGHT] if split else [Kind.BACKWARD]
+    orders: list[list[tuple[Kind, int, int]]] = []
+    steps: dict[tuple[Kind, int, int], tuple[int, int]] = {}
+    for rank, row in enumerate(ranks):
+        order = []
+        for stage, written, mb, step in row:
+            for kind in kinds.get(written, []):  # messages: gpipe places its own
+                key = (kind, stage, mb)
+                if key in steps:
+                    first = steps[key][1]
+                    raise ScheduleError(
+                        f"{where}: rank {rank}, step {step}: {stage}{written}{mb} runs "
+                        f"{Action(stage, kind, mb)} again (first at step {first})"
+                    )
+                steps[key] = (rank, step)
+                order.append(key)
+        orders.append(order)
+    return orders, steps
+
+
+def from_csv(
+    path: str | PathLike[str],
+    n_microbatches: int | None = None,
+    n_ranks: int | None = None,
+    n_stages: int | None = None,
+) -> Schedule:
+    """The schedule a PyTorch schedule file describes, checked by gpipe's validator.
+
+    Its sizes are read off the file (rows, the highest stage and micro-batch named); given
+    here, an action beyond them, a missing action or an order that deadlocks is an error
+    that names the rank, the step (the cell, counted from 0) and the action.
+    """
+    where = str(path)
+    ranks = read_csv(path)
+    k = len(ranks) if n_ranks is None else n_ranks
+    if len(ranks) > k:
+        raise ScheduleError(
+            f"{where}: the file has a row for rank {len(ranks) - 1}, but the pipeline has "
+            f"{k} processes (ranks 0 to {k - 1})"
+        )
+    ranks += [[] for _ in range(k - len(ranks))]
+    stages = n_stages or 1 + max(s for row in ranks for s, *_ in row)
+    m = n_microbatches or 1 + max(mb for row in ranks for _, _, mb, _ in row)
+    holders = _check_names(ranks, where, stages, m)
+    split = any(kind in ("I", "W") for row in ranks for _, kind, _, _ in row)
+    orders, steps = _orders(ranks, where, split)
+    for stage in range(stages):
+        needed = [Kind.FORWARD, Kind.BACKWARD] + ([Kind.WEIGHT] if split else [])
+        for mb in range(m):
+            for kind in needed:
+                if (kind, stage, mb) not in steps:
+                    raise ScheduleError(
+                        f"{where}: rank {holders[stage]} lacks {Action(stage, kind, mb)}"
+                        + (" (I or B)" if kind is Kind.BACKWARD else "")
+                    )
+    schedule = Schedule(
+        f"csv:{Path(path).name}",
+        stages,
+        m,
+        programs_of([[(kind, s, mb) for kind, s, mb in order] for order in orders], stages),
+        tuple(holders[s] for s in range(stages)),
+        split_backward=split,
+    )
+    try:
+        execution_order(schedule)
+    except ScheduleError as exc:
+        raise ScheduleError(f"{where}: {_with_steps(exc, steps)}") from None
+    return schedule
+
+
+def _with_steps(exc: ScheduleError, steps: dict[tuple[Kind, int, int], tuple[int, int]]) -> str:
+    """A deadlock's message with each blocked rank's step in the file."""
+    if not exc.blocked:
+        return str(exc)
+    parts = []
+    for rank, (waiting, needs) in sorted(exc.blocked.items()):
+        compute = {Kind.RECV_F: Kind.FORWARD, Kind.RECV_B: Kind.BACKWARD}.get(waiting.kind)
+        key = (compute or waiting.kind, waiting.stage, waiting.microbatch)
+        step = steps.get(key, (rank, "?"))[1]
+        parts.append(
+            f"rank {rank}, step {step}: {Action(key[1], key[0], key[2])} waits for "
+            + " ".join(map(str, needs))
+        )
+    return "the schedule deadlocks: " + "; ".join(parts)
+
+
+def to_csv(schedule: Schedule, path: str | PathLike[str], messages: bool = False) -> None:
+    """Write ``schedule`` as PyTorch writes its schedules: compute actions only, or with
+    ``messages`` its sends and receives between ranks too (PyTorch's "compute_comms")."""
+    if schedule.skips or schedule.recomputed:
+        raise ValueError(
+            "PyTorch's schedule files have no skip or recomputation actions: write the "
+            "schedule before add_skips and add_recompute"
+        )
+    rows = []
+    rank_of = schedule.stage_to_rank
+    for program in schedule.programs:
+        row = []
+        for a in program:
+            if a.kind.value in _MESSAGES:
+                other = a.other_stage
+                if not messages or other is None or rank_of[other] == rank_of[a.stage]:
+                    continue
+                row.append(str(a))
+            elif a.kind is Kind.BACKWARD:
+                row.append(f"{a.stage}{'I' if schedule.split_backward else 'B'}{a.microbatch}")
+            else:
+                row.append(str(a))
+        rows.append(row)
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
