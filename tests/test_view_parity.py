@@ -15,7 +15,7 @@ import pytest
 
 from gpipe.planning.simulate import Costs, closed_form_bubble, scenario, simulate
 from gpipe.runtime.recompute import should_checkpoint
-from gpipe.schedules import SCHEDULES
+from gpipe.schedules import SCHEDULES, Placement, traits
 from gpipe.view import asset_path
 from gpipe.view.page import _costs_json
 
@@ -52,7 +52,7 @@ def _grid() -> list[dict]:
         sorted(SCHEDULES), (1, 2, 3, 4), (1, 2, 3, 4, 6, 8),
         ("unit", "links", "no-weight", "uneven"), MODES,
     ):  # fmt: skip
-        for v in (1, 2, 3) if name == "interleaved" else (2,):
+        for v in (1, 2, 3) if traits(name).placement is Placement.LOOPED else (2,):
             cases.append({"schedule": name, "stages": k, "chunks": m, "virtual_stages": v,
                           "costs": costs, "checkpoint": mode})  # fmt: skip
     return cases
@@ -146,7 +146,7 @@ def test_the_closed_form_bubble_is_the_python_one(runs):
         costs = _costs(case["costs"], case["stages"])
         if "error" in js or isinstance(costs.forward, tuple):
             continue
-        v = case["virtual_stages"] if case["schedule"] == "interleaved" else 1
+        v = traits(case["schedule"]).stages_per_rank(case["virtual_stages"])
         python = closed_form_bubble(case["schedule"], case["stages"], case["chunks"], v,
                                     costs.forward, costs.backward, costs.weight)  # fmt: skip
         assert (js["closed_form"] is None) == (python is None), _label(case)

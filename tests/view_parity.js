@@ -39,7 +39,7 @@ function run(c) {
           c.schedule,
           c.stages,
           c.chunks,
-          c.schedule === "interleaved" ? c.virtual_stages : 1,
+          G.stagesPerRank(c.schedule, c.virtual_stages),
           c.costs.forward,
           c.costs.backward,
           c.costs.weight,

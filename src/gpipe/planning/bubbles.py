@@ -11,7 +11,7 @@ from gpipe.planning.costs import PER_STAGE_FIELDS, Costs
 from gpipe.planning.replay import simulate
 from gpipe.schedules import Schedule, build, get_schedule, traits
 
-__all__ = ["analytic_bubble", "closed_form_bubble", "compare", "scenario"]
+__all__ = ["analytic_bubble", "closed_form_bubble", "compare", "scenario", "split_costs"]
 
 
 def analytic_bubble(n_stages: int, n_microbatches: int) -> float:
@@ -90,12 +90,21 @@ def scenario(
         return build(name, n_ranks, n_microbatches), costs
     if not isinstance(per_rank, int) or per_rank < 1:
         raise ValueError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
-    split = {
-        field: [v / per_rank for v in costs.per_stage(field, n_ranks)] * per_rank
-        for field in PER_STAGE_FIELDS
-    }
     schedule = build(name, n_ranks, n_microbatches, per_rank)
-    return schedule, dataclasses.replace(costs, **split)
+    return schedule, split_costs(schedule, costs)
+
+
+def split_costs(schedule: Schedule, costs: Costs) -> Costs:
+    """``costs`` of each rank cut evenly into the stages it holds in ``schedule``."""
+    per_rank = schedule.n_stages // schedule.n_ranks
+    if per_rank == 1 and schedule.stage_to_rank == tuple(range(schedule.n_ranks)):
+        return costs
+    rank_of = schedule.stage_to_rank
+    split = {}
+    for field in PER_STAGE_FIELDS:
+        values = costs.per_stage(field, schedule.n_ranks)
+        split[field] = [values[rank_of[s]] / per_rank for s in range(schedule.n_stages)]
+    return dataclasses.replace(costs, **split)
 
 
 def compare(

@@ -93,6 +93,12 @@ def check_settings(
             f"{name('schedule')} {schedule} needs {name('chunks')} a multiple of "
             f"{name('stages')}, got {chunks} and {stages}"
         )
+    if not traits(schedule).runs(stages, chunks, v):
+        fewest = traits(schedule).fewest_microbatches(stages, v)
+        raise ValueError(
+            f"{name('schedule')} {schedule} needs {name('chunks')} of at least {fewest} "
+            f"for {stages} {name('stages')}, got {chunks}"
+        )
     if not isinstance(costs, Costs):
         raise ValueError(f"{name('costs')} must be a gpipe.planning.simulate.Costs, got {costs!r}")
     for key in _PER_RANK:

@@ -40,10 +40,14 @@
     const stages = wholeNumber("stages", "K", limits.stages);
     const chunks = wholeNumber("chunks", "M", limits.chunks);
     const schedule = $("schedule").value;
-    const interleaved = schedule === "interleaved";
-    const v = interleaved ? wholeNumber("virtual_stages", "v", limits.virtual_stages) : 1;
-    if (interleaved && chunks % stages) {
-      throw new Error(`interleaved needs M a multiple of K: M = ${chunks}, K = ${stages}`);
+    const traits = G.TRAITS[schedule];
+    const looped = traits.placement === "looped";
+    const v = looped ? wholeNumber("virtual_stages", "v", limits.virtual_stages) : 1;
+    if (traits.perRound && chunks % stages) {
+      throw new Error(`${schedule} needs M a multiple of K: M = ${chunks}, K = ${stages}`);
+    }
+    if (traits.perStage && chunks < 2 * stages) {
+      throw new Error(`${schedule} needs M at least 2K: M = ${chunks}, K = ${stages}`);
     }
     const bandwidthText = $("bandwidth").value.trim();
     let bandwidth = Infinity;
@@ -111,12 +115,15 @@
     $("activation_mib").value = "not measured";
   }
 
-  // Locked while the measured run is shown; v only counts for the interleaved schedule.
+  // Locked while the measured run is shown; v only counts for the looped schedules (a V
+  // always holds two stages per rank).
   function lock(locked) {
     for (const el of $("controls").querySelectorAll("input:not(#show-measured), select")) {
       el.disabled = locked;
     }
-    if (!locked) $("virtual_stages").disabled = $("schedule").value !== "interleaved";
+    if (!locked) {
+      $("virtual_stages").disabled = G.TRAITS[$("schedule").value].placement !== "looped";
+    }
   }
 
   G.controls = { fill, lock, read, showMeasured };

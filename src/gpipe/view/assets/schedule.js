@@ -183,12 +183,244 @@
     );
   }
 
+  // Each rank's program from its order of [kind, stage, micro-batch] compute actions.
+  function programsOf(orders, nStages) {
+    return orders.map((order) =>
+      order.flatMap(([kind, stage, mb]) => withCommunication(stage, nStages, [[kind, mb]])),
+    );
+  }
+
+  function rankCount(nStages, nRanks, name) {
+    const k = nRanks === undefined || nRanks === null ? nStages : nRanks;
+    if (!isPositiveInt(k) || nStages % k) {
+      throw new Error(
+        `${name} needs a number of stages that is a multiple of the number of ranks, ` +
+          `got ${nStages} stages for ${k} ranks`,
+      );
+    }
+    return k;
+  }
+
+  // Interleaved zero bubble: interleaved 1F1B with B and W apart, rank r's W r backwards late.
+  function interleavedZeroBubble(nStages, nMicrobatches, nRanks) {
+    const k = rankCount(nStages, nRanks, "interleaved-zero-bubble");
+    checkSizes(nStages, nMicrobatches);
+    if (nMicrobatches % k) {
+      throw new Error(
+        "interleaved-zero-bubble needs a number of micro-batches that is a multiple of the " +
+          `number of ranks (${k}), got ${nMicrobatches}`,
+      );
+    }
+    const v = nStages / k;
+    const total = nMicrobatches * v;
+    const forwardOf = (rank, j) => [
+      (Math.floor(j / k) % v) * k + rank,
+      Math.floor(j / (k * v)) * k + (j % k),
+    ];
+    const backwardOf = (rank, j) => [
+      (v - 1 - (Math.floor(j / k) % v)) * k + rank,
+      Math.floor(j / (k * v)) * k + (j % k),
+    ];
+    const orders = range(k).map((rank) => {
+      const warmup = Math.min((k - rank - 1) * 2 + (v - 1) * k, total);
+      const order = range(warmup).map((j) => [F, ...forwardOf(rank, j)]);
+      for (let i = 0; i < total; i++) {
+        if (warmup + i < total) order.push([F, ...forwardOf(rank, warmup + i)]);
+        order.push([B, ...backwardOf(rank, i)]);
+        if (i >= rank) order.push([W, ...backwardOf(rank, i - rank)]);
+      }
+      for (let j = Math.max(total - rank, 0); j < total; j++) order.push([W, ...backwardOf(rank, j)]);
+      return order;
+    });
+    const stageToRank = range(nStages).map((s) => s % k);
+    return schedule(
+      "interleaved-zero-bubble", nStages, nMicrobatches, programsOf(orders, nStages),
+      stageToRank, true,
+    );
+  }
+
+  // Looped BFS: all micro-batches through one of a rank's stages before the next.
+  function loopedBfs(nStages, nMicrobatches, nRanks) {
+    checkSizes(nStages, nMicrobatches);
+    const k = rankCount(nStages, nRanks, "looped-bfs");
+    const orders = range(k).map((rank) => {
+      const mine = range(nStages / k).map((c) => c * k + rank);
+      const order = [];
+      for (const s of mine) for (const i of range(nMicrobatches)) order.push([F, s, i]);
+      for (const s of [...mine].reverse()) {
+        for (const i of range(nMicrobatches)) order.push([B, s, i]);
+      }
+      return order;
+    });
+    const stageToRank = range(nStages).map((s) => s % k);
+    return schedule("looped-bfs", nStages, nMicrobatches, programsOf(orders, nStages), stageToRank);
+  }
+
+  // A V of 2K stages on K ranks: rank r holds stages r and 2K - 1 - r (its chunks 0 and 1).
+  function checkV(name, nStages, nRanks) {
+    const given = !(nRanks === undefined || nRanks === null);
+    if (nStages % 2 || (given && nStages !== 2 * nRanks)) {
+      const expected = given ? String(2 * nRanks) : "an even number";
+      const ranks = given ? ` for ${nRanks} ranks` : "";
+      throw new Error(
+        `${name} places two stages per rank in a V: it needs ${expected} stages, ` +
+          `got ${nStages}${ranks}`,
+      );
+    }
+    return nStages / 2;
+  }
+
+  function vStageToRank(nStages) {
+    return range(nStages).map((s) => (s < nStages / 2 ? s : nStages - 1 - s));
+  }
+
+  // One rank's counters per chunk; the n-th forward (B, W) of a chunk is of micro-batch n.
+  function chunks(rank, nStages) {
+    const c = {
+      stage: [rank, nStages - 1 - rank], forwards: [0, 0], backwards: [0, 0], weights: [0, 0],
+      putOff: [], order: [],
+    };
+    c.forward = (chunk) => c.order.push([F, c.stage[chunk], c.forwards[chunk]++]);
+    c.weight = (chunk) => c.order.push([W, c.stage[chunk], c.weights[chunk]++]);
+    c.backward = (chunk, weightNow = false) => {
+      c.order.push([B, c.stage[chunk], c.backwards[chunk]++]);
+      if (weightNow) c.weight(chunk);
+    };
+    c.split = (chunk, split) => {
+      c.backward(chunk, !split);
+      if (split) c.putOff.push(chunk);
+    };
+    c.weightPutOff = () => c.weight(c.putOff.shift());
+    c.weightsLeft = (chunk) => {
+      while (c.weights[chunk] < c.backwards[chunk]) c.weight(chunk);
+    };
+    return c;
+  }
+
+  // ZB-V (gpipe.schedules.v_shape.zero_bubble_v), laid out for at least 2K - 1 micro-batches.
+  function zeroBubbleV(nStages, nMicrobatches, nRanks) {
+    checkSizes(nStages, nMicrobatches);
+    const k = checkV("zero-bubble-v", nStages, nRanks);
+    const laidOut = Math.max(nMicrobatches, 2 * k - 1);
+    const orders = range(k).map((rank) => {
+      const c = chunks(rank, nStages);
+      for (let i = 0; i < 2 * (k - rank) - 1; i++) c.forward(0);
+      for (let i = 0; i < rank; i++) {
+        c.forward(1);
+        c.forward(0);
+      }
+      for (let i = 0; i < k - rank; i++) {
+        c.forward(1);
+        c.backward(1, true);
+      }
+      while (c.forwards[1] < c.forwards[0] || c.forwards[0] < laidOut) {
+        if (c.forwards[0] < laidOut) c.forward(0);
+        c.backward(0, true);
+        c.forward(1);
+        c.backward(1, true);
+      }
+      for (let i = 0; i < rank; i++) {
+        c.backward(0);
+        c.backward(1);
+      }
+      for (let i = 0; i < k - rank; i++) {
+        c.backward(0);
+        c.weight(0);
+      }
+      c.weightsLeft(1);
+      c.weightsLeft(0);
+      return c.order.filter((a) => a[2] < nMicrobatches);
+    });
+    return schedule(
+      "zero-bubble-v", nStages, nMicrobatches, programsOf(orders, nStages),
+      vStageToRank(nStages), true,
+    );
+  }
+
+  // DualPipeV (gpipe.schedules.v_shape.dualpipe_v), M >= 2K.
+  function dualpipeV(nStages, nMicrobatches, nRanks) {
+    checkSizes(nStages, nMicrobatches);
+    const k = checkV("dualpipe-v", nStages, nRanks);
+    if (nMicrobatches < nStages) {
+      throw new Error(
+        `dualpipe-v needs at least 2K = ${nStages} micro-batches for ${k} ranks, ` +
+          `got ${nMicrobatches}`,
+      );
+    }
+    const orders = range(k).map((rank) => {
+      const c = chunks(rank, nStages);
+      const rest = k - rank - 1;
+      for (let i = 0; i < 2 * rest; i++) c.forward(0);
+      for (let i = 0; i < rank + 1; i++) {
+        c.forward(0);
+        c.forward(1);
+      }
+      for (let i = 0; i < rest; i++) {
+        c.split(1, true);
+        c.weightPutOff();
+        c.forward(1);
+      }
+      for (let i = 0; i < nMicrobatches - 2 * k + rank + 1; i++) {
+        c.forward(0);
+        c.split(1, false);
+        c.forward(1);
+        c.split(0, false);
+      }
+      for (let i = 0; i < rest; i++) {
+        c.split(1, false);
+        c.forward(1);
+        c.split(0, false);
+      }
+      let split = false;
+      const half = Math.floor((rank + 1) / 2);
+      for (let i = 0; i < rank + 1; i++) {
+        if (i === half && rank % 2 === 1) split = true;
+        c.split(1, split);
+        if (i === half && rank % 2 === 0) split = true;
+        c.split(0, split);
+      }
+      for (let i = 0; i < rest; i++) {
+        c.weightPutOff();
+        c.split(0, true);
+      }
+      for (let i = 0; i < rank + 1; i++) c.weightPutOff();
+      return c.order;
+    });
+    return schedule(
+      "dualpipe-v", nStages, nMicrobatches, programsOf(orders, nStages),
+      vStageToRank(nStages), true,
+    );
+  }
+
   const SCHEDULES = {
     gpipe,
     "1f1b": oneFOneB,
     "zero-bubble": zeroBubbleH1,
     interleaved,
+    "interleaved-zero-bubble": interleavedZeroBubble,
+    "looped-bfs": loopedBfs,
+    "zero-bubble-v": zeroBubbleV,
+    "dualpipe-v": dualpipeV,
   };
+
+  // gpipe.schedules.registry's traits: where a schedule's stages sit, and what M it takes.
+  const TRAITS = {
+    gpipe: { placement: "one" },
+    "1f1b": { placement: "one" },
+    "zero-bubble": { placement: "one", split: true },
+    interleaved: { placement: "looped", perRound: true },
+    "interleaved-zero-bubble": { placement: "looped", split: true, perRound: true },
+    "looped-bfs": { placement: "looped" },
+    "zero-bubble-v": { placement: "v", split: true },
+    "dualpipe-v": { placement: "v", split: true, perStage: true },
+  };
+
+  // How many stages each rank holds when v are asked for (a V holds two, whatever is asked).
+  function stagesPerRank(name, virtualStages) {
+    const placement = TRAITS[name].placement;
+    if (placement === "v") return 2;
+    return placement === "looped" ? virtualStages : 1;
+  }
 
   // gpipe.schedule.add_recompute: each recomputed micro-batch's forward runs again (R) right
   // before its backward's receives, ahead of the gradient.
@@ -241,6 +473,11 @@
 
   Object.assign(api, {
     SCHEDULES,
+    TRAITS,
+    dualpipeV,
+    interleavedZeroBubble,
+    loopedBfs,
+    zeroBubbleV,
     actionName,
     addRecompute,
     getSchedule,
@@ -250,6 +487,7 @@
     oneFOneB,
     parseAction,
     scheduleFromData,
+    stagesPerRank,
     withCommunication,
     zeroBubbleH1,
   });

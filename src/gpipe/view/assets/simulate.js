@@ -262,19 +262,19 @@
   // gpipe.simulate.scenario: K ranks; interleaved cuts each rank's costs into v stages.
   function scenario(name, nRanks, nMicrobatches, given, virtualStages = 2) {
     const costs = costsOf(given);
-    const v = virtualStages;
-    if (name !== "interleaved" || v === 1) {
+    const v = api.stagesPerRank(name, virtualStages);
+    if (v === 1) {
       return [api.getSchedule(name)(nRanks, nMicrobatches), costs];
     }
     if (!Number.isInteger(v) || v < 1) {
       throw new Error(`virtual_stages must be a positive integer, got ${v}`);
     }
+    const schedule = api.getSchedule(name)(nRanks * v, nMicrobatches, nRanks);
     const split = {};
     for (const field of PER_STAGE) {
       const share = perStage(costs, field, nRanks).map((x) => x / v);
-      split[field] = new Array(v).fill(share).flat();
+      split[field] = schedule.stageToRank.map((rank) => share[rank]);
     }
-    const schedule = api.getSchedule(name)(nRanks * v, nMicrobatches, nRanks);
     return [schedule, { ...costs, ...split }];
   }
 
