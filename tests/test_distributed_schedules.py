@@ -3,6 +3,8 @@ training: K = 1..4, several micro-batch splits, all checkpoint modes."""
 
 import pytest
 
+from gpipe.schedules import build, to_csv
+
 from . import distributed_cases
 from . import schedule_cases as cases
 from . import two_per_rank_cases as two_per_rank
@@ -72,3 +74,15 @@ def test_two_stages_per_process_carry_skips(k):
 def test_two_stages_per_process_with_replicas():
     results = run(two_per_rank.data_parallel, 4, (2,), threads=1)
     assert all(n == 6 for n in results.values())
+
+
+def test_a_schedule_read_from_a_pytorch_file_runs_exactly(tmp_path):
+    path = tmp_path / "zbv.csv"
+    to_csv(build("zero-bubble-v", 2, 4), path)
+    results = run(two_per_rank.schedule_file, 2, (str(path),), threads=1)
+    assert [results[r]["stages"] for r in (0, 1)] == [[0, 3], [1, 2]]
+    assert results[0]["name"] == "csv:zbv.csv"
+    errors = results[0]["errors"]
+    assert "is for 4 micro-batches (chunks), the pipeline has 1" in errors["chunks"]
+    assert "runs 4 micro-batches, but this step has 3" in errors["rows"]
+    assert results[1]["errors"]["rows"].startswith("stage 1: lost stage 0")

@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline
+from gpipe.errors import StageError
 from gpipe.runtime.recompute import Layers
 
 from .distributed_cases import MODES, _check_step, _replicated_step_is_exact, tied_weights
@@ -90,3 +91,28 @@ def ties() -> dict:
     """A weight shared by the first and the last stage under each schedule: on one process
     in a V (its two copies summed there), on two in a loop."""
     return {s: tied_weights([1, 1, 1, 1], s)["ties"] for s in ["interleaved", *TWO_PER_RANK]}
+
+
+def schedule_file(path: str) -> dict:
+    """A schedule read from a PyTorch schedule file, every checkpoint mode, against
+    un-pipelined training; and a step with fewer micro-batches than the file refused."""
+    from gpipe.schedules import from_csv
+
+    schedule = from_csv(path)
+    k = schedule.n_ranks
+    for mode in MODES:
+        pipe = Pipeline(
+            mlp(), BALANCE[k], chunks=schedule.n_microbatches, checkpoint=mode,
+            schedule=schedule, loss_fn=mse_loss,
+        )  # fmt: skip
+        _check_step(pipe, *batch(2 * schedule.n_microbatches - 1), **EXACT)
+    errors = {}
+    try:
+        Pipeline(mlp(), BALANCE[k], chunks=1, schedule=schedule, loss_fn=mse_loss)
+    except ValueError as exc:
+        errors["chunks"] = str(exc)
+    try:  # refused on the first rank; the others lose it and say so, rather than hang
+        pipe.step(*batch(schedule.n_microbatches - 1))
+    except (ValueError, StageError) as exc:
+        errors["rows"] = str(exc)
+    return {"stages": list(pipe.stages), "name": pipe.schedule_name, "errors": errors}

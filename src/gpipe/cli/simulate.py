@@ -6,8 +6,9 @@ import argparse
 from typing import Any
 
 from gpipe.cli.common import PAGE_OPTIONS, UsageError, multi_stage_schedules, read_costs
+from gpipe.planning.bubbles import split_costs
 from gpipe.planning.simulate import Costs, SimResult, analytic_bubble, compare, scenario, simulate
-from gpipe.schedules import SCHEDULES, get_schedule
+from gpipe.schedules import SCHEDULES, build, from_csv, get_schedule, to_csv
 from gpipe.view import Settings, check_settings
 from gpipe.view import write as write_page
 
@@ -63,6 +64,19 @@ def add_parser(sub: Any) -> None:
         "grad_bytes over allreduce_bandwidth, in the runtime's buckets, each started as the "
         "last backward completes it) (default 1)",
     )
+    p.add_argument(
+        "--schedule-csv",
+        metavar="FILE",
+        help="simulate the schedule in a PyTorch schedule file (torch.distributed.pipelining's "
+        "_dump_csv format: one row per rank) instead of named ones; its ranks, stages and "
+        "micro-batches are read off the file",
+    )
+    p.add_argument(
+        "--dump-csv",
+        metavar="FILE",
+        help="write the one --schedule named, at --stages and --chunks, as a PyTorch schedule "
+        "file (compute actions only)",
+    )
     p.add_argument("--plot", metavar="PNG", help="also draw each schedule's predicted timeline")
     p.add_argument(
         "--html",
@@ -79,8 +93,12 @@ def _simulate(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}"
             )
+    if args.schedule_csv is not None:
+        return _simulate_file(args)
     names = _schedule_names(args.schedule)
     costs = DEFAULT_COSTS if args.costs is None else read_costs(args.costs, args.stages)
+    if args.dump_csv is not None:
+        _dump(args, names)
     if args.plot is not None:
         _figure_class()  # fail before simulating, not after
     page = None if args.html is None else _page_settings(args, names[0], costs)
@@ -103,6 +121,49 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"timelines: {args.plot}")
     if page is not None:
         print(f"page: {write_page(args.html, page)}")
+    return 0
+
+
+def _dump(args: argparse.Namespace, names: list[str]) -> None:
+    if len(names) != 1:
+        raise UsageError(f"--dump-csv writes one schedule: name it with --schedule, got {names}")
+    try:
+        schedule = build(names[0], args.stages, args.chunks, args.virtual_stages)
+        to_csv(schedule, args.dump_csv)
+    except ValueError as exc:
+        raise UsageError(f"--dump-csv: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"--dump-csv {args.dump_csv}: {exc.strerror or exc}") from None
+    print(f"schedule file: {args.dump_csv}")
+
+
+def _simulate_file(args: argparse.Namespace) -> int:
+    """The schedule of a PyTorch schedule file, checked, simulated and drawn."""
+    if args.schedule or args.dump_csv or args.html:
+        raise UsageError("--schedule-csv simulates the file's schedule alone: drop --schedule, "
+                         "--dump-csv and --html")  # fmt: skip
+    try:
+        schedule = from_csv(args.schedule_csv)
+    except ValueError as exc:
+        raise UsageError(f"--schedule-csv: {exc}") from None
+    k = schedule.n_ranks
+    costs = DEFAULT_COSTS if args.costs is None else read_costs(args.costs, k)
+    result = simulate(schedule, split_costs(schedule, costs))
+    row = {
+        "schedule": schedule.name,
+        "makespan": result.makespan,
+        "bubble": result.bubble,
+        "peak_live_per_stage": result.peak_live,
+        "peak_activation_bytes": max(result.peak_rank_activation_bytes),
+    }
+    print(
+        f"{k} ranks, {schedule.n_stages} stages, {schedule.n_microbatches} micro-batches, "
+        f"costs {args.costs or 'default: forward 1, backward 1, weight 1 per rank'}"
+    )
+    print(_table([row], k, schedule.n_microbatches, costs))
+    if args.plot is not None:
+        _plot([result], args.plot)
+        print(f"timelines: {args.plot}")
     return 0
 
 
