@@ -44,6 +44,23 @@ def _zero_bubble_h1(k: int, m: int, v: int, f: float, b: float, w: float) -> flo
     return drain / total if total > 0 else None
 
 
+def _looped_bfs(k: int, m: int, v: int, f: float, b: float, w: float) -> float | None:
+    """Interleaved's bubble, when every rank has work for the whole fill (M >= K)."""
+    return (k - 1) / (v * m + k - 1) if m >= k else None
+
+
+def _interleaved_zero_bubble(
+    k: int, m: int, v: int, f: float, b: float, w: float
+) -> float | None:
+    """Interleaved's fill and drain, v times shorter, with the deferred W in the drain:
+    (K-1)(F+B-W)/v idle on each rank, when no W is longer than an F or a B."""
+    if m % k or w > min(f, b):
+        return None
+    idle = (k - 1) * (f + b - w) / v
+    total = m * (f + b + w) + idle
+    return idle / total if total > 0 else None
+
+
 # Each schedule's bubble as a function of (K, M, v, F, B, W); a schedule without an entry
 # has no closed form.
 _CLOSED_FORMS: dict[str, Callable[[int, int, int, float, float, float], float | None]] = {
@@ -51,6 +68,8 @@ _CLOSED_FORMS: dict[str, Callable[[int, int, int, float, float, float], float | 
     "1f1b": _fill_drain,
     "interleaved": _interleaved,
     "zero-bubble": _zero_bubble_h1,
+    "looped-bfs": _looped_bfs,
+    "interleaved-zero-bubble": _interleaved_zero_bubble,
 }
 
 
@@ -69,7 +88,9 @@ def closed_form_bubble(
     ``Costs``), free messages and no recomputation: gpipe and 1f1b (K-1)/(M+K-1);
     interleaved with v stages per rank (K-1)/(vM+K-1), M a multiple of K; zero-bubble
     (ZB-H1), whose deferred W fill the drain, (K-1)(F+B-W) / (M(F+B+W) + (K-1)(F+B-W)) when
-    M >= K and W <= F, B (None otherwise). ``simulate`` gives these exactly.
+    M >= K and W <= F, B (None otherwise); looped-bfs interleaved's, when M >= K;
+    interleaved-zero-bubble (K-1)(F+B-W)/v / (M(F+B+W) + (K-1)(F+B-W)/v), M a multiple of K
+    and W <= F, B. ``simulate`` gives these exactly. The V schedules have none yet.
     """
     get_schedule(name)
     analytic_bubble(n_ranks, n_microbatches)  # checks the sizes

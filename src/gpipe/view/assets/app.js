@@ -72,6 +72,8 @@
     "1f1b": "(K−1)/(M+K−1)",
     interleaved: "(K−1)/(vM+K−1)",
     "zero-bubble": "ZB-H1: (K−1)(F+B−W)/(M(F+B+W)+(K−1)(F+B−W)), M ≥ K, W ≤ F, B",
+    "looped-bfs": "(K−1)/(vM+K−1), M ≥ K",
+    "interleaved-zero-bubble": "(K−1)(F+B−W)/v / (M(F+B+W)+(K−1)(F+B−W)/v), W ≤ F, B",
   };
 
   function measuredOn() {

@@ -283,6 +283,13 @@
     api.getSchedule(name);
     if (name === "gpipe" || name === "1f1b") return (k - 1) / (m + k - 1);
     if (name === "interleaved") return m % k === 0 ? (k - 1) / (v * m + k - 1) : null;
+    if (name === "looped-bfs") return m >= k ? (k - 1) / (v * m + k - 1) : null;
+    if (name === "interleaved-zero-bubble") {
+      if (m % k || weight > Math.min(forward, backward)) return null;
+      const idle = ((k - 1) * (forward + backward - weight)) / v;
+      const total = m * (forward + backward + weight) + idle;
+      return total > 0 ? idle / total : null;
+    }
     if (name === "zero-bubble" && m >= k && weight <= Math.min(forward, backward)) {
       const drain = (k - 1) * (forward + backward - weight);
       const total = m * (forward + backward + weight) + drain;
