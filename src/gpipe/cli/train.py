@@ -224,7 +224,13 @@ def _check(config: Any, opts: Any) -> None:
             f"--stages {opts.stages} is more than the model's {layers} layers "
             f"({config.n_layer} blocks, embedding and head); at most {layers} stages"
         )
-    if opts.stages * opts.virtual_stages > layers:
+    if not schedule.runs(opts.stages, opts.chunks, opts.virtual_stages):
+        fewest = schedule.fewest_microbatches(opts.stages, opts.virtual_stages)
+        raise UsageError(
+            f"--schedule {opts.schedule} needs --chunks of at least {fewest} for --stages "
+            f"{opts.stages}, got {opts.chunks}"
+        )
+    if opts.parts > layers:
         raise UsageError(
             f"--stages {opts.stages} x --virtual-stages {opts.virtual_stages} is more than the "
             f"model's {layers} layers ({config.n_layer} blocks, embedding and head)"
@@ -236,7 +242,7 @@ def _check(config: Any, opts: Any) -> None:
         )
     try:
         check_checkpoint(opts.checkpoint)
-        parse_balance(opts.balance, opts.stages * opts.virtual_stages, layers)
+        parse_balance(opts.balance, opts.parts, layers)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if opts.device == "cuda" and not torch.cuda.is_available():

@@ -49,9 +49,7 @@ def _looped_bfs(k: int, m: int, v: int, f: float, b: float, w: float) -> float |
     return (k - 1) / (v * m + k - 1) if m >= k else None
 
 
-def _interleaved_zero_bubble(
-    k: int, m: int, v: int, f: float, b: float, w: float
-) -> float | None:
+def _interleaved_zero_bubble(k: int, m: int, v: int, f: float, b: float, w: float) -> float | None:
     """Interleaved's fill and drain, v times shorter, with the deferred W in the drain:
     (K-1)(F+B-W)/v idle on each rank, when no W is longer than an F or a B."""
     if m % k or w > min(f, b):

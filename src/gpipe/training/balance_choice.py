@@ -47,7 +47,7 @@ def choose_balance(
 ) -> list[int]:
     """Layers per stage, the same on every rank. By time, the first rank profiles a
     micro-batch of random tokens; a resumed run keeps the balance it was measured with."""
-    parts = opts.stages * opts.virtual_stages
+    parts = opts.parts
     explicit = parse_balance(opts.balance, parts, len(layers))
     if explicit is not None:
         return explicit

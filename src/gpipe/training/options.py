@@ -22,7 +22,7 @@ class TrainOptions:
     chunks: int = 8
     checkpoint: str = "except_last"
     schedule: str = "gpipe"
-    virtual_stages: int = 1  # stages per process, for the interleaved schedule
+    virtual_stages: int = 1  # stages per process, for the looped schedules (a V holds two)
     balance: str = "time"  # time, params, even, or layers per stage such as "3,3"
     steps: int = 200
     batch_size: int = 32
@@ -44,6 +44,14 @@ class TrainOptions:
     prompt: str = "def "
     quiet: bool = False
     trace: bool = False  # write the last step's timeline into the run folder
+
+    @property
+    def parts(self) -> int:
+        """Stages of the whole pipeline: ``virtual_stages`` per process under a looped
+        schedule, two under a V, one otherwise."""
+        from gpipe.schedules import traits
+
+        return self.stages * traits(self.schedule).stages_per_rank(self.virtual_stages)
 
 
 @dataclass
