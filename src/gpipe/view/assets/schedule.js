@@ -139,50 +139,6 @@
     return schedule("zero-bubble", nStages, nMicrobatches, programs, range(nStages), true);
   }
 
-  // Interleaved 1F1B: rank r holds stages r, r + K, r + 2K, ...; micro-batches in groups of K.
-  function interleaved(nStages, nMicrobatches, nRanks) {
-    const k = nRanks === undefined || nRanks === null ? nStages : nRanks;
-    checkSizes(nStages, nMicrobatches);
-    if (!isPositiveInt(k) || nStages % k) {
-      throw new Error(
-        "interleaved needs a number of stages that is a multiple of the number of " +
-          `ranks, got ${nStages} stages for ${k} ranks`,
-      );
-    }
-    if (nMicrobatches % k) {
-      throw new Error(
-        "interleaved needs a number of micro-batches that is a multiple of the number " +
-          `of ranks (${k}), got ${nMicrobatches}`,
-      );
-    }
-    const v = nStages / k;
-    const total = nMicrobatches * v;
-    const forwardOf = (rank, j) => [
-      (Math.floor(j / k) % v) * k + rank,
-      Math.floor(j / (k * v)) * k + (j % k),
-    ];
-    const backwardOf = (rank, j) => [
-      (v - 1 - (Math.floor(j / k) % v)) * k + rank,
-      Math.floor(j / (k * v)) * k + (j % k),
-    ];
-    const programs = range(k).map((rank) => {
-      const warmup = Math.min((k - rank - 1) * 2 + (v - 1) * k, total);
-      const order = range(warmup).map((j) => [F, ...forwardOf(rank, j)]);
-      for (let i = 0; i < total - warmup; i++) {
-        order.push([F, ...forwardOf(rank, warmup + i)], [B, ...backwardOf(rank, i)]);
-      }
-      for (let j = total - warmup; j < total; j++) order.push([B, ...backwardOf(rank, j)]);
-      return order.flatMap(([kind, stage, mb]) => withCommunication(stage, nStages, [[kind, mb]]));
-    });
-    return schedule(
-      "interleaved",
-      nStages,
-      nMicrobatches,
-      programs,
-      range(nStages).map((s) => s % k),
-    );
-  }
-
   // Each rank's program from its order of [kind, stage, micro-batch] compute actions.
   function programsOf(orders, nStages) {
     return orders.map((order) =>
@@ -201,14 +157,15 @@
     return k;
   }
 
-  // Interleaved zero bubble: interleaved 1F1B with B and W apart, rank r's W r backwards late.
-  function interleavedZeroBubble(nStages, nMicrobatches, nRanks) {
-    const k = rankCount(nStages, nRanks, "interleaved-zero-bubble");
+  // Interleaved 1F1B: rank r holds stages r, r + K, r + 2K, ...; micro-batches in groups of
+  // K. With split, interleaved zero bubble: B and W apart, rank r's W r backwards late.
+  function loopedOneFOneB(name, nStages, nMicrobatches, nRanks, split) {
     checkSizes(nStages, nMicrobatches);
+    const k = rankCount(nStages, nRanks, name);
     if (nMicrobatches % k) {
       throw new Error(
-        "interleaved-zero-bubble needs a number of micro-batches that is a multiple of the " +
-          `number of ranks (${k}), got ${nMicrobatches}`,
+        `${name} needs a number of micro-batches that is a multiple of the number ` +
+          `of ranks (${k}), got ${nMicrobatches}`,
       );
     }
     const v = nStages / k;
@@ -227,16 +184,25 @@
       for (let i = 0; i < total; i++) {
         if (warmup + i < total) order.push([F, ...forwardOf(rank, warmup + i)]);
         order.push([B, ...backwardOf(rank, i)]);
-        if (i >= rank) order.push([W, ...backwardOf(rank, i - rank)]);
+        if (split && i >= rank) order.push([W, ...backwardOf(rank, i - rank)]);
       }
-      for (let j = Math.max(total - rank, 0); j < total; j++) order.push([W, ...backwardOf(rank, j)]);
+      if (split) {
+        for (let j = Math.max(total - rank, 0); j < total; j++) {
+          order.push([W, ...backwardOf(rank, j)]);
+        }
+      }
       return order;
     });
     const stageToRank = range(nStages).map((s) => s % k);
-    return schedule(
-      "interleaved-zero-bubble", nStages, nMicrobatches, programsOf(orders, nStages),
-      stageToRank, true,
-    );
+    return schedule(name, nStages, nMicrobatches, programsOf(orders, nStages), stageToRank, split);
+  }
+
+  function interleaved(nStages, nMicrobatches, nRanks) {
+    return loopedOneFOneB("interleaved", nStages, nMicrobatches, nRanks, false);
+  }
+
+  function interleavedZeroBubble(nStages, nMicrobatches, nRanks) {
+    return loopedOneFOneB("interleaved-zero-bubble", nStages, nMicrobatches, nRanks, true);
   }
 
   // Looped BFS: all micro-batches through one of a rank's stages before the next.
