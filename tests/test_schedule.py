@@ -187,3 +187,15 @@ def test_a_w_before_its_b_deadlocks():
     program.insert(0, program.pop(w))
     with pytest.raises(ScheduleError, match="deadlocks"):
         validate(dataclasses.replace(good, programs=(tuple(program),)))
+
+
+def test_a_v_balance_must_be_two_stages_per_process():
+    from gpipe.parallel.placement import check_stages_per_rank
+    from gpipe.planning.memory import _schedule
+
+    for schedule in ("zero-bubble-v", "dualpipe-v"):
+        with pytest.raises(ValueError, match="2K = 4 entries for 2 processes, got 6"):
+            check_stages_per_rank(6, 2, schedule)
+        with pytest.raises(ValueError, match="2K = 4 entries for 2 processes, got 6"):
+            _schedule(schedule, 6, 2, 4)
+        check_stages_per_rank(4, 2, schedule)

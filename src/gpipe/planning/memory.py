@@ -99,6 +99,7 @@ def _schedule(name: str, n_stages: int, n_ranks: int, chunks: int) -> Schedule:
             f"{name} needs a number of stages that is a multiple of the number of ranks, "
             f"got {n_stages} stages for {n_ranks} ranks"
         )
+    traits(name).placement.check(n_stages, n_ranks, name)
     return build(name, n_ranks, chunks, n_stages // n_ranks)
 
 
