@@ -1,5 +1,7 @@
 """What each process runs in tests/test_distributed_schedules.py (importable by name)."""
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch.nn.functional import mse_loss
@@ -151,3 +153,28 @@ def separate_envelopes(k: int) -> int:
             _check_unet_step(pipe, *unet_batch(rows))
             cases += 1
     return cases
+
+
+def auto(k: int) -> dict:
+    """``schedule="auto"``: every rank runs the one choice, which trains exactly; a bad
+    setting is refused on every rank, none waits for another."""
+    x, y = batch(16)
+    first = os.environ["RANK"] == "0"  # the process group starts in the Pipeline
+    pipe = Pipeline(mlp(), schedule="auto", sample=x if first else None, loss_fn=mse_loss)
+    _check_step(pipe, x, y, **EXACT)
+    errors = {}
+    for name, options in {
+        "sample": {},
+        "budget": {"sample": x, "memory_budget": 1024},
+        "chunks": {"sample": x, "chunks": 32},
+    }.items():
+        try:
+            Pipeline(mlp(), schedule="auto", loss_fn=mse_loss, **options)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    choice = pipe.auto_choice
+    return {
+        "choice": (pipe.schedule_name, pipe.chunks, pipe.balance, choice.chosen.virtual_stages),
+        "stages": list(pipe.stages),
+        "errors": errors,
+    }

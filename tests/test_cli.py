@@ -14,8 +14,11 @@ import torch
 
 from gpipe.cli import main
 from gpipe.planning.balancing import balance_by_params
+from gpipe.schedules import SCHEDULES
+from gpipe.training.balance_choice import held_choice
 from gpipe.training.checkpoints import load_model_weights
 from gpipe.training.models import PRESETS, GPTConfig, build_gpt
+from gpipe.training.options import TrainOptions
 
 from . import workers
 
@@ -152,6 +155,12 @@ def test_bad_options_end_in_one_line_and_exit_code_2(capsys, tmp_path):
     assert "--chunks must be a positive integer, got 0" in _usage_error(
         capsys, "train", "--chunks", "0", *out
     )
+    for flags, message in (
+        (["--virtual-stages", "2"], "--schedule auto chooses the stages per process; leave"),
+        (["--balance", "even"], "--balance even: --schedule auto chooses the cut by time"),
+        (["--chunks", "64"], "--chunks 64 is more than each replica's 32 rows of --batch-size"),
+    ):
+        assert message in _usage_error(capsys, "train", "--schedule", "auto", *flags, *out)
     assert "--schedule dualpipe-v needs --chunks of at least 4 for --stages 2, got 2" in (
         _usage_error(capsys, "train", "--schedule", "dualpipe-v", "--chunks", "2", *out)
     )
@@ -257,6 +266,22 @@ def test_every_schedule_trains_and_traces(tmp_path, schedule, more):
     measured = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] in ranks]
     assert len(data["measured"]["events"]) == len(measured)
     assert data["measured"]["schedule"]["name"] == schedule
+
+
+def test_auto_announces_its_choice_and_a_resumed_run_keeps_it(tmp_path, capfd):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "2", "--schedule", "auto", "--out", str(out)]) == 0
+    said = capfd.readouterr().err
+    assert said.count("schedule auto: ") == 1 and "; runner-up " in said
+    saved = json.loads((out / "checkpoints" / "step-000002" / "gpipe.json").read_text())
+    chosen = saved["train"]
+    assert chosen["schedule"] in SCHEDULES and chosen["chunks"] >= 1
+    assert json.loads((out / "run.json").read_text())["train"]["schedule"] == "auto"
+    resumed = held_choice(TrainOptions(schedule="auto", chunks=None), saved)
+    assert (resumed.schedule, resumed.chunks, resumed.virtual_stages) == (
+        chosen["schedule"], chosen["chunks"], chosen["virtual_stages"]
+    )  # fmt: skip
+    assert held_choice(TrainOptions(schedule="1f1b"), saved).schedule == "1f1b"
 
 
 def test_data_parallel_trains_as_one_pipeline_and_saves_once_per_stage(trained, tmp_path):

@@ -3,12 +3,12 @@ training: K = 1..4, several micro-batch splits, all checkpoint modes."""
 
 import pytest
 
-from gpipe.schedules import build, to_csv
+from gpipe.schedules import build, to_csv, traits
 
 from . import distributed_cases
 from . import schedule_cases as cases
 from . import two_per_rank_cases as two_per_rank
-from .models import BALANCES, UNET_BALANCES, unet
+from .models import BALANCES, UNET_BALANCES, mlp, unet
 from .workers import run
 
 
@@ -86,3 +86,18 @@ def test_a_schedule_read_from_a_pytorch_file_runs_exactly(tmp_path):
     assert "is for 4 micro-batches (chunks), the pipeline has 1" in errors["chunks"]
     assert "runs 4 micro-batches, but this step has 3" in errors["rows"]
     assert results[1]["errors"]["rows"].startswith("stage 1: lost stage 0")
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_auto_runs_one_choice_on_every_rank_and_trains_exactly(k):
+    results = run(cases.auto, k, (k,), threads=1)
+    choices = {repr(r["choice"]) for r in results.values()}
+    assert len(choices) == 1, choices
+    name, chunks, balance, v = results[0]["choice"]
+    assert traits(name).runs(k, chunks, v) and sum(balance) == len(mlp())
+    assert len(balance) == k * traits(name).stages_per_rank(v)
+    for r in results.values():
+        errors = r["errors"]
+        assert "schedule='auto' needs sample=, one mini-batch" in errors["sample"]
+        assert "nothing fits in 1.00 KiB per process" in errors["budget"]
+        assert "found no schedule for 8 layers" in errors["chunks"]

@@ -26,6 +26,7 @@ from gpipe.comm.process_group import (
     finish_process_group,
     init_process_group,
 )
+from gpipe.parallel.agreement import on_first_rank
 from gpipe.parallel.clipping import clip_grad_norm_
 from gpipe.parallel.placement import (
     RankPlacement,
@@ -36,6 +37,7 @@ from gpipe.parallel.replicas import GradientBuckets, Replicas, check_bucket_byte
 from gpipe.parallel.schedule_source import ScheduleSource
 from gpipe.parallel.step import StepResult, StepRunner, StepTimes
 from gpipe.parallel.ties import counted as counted_once
+from gpipe.planning.auto import AutoChoice, agreed_choice, check_auto
 from gpipe.planning.balancing import balance_by_time
 from gpipe.runtime.microbatch import Batch, check_chunks
 from gpipe.runtime.partitions import as_sequential, check_balance, even_balance
@@ -77,20 +79,13 @@ def agreed_balance(
     layer's time on ``sample`` (``balance_by_time``; as even as possible by layer count if it
     has no sample) and tells the others, who agree even where their clocks would not."""
     module = as_sequential(layers)
-    decision: list[Any] = [None]
-    if dist.get_rank(group) == 0:
-        try:
-            if sample is None:
-                decision = [even_balance(len(module), parts)]
-            else:
-                decision = [balance_by_time(parts, module, sample, timeout=timeout, device=device)]
-        except Exception as exc:  # every rank must hear of it, or the others would wait
-            decision = [f"{type(exc).__name__}: {exc}"]
-    source = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast_object_list(decision, src=source, group=group)
-    if isinstance(decision[0], str):
-        raise ValueError(f"balancing by time on rank 0 failed: {decision[0]}")
-    return list(decision[0])
+
+    def decide() -> list[int]:
+        if sample is None:
+            return even_balance(len(module), parts)
+        return balance_by_time(parts, module, sample, timeout=timeout, device=device)
+
+    return list(on_first_rank(decide, group, "balancing by time"))
 
 
 def _check_step_options(loss_fn: object, loss_reduction: object, timeout: object) -> None:
@@ -165,15 +160,21 @@ class Pipeline(nn.Module):
             fastest (``gpipe.planning.balancing.balance_by_time``, on the first rank, told
             to the others);
             without a sample, as even as possible by layer count.
-        sample: one micro-batch of the model's input, for ``balance=None``; read on the first
-            rank only, so the others may pass None.
-        chunks: micro-batches per mini-batch.
+        sample: one micro-batch of the model's input, for ``balance=None`` (one whole
+            mini-batch for ``schedule="auto"``); read on the first rank only, so the others
+            may pass None.
+        chunks: micro-batches per mini-batch (default 1; under ``schedule="auto"``, None lets
+            the search choose).
         checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"``; or
             ``gpipe.runtime.recompute.Layers(every=k)`` / ``Layers(select=...)`` to recompute some
             layers of every stage and keep the others' activations.
         schedule: the schedule's name (``"gpipe"``; ``gpipe.schedules.SCHEDULES`` lists them),
             or a ``Schedule`` for a fixed number of micro-batches, such as one read from a
-            PyTorch schedule file by ``gpipe.schedules.from_csv``.
+            PyTorch schedule file by ``gpipe.schedules.from_csv``; or ``"auto"``: the
+            schedule, its stages per process, ``chunks`` and ``balance`` that the simulator
+            predicts fastest from the layers' times measured on ``sample``, among those the
+            memory planner fits in ``memory_budget`` (``gpipe.planning.auto``), announced in
+            one line with the runner-up; ``self.auto_choice`` holds it.
         loss_fn: ``loss_fn(output, target) -> scalar``, evaluated on the last stage.
         loss_reduction: ``"mean"`` if ``loss_fn`` averages over the batch (each micro-batch's
             loss is then weighted by its share of the rows), ``"sum"`` if it adds up.
@@ -201,6 +202,8 @@ class Pipeline(nn.Module):
         seed: seed of the initialization of layers built on the meta device.
         timeout: seconds a stage waits for a neighbour before it raises StageError.
         trace: record what this rank runs when, for ``timeline`` (``self.recorder``).
+        memory_budget: bytes a process may hold, for ``schedule="auto"`` (default: the GPU's
+            memory, or on CPU this machine's shared by its local processes).
 
     Layers may be ``gpipe.skip.skippable``: a skip that crosses stages is sent straight from
     the stage that stashes it to the stage that pops it, and its gradient comes back the same
@@ -216,7 +219,7 @@ class Pipeline(nn.Module):
         balance: list[int] | None = None,
         *,
         sample: Batch | None = None,
-        chunks: int = 1,
+        chunks: int | None = None,
         checkpoint: str = "except_last",
         schedule: str | Schedule = "gpipe",
         loss_fn: LossFn | None = None,
@@ -231,11 +234,13 @@ class Pipeline(nn.Module):
         seed: int = 0,
         timeout: float = 60.0,
         trace: bool = False,
+        memory_budget: float | None = None,
     ) -> None:
         super().__init__()
-        self.chunks = check_chunks(chunks)
         self.checkpoint = check_checkpoint(checkpoint)
-        self._schedule = ScheduleSource.of(schedule)
+        auto = check_auto(schedule, balance, self.checkpoint)
+        self.chunks = check_chunks(1 if chunks is None else chunks)
+        self._schedule = ScheduleSource.of("gpipe" if auto else schedule)  # auto: see below
         _check_step_options(loss_fn, loss_reduction, timeout)
         module = as_sequential(layers)
         skips = find_skips(module)  # a bad skip is refused before any process group work
@@ -250,6 +255,15 @@ class Pipeline(nn.Module):
         self.group = group if self.replicas is None else self.replicas.pipeline_group
         self.n_ranks = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        self.auto_choice: AutoChoice | None = None
+        if auto:  # replicas agree with the first pipeline's choice
+            self.auto_choice = agreed_choice(
+                module, sample, n_ranks=self.n_ranks, chunks=chunks, checkpoint=self.checkpoint,
+                memory_budget=memory_budget, device=self.device,
+                group=None if self.replicas is not None else self.group,
+            )  # fmt: skip
+            self._schedule = ScheduleSource.of(self.auto_choice.schedule)
+            self.chunks, balance = self.auto_choice.chunks, self.auto_choice.balance
         self.balance = _stage_balance(
             module, balance, sample, self._schedule.parts(self.n_ranks), self.device, self.group
         )

@@ -15,7 +15,14 @@ import torch
 
 from gpipe.cli.common import UsageError, multi_stage_schedules
 from gpipe.planning.advice import chunks_advice
-from gpipe.planning.memory import OPTIMIZER_STATES, MemoryPlan, Profile, plan, profile
+from gpipe.planning.memory import (
+    OPTIMIZER_STATES,
+    MemoryPlan,
+    Profile,
+    format_bytes,
+    plan,
+    profile,
+)
 from gpipe.planning.suggest import (
     MAX_STAGES,
     Candidate,
@@ -51,13 +58,6 @@ def parse_bytes(text: str) -> int:
     if match is None or match.group(2) not in _UNITS:
         raise ValueError(f"--device-memory must be a size such as 16GiB or 80GB, got {text!r}")
     return int(float(match.group(1)) * _UNITS[match.group(2)])
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def add_parser(sub: Any) -> None:
@@ -286,7 +286,7 @@ def _plan(args: argparse.Namespace) -> int:
         if args.max_layers:
             most = _most_layers(args, template, memory)
             if most is None:
-                print(f"not even the smallest model fits in {_size(memory)} per device")
+                print(f"not even the smallest model fits in {format_bytes(memory)} per device")
                 return 1
             n_layer = most
         result = _plan_for(args, template, n_layer)
@@ -327,17 +327,17 @@ def _print(args: argparse.Namespace, n_layer: int, result: MemoryPlan, memory: i
     replicated = args.data_parallel > 1
     header = ["rank", "layers", "parameters", "weights", "grads+optimizer", "activations",
               *(["all-reduce"] if replicated else []), "total",
-              f"fits {_size(memory)}"]  # fmt: skip
+              f"fits {format_bytes(memory)}"]  # fmt: skip
     rows = [
         [
             str(r.rank),
             str(r.layers),
             f"{r.params / 1e6:,.1f} M",
-            _size(r.param_bytes),
-            _size(r.state_bytes),
-            _size(r.activation_bytes),
-            *([_size(r.allreduce_bytes)] if replicated else []),
-            _size(r.total_bytes),
+            format_bytes(r.param_bytes),
+            format_bytes(r.state_bytes),
+            format_bytes(r.activation_bytes),
+            *([format_bytes(r.allreduce_bytes)] if replicated else []),
+            format_bytes(r.total_bytes),
             "yes" if r.total_bytes <= memory else "no",
         ]
         for r in result.ranks
@@ -400,8 +400,9 @@ def _suggest(args: argparse.Namespace) -> int:
     if not found.fitting:
         least = found.least
         print(
-            f"nothing fits in {_size(memory)} per process: of {found.searched} configurations "
-            f"searched, the least memory is {_size(least.peak_bytes)} ({least.options()})"
+            f"nothing fits in {format_bytes(memory)} per process: of {found.searched} "
+            f"configurations searched, the least memory is {format_bytes(least.peak_bytes)} "
+            f"({least.options()})"
         )
         return 1
     _print_suggestions(args, found, costs, memory)
@@ -416,7 +417,7 @@ def _print_suggestions(
     print(
         f"gpt: blocks {args.n_layer}, d_model {args.d_model}, {params / 1e6:,.1f} M parameters "
         f"({args.dtype}); {args.batch_size} sequences per step, {args.optimizer}, "
-        f"{_size(memory)} per process"
+        f"{format_bytes(memory)} per process"
     )
     print(f"{found.fits} of {found.searched} configurations fit ({_bounds(found)})")
     print(f"time: {costs.source}, backward 2 x forward, messages free")
@@ -443,7 +444,7 @@ def _row(c: Candidate, best: float, timed: bool, memory: int) -> list[str]:
         c.checkpoint,
         f"{c.step_time:.3g} s" if timed else f"{c.step_time / best:.2f}",
         f"{c.bubble:.1%}",
-        _size(c.peak_bytes),
+        format_bytes(c.peak_bytes),
         f"yes ({c.peak_bytes / memory:.0%})",
     ]
 

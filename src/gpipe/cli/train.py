@@ -77,7 +77,9 @@ def _add_pipeline_options(pipe: Any) -> None:
     pipe.add_argument("--checkpoint", help="re-materialization: always, except_last, never")
     pipe.add_argument(
         "--schedule",
-        help=f"pipeline schedule: {', '.join(SCHEDULES)} (default gpipe)",
+        help=f"pipeline schedule: {', '.join(SCHEDULES)}, or auto: the schedule, its stages "
+        "per process, --chunks (unless given) and the cut that the simulator predicts fastest "
+        "from the layers' measured times within the device's memory (default gpipe)",
     )
     pipe.add_argument(
         "--virtual-stages",
@@ -176,12 +178,12 @@ def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> An
     for flag in ("quiet", "trace"):
         if getattr(args, flag):
             values[flag] = True
+    if values.get("schedule") == "auto" and args.chunks is None and saved is None:
+        values["chunks"] = None  # the search chooses it
     return TrainOptions(**values)
 
 
 def _check(config: Any, opts: Any) -> None:
-    from gpipe.training.job import parse_balance
-
     for name in (
         "stages",
         "data_parallel",
@@ -196,6 +198,55 @@ def _check(config: Any, opts: Any) -> None:
     if opts.warmup < 0 or opts.save_every < 0:
         raise UsageError("--warmup and --save-every must not be negative")
     layers = config.n_layer + 2
+    if opts.batch_size < opts.data_parallel:
+        raise UsageError(
+            f"--batch-size {opts.batch_size} cannot give each of --data-parallel "
+            f"{opts.data_parallel} replicas a row"
+        )
+    if opts.stages > layers:
+        raise UsageError(
+            f"--stages {opts.stages} is more than the model's {layers} layers "
+            f"({config.n_layer} blocks, embedding and head); at most {layers} stages"
+        )
+    if opts.seq_len is not None and opts.seq_len > config.seq_len:
+        raise UsageError(
+            f"--seq-len {opts.seq_len} is above the model's maximum of {config.seq_len} "
+            "(raise --context)"
+        )
+    if opts.schedule == "auto":
+        _check_auto(opts)
+    else:
+        _check_schedule(config, opts, layers)
+    try:
+        check_checkpoint(opts.checkpoint)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda, but this machine has no CUDA device")
+
+
+def _check_auto(opts: Any) -> None:
+    """``--schedule auto`` chooses the stages per process and the cut itself."""
+    if opts.virtual_stages > 1:
+        raise UsageError(
+            f"--virtual-stages {opts.virtual_stages}: --schedule auto chooses the stages per "
+            "process; leave it out"
+        )
+    if opts.balance != "time":
+        raise UsageError(
+            f"--balance {opts.balance}: --schedule auto chooses the cut by time; leave it out"
+        )
+    share = opts.batch_size // opts.data_parallel
+    if opts.chunks is not None and opts.chunks > share:
+        raise UsageError(
+            f"--chunks {opts.chunks} is more than each replica's {share} rows of --batch-size"
+        )
+
+
+def _check_schedule(config: Any, opts: Any, layers: int) -> None:
+    """A named schedule: its stages per process and micro-batch rules, and the cut."""
+    from gpipe.training.job import parse_balance
+
     try:
         schedule = traits(opts.schedule)
     except ValueError as exc:
@@ -205,11 +256,6 @@ def _check(config: Any, opts: Any) -> None:
             f"--virtual-stages {opts.virtual_stages} needs --schedule {multi_stage_schedules()}, "
             f"not {opts.schedule}"
         )
-    if opts.batch_size < opts.data_parallel:
-        raise UsageError(
-            f"--batch-size {opts.batch_size} cannot give each of --data-parallel "
-            f"{opts.data_parallel} replicas a row"
-        )
     if schedule.microbatches_per_round and (
         opts.chunks % opts.stages or opts.batch_size // opts.data_parallel < opts.chunks
     ):
@@ -218,11 +264,6 @@ def _check(config: Any, opts: Any) -> None:
             f"each replica's share of --batch-size at least --chunks, got --chunks "
             f"{opts.chunks} and --batch-size {opts.batch_size} over {opts.data_parallel} "
             "replica(s)"
-        )
-    if opts.stages > layers:
-        raise UsageError(
-            f"--stages {opts.stages} is more than the model's {layers} layers "
-            f"({config.n_layer} blocks, embedding and head); at most {layers} stages"
         )
     if not schedule.runs(opts.stages, opts.chunks, opts.virtual_stages):
         fewest = schedule.fewest_microbatches(opts.stages, opts.virtual_stages)
@@ -235,18 +276,10 @@ def _check(config: Any, opts: Any) -> None:
             f"--stages {opts.stages} x --virtual-stages {opts.virtual_stages} is more than the "
             f"model's {layers} layers ({config.n_layer} blocks, embedding and head)"
         )
-    if opts.seq_len is not None and opts.seq_len > config.seq_len:
-        raise UsageError(
-            f"--seq-len {opts.seq_len} is above the model's maximum of {config.seq_len} "
-            "(raise --context)"
-        )
     try:
-        check_checkpoint(opts.checkpoint)
         parse_balance(opts.balance, opts.parts, layers)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if opts.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda, but this machine has no CUDA device")
 
 
 def _check_data(opts: Any, seq_len: int) -> None:
@@ -361,7 +394,7 @@ def _train(args: argparse.Namespace) -> int:
         from gpipe.training.elastic import job_id
 
         run["job"] = job_id()  # how a restart of this job knows the folder for its own
-    if not torchrun or os.environ["RANK"] == "0":
+    if opts.schedule != "auto" and (not torchrun or os.environ["RANK"] == "0"):
         _advise(opts)
 
     def prepare() -> None:

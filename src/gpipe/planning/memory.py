@@ -29,6 +29,7 @@ __all__ = [
     "MemoryPlan",
     "Profile",
     "StagePlan",
+    "format_bytes",
     "plan",
     "profile",
 ]
@@ -168,6 +169,14 @@ class _LayerNames(nn.Sequential):
 
     def __init__(self, n: int) -> None:
         super().__init__(*[nn.Identity() for _ in range(n)])
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes as people read them: ``1.50 GiB``, ``12.00 MiB``, ``512 B``."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 def plan(

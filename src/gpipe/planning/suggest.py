@@ -170,13 +170,15 @@ class Candidate:
 @dataclass(frozen=True)
 class Search:
     """What ``search`` found: the configurations worth listing, fastest first; the grid it
-    tried, as ``candidates`` gives it; how many of those fit; and the one that needs the
-    least memory, whether it fits or not (None if it tried none)."""
+    tried, as ``candidates`` gives it; how many of those fit; the one that needs the least
+    memory, whether it fits or not (None if it tried none); and every configuration that
+    fits, fastest first (``ranked``, of which ``fitting`` keeps those no other beats)."""
 
     fitting: tuple[Candidate, ...]
     grid: tuple[tuple[int, int, str, str, int], ...]
     fits: int
     least: Candidate | None
+    ranked: tuple[Candidate, ...] = ()
 
     @property
     def searched(self) -> int:
@@ -198,15 +200,16 @@ def candidates(
     chunks: Sequence[int] | None = None,
     schedules: Sequence[str] | None = None,
     checkpoints: Sequence[str] | None = None,
-    virtual_stages: int = 2,
+    virtual_stages: int | Sequence[int] = 2,
     max_stages: int = MAX_STAGES,
 ) -> list[tuple[int, int, str, str, int]]:
     """The grid ``search`` walks, as ``(stages, chunks, schedule, checkpoint, v)``.
 
     By default: 1 to ``max_stages`` processes (no more than there are layers), the
     ``chunk_choices`` of ``batch_size``, every schedule and every checkpoint mode. A
-    schedule that places several stages per process (the interleaved one) runs
-    ``virtual_stages`` of them, on two processes or more; one whose micro-batches go in
+    schedule that places several stages per process (the interleaved ones) runs
+    ``virtual_stages`` of them (each of them, if several are given), on two processes or
+    more, a V two; one whose micro-batches go in
     rounds of K only takes a number of micro-batches that is a multiple of the processes,
     one that needs a micro-batch per stage (dualpipe-v) at least that many; the others run
     one stage each. Each argument given replaces its default list.
@@ -215,18 +218,19 @@ def candidates(
     ms = list(chunks) if chunks is not None else chunk_choices(batch_size)
     names = list(schedules) if schedules is not None else list(SCHEDULES)
     modes = list(checkpoints) if checkpoints is not None else list(CHECKPOINT_MODES)
+    vs = [virtual_stages] if isinstance(virtual_stages, int) else list(virtual_stages)
     grid = []
     for k in ks:
         for name in names:
             placement = traits(name)
-            v = placement.stages_per_rank(virtual_stages)
             several = placement.several_stages_per_rank
-            if k * v > n_layers or (several and (k < 2 or v < 2)):
-                continue
-            for m in ms:
-                if m > batch_size or not placement.runs(k, m, v):
+            for v in sorted({placement.stages_per_rank(x) for x in vs}):
+                if k * v > n_layers or (several and (k < 2 or v < 2)):
                     continue
-                grid += [(k, m, name, mode, v) for mode in modes]
+                for m in ms:
+                    if m > batch_size or not placement.runs(k, m, v):
+                        continue
+                    grid += [(k, m, name, mode, v) for mode in modes]
     return grid
 
 
@@ -340,13 +344,20 @@ def search(
         if least is None or memory.peak_bytes < least[0]:
             least = (memory.peak_bytes, config, cut, memory)
     smallest = None if least is None else least[1].timed(costs, least[2], least[3])
-    return Search(_frontier(fitting), tuple(tried), len(fitting), smallest)
+    ranked = tuple(sorted(fitting, key=_speed))
+    return Search(_frontier(ranked), tuple(tried), len(fitting), smallest, ranked)
 
 
-def _frontier(found: list[Candidate]) -> tuple[Candidate, ...]:
+def _speed(c: Candidate) -> tuple[float, int, float, int, int]:
+    """Fastest first; of equals, fewer processes, less memory, fewer micro-batches, fewer
+    stages per process."""
+    return (c.step_time, c.stages, c.peak_bytes, c.chunks, c.virtual_stages)
+
+
+def _frontier(ranked: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
     """Fastest first, without those another beats or equals in time, processes and memory."""
     kept: list[Candidate] = []
-    for c in sorted(found, key=lambda c: (c.step_time, c.stages, c.peak_bytes, c.chunks)):
+    for c in ranked:
         if not any(k.stages <= c.stages and k.peak_bytes <= c.peak_bytes for k in kept):
             kept.append(c)
     return tuple(kept)

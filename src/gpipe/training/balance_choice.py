@@ -1,8 +1,10 @@
-"""How a training run splits the model's layers into stages (``--balance``)."""
+"""How a training run splits the model's layers into stages (``--balance``), or has
+``--schedule auto`` choose the cut with the schedule."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -10,12 +12,13 @@ import torch.distributed as dist
 from torch import nn
 
 from gpipe.pipeline import agreed_balance, init_process_group
+from gpipe.planning.auto import AUTO
 from gpipe.planning.balancing import balance_by_params
 from gpipe.runtime.partitions import even_balance
 from gpipe.training.models.gpt import GPTConfig
 from gpipe.training.options import TrainOptions
 
-__all__ = ["BALANCE_MODES", "choose_balance", "parse_balance"]
+__all__ = ["BALANCE_MODES", "choose_balance", "held_choice", "parse_balance", "sample_tokens"]
 
 BALANCE_MODES = ("time", "params", "even")
 
@@ -60,8 +63,31 @@ def choose_balance(
     if saved is not None and len(saved) == parts:
         return list(saved)
     init_process_group(device, opts.timeout)
-    rows = math.ceil(opts.batch_size / opts.data_parallel / opts.chunks)
-    generator = torch.Generator().manual_seed(opts.seed)
-    sample = torch.randint(0, config.vocab_size, (rows, seq_len), generator=generator)
+    sample = sample_tokens(opts, config, seq_len, opts.chunks)
     first = dist.get_rank() == 0
     return agreed_balance(layers, parts, sample if first else None, device=device)
+
+
+def sample_tokens(
+    opts: TrainOptions, config: GPTConfig, seq_len: int, chunks: int | None
+) -> torch.Tensor:
+    """Random tokens the size of one micro-batch of ``chunks`` (of a replica's whole share
+    of the mini-batch if None), to time the layers on."""
+    rows = math.ceil(opts.batch_size / opts.data_parallel / (chunks or 1))
+    generator = torch.Generator().manual_seed(opts.seed)
+    return torch.randint(0, config.vocab_size, (rows, seq_len), generator=generator)
+
+
+def held_choice(opts: TrainOptions, saved: dict[str, Any]) -> TrainOptions:
+    """Under ``--schedule auto``, a run resumed from a checkpoint keeps the schedule, the
+    micro-batches and the stages per process it was trained with (its losses then go on as
+    if never stopped); a run with nothing saved chooses afresh."""
+    held = saved.get("train") or {}
+    if opts.schedule != AUTO or held.get("schedule", AUTO) == AUTO:
+        return opts
+    return replace(
+        opts,
+        schedule=held["schedule"],
+        chunks=held["chunks"],
+        virtual_stages=held["virtual_stages"],
+    )

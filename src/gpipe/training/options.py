@@ -19,7 +19,7 @@ class TrainOptions:
 
     stages: int = 2
     data_parallel: int = 1  # replicas of the pipeline; --batch-size is split among them
-    chunks: int = 8
+    chunks: int | None = 8  # None: chosen by --schedule auto
     checkpoint: str = "except_last"
     schedule: str = "gpipe"
     virtual_stages: int = 1  # stages per process, for the looped schedules (a V holds two)
@@ -48,8 +48,12 @@ class TrainOptions:
     @property
     def parts(self) -> int:
         """Stages of the whole pipeline: ``virtual_stages`` per process under a looped
-        schedule, two under a V, one otherwise."""
+        schedule, two under a V, one otherwise (and under ``--schedule auto``, until it has
+        chosen)."""
         from gpipe.schedules import traits
+
+        if self.schedule == "auto":
+            return self.stages
 
         return self.stages * traits(self.schedule).stages_per_rank(self.virtual_stages)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +14,9 @@ from torch import nn
 
 from gpipe.parallel.replicas import shard
 from gpipe.pipeline import Pipeline
+from gpipe.planning.auto import AUTO
 from gpipe.runtime.microbatch import split_sizes
-from gpipe.training.balance_choice import choose_balance
+from gpipe.training.balance_choice import choose_balance, held_choice, sample_tokens
 from gpipe.training.checkpoints import load_checkpoint, read_description, save_checkpoint
 from gpipe.training.corpus import check_same_text, load_corpus
 from gpipe.training.data import BatchSampler, ByteDataset
@@ -78,12 +79,27 @@ class StageRun:
         self.train_loss = self.val_loss = float("nan")
 
     def _build_pipeline(self, layers: nn.Sequential) -> Pipeline:
-        """This rank's stage; a resumed run keeps the balance its checkpoint was trained with."""
+        """This rank's stage; a resumed run keeps the balance its checkpoint was trained with
+        (and under ``--schedule auto``, the choice); a new one under auto chooses here, and
+        its options record the choice."""
+        saved = read_description(self.checkpoint) if self.checkpoint else {}
+        opts = self.opts = held_choice(self.opts, saved)
+        if opts.schedule == AUTO:
+            sample = sample_tokens(opts, self.config, self.seq_len, None)
+            pipe = self._pipeline(layers, None, sample=sample)
+            chosen = pipe.auto_choice.chosen  # type: ignore[union-attr]
+            self.opts = replace(opts, schedule=chosen.schedule, chunks=chosen.chunks,
+                                virtual_stages=chosen.virtual_stages)  # fmt: skip
+            return pipe
+        measured = saved.get("balance")
+        cut = choose_balance(opts, layers, self.config, self.seq_len, self.device, measured)
+        return self._pipeline(layers, cut)
+
+    def _pipeline(self, layers: nn.Sequential, balance: list[int] | None, **more: Any) -> Pipeline:
         opts = self.opts
-        measured = read_description(self.checkpoint).get("balance") if self.checkpoint else None
         return Pipeline(
             layers,
-            choose_balance(opts, layers, self.config, self.seq_len, self.device, measured),
+            balance,
             chunks=opts.chunks,
             checkpoint=opts.checkpoint,
             schedule=opts.schedule,
@@ -94,6 +110,7 @@ class StageRun:
             seed=opts.seed,
             timeout=opts.timeout,
             trace=opts.trace,
+            **more,
         )
 
     def run(self) -> dict[str, Any] | None:
