@@ -12,7 +12,7 @@ from gpipe import GPipe
 from gpipe.cli import main
 from gpipe.planning.simulate import Costs, measured_costs
 from gpipe.runtime.timeline import Event
-from gpipe.schedules import gpipe, interleaved
+from gpipe.schedules import build, gpipe, interleaved, to_csv
 from gpipe.view import LIMITS, Measured, Settings, page_data, render, write
 from gpipe.view.page import asset
 
@@ -131,6 +131,26 @@ def test_gpipe_view_writes_the_page_and_prints_its_path(tmp_path, capsys):
         "always",
     )
     assert settings["costs"]["forward"] == [1, 2]
+
+
+def test_gpipe_view_plays_a_schedule_file_with_the_files_shape(tmp_path, capsys):
+    path = tmp_path / "zbv.csv"
+    to_csv(build("zero-bubble-v", 3, 6), path)
+    out = tmp_path / "page.html"
+    args = ["view", "--schedule-csv", str(path), "--checkpoint", "always", "--out", str(out)]
+    assert main(args) == 0
+    data = data_of(out.read_text())
+    fixed = data["fixed"]
+    assert (fixed["name"], fixed["n_microbatches"], len(fixed["programs"])) == ("csv:zbv.csv", 6, 3)
+    assert fixed["stage_to_rank"] == [0, 1, 2, 2, 1, 0]
+    assert (data["settings"]["stages"], data["settings"]["chunks"]) == (3, 6)
+    assert data["settings"]["checkpoint"] == "always"
+    capsys.readouterr()
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], *lines[2:]]) + "\n")  # rank 1's actions lost
+    assert main(["view", "--schedule-csv", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpipe: error: --schedule-csv: ") and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ a user would and read its read-outs, which must be gpipe.planning.simulate's; it
 block per action, loads a measured step, answers the keyboard and fits a phone. Screenshots are
 saved (into $GPIPE_VIEW_SCREENSHOTS if set, as for docs/view.png)."""
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -11,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from gpipe.planning.bubbles import split_costs
 from gpipe.planning.simulate import Costs, closed_form_bubble, predict, scenario, simulate
 from gpipe.runtime.recompute import should_checkpoint
-from gpipe.schedules import Kind, gpipe
+from gpipe.schedules import Kind, build, from_csv, gpipe, to_csv
 from gpipe.view import DEFAULT_COSTS, Measured, Settings, write
 
 from .test_view import traced_step
@@ -185,6 +187,26 @@ def test_the_pages_read_outs_are_the_simulators(browser, page, k, m, name, mode,
     for kind in ("F", "B", "W", "SEND_F", "RECV_B"):
         assert _drawn(browser, "predicted", kind) == sum(a.kind.value == kind for a in actions)
     assert _value(browser, "actions") == len(actions)
+
+
+def test_a_schedule_file_plays_with_the_controls_costs(browser, tmp_path):
+    """``gpipe view --schedule-csv``: the file's schedule is chosen, K and M locked to its
+    shape, and a cost typed in replays it as ``gpipe simulate --schedule-csv`` would."""
+    path = tmp_path / "dualpipe.csv"
+    to_csv(build("dualpipe-v", 2, 4), path)
+    schedule = from_csv(path)
+    page = write(tmp_path / "file.html", Settings(2, 4, checkpoint="always"), fixed=schedule)
+    _open(browser, page)
+    assert browser.find_element(By.ID, "schedule").get_attribute("value") == "file"
+    assert not browser.find_element(By.ID, "chunks").is_enabled()
+    _set(browser, "forward", "1, 2")
+    assert _error(browser) == ""
+    costs = dataclasses.replace(DEFAULT_COSTS, forward=(1.0, 2.0))
+    result = simulate(schedule, split_costs(schedule, costs), "always")
+    assert _value(browser, "makespan") == pytest.approx(result.makespan, rel=1e-12)
+    assert _value(browser, "bubble") == pytest.approx(result.bubble, rel=1e-12, abs=1e-12)
+    _set(browser, "schedule", "1f1b")  # the page's own schedules stay a choice away
+    assert browser.find_element(By.ID, "chunks").is_enabled() and _error(browser) == ""
 
 
 def test_blocks_appear_at_their_simulated_start(browser, page):

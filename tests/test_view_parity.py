@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from gpipe.planning.bubbles import split_costs
 from gpipe.planning.simulate import Costs, closed_form_bubble, scenario, simulate
 from gpipe.runtime.recompute import should_checkpoint
-from gpipe.schedules import SCHEDULES, Placement, traits
+from gpipe.schedules import SCHEDULES, Placement, build, from_csv, to_csv, traits
 from gpipe.view import asset_path
-from gpipe.view.page import _costs_json
+from gpipe.view.page import _costs_json, _schedule_json
 
 NODE = shutil.which("node")
 pytestmark = pytest.mark.skipif(
@@ -231,3 +232,33 @@ def test_schedules_given_as_data_with_skips_and_recomputation_simulate_alike():
             )
         assert _close(js["makespan"], result.makespan)
         assert js["peak_activation_bytes"] == pytest.approx(result.peak_activation_bytes)
+
+
+def test_a_schedule_from_a_file_plays_as_the_python_simulator_says(tmp_path):
+    """``gpipe view --schedule-csv``: the file's schedule with each rank's costs cut into its
+    stages, as ``gpipe simulate --schedule-csv`` does."""
+    cases, expected = [], []
+    for name, k, m in (("zero-bubble-v", 2, 4), ("interleaved", 2, 4), ("dualpipe-v", 3, 6)):
+        path = tmp_path / f"{name}.csv"
+        to_csv(build(name, k, m, 2), path)
+        schedule = from_csv(path)
+        for kind, mode in (("uneven", "always"), ("links", "never"), ("unit", "except_last")):
+            costs = _costs(kind, k)
+            cases.append({"schedule_data": _schedule_json(schedule), "split": True,
+                          "costs": _costs_json(costs), "checkpoint": mode})  # fmt: skip
+            expected.append(
+                (f"{name} {kind} {mode}", simulate(schedule, split_costs(schedule, costs), mode))
+            )
+    payload = {"scripts": [str(asset_path(name)) for name in SCRIPTS], "cases": cases}
+    done = subprocess.run([NODE, str(RUNNER)], input=json.dumps(payload), capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (label, result), js in zip(expected, json.loads(done.stdout), strict=True):
+        assert "error" not in js, (label, js)
+        assert _close(js["makespan"], result.makespan) and _close(js["bubble"], result.bubble), (
+            label
+        )
+        assert js["simulated"] == [[str(a) for a in p] for p in result.schedule.programs], label
+        assert js["peak_rank_activation_bytes"] == pytest.approx(
+            result.peak_rank_activation_bytes, rel=1e-12, abs=1e-9
+        ), label

@@ -12,9 +12,12 @@ function run(c) {
   let schedule;
   let costs;
   try {
-    [schedule, costs] = c.schedule_data
-      ? [G.scheduleFromData(c.schedule_data), c.costs]
-      : G.scenario(c.schedule, c.stages, c.chunks, c.costs, c.virtual_stages);
+    if (c.schedule_data) {
+      schedule = G.scheduleFromData(c.schedule_data);
+      costs = c.split ? G.splitCosts(schedule, c.costs) : c.costs; // costs per rank, as typed
+    } else {
+      [schedule, costs] = G.scenario(c.schedule, c.stages, c.chunks, c.costs, c.virtual_stages);
+    }
   } catch (err) {
     return { error: err.message };
   }

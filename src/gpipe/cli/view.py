@@ -8,7 +8,7 @@ from typing import Any
 
 from gpipe.cli.common import PAGE_OPTIONS, UsageError, multi_stage_schedules, read_costs
 from gpipe.runtime.recompute import CHECKPOINT_MODES
-from gpipe.schedules import SCHEDULES
+from gpipe.schedules import SCHEDULES, from_csv
 from gpipe.view import DEFAULT_COSTS, Settings, check_settings, write
 
 __all__ = ["add_parser"]
@@ -39,20 +39,36 @@ def add_parser(sub: Any) -> None:
         "--costs", metavar="FILE", help="JSON costs of one rank, as gpipe simulate reads them"
     )
     p.add_argument(
+        "--schedule-csv",
+        metavar="FILE",
+        help="play the schedule of a PyTorch schedule file (as torch.distributed.pipelining "
+        "writes them), checked first; it fixes K, M and the stages' ranks",
+    )
+    p.add_argument(
         "--out", default="gpipe-view.html", metavar="FILE", help="default gpipe-view.html"
     )
     p.set_defaults(command=_view)
 
 
 def _view(args: argparse.Namespace) -> int:
+    fixed = None
+    if args.schedule_csv is not None:
+        try:
+            fixed = from_csv(args.schedule_csv)
+        except ValueError as exc:
+            raise UsageError(f"--schedule-csv: {exc}") from None
+        args.stages, args.chunks = fixed.n_ranks, fixed.n_microbatches
     costs = DEFAULT_COSTS if args.costs is None else read_costs(args.costs, args.stages)
     values = (args.stages, args.chunks, args.schedule, args.virtual_stages, args.checkpoint)
     try:
-        check_settings(*values, costs, names=PAGE_OPTIONS)
+        if fixed is None:
+            check_settings(*values, costs, names=PAGE_OPTIONS)
+            settings = Settings(*values, costs)
+        else:
+            settings = Settings(args.stages, args.chunks, "gpipe", 2, args.checkpoint, costs)
+        path = write(args.out, settings, fixed=fixed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    try:
-        path = write(args.out, Settings(*values, costs))
     except OSError as exc:
         raise UsageError(f"--out {args.out}: {exc.strerror or exc}") from None
     print(path.resolve())

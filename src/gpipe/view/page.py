@@ -187,8 +187,19 @@ def _schedule_json(schedule: Schedule) -> dict[str, Any]:
     }
 
 
-def page_data(settings: Settings | None = None, measured: Measured | None = None) -> dict[str, Any]:
-    """What the page reads at start: its limits, the controls' values and a measured step."""
+def page_data(
+    settings: Settings | None = None,
+    measured: Measured | None = None,
+    *,
+    fixed: Schedule | None = None,
+) -> dict[str, Any]:
+    """What the page reads at start: its limits, the controls' values, a measured step, and a
+    fixed schedule (read from a file: ``gpipe view --schedule-csv``) that the page plays as
+    its schedule "file", with the costs from its controls."""
+    if fixed is not None:
+        _check_fixed(fixed)
+        if settings is None:
+            settings = Settings(fixed.n_ranks, fixed.n_microbatches)
     if settings is None:
         settings = measured.settings() if measured is not None else Settings()
     data: dict[str, Any] = {
@@ -202,6 +213,7 @@ def page_data(settings: Settings | None = None, measured: Measured | None = None
             "costs": _costs_json(settings.costs),
         },
         "measured": None,
+        "fixed": None if fixed is None else _schedule_json(fixed),
     }
     if measured is not None:
         data["measured"] = {
@@ -213,6 +225,21 @@ def page_data(settings: Settings | None = None, measured: Measured | None = None
             ],
         }
     return data
+
+
+def _check_fixed(fixed: Schedule) -> None:
+    """A fixed schedule the page can draw: within its limits of ranks, micro-batches and
+    actions."""
+    actions = sum(len(program) for program in fixed.programs)
+    for what, value, limit in (
+        ("ranks", fixed.n_ranks, LIMITS["stages"]),
+        ("micro-batches", fixed.n_microbatches, LIMITS["chunks"]),
+        ("actions", actions, LIMITS["actions"]),
+    ):
+        if value > limit:
+            raise ValueError(
+                f"schedule {fixed.name!r} has {value} {what}, more than the page draws ({limit})"
+            )
 
 
 def asset(name: str) -> str:
@@ -235,9 +262,12 @@ def render(
     settings: Settings | None = None,
     measured: Measured | None = None,
     title: str | None = None,
+    *,
+    fixed: Schedule | None = None,
 ) -> str:
     """The page as one HTML document: controls starting at ``settings`` (by default those of
-    ``measured``, or K=4, M=8, gpipe), and ``measured``'s lanes above the prediction if given."""
+    ``measured`` or ``fixed``, or K=4, M=8, gpipe), ``measured``'s lanes above the prediction
+    if given, and ``fixed`` as a schedule to play (see ``page_data``)."""
     if title is None:
         title = "gpipe view: a measured step" if measured is not None else "gpipe view"
     scripts = []
@@ -249,7 +279,7 @@ def render(
     page = asset("view.html")
     for key, value in (
         ("@CSS@", asset("view.css")),
-        ("@DATA@", _inline_json(page_data(settings, measured))),
+        ("@DATA@", _inline_json(page_data(settings, measured, fixed=fixed))),
         ("@SCRIPTS@", "\n".join(scripts)),
         ("@TITLE@", html.escape(title)),
     ):
@@ -262,8 +292,10 @@ def write(
     settings: Settings | None = None,
     measured: Measured | None = None,
     title: str | None = None,
+    *,
+    fixed: Schedule | None = None,
 ) -> Path:
     """Write the page (see ``render``) to ``path``; returns the path."""
     out = Path(path)
-    out.write_text(render(settings, measured, title), encoding="utf-8")
+    out.write_text(render(settings, measured, title, fixed=fixed), encoding="utf-8")
     return out

@@ -30,7 +30,12 @@
       const measured = G.lanes.measured(m, "s");
       return { settings: null, result, measured, closed: null };
     }
-    const s = G.controls.read(LIMITS);
+    const s = G.controls.read(LIMITS, DATA.fixed);
+    if (s.schedule === "file") {
+      const schedule = G.scheduleFromData(DATA.fixed);
+      const result = G.simulate(schedule, G.splitCosts(schedule, s.costs), s.checkpoint);
+      return { settings: s, result, measured: null, closed: null };
+    }
     const [schedule, costs] = G.scenario(s.schedule, s.stages, s.chunks, s.costs, s.virtual_stages);
     const result = G.simulate(schedule, costs, s.checkpoint);
     const c = s.costs;
@@ -412,7 +417,9 @@
   function start() {
     legend();
     tooltip();
+    if (DATA.fixed) G.controls.offerFile(DATA.fixed);
     G.controls.fill(DATA.settings, LIMITS);
+    if (DATA.fixed) G.controls.chooseFile();
     view.measuredMode = false;
     if (DATA.measured) {
       $("measured-switch").hidden = false;

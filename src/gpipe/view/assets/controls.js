@@ -36,10 +36,15 @@
     return values;
   }
 
-  function read(limits) {
+  // The schedule of a file (gpipe view --schedule-csv): its K and M are the file's.
+  function readShape(limits, fixed) {
+    const schedule = $("schedule").value;
+    if (schedule === "file") {
+      const stages = fixed.programs.length;
+      return { stages, chunks: fixed.n_microbatches, schedule, v: fixed.n_stages / stages };
+    }
     const stages = wholeNumber("stages", "K", limits.stages);
     const chunks = wholeNumber("chunks", "M", limits.chunks);
-    const schedule = $("schedule").value;
     const traits = G.TRAITS[schedule];
     const looped = traits.placement === "looped";
     const v = looped ? wholeNumber("virtual_stages", "v", limits.virtual_stages) : 1;
@@ -49,6 +54,11 @@
     if (traits.perStage && chunks < 2 * stages) {
       throw new Error(`${schedule} needs M at least 2K: M = ${chunks}, K = ${stages}`);
     }
+    return { stages, chunks, schedule, v };
+  }
+
+  function read(limits, fixed) {
+    const { stages, chunks, schedule, v } = readShape(limits, fixed);
     const bandwidthText = $("bandwidth").value.trim();
     let bandwidth = Infinity;
     if (bandwidthText !== "") {
@@ -122,9 +132,26 @@
       el.disabled = locked;
     }
     if (!locked) {
-      $("virtual_stages").disabled = G.TRAITS[$("schedule").value].placement !== "looped";
+      const schedule = $("schedule").value;
+      const file = schedule === "file";
+      $("virtual_stages").disabled = file || G.TRAITS[schedule].placement !== "looped";
+      $("stages").disabled = file;
+      $("chunks").disabled = file;
     }
   }
 
-  G.controls = { fill, lock, read, showMeasured };
+  // A schedule read from a file becomes one more choice of the schedule control.
+  function offerFile(fixed) {
+    const option = document.createElement("option");
+    option.value = "file";
+    option.textContent = `file: ${fixed.name}`;
+    $("schedule").append(option);
+  }
+
+  function chooseFile() {
+    $("schedule").value = "file";
+    lock(false);
+  }
+
+  G.controls = { chooseFile, fill, lock, offerFile, read, showMeasured };
 })(globalThis);

@@ -278,6 +278,23 @@
     return [schedule, { ...costs, ...split }];
   }
 
+  // gpipe.planning.bubbles.split_costs: each rank's costs cut evenly into the stages it
+  // holds in a given schedule (one read from a file, say).
+  function splitCosts(schedule, given) {
+    const costs = costsOf(given);
+    const nRanks = schedule.programs.length;
+    const perRank = schedule.nStages / nRanks;
+    if (perRank === 1 && schedule.stageToRank.every((rank, stage) => rank === stage)) {
+      return costs;
+    }
+    const split = {};
+    for (const field of PER_STAGE) {
+      const values = perStage(costs, field, nRanks);
+      split[field] = schedule.stageToRank.map((rank) => values[rank] / perRank);
+    }
+    return { ...costs, ...split };
+  }
+
   // gpipe.simulate.closed_form_bubble: each schedule's own formula, or null.
   function closedFormBubble(name, k, m, v = 1, forward = 1, backward = 1, weight = 0) {
     api.getSchedule(name);
@@ -306,5 +323,6 @@
     scenario,
     shouldCheckpoint,
     simulate,
+    splitCosts,
   });
 })(globalThis);
