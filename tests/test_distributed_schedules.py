@@ -71,6 +71,11 @@ def test_two_stages_per_process_carry_skips(k):
     assert all(n == len(two_per_rank.TWO_PER_RANK) * 3 for n in results.values())
 
 
+def test_messages_larger_than_a_pipe_both_ways_on_two_channels_do_not_deadlock():
+    results = run(two_per_rank.large_messages, 2, threads=1)
+    assert all(n == len(two_per_rank.TWO_PER_RANK) for n in results.values())
+
+
 def test_two_stages_per_process_with_replicas():
     results = run(two_per_rank.data_parallel, 4, (2,), threads=1)
     assert all(n == 6 for n in results.values())

@@ -1,6 +1,8 @@
 """What each process runs for the schedules that place two stages on every process (the V
 schedules and the looped ones), in tests/test_distributed_schedules.py."""
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch.nn.functional import mse_loss
@@ -116,3 +118,29 @@ def schedule_file(path: str) -> dict:
     except (ValueError, StageError) as exc:
         errors["rows"] = str(exc)
     return {"stages": list(pipe.stages), "name": pipe.schedule_name, "errors": errors}
+
+
+def large_messages() -> int:
+    """Messages larger than a pipe holds, both ways between two processes on two channels
+    each (a V: stage 0 to 1 and 3 to 2 forward, back the other way): every schedule ends,
+    exact. Each process reads its pipes in its own order, so one full pipe must never hold
+    up the writes to another."""
+    torch.manual_seed(0)
+    width = 1 << 14  # 16 rows x 16384 x 8 bytes: 2 MiB a message, twice a pipe's 1 MiB
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.GELU(), torch.nn.Linear(width, 4)
+    ).double()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 4, generator=g).double(), torch.randn(64, 4, generator=g).double()
+    reference = copy.deepcopy(model)
+    mse_loss(reference(x), y).backward()
+    expected = dict(reference.named_parameters())
+    cases = 0
+    for schedule in TWO_PER_RANK:
+        pipe = Pipeline(copy.deepcopy(model), [1, 1, 1, 1], chunks=4, checkpoint="never",
+                        schedule=schedule, loss_fn=mse_loss, timeout=20)  # fmt: skip
+        pipe.step(x, y)
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad, expected[name].grad, **EXACT)
+        cases += 1
+    return cases

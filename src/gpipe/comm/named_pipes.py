@@ -4,8 +4,9 @@ gloo's point-to-point over loopback TCP costs tens of microseconds per call and 
 trip of the receiver's readiness per message; a pipe hands bytes to the kernel and back in
 a few. A message is its envelope's header, then each tensor's bytes (``envelope``'s stream
 layout), written straight from the tensors by one background thread per process, so a send
-never blocks the step however full the pipe, and read straight into storage of each
-tensor's own, with a deadline. A peer that dies closes its end, and the read sees it at once.
+never blocks the step however full the pipe (nor one full pipe another), and read straight
+into storage of each tensor's own, with a deadline. A peer that dies closes its end, and the
+read sees it at once.
 
 The pipes are opened collectively (``open_pipes``) over a gloo group, between the ranks of
 one machine, and unlinked as soon as both ends are open: nothing is left on disk.
@@ -68,33 +69,63 @@ class _Backlog:
 
 
 class _Writer:
-    """One thread per process that writes, in order, what a pipe had no room for."""
+    """One thread per process that writes what pipes had no room for: each pipe's messages
+    in order, but the pipes independently of each other. A reader takes its messages in its
+    own program's order, so it may wait on one pipe before it drains another: a write that
+    waited for room in the second would hold up the first, and both processes would wait
+    for ever (two stages per process in a V exchange messages both ways on two pipes)."""
 
     def __init__(self) -> None:
         self._work: queue.SimpleQueue[tuple[int, _Backlog]] = queue.SimpleQueue()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
         self._thread = threading.Thread(target=self._run, name="gpipe-pipe-writer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        pending: dict[int, _Backlog] = {}  # pipes with messages left to write
         while True:
-            fd, backlog = self._work.get()
-            with backlog.cond:
-                parts, _ = backlog.queued[fd][0]
-            try:
-                while parts:
-                    select.select([], [fd], [])
-                    try:
-                        _advance(parts, os.writev(fd, parts))
-                    except BlockingIOError:
-                        continue
-            except OSError as exc:
-                backlog.error = exc
-            with backlog.cond:
-                backlog.queued[fd].pop(0)
-                backlog.cond.notify_all()
+            if not pending:
+                fd, backlog = self._work.get()
+                pending[fd] = backlog
+            while not self._work.empty():
+                fd, backlog = self._work.get()
+                pending[fd] = backlog
+            woken, writable, _ = select.select([self._wake_read], list(pending), [])
+            if woken:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_read, 4096)
+            for fd in writable:
+                if _write_some(fd, pending[fd]):
+                    del pending[fd]
 
     def put(self, fd: int, backlog: _Backlog) -> None:
         self._work.put((fd, backlog))
+        with contextlib.suppress(BlockingIOError):  # full: a wake-up is already pending
+            os.write(self._wake_write, b"\0")
+
+
+def _write_some(fd: int, backlog: _Backlog) -> bool:
+    """Write what ``fd`` takes of its oldest message; True once it has nothing left."""
+    with backlog.cond:
+        queued = backlog.queued.get(fd)
+        if not queued:
+            return True
+        parts, _ = queued[0]
+    try:
+        _advance(parts, os.writev(fd, parts))
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        backlog.error = exc
+        parts.clear()
+    if parts:
+        return False
+    with backlog.cond:
+        queued.pop(0)
+        backlog.cond.notify_all()
+        return not queued
 
 
 _writer: _Writer | None = None
