@@ -1,5 +1,7 @@
 """The same promise on CUDA devices: GPipe across GPUs, Pipeline over NCCL. Skipped without
-CUDA (CI has none); run them on a GPU machine with `pytest tests/test_cuda.py`."""
+CUDA (CI has none); run them on a GPU machine with
+`GPIPE_TEST_CUDA=1 pytest tests/test_cuda.py` (without it the suite hides the GPUs and runs
+on CPU: tests/conftest.py)."""
 
 import copy
 
@@ -13,8 +15,8 @@ from . import distributed_cases as cases
 from .models import batch, mlp
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
-needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA devices")
+needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device and GPIPE_TEST_CUDA=1")
+needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA devices and GPIPE_TEST_CUDA=1")
 
 
 @needs_gpu

@@ -22,9 +22,9 @@ from torch import Tensor, nn
 from gpipe.comm.distributed import DistributedTransport
 from gpipe.comm.process_group import (
     backend_for,
-    default_device,
     finish_process_group,
     init_process_group,
+    rank_device,
 )
 from gpipe.parallel.agreement import on_first_rank
 from gpipe.parallel.clipping import clip_grad_norm_
@@ -244,7 +244,7 @@ class Pipeline(nn.Module):
         _check_step_options(loss_fn, loss_reduction, timeout)
         module = as_sequential(layers)
         skips = find_skips(module)  # a bad skip is refused before any process group work
-        self.device = default_device() if device is None else torch.device(device)
+        self.device = rank_device(device)
         self.autocast = check_autocast(autocast, self.device)
         bucket_bytes = _check_data_parallel(data_parallel, bucket_bytes, group)
         if group is None:

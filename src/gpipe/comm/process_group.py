@@ -9,7 +9,13 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["backend_for", "default_device", "finish_process_group", "init_process_group"]
+__all__ = [
+    "backend_for",
+    "default_device",
+    "finish_process_group",
+    "init_process_group",
+    "rank_device",
+]
 
 
 def default_device() -> torch.device:
@@ -17,6 +23,28 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def rank_device(device: torch.device | str | None) -> torch.device:
+    """This rank's device: ``device`` as given, a bare ``"cuda"`` this process's GPU
+    (``cuda:LOCAL_RANK``), None the default (``default_device``). A GPU this machine does not
+    have is refused at once; where it comes from the local rank, on every process of the
+    machine alike, so that none is left waiting for a peer that failed."""
+    resolved = default_device() if device is None else torch.device(device)
+    if resolved.type != "cuda":
+        return resolved
+    count = torch.cuda.device_count()
+    if resolved.index is None or device is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local > count:
+            raise ValueError(
+                f"{local} processes on this machine and {count} CUDA device(s): each process "
+                "takes cuda:LOCAL_RANK; start one process per GPU, or pass device='cpu'"
+            )
+        resolved = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if resolved.index >= count:
+        raise ValueError(f"device {resolved}: this machine has {count} CUDA device(s)")
+    return resolved
 
 
 def init_process_group(device: torch.device, timeout: float = 60.0) -> None:
