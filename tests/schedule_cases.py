@@ -166,7 +166,6 @@ def auto(k: int) -> dict:
     for name, options in {
         "sample": {},
         "budget": {"sample": x, "memory_budget": 1024},
-        "chunks": {"sample": x, "chunks": 32},
     }.items():
         try:
             Pipeline(mlp(), schedule="auto", loss_fn=mse_loss, **options)

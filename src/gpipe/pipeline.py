@@ -33,7 +33,7 @@ from gpipe.parallel.placement import (
     StageRecipe,
     build_stages,
 )
-from gpipe.parallel.replicas import GradientBuckets, Replicas, check_bucket_bytes
+from gpipe.parallel.replicas import Replicas, check_bucket_bytes
 from gpipe.parallel.schedule_source import ScheduleSource
 from gpipe.parallel.step import StepResult, StepRunner, StepTimes
 from gpipe.parallel.ties import counted as counted_once
@@ -130,6 +130,24 @@ def _stage_balance(
     if not checked:
         raise ValueError("Pipeline needs at least one layer: layers is empty")
     return checked
+
+
+def _joined(
+    device: torch.device, group: dist.ProcessGroup | None, data_parallel: int, timeout: float
+) -> tuple[Replicas | None, dist.ProcessGroup | None]:
+    """Join the process group (unless given one) and, with replicas, their groups; returns
+    the replicas and the pipeline's group."""
+    if group is None:
+        init_process_group(device, timeout)
+    if data_parallel == 1:
+        return None, group
+    replicas = Replicas.create(data_parallel, float(timeout))
+    return replicas, replicas.pipeline_group
+
+
+def _settings_of(choice: AutoChoice) -> tuple[ScheduleSource, int, list[int]]:
+    """The schedule, micro-batches and balance ``schedule="auto"`` chose."""
+    return ScheduleSource.of(choice.schedule), choice.chunks, choice.balance
 
 
 def _need_loss_fn(loss_fn: LossFn | None, method: str, return_outputs: bool) -> None:
@@ -247,23 +265,16 @@ class Pipeline(nn.Module):
         self.device = rank_device(device)
         self.autocast = check_autocast(autocast, self.device)
         bucket_bytes = _check_data_parallel(data_parallel, bucket_bytes, group)
-        if group is None:
-            init_process_group(self.device, timeout)
-        self.replicas = (
-            Replicas.create(data_parallel, float(timeout)) if data_parallel != 1 else None
-        )
-        self.group = group if self.replicas is None else self.replicas.pipeline_group
-        self.n_ranks = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
+        self.replicas, self.group = _joined(self.device, group, data_parallel, timeout)
+        self.n_ranks, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.auto_choice: AutoChoice | None = None
-        if auto:  # replicas agree with the first pipeline's choice
+        if auto:  # the replicas agree with the first pipeline's choice
             self.auto_choice = agreed_choice(
                 module, sample, n_ranks=self.n_ranks, chunks=chunks, checkpoint=self.checkpoint,
                 memory_budget=memory_budget, device=self.device,
                 group=None if self.replicas is not None else self.group,
             )  # fmt: skip
-            self._schedule = ScheduleSource.of(self.auto_choice.schedule)
-            self.chunks, balance = self.auto_choice.chunks, self.auto_choice.balance
+            self._schedule, self.chunks, balance = _settings_of(self.auto_choice)
         self.balance = _stage_balance(
             module, balance, sample, self._schedule.parts(self.n_ranks), self.device, self.group
         )
@@ -288,8 +299,7 @@ class Pipeline(nn.Module):
         for name, layer in built.layers.items():
             self.add_module(name, layer)
         agreeing = [self.group] if self.n_ranks > 1 else []
-        if self.replicas is not None:
-            agreeing.append(self.replicas.group)
+        agreeing += [self.replicas.group] if self.replicas is not None else []
         self.precision = Precision(self.autocast, self.device, agreeing)
         self.recorder = Recorder(self.rank) if trace else None
         self._runner = StepRunner(
@@ -329,10 +339,6 @@ class Pipeline(nn.Module):
     @_transport.setter
     def _transport(self, transport: DistributedTransport) -> None:
         self._runner.transport = transport
-
-    @property
-    def _buckets(self) -> dict[int, GradientBuckets]:
-        return self._runner.buckets
 
     # -- schedules ----------------------------------------------------------------------------
     def schedule_for(self, n_microbatches: int) -> Schedule:
@@ -447,11 +453,8 @@ class Pipeline(nn.Module):
             if optimizer is None:
                 raise ValueError("clip_grad_norm_(scaler=...) needs optimizer= to unscale")
             self.precision.unscale_once(scaler, optimizer)
-        counted = (
-            counted_once(self.ties, dict(self.named_parameters()))
-            if parameters is None
-            else parameters
-        )
+        named = dict(self.named_parameters())
+        counted = counted_once(self.ties, named) if parameters is None else parameters
         return clip_grad_norm_(
             counted, self.parameters(), max_norm, norm_type, device=self.device, group=self.group
         )
