@@ -194,15 +194,6 @@ def test_bad_options_end_in_one_line_and_exit_code_2(capsys, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-@pytest.mark.parametrize(("balance", "expected"), [("1,3", [1, 3]), ("params", None)])
-def test_balance_can_be_given_or_counted(tmp_path, balance, expected):
-    out = tmp_path / "run"
-    assert main(["train", *TINY, "--steps", "1", "--balance", balance, "--out", str(out)]) == 0
-    if expected is None:
-        expected = balance_by_params(2, build_gpt(PRESETS["tiny"], device="meta"))
-    assert _description(out, 1)["balance"] == expected
-
-
 def test_data_without_readable_text_is_refused(capsys, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -243,14 +234,22 @@ def test_under_torchrun_the_stages_are_torchruns_processes(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("schedule", "more"),
-    [("1f1b", []), ("zero-bubble", []), ("interleaved", ["--virtual-stages", "2"])],
+    ("schedule", "more", "balance"),
+    [
+        ("1f1b", ["--balance", "1,3"], [1, 3]),  # a balance given
+        ("zero-bubble", ["--balance", "params"], "params"),  # or counted
+        ("interleaved", ["--virtual-stages", "2"], None),
+    ],
 )
-def test_every_schedule_trains_and_traces(tmp_path, schedule, more):
+def test_every_schedule_trains_and_traces(tmp_path, schedule, more, balance):
     out = tmp_path / "run"
     code = main(["train", *TINY, "--steps", "3", "--schedule", schedule, *more, "--trace",
                  "--out", str(out)])  # fmt: skip
     assert code == 0
+    if balance == "params":
+        balance = balance_by_params(2, build_gpt(PRESETS["tiny"], device="meta"))
+    if balance is not None:
+        assert _description(out, 3)["balance"] == balance
     trace = json.loads((out / "trace.json").read_text())
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"F0", "B0"} <= names

@@ -34,7 +34,7 @@ def test_gpt2_finetune_trains_and_saves_weights_the_unsplit_model_loads(tmp_path
     pytest.importorskip("transformers", reason="the examples extra installs transformers")
     out = tmp_path / "gpt2.pt"
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "gpt2_finetune.py"), "--steps", "30", "--out", str(out)],
+        [sys.executable, str(EXAMPLES / "gpt2_finetune.py"), "--steps", "20", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -48,7 +48,7 @@ def test_gpt2_finetune_trains_and_saves_weights_the_unsplit_model_loads(tmp_path
     assert abs(float(unsplit[1]) - after) < 2e-3, done.stdout
     # fine-tune again from the saved weights: it starts where the first run ended
     again = subprocess.run(
-        [sys.executable, str(EXAMPLES / "gpt2_finetune.py"), "--steps", "5", "--out", "",
+        [sys.executable, str(EXAMPLES / "gpt2_finetune.py"), "--steps", "2", "--out", "",
          "--weights", str(out), "--lr", "1e-4"],
         capture_output=True,
         text=True,
