@@ -20,8 +20,14 @@ from torch import Tensor, nn
 
 from gpipe.parallel.agreement import on_first_rank
 from gpipe.planning.memory import format_bytes, profile
-from gpipe.planning.suggest import Candidate, LayerCosts, search, timed_costs
-from gpipe.runtime.microbatch import as_tuple
+from gpipe.planning.suggest import (
+    Candidate,
+    LayerCosts,
+    first_rows,
+    rows_of,
+    search,
+    timed_costs,
+)
 from gpipe.runtime.partitions import as_sequential
 from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import Placement, traits
@@ -91,16 +97,6 @@ def device_memory(device: torch.device | str) -> float:
     return total / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def _rows(sample: Any) -> int:
-    return next(t for t in as_tuple(sample) if isinstance(t, Tensor)).size(0)
-
-
-def _first(sample: Any, rows: int) -> Any:
-    if isinstance(sample, Tensor):
-        return sample[:rows]
-    return type(sample)(t[:rows] if isinstance(t, Tensor) else t for t in sample)
-
-
 def _to(sample: Any, device: torch.device) -> Any:
     if isinstance(sample, Tensor):
         return sample.to(device)
@@ -128,8 +124,8 @@ def choose(
     ``device_bytes`` per process."""
     _check_checkpoint(checkpoint)
     module = as_sequential(layers)
-    rows = _rows(sample)
-    micro = _first(sample, max(1, rows // max(2, n_ranks)))
+    rows = rows_of(sample)
+    micro = first_rows(sample, max(1, rows // max(2, n_ranks)))
     if costs is None:
         costs = timed_costs(module, micro, timeout=timeout, device=device)
     where = next((p.device for p in module.parameters()), torch.device("cpu"))

@@ -70,7 +70,8 @@ class LayerCosts:
         return LayerCosts(spread(self.fixed), spread(self.per_row), self.unit, self.source)
 
 
-def _rows(sample: Any) -> int:
+def rows_of(sample: Any) -> int:
+    """The rows of a sample: its first tensor's first dimension."""
     return next(t for t in as_tuple(sample) if isinstance(t, Tensor)).size(0)
 
 
@@ -86,7 +87,7 @@ def flop_costs(
     FLOPs go to the last layer. Layers whose work is not matrix products (an embedding's
     lookup, a normalization) count as free."""
     module = as_sequential(layers)
-    rows = _rows(sample)
+    rows = rows_of(sample)
     per_row = []
     x = sample
     with torch.no_grad():
@@ -114,10 +115,10 @@ def timed_costs(
     are allocated one at a time, so the model never is whole. About ``timeout`` seconds in all,
     more if a layer is slow."""
     module = as_sequential(layers)
-    rows = _rows(sample)
+    rows = rows_of(sample)
     half = max(1, rows // 2)
     _, small, large = [  # the first pass only warms up
-        layer_times(module, _first(sample, r), timeout=timeout / 3, device=device)
+        layer_times(module, first_rows(sample, r), timeout=timeout / 3, device=device)
         for r in (half, half, rows)
     ]
     fixed, per_row = [], []
@@ -129,7 +130,8 @@ def timed_costs(
     return LayerCosts(tuple(fixed), tuple(per_row), "s", f"timed on {where.type}")
 
 
-def _first(sample: Any, rows: int) -> Any:
+def first_rows(sample: Any, rows: int) -> Any:
+    """The first ``rows`` rows of each tensor of a sample (a tensor or a tuple)."""
     if isinstance(sample, Tensor):
         return sample[:rows]
     return type(sample)(t[:rows] if isinstance(t, Tensor) else t for t in sample)
