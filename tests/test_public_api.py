@@ -60,6 +60,7 @@ MODULES = {
         "simulate",
         "analytic_bubble",
         "closed_form_bubble",
+        "closed_form_peak",
         "scenario",
         "compare",
         "predict",

@@ -15,6 +15,7 @@ from gpipe.planning.simulate import (
     Costs,
     analytic_bubble,
     closed_form_bubble,
+    closed_form_peak,
     compare,
     predict,
     scenario,
@@ -225,9 +226,12 @@ def test_cli_prints_a_table_of_every_schedule(capsys):
     assert main(["simulate", "--stages", "4", "--chunks", "8"]) == 0
     out = capsys.readouterr().out
     gpipe_row = next(line for line in out.splitlines() if line.startswith("gpipe "))
-    # makespan (M+K-1)(F+B+W) = 33, bubble and analytic bubble 3/11, 8 live per stage
-    assert gpipe_row.split() == ["gpipe", "33", "27.3%", "27.3%", "8", "8", "8", "8"]
+    # makespan (M+K-1)(F+B+W) = 33, bubble and its formula 3/11, 8 held, 8 live per stage
+    assert gpipe_row.split() == ["gpipe", "33", "27.3%", "27.3%", "8", "8", "8", "8", "8"]
     assert all(name in out for name in SCHEDULES)
+    zbv_row = next(line for line in out.splitlines() if line.startswith("zero-bubble-v "))
+    # F = B = W = 1 a process, half of it a stage: 3 x 0.5 idle beside 8 x 3 of work
+    assert zbv_row.split()[2:5] == ["5.9%", "5.9%", "4"]
 
 
 def test_cli_reads_costs_and_reports_bad_input_in_one_line(tmp_path, capsys):
@@ -372,14 +376,17 @@ def test_forward_only_recomputes_nothing_and_a_bad_mode_is_named():
         simulate(gpipe(2, 2), costs, "sometimes")
 
 
+COST = st.one_of(st.sampled_from([0.0, 0.5, 1.0, 2.0]), st.floats(0.05, 3.0))
+
+
 @given(
     st.sampled_from(sorted(SCHEDULES)),
     st.integers(1, 5),
-    st.integers(1, 12),
+    st.integers(1, 24),
     st.integers(1, 3),
-    st.sampled_from([0.5, 1.0, 2.0]),
-    st.sampled_from([0.5, 1.0, 2.0]),
-    st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+    COST.filter(bool),
+    COST.filter(bool),
+    COST,
 )
 def test_each_schedule_has_its_own_closed_form_bubble_and_the_simulator_gives_it(
     name, k, m, v, f, b, w
@@ -390,6 +397,31 @@ def test_each_schedule_has_its_own_closed_form_bubble_and_the_simulator_gives_it
     assert simulate(schedule, costs).bubble == pytest.approx(closed, abs=1e-9)
 
 
+@given(
+    st.sampled_from(sorted(SCHEDULES)),
+    st.integers(1, 5),
+    st.integers(1, 24),
+    st.integers(1, 4),
+    COST.filter(bool),
+    COST.filter(bool),
+    COST,
+    st.sampled_from([1.0, 3.0]),
+)
+def test_each_schedule_has_its_peak_memory_in_closed_form_and_the_simulator_gives_it(
+    name, k, m, v, f, b, w, nbytes
+):
+    """Per rank, under any costs: the order of a rank's actions alone sets what it holds."""
+    try:
+        schedule, costs = scenario(name, k, m, Costs(f, b, w, activation_bytes=nbytes), v)
+    except ValueError:
+        assert closed_form_peak(name, k, m, v) is None
+        return
+    per_rank = schedule.n_stages // k
+    closed = closed_form_peak(name, k, m, per_rank)
+    got = simulate(schedule, costs).peak_rank_activation_bytes
+    assert got == pytest.approx([x * nbytes for x in closed], abs=1e-9)
+
+
 def test_closed_form_bubbles_where_they_hold_and_none_where_not():
     assert closed_form_bubble("gpipe", 4, 8) == closed_form_bubble("1f1b", 4, 8) == 3 / 11
     assert closed_form_bubble("interleaved", 4, 8, 2) == 3 / 19
@@ -397,8 +429,29 @@ def test_closed_form_bubbles_where_they_hold_and_none_where_not():
     assert closed_form_bubble("zero-bubble", 4, 8, 1, 1, 1, 1) == 3 / 27
     assert closed_form_bubble("zero-bubble", 4, 3, 1, 1, 1, 1) is None  # M < K
     assert closed_form_bubble("zero-bubble", 4, 8, 1, 1, 1, 2) is None  # W > F, B
+    # ZB-V, F = B = W: half a B per rank of the V, 3 x 0.5 idle beside 8 x 3 of work
+    assert closed_form_bubble("zero-bubble-v", 4, 8, 2, 1, 1, 1) == 1.5 / 25.5
+    assert closed_form_bubble("zero-bubble-v", 4, 6, 2, 1, 1, 1) is None  # M < 2K - 1
+    assert closed_form_bubble("zero-bubble-v", 4, 8, 2, 2, 1, 1) is None  # F > B
+    assert closed_form_bubble("dualpipe-v", 4, 8, 2, 1, 1, 1) == 1.5 / 25.5
+    assert closed_form_bubble("dualpipe-v", 4, 8, 2, 1, 2, 1) is None  # B > F
     with pytest.raises(ValueError, match="schedule must be one of"):
         closed_form_bubble("nope", 4, 8)
+    with pytest.raises(ValueError, match="virtual_stages must be a positive integer, got 0"):
+        closed_form_bubble("interleaved", 4, 8, 0)
+
+
+def test_closed_form_peaks_rank_by_rank():
+    assert closed_form_peak("gpipe", 4, 8) == (8, 8, 8, 8)
+    assert closed_form_peak("1f1b", 4, 8) == (4, 3, 2, 1)
+    assert closed_form_peak("interleaved", 4, 8, 2) == (5.5, 4.5, 3.5, 2.5)
+    assert closed_form_peak("interleaved-zero-bubble", 4, 8, 2) == (5.5, 5, 4.5, 4)
+    # ZB-V's busiest rank holds what 1F1B's does; DualPipeV half a micro-batch more
+    assert closed_form_peak("zero-bubble-v", 4, 3) == (2, 2.5, 3, 3)
+    assert closed_form_peak("zero-bubble-v", 4, 8) == (4, 4, 4, 4)
+    assert closed_form_peak("dualpipe-v", 4, 8) == (4.5,) * 4
+    assert closed_form_peak("dualpipe-v", 4, 7) is None  # it needs M >= 2K
+    assert closed_form_peak("interleaved", 4, 6, 2) is None  # M in rounds of K
 
 
 @pytest.mark.parametrize(

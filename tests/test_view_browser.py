@@ -13,9 +13,16 @@ from pathlib import Path
 import pytest
 
 from gpipe.planning.bubbles import split_costs
-from gpipe.planning.simulate import Costs, closed_form_bubble, predict, scenario, simulate
+from gpipe.planning.simulate import (
+    Costs,
+    closed_form_bubble,
+    closed_form_peak,
+    predict,
+    scenario,
+    simulate,
+)
 from gpipe.runtime.recompute import should_checkpoint
-from gpipe.schedules import Kind, build, from_csv, gpipe, to_csv
+from gpipe.schedules import Kind, Placement, build, from_csv, gpipe, to_csv, traits
 from gpipe.view import DEFAULT_COSTS, Measured, Settings, write
 
 from .test_view import traced_step
@@ -130,6 +137,10 @@ CASES = [  # K, M, schedule, checkpoint, v, costs typed into the page (F, B, W, 
     (4, 5, "zero-bubble", "always", 2, ("1", "1.5", "0.5", "0")),
     (2, 4, "interleaved", "always", 2, None),
     (3, 6, "interleaved", "never", 3, ("1, 2, 1.5", "2", "1", "0")),
+    (2, 4, "interleaved-zero-bubble", "never", 2, ("1", "1", "0.5", "0")),
+    (2, 3, "looped-bfs", "except_last", 2, None),
+    (3, 5, "zero-bubble-v", "never", 2, ("1", "1.5", "1", "0")),
+    (2, 4, "dualpipe-v", "always", 2, None),
 ]
 
 
@@ -137,8 +148,9 @@ CASES = [  # K, M, schedule, checkpoint, v, costs typed into the page (F, B, W, 
 def test_the_pages_read_outs_are_the_simulators(browser, page, k, m, name, mode, v, typed):
     _open(browser, page)
     _set(browser, "schedule", name)
+    looped = traits(name).placement is Placement.LOOPED
     for control, value in (("stages", k), ("chunks", m), ("virtual_stages", v)):
-        if name == "interleaved" or control != "virtual_stages":
+        if looped or control != "virtual_stages":
             _set(browser, control, str(value))
     _set(browser, "checkpoint", mode)
     costs = DEFAULT_COSTS
@@ -157,12 +169,15 @@ def test_the_pages_read_outs_are_the_simulators(browser, page, k, m, name, mode,
     assert _value(browser, "bubble") == pytest.approx(result.bubble, rel=1e-12, abs=1e-12)
     assert _value(browser, "makespan") == pytest.approx(result.makespan, rel=1e-12)
     per_rank = None if isinstance(costs.forward, tuple) else (costs.forward, costs.backward)
+    per_rank_stages = schedule.n_stages // k
     closed = (
-        closed_form_bubble(name, k, m, v if name == "interleaved" else 1, *per_rank, costs.weight)
+        closed_form_bubble(name, k, m, per_rank_stages, *per_rank, costs.weight)
         if per_rank
         else None
     )
     assert _value(browser, "closed-form") == (None if closed is None else pytest.approx(closed))
+    peak = max(closed_form_peak(name, k, m, per_rank_stages))
+    assert _value(browser, "closed-form-peak") == pytest.approx(peak)
     rows = browser.find_elements(By.CSS_SELECTOR, "#per-stage tbody tr")
     assert len(rows) == schedule.n_stages
     for s, row in enumerate(rows):

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from gpipe.planning.bubbles import split_costs
-from gpipe.planning.simulate import Costs, closed_form_bubble, scenario, simulate
+from gpipe.planning.simulate import (
+    Costs,
+    closed_form_bubble,
+    closed_form_peak,
+    scenario,
+    simulate,
+)
 from gpipe.runtime.recompute import should_checkpoint
 from gpipe.schedules import SCHEDULES, Placement, build, from_csv, to_csv, traits
 from gpipe.view import asset_path
@@ -142,17 +148,26 @@ def test_simulated_times_bubble_and_memory_are_the_python_simulators(runs):
             assert page == pytest.approx(python, rel=1e-12, abs=1e-9), label
 
 
-def test_the_closed_form_bubble_is_the_python_one(runs):
+def test_the_closed_forms_are_the_python_ones(runs):
+    """Bubble and peak memory by formula, every schedule's (the V ones included) played."""
+    with_forms = set()
     for case, js in runs:
         costs = _costs(case["costs"], case["stages"])
-        if "error" in js or isinstance(costs.forward, tuple):
+        if "error" in js:
             continue
+        label = _label(case)
         v = traits(case["schedule"]).stages_per_rank(case["virtual_stages"])
+        peak = closed_form_peak(case["schedule"], case["stages"], case["chunks"], v)
+        assert js["closed_form_peak"] == (None if peak is None else list(peak)), label
+        if isinstance(costs.forward, tuple):
+            continue
         python = closed_form_bubble(case["schedule"], case["stages"], case["chunks"], v,
                                     costs.forward, costs.backward, costs.weight)  # fmt: skip
-        assert (js["closed_form"] is None) == (python is None), _label(case)
+        assert (js["closed_form"] is None) == (python is None), label
         if python is not None:
-            assert _close(js["closed_form"], python), _label(case)
+            assert _close(js["closed_form"], python), label
+            with_forms.add(case["schedule"])
+    assert with_forms == set(SCHEDULES)
 
 
 def test_messages_and_recomputations_drawn_agree_with_the_simulators_model(runs):

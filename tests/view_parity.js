@@ -47,6 +47,9 @@ function run(c) {
           c.costs.backward,
           c.costs.weight,
         ),
+    closed_form_peak: c.schedule_data
+      ? null
+      : G.closedFormPeak(c.schedule, c.stages, c.chunks, G.stagesPerRank(c.schedule, c.virtual_stages)),
   };
 }
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from gpipe.cli.common import PAGE_OPTIONS, UsageError, multi_stage_schedules, read_costs
 from gpipe.planning.bubbles import split_costs
-from gpipe.planning.simulate import Costs, SimResult, analytic_bubble, compare, scenario, simulate
+from gpipe.planning.simulate import Costs, SimResult, compare, scenario, simulate
 from gpipe.schedules import SCHEDULES, build, from_csv, get_schedule, to_csv
 from gpipe.view import Settings, check_settings
 from gpipe.view import write as write_page
@@ -189,6 +189,10 @@ def _schedule_names(given: list[str] | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _maybe(value: float | None, form: str) -> str:
+    return "-" if value is None else form.format(value)
+
+
 def _table(
     rows: list[dict[str, Any]],
     n_stages: int,
@@ -196,11 +200,10 @@ def _table(
     costs: Costs,
     replicas: bool = False,
 ) -> str:
-    analytic = f"{analytic_bubble(n_stages, n_microbatches):.1%}"
     memory = any(costs.per_stage("activation_bytes", n_stages))
-    header = ["schedule", "makespan", "bubble", "analytic", "peak live per stage"]
+    header = ["schedule", "makespan", "bubble", "formula", "held", "peak live per stage"]
     if memory:
-        header.insert(4, "peak memory")
+        header.insert(5, "peak memory")
     if replicas:
         header.insert(2, "all-reduce exposed")
     lines: list[list[str]] = []
@@ -212,11 +215,12 @@ def _table(
             row["schedule"],
             f"{row['makespan']:.6g}",
             f"{row['bubble']:.1%}",
-            analytic if row["schedule"] == "gpipe" else "-",
+            _maybe(row.get("closed_form_bubble"), "{:.1%}"),
+            _maybe(row.get("closed_form_peak"), "{:g}"),
             " ".join(map(str, row["peak_live_per_stage"])),
         ]
         if memory:
-            cells.insert(4, _bytes(row["peak_activation_bytes"]))
+            cells.insert(5, _bytes(row["peak_activation_bytes"]))
         if replicas:
             cells.insert(2, f"{row['allreduce_exposed']:.6g}")
         lines.append(cells)
@@ -235,6 +239,10 @@ def _table(
                 + [last]
             )
         )
+    out.append(
+        "formula: the schedule's bubble in closed form; held: micro-batches the busiest "
+        "process holds at once, by formula (- where none holds)"
+    )
     return "\n".join(out)
 
 

@@ -2,10 +2,12 @@
 
 The simulator's names in one place: ``Costs`` (``costs``) says what actions cost,
 ``simulate`` (``replay``) runs a schedule's programs under them, ``bubbles`` compares
-schedules and gives their closed forms, ``measured`` replays a measured step.
+schedules, ``closed_forms`` gives each one's bubble and peak memory by formula,
+``measured`` replays a measured step.
 """
 
-from gpipe.planning.bubbles import analytic_bubble, closed_form_bubble, compare, scenario
+from gpipe.planning.bubbles import compare, scenario
+from gpipe.planning.closed_forms import analytic_bubble, closed_form_bubble, closed_form_peak
 from gpipe.planning.costs import Costs
 from gpipe.planning.measured import measured_costs, predict
 from gpipe.planning.replay import SimResult, simulate
@@ -15,6 +17,7 @@ __all__ = [
     "SimResult",
     "analytic_bubble",
     "closed_form_bubble",
+    "closed_form_peak",
     "compare",
     "measured_costs",
     "predict",

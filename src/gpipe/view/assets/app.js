@@ -28,13 +28,13 @@
       const schedule = G.scheduleFromData(m.schedule);
       const result = G.simulate(schedule, m.costs, "never");
       const measured = G.lanes.measured(m, "s");
-      return { settings: null, result, measured, closed: null };
+      return { settings: null, result, measured, closed: null, peak: null };
     }
     const s = G.controls.read(LIMITS, DATA.fixed);
     if (s.schedule === "file") {
       const schedule = G.scheduleFromData(DATA.fixed);
       const result = G.simulate(schedule, G.splitCosts(schedule, s.costs), s.checkpoint);
-      return { settings: s, result, measured: null, closed: null };
+      return { settings: s, result, measured: null, closed: null, peak: null };
     }
     const [schedule, costs] = G.scenario(s.schedule, s.stages, s.chunks, s.costs, s.virtual_stages);
     const result = G.simulate(schedule, costs, s.checkpoint);
@@ -54,7 +54,9 @@
           first(c.weight),
         )
       : null;
-    return { settings: s, result, measured: null, closed };
+    const v = G.stagesPerRank(s.schedule, s.virtual_stages);
+    const peak = G.closedFormPeak(s.schedule, s.stages, s.chunks, v);
+    return { settings: s, result, measured: null, closed, peak };
   }
 
   function summaryRow(dl, label, id, value, text, note) {
@@ -79,6 +81,20 @@
     "zero-bubble": "ZB-H1: (K−1)(F+B−W)/(M(F+B+W)+(K−1)(F+B−W)), M ≥ K, W ≤ F, B",
     "looped-bfs": "(K−1)/(vM+K−1), M ≥ K",
     "interleaved-zero-bubble": "(K−1)(F+B−W)/v / (M(F+B+W)+(K−1)(F+B−W)/v), W ≤ F, B",
+    "zero-bubble-v": "I/(M(F+B+W)+I), I = (K−1)·max(B/2, B−W), M ≥ 2K−1, F, W ≤ B",
+    "dualpipe-v": "I/(M(F+B+W)+I), I = (K−1)·max(F, F+B−W)/2, B ≤ F ≤ B+W",
+  };
+
+  // closed_form_peak's formulas: the busiest rank's micro-batches held at once.
+  const PEAK_FORMS = {
+    gpipe: "M",
+    "1f1b": "min(M, K)",
+    "zero-bubble": "min(M, K)",
+    interleaved: "min(M, K+(K−1)/v)",
+    "interleaved-zero-bubble": "min(M, K+(K−1)/v)",
+    "looped-bfs": "M",
+    "zero-bubble-v": "min(M, K), as 1F1B",
+    "dualpipe-v": "K+1/2",
   };
 
   function measuredOn() {
@@ -140,9 +156,25 @@
         "closed-form",
         closed,
         closed === null ? "n/a" : pct(closed),
-        closed === null
-          ? `${name}: ${CLOSED_FORMS[name]} does not hold here`
-          : `${name}: ${CLOSED_FORMS[name]}; equal stages, free links, no recomputation`,
+        !(name in CLOSED_FORMS)
+          ? "a schedule read from a file has no formula"
+          : closed === null
+            ? `${name}: ${CLOSED_FORMS[name]} does not hold here`
+            : `${name}: ${CLOSED_FORMS[name]}; equal stages, free links, no recomputation`,
+      );
+      const peak = run.peak === null ? null : Math.max(...run.peak);
+      summaryRow(
+        dl,
+        "peak memory (closed form)",
+        "closed-form-peak",
+        peak,
+        peak === null ? "n/a" : `${+peak.toFixed(3)} micro-batches`,
+        !(name in PEAK_FORMS)
+          ? "a schedule read from a file has no formula"
+          : peak === null
+            ? `${name}: no formula for these sizes`
+          : `busiest rank, in micro-batches of its activations: ${PEAK_FORMS[name]}; ` +
+              `no recomputation`,
       );
       const recomputed = r.spans.flat().filter((s) => s.action.kind === "R").length;
       summaryRow(dl, "recomputations", "recomputed", recomputed, String(recomputed));

@@ -295,29 +295,66 @@
     return { ...costs, ...split };
   }
 
-  // gpipe.simulate.closed_form_bubble: each schedule's own formula, or null.
+  // gpipe.planning.closed_forms.closed_form_bubble: each schedule's own formula, or null.
+  // The split-backward schedules leave each rank idle for a time beside its M (F+B+W).
   function closedFormBubble(name, k, m, v = 1, forward = 1, backward = 1, weight = 0) {
     api.getSchedule(name);
+    if (!Number.isInteger(v) || v < 1) {
+      throw new Error(`virtual_stages must be a positive integer, got ${v}`);
+    }
+    const [f, b, w] = [forward, backward, weight];
+    const share = (idle) => {
+      const total = m * (f + b + w) + idle;
+      return total > 0 ? idle / total : null;
+    };
     if (name === "gpipe" || name === "1f1b") return (k - 1) / (m + k - 1);
     if (name === "interleaved") return m % k === 0 ? (k - 1) / (v * m + k - 1) : null;
     if (name === "looped-bfs") return m >= k ? (k - 1) / (v * m + k - 1) : null;
-    if (name === "interleaved-zero-bubble") {
-      if (m % k || weight > Math.min(forward, backward)) return null;
-      const idle = ((k - 1) * (forward + backward - weight)) / v;
-      const total = m * (forward + backward + weight) + idle;
-      return total > 0 ? idle / total : null;
+    if (name === "zero-bubble") {
+      return m >= k && w <= Math.min(f, b) ? share((k - 1) * (f + b - w)) : null;
     }
-    if (name === "zero-bubble" && m >= k && weight <= Math.min(forward, backward)) {
-      const drain = (k - 1) * (forward + backward - weight);
-      const total = m * (forward + backward + weight) + drain;
-      return total > 0 ? drain / total : null;
+    if (name === "interleaved-zero-bubble") {
+      return m % k || w > Math.min(f, b) ? null : share(((k - 1) * (f + b - w)) / v);
+    }
+    if (name === "zero-bubble-v") {
+      return m < 2 * k - 1 || f > b || w > b ? null : share((k - 1) * Math.max(b / 2, b - w));
+    }
+    if (name === "dualpipe-v") {
+      const holds = m >= 2 * k && b <= f && f <= b + w;
+      return holds ? share(((k - 1) * Math.max(f, f + b - w)) / 2) : null;
     }
     return null;
+  }
+
+  // gpipe.planning.closed_forms.closed_form_peak: per rank, the most micro-batches'
+  // activations held at once, in micro-batches of the rank's share; null where none.
+  const PEAKS = {
+    gpipe: (k, m) => m,
+    "looped-bfs": (k, m) => m,
+    "1f1b": (k, m, v, r) => Math.min(m, k - r),
+    "zero-bubble": (k, m) => Math.min(m, k),
+    interleaved: (k, m, v, r) => Math.min(m, k + (k - 1 - 2 * r) / v),
+    "interleaved-zero-bubble": (k, m, v, r) => Math.min(m, k + (k - 1 - r) / v),
+    "zero-bubble-v": (k, m, v, r) => Math.min(m, (m + r + 1) / 2, k),
+    "dualpipe-v": (k) => k + 1 / 2,
+  };
+
+  function closedFormPeak(name, k, m, v = 1) {
+    api.getSchedule(name);
+    if (!Number.isInteger(v) || v < 1) {
+      throw new Error(`virtual_stages must be a positive integer, got ${v}`);
+    }
+    const traits = api.TRAITS[name];
+    const fewest = traits.perStage ? k * api.stagesPerRank(name, v) : traits.perRound ? k : 1;
+    const form = PEAKS[name];
+    if (!form || (traits.perRound && m % k) || m < fewest) return null;
+    return Array.from({ length: k }, (_, r) => form(k, m, v, r));
   }
 
   Object.assign(api, {
     CHECKPOINT_MODES,
     closedFormBubble,
+    closedFormPeak,
     costsOf,
     perStage,
     scenario,
