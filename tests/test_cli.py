@@ -29,15 +29,18 @@ TINY = [
 
 
 @pytest.fixture(autouse=True)
-def _runs_on_shared_processes(monkeypatch):
+def _runs_on_shared_processes(monkeypatch, request):
     """`gpipe train` runs its stages on the module's shared processes (real ones, over gloo)
-    rather than starting new ones for every run; runs that restart keep their own."""
+    rather than starting new ones for every run (however it asks them started); runs that
+    restart keep their own, and so do tests that read what the stages print (the shared
+    processes write to the streams of the test that started them)."""
     import gpipe.training.launch
 
     started = gpipe.training.launch.launch
+    own = "capfd" in request.fixturenames
 
     def launch(fn, nprocs, args=(), *, threads="auto", max_restarts=0, **more):
-        if max_restarts or more:
+        if own or max_restarts or set(more) - {"start_method"}:
             return started(fn, nprocs, args, threads=threads, max_restarts=max_restarts, **more)
         return workers.run(fn, nprocs, args, threads=threads)
 
@@ -265,6 +268,20 @@ def test_every_schedule_trains_and_traces(tmp_path, schedule, more, balance):
     measured = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] in ranks]
     assert len(data["measured"]["events"]) == len(measured)
     assert data["measured"]["schedule"]["name"] == schedule
+
+
+def test_train_notes_fewer_than_four_micro_batches_per_stage(capsys, tmp_path):
+    """The line `gpipe plan` prints (test_advice), before the run starts."""
+    args = ["train", "--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--steps", "1",
+            "--eval-every", "1", "--sample-tokens", "4", "--quiet", "--stages", "2",
+            "--checkpoint", "never", "--chunks", "4", "--out", str(tmp_path / "run")]  # fmt: skip
+    assert main(args) == 0
+    notes = re.findall(r"^note:.*$", capsys.readouterr().out, re.M)
+    assert notes == [
+        "note: --chunks 4 is below 4 x --stages 2, the GPipe paper's rule of thumb: gpipe's "
+        "predicted bubble is 20.0%; --chunks 10 (and --batch-size 10) would bring it under "
+        "10% (9.1%)"
+    ]
 
 
 def test_auto_announces_its_choice_and_a_resumed_run_keeps_it(tmp_path, capfd):
