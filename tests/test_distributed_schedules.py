@@ -3,9 +3,9 @@ training: K = 1..4, several micro-batch splits, all checkpoint modes."""
 
 import pytest
 
-from gpipe.schedules import build, to_csv, traits
+from gpipe.schedules import SCHEDULES, build, to_csv, traits
 
-from . import distributed_cases
+from . import distributed_cases, presplit_cases
 from . import schedule_cases as cases
 from . import two_per_rank_cases as two_per_rank
 from .models import BALANCES, UNET_BALANCES, mlp, unet
@@ -105,3 +105,10 @@ def test_auto_runs_one_choice_on_every_rank_and_trains_exactly(k):
         errors = r["errors"]
         assert "schedule='auto' needs sample=, one mini-batch" in errors["sample"]
         assert "nothing fits in 1.00 KiB per process" in errors["budget"]
+
+
+def test_microbatches_given_with_their_own_lengths_match_unpipelined_under_every_schedule():
+    """``step(microbatches=...)``: 7, 31, 12 and 64 tokens in 2, 1, 3 and 1 rows, float64,
+    every schedule, never and always; token means weighed by ``counts`` too."""
+    results = run(presplit_cases.equivalence, 2, (2,), threads=1)
+    assert all(n == 2 * len(SCHEDULES) + 1 for n in results.values())

@@ -12,7 +12,7 @@ are registered under their names in the whole model, so ``state_dict`` and
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from gpipe.parallel.placement import (
     StageRecipe,
     build_stages,
 )
+from gpipe.parallel.presplit import Presplit, presplit
 from gpipe.parallel.replicas import Replicas, check_bucket_bytes
 from gpipe.parallel.schedule_source import ScheduleSource
 from gpipe.parallel.step import StepResult, StepRunner, StepTimes
@@ -148,6 +149,17 @@ def _joined(
 def _settings_of(choice: AutoChoice) -> tuple[ScheduleSource, int, list[int]]:
     """The schedule, micro-batches and balance ``schedule="auto"`` chose."""
     return ScheduleSource.of(choice.schedule), choice.chunks, choice.balance
+
+
+def _given(inputs: Any, targets: Any, microbatches: Any) -> Presplit | None:
+    """The user's own micro-batches, checked, or None for a mini-batch to split."""
+    if microbatches is None:
+        return None
+    if inputs is not None or targets is not None:
+        raise ValueError(
+            "give inputs and targets, or microbatches=[(inputs, targets), ...], not both"
+        )
+    return presplit(microbatches)
 
 
 def _need_loss_fn(loss_fn: LossFn | None, method: str, return_outputs: bool) -> None:
@@ -367,28 +379,28 @@ class Pipeline(nn.Module):
         scaler: torch.amp.GradScaler | None = None,
         return_outputs: bool = False,
         counts: Any = None,
+        microbatches: Sequence[tuple[Any, Any]] | None = None,
     ) -> Tensor | StepResult:
         """Forward and backward of one mini-batch; gradients accumulate in ``.grad``.
 
         ``inputs`` are read on the first stage and ``targets`` on the last (other ranks may
-        pass None); either may be any payload (a dict, a dataclass ...: ``gpipe.runtime.microbatch``
-        says which leaves are split into micro-batches). Without targets the last stage
-        computes ``loss_fn(outputs)``, for models that compute their own loss. ``counts``
-        (last stage, ``loss_reduction="mean"``) gives each row's weight in the mean, such as
-        its number of valid tokens when ``loss_fn`` averages over tokens: each micro-batch's
-        loss then weighs by its share of the counts, not of the rows, which keeps the step
-        exact when padding differs between micro-batches. Returns the mini-batch loss, the
-        same on every rank; with
-        ``return_outputs``, a ``StepResult`` that also holds the last stage's outputs for
-        the whole mini-batch and each micro-batch's loss (None on other ranks). With a
-        ``scaler`` (``torch.amp.GradScaler``, for float16) the loss is scaled on the last
-        stage; then ``unscale_``, ``scaler.step`` and ``scaler.update`` as usual.
+        pass None); either may be any payload (``gpipe.runtime.microbatch`` says which leaves
+        are split). Without targets the last stage computes ``loss_fn(outputs)``.
+        ``microbatches=[(inputs, targets), ...]`` runs your own micro-batches instead, in
+        order, each of its own length and rows (``chunks`` unused): pass the same list on
+        every rank. ``counts`` (``loss_reduction="mean"``) weighs each row in the mean, such
+        as by its valid tokens, which keeps the step exact when padding differs. Returns the
+        loss, the same on every rank; with ``return_outputs``, a ``StepResult`` that also
+        holds the last stage's outputs and each micro-batch's loss. With a ``scaler``
+        (float16) the loss is scaled on the last stage; then ``unscale_``, ``scaler.step``
+        and ``scaler.update`` as usual.
         """
         _need_loss_fn(self.loss_fn, "step", return_outputs)
+        given = _given(inputs, targets, microbatches)
         scale = self.precision.loss_scale(scaler)
         answer, self.last_step = self._runner.train(
             inputs, targets, self.schedule_for, scale=scale, counts=counts,
-            keep_outputs=return_outputs, training=self.training,
+            keep_outputs=return_outputs, training=self.training, given=given,
         )  # fmt: skip
         return answer
 
@@ -400,13 +412,14 @@ class Pipeline(nn.Module):
         *,
         return_outputs: bool = False,
         counts: Any = None,
+        microbatches: Sequence[tuple[Any, Any]] | None = None,
     ) -> Tensor | StepResult:
         """The mini-batch loss without gradients or kept activations, on every rank (with
-        ``return_outputs``, a ``StepResult``, as ``step``'s)."""
+        ``return_outputs``, a ``StepResult``; ``microbatches=``, as ``step``'s)."""
         _need_loss_fn(self.loss_fn, "evaluate", return_outputs)
         return self._runner.evaluate(
-            inputs, targets, self._forward_schedule, counts=counts,
-            keep_outputs=return_outputs, training=self.training,
+            inputs, targets, self._forward_schedule, counts=counts, keep_outputs=return_outputs,
+            training=self.training, given=_given(inputs, targets, microbatches),
         )  # fmt: skip
 
     @torch.no_grad()
@@ -415,10 +428,8 @@ class Pipeline(nn.Module):
         return self._runner.forward(inputs, self._forward_schedule, self.training)
 
     def timeline(self) -> list[Event]:
-        """What every rank ran in the last ``step``, ``evaluate`` or forward, merged.
-
-        Collective: every rank of the pipeline must call it; each gets the whole timeline.
-        """
+        """What every rank ran in the last ``step``, ``evaluate`` or forward, merged; collective
+        (every rank of the pipeline calls it, and each gets the whole timeline)."""
         if self.recorder is None:
             raise RuntimeError("timeline() needs a recording; pass trace=True to Pipeline")
         gathered: list[list[Event] | None] = [None] * self.n_ranks

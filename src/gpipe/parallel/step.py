@@ -21,6 +21,7 @@ from gpipe.comm.payload import tensors_of, with_tensors
 from gpipe.errors import StageError
 from gpipe.parallel.loss_weights import loss_weights, scatter_targets
 from gpipe.parallel.placement import BuiltStages, RankPlacement
+from gpipe.parallel.presplit import Presplit, first_parts, given_targets, later_sizes
 from gpipe.parallel.replicas import GradientBuckets, Replicas
 from gpipe.parallel.ties import TiedGradients
 from gpipe.runtime.batchnorm import commit_deferred_batch_norm
@@ -30,9 +31,6 @@ from gpipe.runtime.microbatch import (
     Batch,
     check_payload,
     gather_payload,
-    payload_to,
-    scatter_payload,
-    split_sizes,
 )
 from gpipe.runtime.timeline import Recorder
 from gpipe.schedules import Action, Kind, Schedule
@@ -176,21 +174,23 @@ class StepRunner:
         counts: Any,
         keep_outputs: bool,
         training: bool,
+        given: Presplit | None = None,
     ) -> tuple[Tensor | StepResult, StepTimes]:
-        """Forward and backward of one mini-batch, with the loss scaled by ``scale`` on the last
-        stage; returns the loss (a ``StepResult`` with ``keep_outputs``) and the times."""
+        """Forward and backward of one mini-batch (or of the micro-batches ``given``), with the
+        loss scaled by ``scale`` on the last stage; returns the loss (a ``StepResult`` with
+        ``keep_outputs``) and the times."""
         started = perf_counter()
-        rows, m, batch = self._start(inputs)
-        sizes = split_sizes(rows, self.chunks)
+        rows, sizes, parts = self._start(inputs, given)
+        m = len(sizes)
         schedule = schedule_for(m)
         data = self._data(
-            batch,
+            parts,
             build_graph=True,
             checkpoint=schedule.recomputed.__contains__,
             keep_outputs=keep_outputs,
         )
         if self.placement.is_last:
-            self._targets(targets, rows, sizes, data, scale, counts)
+            self._targets(targets, rows, sizes, data, scale, counts, given)
         busy = self._run(schedule, data, training)
         try:
             loss = self._loss(data, m) / scale
@@ -211,63 +211,67 @@ class StepRunner:
         counts: Any,
         keep_outputs: bool,
         training: bool,
+        given: Presplit | None = None,
     ) -> Tensor | StepResult:
         """The mini-batch loss of a forward alone (a ``StepResult`` with ``keep_outputs``)."""
-        rows, m, batch = self._start(inputs)
-        sizes = split_sizes(rows, self.chunks)
-        data = self._data(batch, build_graph=False, keep_outputs=keep_outputs)
+        rows, sizes, parts = self._start(inputs, given)
+        m = len(sizes)
+        data = self._data(parts, build_graph=False, keep_outputs=keep_outputs)
         if self.placement.is_last:
-            self._targets(targets, rows, sizes, data, counts=counts)
+            self._targets(targets, rows, sizes, data, counts=counts, given=given)
         self._run(schedule_for(m), data, training)
         loss = self._loss(data, m)
         return self._answer(loss, data, m, keep_outputs)
 
     def forward(self, inputs: Any, schedule_for: ScheduleFor, training: bool) -> Any:
         """The outputs of a forward alone, on the last stage; None elsewhere."""
-        _, m, batch = self._start(inputs)
-        data = self._data(batch, build_graph=False)
+        _, sizes, parts = self._start(inputs)
+        m = len(sizes)
+        data = self._data(parts, build_graph=False)
         self._run(schedule_for(m), data, training)
         if not self.placement.is_last:
             return None
         return gather_payload([data.outputs[i] for i in range(m)])
 
     # -- in and out ---------------------------------------------------------------------------
-    def _start(self, inputs: Any) -> tuple[int, int, Batch | None]:
-        """The mini-batch's row and micro-batch counts, and on the first rank its inputs.
+    def _start(self, inputs: Any, given: Presplit | None = None) -> tuple[int, list[int], Any]:
+        """The mini-batch's rows and its micro-batches' rows, and on the first rank the
+        micro-batches' inputs (``given``, or ``inputs`` split into ``chunks``).
 
         The first rank reads them off the inputs; every other rank off the envelope of its
         first message, which every step's program begins by receiving, so the pipeline needs
         no collective for them. Replicas share their row counts (one small all-reduce), and a
         traced step aligns the ranks' clocks with a broadcast."""
-        batch = None
+        parts = None
         if self.recorder is not None:
             if self.placement.n_ranks > 1:  # align the ranks' clocks: a step starts here
                 self._broadcast(torch.zeros(1, device=self.device), 0, "the start of the step")
             self.recorder.step()
         if self.placement.is_first:
             try:
-                rows = check_payload(inputs, "inputs")
+                rows = given.rows if given else check_payload(inputs, "inputs")
             except (TypeError, ValueError):
                 if self.replicas is not None:  # the other replicas stop too, not time out
                     with contextlib.suppress(ValueError, StageError):
                         self.replicas.rows(-1, self.stage_index)
                 raise
-            batch = payload_to(inputs, self.device)
-            m = len(split_sizes(rows, self.chunks))
+            sizes, parts = first_parts(inputs, given, rows, self.chunks, self.device)
+            m = len(sizes)
         else:
             first = self.placement.stages[0]
             m, rows = self.transport.peek(first - 1, first, Kind.RECV_F)
+            sizes = later_sizes(given, m, rows, self.chunks, self.stage_index)
         self.transport.info = (m, rows)
         self._rows_all = rows
         if self.replicas is not None:
             self._rows_all = sum(self.replicas.rows(rows, self.stage_index))
-        return rows, m, batch
+        return rows, sizes, parts
 
-    def _data(self, batch: Batch | None, **options: Any) -> StepData:
-        """The step's data, with the inputs split into micro-batches on the first rank."""
+    def _data(self, parts: list[Any] | None, **options: Any) -> StepData:
+        """The step's data, with the micro-batches' inputs on the first rank."""
         data = StepData(n_stages=self.placement.n_stages, **options)
-        if batch is not None:
-            data.inputs = scatter_payload(batch, self.chunks)
+        if parts is not None:
+            data.inputs = parts
         return data
 
     def _targets(
@@ -278,9 +282,13 @@ class StepRunner:
         data: StepData,
         scale: float = 1.0,
         counts: Any = None,
+        given: Presplit | None = None,
     ) -> None:
         """Give the last stage each micro-batch's target and the weight of its loss."""
-        data.targets = scatter_targets(targets, rows, len(sizes), self.chunks, self.device)
+        if given:
+            data.targets = given_targets(given, self.device)
+        else:
+            data.targets = scatter_targets(targets, rows, len(sizes), self.chunks, self.device)
         data.loss_weights = loss_weights(
             sizes,
             self.loss_reduction,

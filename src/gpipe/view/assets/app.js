@@ -173,8 +173,8 @@
           ? "a schedule read from a file has no formula"
           : peak === null
             ? `${name}: no formula for these sizes`
-          : `busiest rank, in micro-batches of its activations: ${PEAK_FORMS[name]}; ` +
-              `no recomputation`,
+            : `busiest rank, in micro-batches of its activations: ${PEAK_FORMS[name]}; ` +
+              "no recomputation",
       );
       const recomputed = r.spans.flat().filter((s) => s.action.kind === "R").length;
       summaryRow(dl, "recomputations", "recomputed", recomputed, String(recomputed));
