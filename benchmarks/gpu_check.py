@@ -158,6 +158,19 @@ def del_pipe():
 
 
 # ---------------------------------------------------------------- 2. memory, float32
+def keep(rows, row, measure):
+    """``row`` with ``measure()``'s figures (or its error), kept in ``rows`` and printed; the
+    pipeline it built is freed before the next one."""
+    try:
+        row.update(measure())
+    except Exception as exc:
+        row.update(error=f"{type(exc).__name__}: {exc}"[:400])
+        traceback.print_exc()
+    rows.append(row)
+    print(row, flush=True)
+    del_pipe()
+
+
 def big_mlp(width, n=8):
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(n)])
@@ -205,7 +218,8 @@ def memory():
             for schedule in ALL:
                 for balance in balances(schedule, 8):
                     row = dict(batch=rows, schedule=schedule, balance=balance, mode=mode)
-                    try:
+
+                    def measure(balance=balance, mode=mode, schedule=schedule, x=x, y=y):
                         pipe = Pipeline(
                             big_mlp(width),
                             balance,
@@ -224,16 +238,11 @@ def memory():
                         pipe.step(x, y)
                         sync()
                         peak = torch.cuda.max_memory_allocated(dev) if cuda else 0
-                        row.update(
+                        return dict(
                             base_mib=mib(base), peak_mib=mib(peak), delta_mib=mib(peak - base)
                         )
-                        del pipe
-                    except Exception as exc:
-                        row.update(error=f"{type(exc).__name__}: {exc}"[:400])
-                        traceback.print_exc()
-                    report["memory"].append(row)
-                    print(row, flush=True)
-                    del_pipe()
+
+                    keep(report["memory"], row, measure)
     print(
         "\n| batch | checkpoint | schedule | balance | weights+grads MiB | peak MiB "
         "| peak - base MiB |"
@@ -292,7 +301,8 @@ def timing():
         for balance in balances(schedule, 8):
             for chunks in chunk_list:
                 row = dict(schedule=schedule, balance=balance, chunks=chunks)
-                try:
+
+                def measure(balance=balance, chunks=chunks, schedule=schedule, x=x, y=y):
                     pipe = Pipeline(
                         big_mlp(width),
                         balance,
@@ -310,14 +320,9 @@ def timing():
                         sync()
                         if it >= 2:
                             ts.append(time.perf_counter() - t0)
-                    row.update(median_ms=1e3 * statistics.median(ts), min_ms=1e3 * min(ts))
-                    del pipe
-                except Exception as exc:
-                    row.update(error=f"{type(exc).__name__}: {exc}"[:400])
-                    traceback.print_exc()
-                report["timing"].append(row)
-                print(row, flush=True)
-                del_pipe()
+                    return dict(median_ms=1e3 * statistics.median(ts), min_ms=1e3 * min(ts))
+
+                keep(report["timing"], row, measure)
     print("\n| schedule | balance | " + " | ".join(f"chunks {c} (ms)" for c in chunk_list) + " |")
     print("|---|---|" + "---|" * len(chunk_list))
     keyed = {}
