@@ -14,8 +14,14 @@ from typing import Any
 import torch
 
 from gpipe.cli.common import UsageError, multi_stage_schedules, positive
+from gpipe.cli.train_flags import (
+    add_model_options,
+    add_pipeline_options,
+    add_run_folder_options,
+    add_training_options,
+)
 from gpipe.runtime.recompute import check_checkpoint
-from gpipe.schedules import SCHEDULES, traits
+from gpipe.schedules import traits
 
 __all__ = ["add_parser"]
 
@@ -44,103 +50,11 @@ def add_parser(sub: Any) -> None:
         "With no arguments: the 'small' preset on the Python standard library's sources, "
         "2 stages in 2 local processes, GPipe schedule, 8 micro-batches.",
     )
-    _add_model_options(p.add_argument_group("model"))
-    _add_pipeline_options(p.add_argument_group("pipeline"))
-    _add_training_options(p.add_argument_group("training"))
-    _add_run_folder_options(p.add_argument_group("run folder"))
+    add_model_options(p.add_argument_group("model"))
+    add_pipeline_options(p.add_argument_group("pipeline"))
+    add_training_options(p.add_argument_group("training"))
+    add_run_folder_options(p.add_argument_group("run folder"))
     p.set_defaults(command=_train)
-
-
-def _add_model_options(model: Any) -> None:
-    model.add_argument("--preset", default="small", help="named model size (default: small)")
-    model.add_argument("--n-layer", type=int, help="transformer blocks")
-    model.add_argument("--d-model", type=int, help="width of the residual stream")
-    model.add_argument("--n-head", type=int, help="attention heads")
-    model.add_argument("--d-ff", type=int, help="width of the MLP (default 4 x d-model)")
-    model.add_argument("--context", type=int, help="longest sequence the model takes")
-    model.add_argument("--dropout", type=float, help="dropout probability")
-    model.add_argument(
-        "--untied", action="store_true", help="separate embedding and LM-head weights"
-    )
-
-
-def _add_pipeline_options(pipe: Any) -> None:
-    pipe.add_argument("--stages", type=int, help="pipeline stages, one process each (default 2)")
-    pipe.add_argument(
-        "--data-parallel",
-        type=int,
-        metavar="D",
-        help="replicas of the pipeline, D x stages processes in all; --batch-size is split "
-        "among them (default 1)",
-    )
-    pipe.add_argument("--chunks", type=int, help="micro-batches per mini-batch (default 8)")
-    pipe.add_argument("--checkpoint", help="re-materialization: always, except_last, never")
-    pipe.add_argument(
-        "--schedule",
-        help=f"pipeline schedule: {', '.join(SCHEDULES)}, or auto: the schedule, its stages "
-        "per process, --chunks (unless given) and the cut that the simulator predicts fastest "
-        "from the layers' measured times within the device's memory (default gpipe)",
-    )
-    pipe.add_argument(
-        "--virtual-stages",
-        type=int,
-        help=f"stages per process with --schedule {multi_stage_schedules()}",
-    )
-    pipe.add_argument(
-        "--balance",
-        help="where to cut: time (measured, the default), params, even, or layers per stage "
-        "such as 3,3",
-    )
-    pipe.add_argument("--device", choices=["cpu", "cuda"], help="where stages run (default cpu)")
-    pipe.add_argument(
-        "--precision",
-        choices=["fp32", "bf16", "fp16"],
-        help="fp32 (the default), or mixed precision: bf16 under autocast, fp16 under "
-        "autocast with loss scaling",
-    )
-    pipe.add_argument(
-        "--threads",
-        type=int,
-        help="intra-op threads per process on CPU (default: this machine's cores shared "
-        "among its processes)",
-    )
-
-
-def _add_training_options(run: Any) -> None:
-    run.add_argument("--steps", type=int, help="optimizer steps in all (default 200)")
-    run.add_argument("--batch-size", type=int, help="sequences per mini-batch (default 32)")
-    run.add_argument("--seq-len", type=int, help="training sequence length (default: --context)")
-    run.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
-    run.add_argument("--warmup", type=int, help="warm-up steps (default 30)")
-    run.add_argument("--eval-every", type=int, help="steps between validation losses")
-    run.add_argument(
-        "--save-every", type=int, help="steps between checkpoints (default 50; 0: at the end)"
-    )
-    run.add_argument("--data", help="a text file or folder to train on instead")
-    run.add_argument("--seed", type=int, help="seed of weights, data order and dropout")
-    run.add_argument("--timeout", type=float, help="seconds a stage waits for a neighbour")
-    run.add_argument(
-        "--max-restarts",
-        type=int,
-        metavar="N",
-        help="restart the processes up to N times when one is lost, each time continuing "
-        "from the newest good checkpoint (default 0; under torchrun, torchrun's own flag)",
-    )
-    run.add_argument("--prompt", help="start of the sample printed at the end")
-    run.add_argument("--sample-tokens", type=int, help="bytes to generate at the end")
-
-
-def _add_run_folder_options(out: Any) -> None:
-    out.add_argument("--out", default="runs/gpt", help="run folder (default runs/gpt)")
-    out.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
-    out.add_argument("--force", action="store_true", help="replace what is in the run folder")
-    out.add_argument("--quiet", action="store_true", help="plain log lines, no progress bar")
-    out.add_argument(
-        "--trace",
-        action="store_true",
-        help="write the last step's timeline (trace.json, timeline.png, view.html) into the "
-        "run folder",
-    )
 
 
 def _model_config(args: argparse.Namespace, saved: dict[str, Any] | None, out: Path) -> Any:
