@@ -1,6 +1,11 @@
 """Payloads between stages: any pytree of tensors and plain values (gpipe.comm.payload)."""
 
+import collections
 import dataclasses
+import enum
+import os
+import pickle
+import sys
 from typing import NamedTuple
 
 import pytest
@@ -48,6 +53,98 @@ def test_trees_cross_the_wire_with_their_plain_leaves_and_requires_grad():
     assert isinstance(got["named"], Named) and got["named"].n == 7
     assert torch.equal(got["named"].t, torch.arange(4)) and not got["named"].t.requires_grad
     assert got["list"][:3] == [None, 1.5, True] and got["list"][3].shape == (0,)
+
+
+class Color(enum.Enum):
+    RED = "red"
+
+
+def test_every_kind_of_node_and_plain_leaf_a_payload_may_hold_crosses_the_wire():
+    x = torch.randn(2, 3)
+    message = {
+        "pair": Pair(a=x, b=Named(t=x, n=3)),
+        "ordered": collections.OrderedDict(b=x, a=[1, (2.5, x)]),
+        "default": collections.defaultdict(list, {"k": x}),
+        "deque": collections.deque([x], maxlen=2),
+        "size": torch.Size([2, 3]),
+        "max": x.max(0),  # a torch.return_types structseq
+        "plain": [torch.float64, torch.device("cpu"), torch.strided, torch.channels_last],
+        "more": [Color.RED, complex(1, 2), b"raw", bytearray(b"buf"), slice(1, None), {1, 2}],
+        "frozen": frozenset({"a"}),
+        "none": None,
+    }
+    got = _wire(message)
+    assert isinstance(got["pair"], Pair) and isinstance(got["pair"].b, Named)
+    assert torch.equal(got["pair"].b.t, x) and got["pair"].b.n == 3
+    assert type(got["ordered"]) is collections.OrderedDict and list(got["ordered"]) == ["b", "a"]
+    assert got["ordered"]["a"][1][0] == 2.5 and torch.equal(got["ordered"]["a"][1][1], x)
+    assert got["default"].default_factory is list and torch.equal(got["default"]["k"], x)
+    assert got["deque"].maxlen == 2 and got["size"] == torch.Size([2, 3])
+    assert type(got["max"]) is type(message["max"]) and torch.equal(got["max"].values, x.max(0)[0])
+    assert got["plain"] == message["plain"] and got["more"] == message["more"]
+    assert got["frozen"] == frozenset({"a"}) and got["none"] is None
+
+
+def test_a_model_output_crosses_the_wire():
+    outputs = pytest.importorskip("transformers.modeling_outputs")
+    logits = torch.randn(2, 5)
+    got = _wire({"out": outputs.CausalLMOutput(logits=logits), "n": 1})["out"]
+    assert type(got) is outputs.CausalLMOutput and got.loss is None
+    assert torch.equal(got.logits, logits) and list(got.keys()) == ["logits"]
+
+
+RAN = []
+
+
+def _record(what):
+    RAN.append(what)
+
+
+class Calls:
+    """A plain leaf whose unpickling would call ``call(*args)``."""
+
+    def __init__(self, call, *args):
+        self.call, self.args = call, args
+
+    def __reduce__(self):
+        return self.call, self.args
+
+
+class Opaque:
+    """A plain leaf of a class that is none of the kinds a payload may hold."""
+
+
+def _structure_holding(leaf) -> bytes:
+    _, structure = payload.describe_structure({"x": torch.ones(1), "leaf": 0})
+    return pickle.dumps(payload.Structure(structure.spec, (payload.SLOT, leaf)))
+
+
+def test_a_structure_naming_a_function_is_refused_by_name_and_nothing_runs():
+    for call, args, named in [
+        (eval, ("RAN.append('eval')",), "builtins.eval"),
+        (os.system, ("true",), f"{os.system.__module__}.system"),
+        (_record, ("ran",), f"{__name__}._record"),  # a function of an imported module
+        (getattr, (Color, "RED"), "builtins.getattr"),
+        (type, ("Made", (), {}), "builtins.type"),
+    ]:
+        data = _structure_holding(Calls(call, *args))
+        with pytest.raises(pickle.UnpicklingError, match=rf"names {named}, which is not a type"):
+            payload.decode((torch.ones(1),), payload.TREE, data)
+    assert RAN == []
+
+
+def test_a_structure_naming_a_class_of_no_allowed_kind_is_refused_by_name():
+    data = _structure_holding(Opaque())
+    with pytest.raises(pickle.UnpicklingError, match=rf"names {__name__}\.Opaque, which is not"):
+        payload.decode((torch.ones(1),), payload.TREE, data)
+
+
+def test_a_structure_naming_a_module_not_imported_here_is_refused_without_importing_it():
+    assert "this" not in sys.modules  # importing it prints the Zen of Python
+    data = b"\x80\x04cthis\ns\n."  # the global this.s
+    with pytest.raises(pickle.UnpicklingError, match="this process has not imported this"):
+        payload.decode((), payload.TREE, data)
+    assert "this" not in sys.modules
 
 
 def test_equal_plain_leaves_of_other_types_keep_their_type():

@@ -2,24 +2,41 @@
 
 A payload is a tensor, a tuple of tensors, or any pytree (``torch.utils._pytree``) of them:
 lists, dicts, NamedTuples, dataclasses, Hugging Face ``ModelOutput`` ..., whose leaves may
-also be plain values (ints, floats, bools, None, strings). Its *tensors* are its tensor
-leaves in flattening order; they are what autograd and the wire see. Its *structure* is
-everything else: the tree and the plain leaves, sent along as a small pickled description
-when it is not a bare tensor or a flat tuple.
+also be plain values (ints, floats, bools, None, strings, enums, dtypes, devices). Its
+*tensors* are its tensor leaves in flattening order; they are what autograd and the wire
+see. Its *structure* is everything else: the tree and the plain leaves, sent along as a
+small pickled description when it is not a bare tensor or a flat tuple.
 
 Dataclasses that no one registered with pytree are registered on first sight, so that their
 fields travel as leaves rather than the whole object as one opaque value.
+
+A received structure is unpickled by an allow-list, not trusted because a process of the
+same job wrote it: a pickle may name any importable function and call it, so the bytes of
+one message would otherwise be enough to run code in the process that reads it. The
+globals a structure may name are what a ``TreeSpec`` and a ``Structure`` pickle to; builtins
+that are plain values or containers (never ``eval``, ``getattr``, ``type`` ...);
+``torch.device`` and the dtypes, layouts and memory formats; and, from modules this process
+has already imported (none is imported on a message's word), classes that are registered
+pytree nodes, dataclasses, named tuples, ``ModelOutput`` subclasses or enums (an enum member
+is rebuilt by looking up its value). A message naming anything else — a function, another
+class, a module not imported here — is refused with a ``pickle.UnpicklingError`` that
+names it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
+import io
 import pickle
+import sys
+import types
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
@@ -144,11 +161,77 @@ def _pickled_exactly(structure: Structure, exact: tuple) -> bytes:
     return pickle.dumps(structure)
 
 
+# The globals a structure may name outright: what a Structure and a TreeSpec pickle to, and
+# builtins that are plain values or containers.
+_PLAIN_BUILTINS = (
+    "bool", "int", "float", "complex", "str", "bytes", "bytearray", "tuple", "list", "dict",
+    "set", "frozenset", "slice", "range", "Ellipsis", "NotImplemented",
+)  # fmt: skip
+_NAMED = frozenset(
+    {
+        (__name__, "Structure"),
+        (__name__, "SLOT"),
+        ("torch.utils._pytree", "TreeSpec"),
+        ("torch.utils._pytree", "LeafSpec"),
+        ("collections", "namedtuple"),  # the node type pytree gives every NamedTuple
+        ("torch", "device"),
+        ("torch.serialization", "_get_layout"),  # how torch.strided and its kind pickle
+        *(("builtins", name) for name in _PLAIN_BUILTINS),
+    }
+)
+_HELD = "tensors, plain builtins, pytree nodes, dataclasses, named tuples, enums, ModelOutput"
+
+
+def _imported(module: str, name: str) -> object:
+    """``module.name`` as this process already has it, or None: never importing a module,
+    nor calling a module's or a class's ``__getattr__``."""
+    found: object = sys.modules.get(module)
+    for part in name.split("."):
+        if not isinstance(found, (types.ModuleType, type)):
+            return None
+        found = vars(found).get(part)
+    return found
+
+
+def _may_hold(found: object) -> bool:
+    """Whether a payload's structure may hold ``found``, a class or value a message names."""
+    if isinstance(found, (torch.dtype, torch.layout, torch.memory_format, enum.Enum)):
+        return True
+    if not isinstance(found, type):
+        return False
+    return (
+        found in pytree.SUPPORTED_NODES
+        or dataclasses.is_dataclass(found)
+        or (issubclass(found, tuple) and hasattr(found, "_fields"))
+        or issubclass(found, enum.Enum)
+        or any(
+            c.__name__ == "ModelOutput" and c.__module__.startswith("transformers.")
+            for c in found.__mro__
+        )
+    )
+
+
+class _StructureUnpickler(pickle.Unpickler):
+    """Unpickles a structure, resolving only the globals a payload may hold."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _NAMED:
+            return super().find_class(module, name)
+        found = _imported(module, name)
+        if found is not None and _may_hold(found):
+            return found
+        unknown = "" if module in sys.modules else f" (this process has not imported {module})"
+        raise pickle.UnpicklingError(
+            f"a payload's structure names {module}.{name}, which is not a type a payload may "
+            f"hold ({_HELD}){unknown}"
+        )
+
+
 @functools.lru_cache(maxsize=256)
 def _unpickled(data: bytes) -> Structure:
     with warnings.catch_warnings():  # torch's own unpickling of a TreeSpec warns of itself
         warnings.filterwarnings("ignore", "`isinstance\\(treespec, LeafSpec\\)`", FutureWarning)
-        structure = pickle.loads(data)  # written by a process of the same job
+        structure = _StructureUnpickler(io.BytesIO(data)).load()
     if not isinstance(structure, Structure):
         raise TypeError(f"a message's structure is a {type(structure).__name__}")
     _register_nodes(structure.spec)
