@@ -89,7 +89,7 @@ def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> An
         given = getattr(args, f.name, None)
         if given is not None and given is not False:
             values[f.name] = given
-    for flag in ("quiet", "trace"):
+    for flag in ("quiet", "trace", "sync_save"):
         if getattr(args, flag):
             values[flag] = True
     if values.get("schedule") == "auto" and args.chunks is None and saved is None:
@@ -109,8 +109,10 @@ def _check(config: Any, opts: Any) -> None:
         "virtual_stages",
     ):
         positive(name.replace("_", "-"), getattr(opts, name))
-    if opts.warmup < 0 or opts.save_every < 0:
-        raise UsageError("--warmup and --save-every must not be negative")
+    if opts.warmup < 0 or opts.save_every < 0 or opts.keep_every < 0:
+        raise UsageError("--warmup, --save-every and --keep-every must not be negative")
+    if opts.keep < 1:
+        raise UsageError(f"--keep must be at least 1 (the newest good checkpoint), got {opts.keep}")
     layers = config.n_layer + 2
     if opts.batch_size < opts.data_parallel:
         raise UsageError(

@@ -80,6 +80,25 @@ def add_training_options(run: Any) -> None:
     run.add_argument(
         "--save-every", type=int, help="steps between checkpoints (default 50; 0: at the end)"
     )
+    run.add_argument(
+        "--keep",
+        type=int,
+        metavar="N",
+        help="checkpoints kept: the newest N that verify (default 3); older ones are removed "
+        "once a newer one has verified",
+    )
+    run.add_argument(
+        "--keep-every",
+        type=int,
+        metavar="S",
+        help="also keep for good the checkpoints at multiples of S steps (default 0: none)",
+    )
+    run.add_argument(
+        "--sync-save",
+        action="store_true",
+        help="write checkpoints while training waits (default: in the background, from a "
+        "copy of the state in CPU memory)",
+    )
     run.add_argument("--data", help="a text file or folder to train on instead")
     run.add_argument("--seed", type=int, help="seed of weights, data order and dropout")
     run.add_argument("--timeout", type=float, help="seconds a stage waits for a neighbour")

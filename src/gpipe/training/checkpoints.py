@@ -29,13 +29,16 @@ from gpipe.training.manifest import Digest, digest, listed_files, verify, write_
 __all__ = [
     "DESCRIPTION",
     "DamagedCheckpointWarning",
+    "begin_save",
     "checkpoint_dirs",
     "discard_partial",
+    "finish_save",
     "latest_checkpoint",
     "load_checkpoint",
     "load_model_weights",
     "read_description",
     "save_checkpoint",
+    "saved_state",
     "verify_checkpoint",
 ]
 
@@ -123,7 +126,9 @@ def _optimizer_options() -> Any:
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _state(model: nn.Module, optimizer: Optimizer, extra: dict[str, Any]) -> dict[str, Any]:
+def saved_state(model: nn.Module, optimizer: Optimizer, extra: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint holds of this rank: its model and optimizer keyed by layer, and
+    ``extra``. The tensors are the live ones: a save in the background copies them first."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     return {
@@ -158,22 +163,43 @@ def save_checkpoint(
     on_written: Callable[[], None] | None = None,
 ) -> Path:
     """Save this rank's part of step ``step`` under ``root``; collective over ``group``.
+    Training waits for it; ``CheckpointWriter`` saves in the background instead.
 
     ``extra`` holds more state (the sampler's, the step), the same on every rank.
     ``description`` is written as JSON beside the data for people and for ``gpipe sample``.
     ``on_written`` is called once this rank's files are written, before the checkpoint is
     complete (the fault tests lose a process there).
     """
-    final = root / f"{_PREFIX}{step:06d}"
-    partial = root / f".{final.name}.partial"
+    import torch.distributed.checkpoint as dcp
+
+    partial = begin_save(root, step, group)
+    dcp.save(saved_state(model, optimizer, extra), checkpoint_id=partial, process_group=group)
+    return finish_save(root, step, description, group, on_written=on_written)
+
+
+def begin_save(root: Path, step: int, group: dist.ProcessGroup | None) -> Path:
+    """An empty ``.step-N.partial`` folder for step ``step``'s files; collective."""
+    partial = root / f".{_PREFIX}{step:06d}.partial"
     if _is_writer(group):
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
     _barrier(group)
-    import torch.distributed.checkpoint as dcp
+    return partial
 
-    dcp.save(_state(model, optimizer, extra), checkpoint_id=partial, process_group=group)
+
+def finish_save(
+    root: Path,
+    step: int,
+    description: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    *,
+    on_written: Callable[[], None] | None = None,
+) -> Path:
+    """Complete step ``step``'s checkpoint once every rank's files are in its partial folder:
+    description, digests, manifest last, rename into place; collective. Returns its path."""
+    final = root / f"{_PREFIX}{step:06d}"
+    partial = root / f".{final.name}.partial"
     if on_written is not None:
         on_written()
     if _is_writer(group):
@@ -220,7 +246,7 @@ def load_checkpoint(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    state = _state(model, optimizer, extra)
+    state = saved_state(model, optimizer, extra)
     dcp.load(state, checkpoint_id=path, process_group=group)
     model.load_state_dict(state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"], options=_optimizer_options())

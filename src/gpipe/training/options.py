@@ -35,6 +35,9 @@ class TrainOptions:
     eval_every: int = 50
     eval_batches: int = 4
     save_every: int = 50  # 0: only at the end; docs/train.md says why 50
+    keep: int = 3  # the newest verified checkpoints kept; older ones are removed
+    keep_every: int = 0  # checkpoints at multiples of this many steps are kept for good
+    sync_save: bool = False  # training waits while a checkpoint is written
     seed: int = 0
     device: str = "cpu"
     precision: str = "fp32"  # fp32, bf16 (autocast) or fp16 (autocast and loss scaling)

@@ -17,7 +17,8 @@ from gpipe.pipeline import Pipeline
 from gpipe.planning.auto import AUTO
 from gpipe.runtime.microbatch import split_sizes
 from gpipe.training.balance_choice import choose_balance, held_choice, sample_tokens
-from gpipe.training.checkpoints import load_checkpoint, read_description, save_checkpoint
+from gpipe.training.checkpoint_writer import CheckpointWriter
+from gpipe.training.checkpoints import load_checkpoint, read_description
 from gpipe.training.corpus import check_same_text, load_corpus
 from gpipe.training.data import BatchSampler, ByteDataset
 from gpipe.training.elastic import join_process_group, kill_point, restart_count
@@ -27,6 +28,7 @@ from gpipe.training.optimization import build_optimizer, learning_rate
 from gpipe.training.options import PRECISIONS, RunSpec, TrainOptions
 from gpipe.training.reporting import Reporter, peak_memory
 from gpipe.training.resuming import resume_point, trim_metrics
+from gpipe.training.retention import Retention
 from gpipe.training.tied_copies import TiedCopies
 from gpipe.training.timelines import write_timeline
 
@@ -75,6 +77,12 @@ class StageRun:
             self.dataset.train, opts.batch_size, self.seq_len, seed=opts.seed
         )
         self.tokens_per_step = opts.batch_size * self.seq_len
+        self.writer = CheckpointWriter(
+            self.out / "checkpoints",
+            self.pipe,
+            retention=Retention(opts.keep, opts.keep_every),
+            background=not opts.sync_save,
+        )
         self.step = 0
         self.train_loss = self.val_loss = float("nan")
 
@@ -121,10 +129,14 @@ class StageRun:
         try:
             while self.step < self.opts.steps:
                 self._step_and_report(reporter)
+            elapsed = time.perf_counter() - started
+            self.save()
+            self.writer.close()
+        except BaseException:
+            self.writer.abandon()
+            raise
         finally:
             reporter.close()
-        elapsed = time.perf_counter() - started
-        self.save()
         return self._summary(elapsed, self.step - trained_from)
 
     def restore(self) -> None:
@@ -242,9 +254,8 @@ class StageRun:
 
     def save(self) -> None:
         """Once per stage: the replicas hold the same weights and optimizer state (their
-        gradients are summed, their BatchNorm statistics merged), so replica 0 writes."""
-        if self.replica != 0:
-            return
+        gradients are summed, their BatchNorm statistics merged), so replica 0 writes, in
+        the background unless ``--sync-save``."""
         description = {
             "model": asdict(self.config),
             "train": asdict(self.opts),
@@ -256,16 +267,8 @@ class StageRun:
         if self.scaler is not None:
             extra["scaler"] = self.scaler.state_dict()
         step = self.step
-        save_checkpoint(
-            self.out / "checkpoints",
-            step,
-            self.pipe,
-            self.optimizer,
-            extra,
-            description,
-            group=self.pipe.group,
-            on_written=lambda: kill_point("save", step),
-        )
+        self.writer.save(step, self.pipe, self.optimizer, extra, description,
+                         on_written=lambda: kill_point("save", step))  # fmt: skip
 
     def _summary(self, elapsed: float, steps_run: int) -> dict[str, Any] | None:
         """The sample text and every rank's peak memory, with the run's losses and speed."""

@@ -1,0 +1,184 @@
+"""Checkpoints written while training goes on, one at a time, with the disk they use bounded.
+
+``CheckpointWriter.save`` copies this rank's state out of the step (to CPU memory, whatever
+device it is on) and returns; ``torch.distributed.checkpoint.async_save`` writes the copy on
+a thread, and a second thread then completes the checkpoint as ``save_checkpoint`` does
+(description, digests, manifest last, rename into place), verifies it and removes what the
+retention policy no longer keeps. The threads' collectives run on a process group of their
+own, since the step's run on the pipeline's at the same time. A save that is still being
+written when the process ends on an error is abandoned, and says so: its ``.partial``
+folder is never loaded, and the next start clears it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from gpipe.training.checkpoints import (
+    begin_save,
+    finish_save,
+    save_checkpoint,
+    saved_state,
+    verify_checkpoint,
+)
+from gpipe.training.retention import Retention, prune_checkpoints
+
+if TYPE_CHECKING:
+    from gpipe.pipeline import Pipeline
+
+__all__ = ["CheckpointWriter"]
+
+
+def _writing_ranks(pipe: Pipeline | None) -> list[int]:
+    """The ranks that write a checkpoint: the pipeline's (its first replica's, with replicas,
+    which hold the same state as the others)."""
+    if pipe is None:
+        return list(range(dist.get_world_size()))
+    if pipe.replicas is not None:
+        from gpipe.parallel.replicas import layout
+
+        return layout(dist.get_world_size(), pipe.replicas.data_parallel)[0][0]
+    return dist.get_process_group_ranks(pipe.group or dist.group.WORLD)
+
+
+class CheckpointWriter:
+    """Saves a run's checkpoints under ``root``: the state of ``pipe``'s stages, written by
+    its first replica (the others hold the same and skip ``save``).
+
+    ``background``: training goes on while a checkpoint is written (the default); at most one
+    is in flight, so a save first waits for the one before it. ``retention`` says which
+    checkpoints stay once a newer one has verified. ``timeout`` bounds every wait of the
+    writing threads (default: the pipeline's). Collective over every process of the job, as
+    ``torch.distributed.new_group`` is: each makes the writer and calls ``save`` for the same
+    steps. Call ``close`` at the end of the run (it waits for the last save). Without
+    ``pipe``, the state is one process's (or the whole group's, if one is started)."""
+
+    def __init__(
+        self,
+        root: Path,
+        pipe: Pipeline | None = None,
+        *,
+        retention: Retention | None = None,
+        background: bool = True,
+        timeout: float | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.retention = retention or Retention()
+        self.background = background
+        self.group = pipe.group if pipe is not None else None
+        self.writes = pipe is None or pipe.replicas is None or pipe.replicas.replica == 0
+        self._writers = self.group
+        if background and dist.is_initialized():
+            seconds = timeout if timeout is not None else getattr(pipe, "timeout", 300.0)
+            # the threads' own group: the step's collectives run on the pipeline's meanwhile
+            self._writers = dist.new_group(
+                _writing_ranks(pipe), timeout=datetime.timedelta(seconds=seconds), backend="gloo"
+            )
+        self._thread: threading.Thread | None = None
+        self._in_flight: int | None = None
+        self._error: BaseException | None = None
+        self.removed: list[Path] = []  # what retention removed, oldest first
+        self.last: Path | None = None  # the newest checkpoint this writer completed
+
+    def _is_writer(self) -> bool:
+        return not dist.is_initialized() or dist.get_rank(self.group) == 0
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: Optimizer,
+        extra: dict[str, Any],
+        description: dict[str, Any],
+        *,
+        on_written: Callable[[], None] | None = None,
+    ) -> None:
+        """Save step ``step``: ``extra`` and ``description`` as ``save_checkpoint`` takes
+        them. In the background this returns once the state is copied out."""
+        if not self.writes:
+            return
+        self.wait()
+        if not self.background:
+            path = save_checkpoint(self.root, step, model, optimizer, extra, description,
+                                   self.group, on_written=on_written)  # fmt: skip
+            self._retire(path)
+            return
+        import torch.distributed.checkpoint as dcp
+
+        partial = begin_save(self.root, step, self._writers)
+        pending = dcp.async_save(
+            saved_state(model, optimizer, extra),
+            checkpoint_id=partial,
+            process_group=self._writers,
+            no_dist=not dist.is_initialized(),
+        )
+        written = getattr(pending, "upload_completion", pending)  # newer torch: a response
+
+        def complete() -> None:
+            try:
+                written.result()
+                path = finish_save(
+                    self.root, step, description, self._writers, on_written=on_written
+                )
+                self._retire(path)
+            except BaseException as exc:  # handed to the training thread by wait()
+                self._error = exc
+
+        self._in_flight, self._error = step, None
+        self._thread = threading.Thread(target=complete, name=f"gpipe-save-{step}", daemon=True)
+        self._thread.start()
+
+    def _retire(self, path: Path) -> None:
+        """After a checkpoint is in place: check it in full, then prune (on one rank)."""
+        self.last = path
+        if not self._is_writer():
+            return
+        problems = verify_checkpoint(path)
+        if problems:  # never prune on the strength of a checkpoint that does not verify
+            warnings.warn(f"checkpoint {path} does not verify ({'; '.join(problems)}); "
+                          "older checkpoints kept", stacklevel=2)  # fmt: skip
+            return
+        self.removed += prune_checkpoints(self.root, self.retention)
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the save still being written, if any."""
+        return self._in_flight if self._thread is not None and self._thread.is_alive() else None
+
+    def wait(self) -> Path | None:
+        """Finish the save in flight, if any; raises what went wrong in it. Returns the
+        newest completed checkpoint."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread, step = None, self._in_flight
+            self._in_flight = None
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise RuntimeError(f"saving the checkpoint of step {step} failed") from error
+        return self.last
+
+    def close(self) -> Path | None:
+        """The end of the run: wait for the last save."""
+        return self.wait()
+
+    def abandon(self) -> None:
+        """The run is ending on an error: leave a save in flight unfinished, and say so."""
+        step = self.in_flight
+        if step is not None:
+            print(
+                f"checkpoint of step {step} abandoned while being written: its .partial folder "
+                "is never loaded, and the next start removes it",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._thread = None
