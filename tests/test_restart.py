@@ -1,5 +1,6 @@
 """Runs that survive a lost process: a rank killed with SIGKILL (at a step, while it writes a
-checkpoint, or with its whole torchrun "node") is restarted by torchrun's agent and the run
+checkpoint, or with its whole torchrun "node"; the first two in one short soak run, as
+benchmarks/soak.py does at length) is restarted by torchrun's agent and the run
 continues by itself from its newest good checkpoint, with the losses of a run never
 interrupted; a damaged newest checkpoint is skipped for the one before, with a warning.
 
@@ -74,36 +75,32 @@ def _resumed_as_expected(text: str, lost_at: int) -> bool:
     return any(_resumed_from(saved) in text for saved in {newest, max(newest - 3, 0)})
 
 
-def test_a_rank_killed_at_a_random_step_is_restarted_and_the_run_ends_as_uninterrupted(
-    reference, tmp_path
-):
+def test_a_short_soak_a_rank_killed_at_a_random_step_and_one_in_a_save(reference, tmp_path):
+    """benchmarks/soak.py's short version: a random rank killed as a random step starts, and
+    rank 0 killed once its share of step 9's files is written, which leaves only
+    ``.step-000009.partial``. Restarted twice, the run goes on from finished checkpoints only
+    and ends with the losses and the checkpoints of the run never interrupted."""
+    from benchmarks.soak import judge, train
+
     rank, step = random.randint(0, 1), random.randint(1, 12)
+    kills = [
+        {"rank": rank, "step": step, "at": "step", "once": str(tmp_path / "kill-0")},
+        {"rank": 0, "step": 9, "at": "save", "once": str(tmp_path / "kill-1")},
+    ]
     out = tmp_path / "run"
-    done = _train(
-        "--stages", "2", "--max-restarts", "1", "--out", str(out),
-        kill={"rank": rank, "step": step, "at": "step"},
-    )  # fmt: skip
+    done = train(out, [*RUN, "--stages", "2", "--max-restarts", "2"], kills, interval=0.2,
+                 timeout=WAIT)  # fmt: skip
     case = f"rank {rank} killed at step {step}"
     assert done.returncode == 0, f"{case}: {done.stderr[-3000:]}"
     assert f"process {rank} terminated with signal SIGKILL" in done.stderr, case
-    assert "restarted " in done.stdout and _resumed_as_expected(done.stdout, step), case
+    assert "process 0 terminated with signal SIGKILL" in done.stderr, case
+    assert _resumed_as_expected(done.stdout, step), case
+    assert _resumed_from(6) in done.stdout, case  # step 9 never finished: from 6
+    verdict = judge(done, out, None, reference, kills, keep=3)
+    failed = [key for key, ok in verdict.items() if key.startswith("ok_") and not ok]
+    assert not failed, f"{case}: {failed}, {verdict}"
     assert _losses(out) == _losses(reference), case
-    assert _checkpoints(out) == _checkpoints(reference), case
-
-
-def test_a_rank_killed_while_writing_a_checkpoint_never_has_it_used(reference, tmp_path):
-    """Rank 0 writes the manifest and renames the folder: killed once its share of step 9's
-    files is written, it leaves only ``.step-000009.partial``, and the run goes on from 6."""
-    out = tmp_path / "run"
-    done = _train(
-        "--stages", "2", "--max-restarts", "1", "--out", str(out),
-        kill={"rank": 0, "step": 9, "at": "save"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "process 0 terminated with signal SIGKILL" in done.stderr
-    assert "restarted from " in done.stdout and _resumed_from(6) in done.stdout
-    assert _losses(out) == _losses(reference)
-    assert _checkpoints(out) == _checkpoints(reference)  # the partial folder is gone
+    assert _checkpoints(out) == _checkpoints(reference), case  # the partial folder is gone
     assert verify_checkpoint(out / "checkpoints" / "step-000009") == []
 
 

@@ -25,7 +25,8 @@ __all__ = ["KILL_VARIABLE", "job_id", "join_process_group", "kill_point", "resta
 # training that step, "save" once it has written its part of that step's checkpoint (before
 # the checkpoint is complete), "node" like "step" but taking its torchrun agent down first,
 # as a machine that is lost would. With ``once``, it does so only if that file does not exist
-# yet, and creates it first; without, only on the agent's first attempt.
+# yet, and creates it first; without, only on the agent's first attempt. A list of such plans
+# (benchmarks/soak.py's) is followed plan by plan.
 KILL_VARIABLE = "GPIPE_TEST_KILL"
 _KILL_POINTS = ("step", "save", "node")
 
@@ -96,24 +97,28 @@ def _attempt_store(agent: dist.Store, host: str, wait: datetime.timedelta) -> di
         time.sleep(0.1)
 
 
-def _planned_kill() -> dict[str, object] | None:
+def _planned_kills() -> list[dict[str, object]]:
     text = os.environ.get(KILL_VARIABLE)
     if not text:
-        return None
-    plan = json.loads(text)
-    if not isinstance(plan, dict) or plan.get("at", "step") not in _KILL_POINTS:
-        raise ValueError(
-            f"{KILL_VARIABLE} must be JSON with rank, step and at (one of {_KILL_POINTS}), "
-            f"got {text!r}"
-        )
-    return plan
+        return []
+    plans = json.loads(text)
+    plans = plans if isinstance(plans, list) else [plans]
+    for plan in plans:
+        if not isinstance(plan, dict) or plan.get("at", "step") not in _KILL_POINTS:
+            raise ValueError(
+                f"{KILL_VARIABLE} must be JSON with rank, step and at (one of {_KILL_POINTS}), "
+                f"or a list of such plans, got {text!r}"
+            )
+    return plans
 
 
 def kill_point(at: str, step: int) -> None:
     """Kill this process with SIGKILL here if ``GPIPE_TEST_KILL`` plans it (tests only)."""
-    plan = _planned_kill()
-    if plan is None:
-        return
+    for plan in _planned_kills():
+        _follow(plan, at, step)
+
+
+def _follow(plan: dict[str, object], at: str, step: int) -> None:
     wanted = plan.get("at", "step")
     if ("save" if wanted == "save" else "step") != at:
         return
