@@ -194,6 +194,12 @@ def test_bad_options_end_in_one_line_and_exit_code_2(capsys, tmp_path):
         capsys, "train", "--data-parallel", "4", "--batch-size", "3", "--chunks", "1", *out
     )
     assert "invalid choice: 'fp8'" in _usage_error(capsys, "train", "--precision", "fp8", *out)
+    assert "--keep must be at least 1 (the newest good checkpoint), got 0" in _usage_error(
+        capsys, "train", "--keep", "0", *out
+    )
+    assert "--keep-every must not be negative" in _usage_error(
+        capsys, "train", "--keep-every", "-1", *out
+    )
     assert not (tmp_path / "new").exists()
 
 
