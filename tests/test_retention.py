@@ -117,3 +117,20 @@ def test_an_abandoned_save_says_so(tmp_path, capsys):
 def test_retention_refuses_bad_values(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         Retention(**bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_background_save_of_a_model_on_a_gpu_copies_it_out_first(tmp_path):
+    model = torch.nn.Linear(3, 2).cuda()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3, device="cuda")).sum().backward()
+    optimizer.step()
+    saved = model.weight.detach().cpu()
+    writer = CheckpointWriter(tmp_path)
+    writer.save(1, model, optimizer, {"step": 1}, {})
+    with torch.no_grad():
+        model.weight.zero_()  # at once, on the GPU: the save holds its own copy
+    assert writer.close() == tmp_path / "step-000001"
+    loaded = torch.nn.Linear(3, 2)
+    load_model_weights(tmp_path / "step-000001", loaded)
+    assert torch.equal(loaded.weight, saved)
