@@ -96,6 +96,38 @@ def test_commit_folds_in_however_many_microbatches_were_counted():
     assert dbn.num_batches_tracked == 1
 
 
+def test_statistics_sent_between_replicas_merge_exactly():
+    """The replicas' statistics, packed into one float64 tensor each as the merge gathers
+    them and unpacked in replica order: replicas of 3 and 5 rows give BatchNorm's running
+    statistics on all 8, a norm that counted nothing stays empty, and the round trip gives
+    back each statistic bit for bit in its own dtype."""
+    from gpipe.parallel.replicas import _packed, _unpacked
+
+    bn = nn.BatchNorm1d(3).double()
+    x = _tilted((8, 3, 2))
+    bn(x)
+    replicas = []
+    for part in x.split([3, 5]):
+        counted, idle = (DeferredBatchNorm(3, auto_commit=False).double() for _ in range(2))
+        for micro in part.split(2):
+            counted(micro)
+        replicas.append([counted, idle])
+    mine = replicas[0]
+    for norm, back in zip(mine, _unpacked(_packed(mine), mine), strict=True):
+        sent = norm.pending_statistics()
+        assert back[:2] == sent[:2]
+        for a, b in zip(back[2:], sent[2:], strict=True):
+            assert (a is None and b is None) or (torch.equal(a, b) and a.dtype == b.dtype)
+    gathered = [_unpacked(_packed(norms), mine) for norms in replicas]
+    for i, norm in enumerate(mine):
+        norm.replace_statistics([statistics[i] for statistics in gathered])
+        norm.commit()
+    counted, idle = mine
+    _assert_relative(counted.running_mean, bn.running_mean)
+    _assert_relative(counted.running_var, bn.running_var)
+    assert counted.num_batches_tracked == 1 and idle.num_batches_tracked == 0
+
+
 def test_conversion_keeps_tensors_keys_and_untracked_layers():
     model = nn.Sequential(
         nn.Conv2d(3, 3, 1),

@@ -10,6 +10,7 @@ from torch import nn
 from gpipe import LaunchError, Pipeline, launch
 
 from . import distributed_cases as cases
+from . import lost_peer_cases
 from .models import BALANCES
 from .workers import run
 
@@ -63,6 +64,31 @@ def test_a_failed_peer_ends_in_an_error_naming_the_stage(tmp_path, how, expected
     assert "gradients of micro-batch 1 from stage 1" in message
     assert float(seconds) < 5
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize(
+    ("case", "nprocs", "stages", "waited"),
+    [
+        ("batch_norm", 2, {0: 0}, "the other replicas' BatchNorm statistics"),
+        ("found_inf_stages", 3, {0: 0, 1: 1}, "loss scaling's found-inf flag from ranks [0, 1, 2]"),
+        ("found_inf_replicas", 2, {0: 0}, "loss scaling's found-inf flag from ranks [0, 1]"),
+        ("clipping", 3, {0: 0, 1: 1}, "the gradient norms of ranks [0, 1, 2]"),
+        ("sends", 2, {1: 1}, "stage 0 to take micro-batch"),
+    ],
+)
+def test_a_silent_peer_ends_every_wait_of_a_step_within_the_timeout(
+    tmp_path, case, nprocs, stages, waited
+):
+    """Each collective of a step, and a send's completion: the ranks that wait (rank: its
+    stage) raise StageError naming their stage and what they waited for, in time."""
+    results = run(getattr(lost_peer_cases, case), nprocs, (str(tmp_path),))
+    waiting = {rank: r for rank, r in results.items() if r}
+    assert waiting.keys() == stages.keys()
+    timeout = lost_peer_cases.TIMEOUT
+    for rank, r in waiting.items():
+        expected = f"StageError: stage {stages[rank]}: timed out after {timeout:g} s waiting for "
+        assert r["error"].startswith(expected + waited), (rank, r["error"])
+        assert r["seconds"] <= timeout + 2, (rank, r["seconds"])
 
 
 def test_bad_inputs_are_named():

@@ -230,7 +230,8 @@ class Pipeline(nn.Module):
             pipes rather than gloo's loopback TCP (far cheaper per message); gloo still
             carries collectives and the traffic with other machines.
         seed: seed of the initialization of layers built on the meta device.
-        timeout: seconds a stage waits for a neighbour before it raises StageError.
+        timeout: seconds any wait of a step (for a stage or a replica) may take before it
+            raises StageError naming the stage.
         trace: record what this rank runs when, for ``timeline`` (``self.recorder``).
         memory_budget: bytes a process may hold, for ``schedule="auto"`` (default: the GPU's
             memory, or on CPU this machine's shared by its local processes).
@@ -312,7 +313,8 @@ class Pipeline(nn.Module):
             self.add_module(name, layer)
         agreeing = [self.group] if self.n_ranks > 1 else []
         agreeing += [self.replicas.group] if self.replicas is not None else []
-        self.precision = Precision(self.autocast, self.device, agreeing)
+        self.precision = Precision(self.autocast, self.device, agreeing,
+                                   self.timeout, self.stage_index)  # fmt: skip
         self.recorder = Recorder(self.rank) if trace else None
         self._runner = StepRunner(
             self.placement, built, dict(self.named_parameters(remove_duplicate=False)),
@@ -460,15 +462,13 @@ class Pipeline(nn.Module):
         this rank is scaled. With a ``scaler`` (and its ``optimizer``) the gradients are
         unscaled first, if ``unscale_`` has not done it yet this step.
         """
-        if scaler is not None:
-            if optimizer is None:
-                raise ValueError("clip_grad_norm_(scaler=...) needs optimizer= to unscale")
-            self.precision.unscale_once(scaler, optimizer)
+        self.precision.unscale_once(scaler, optimizer)
         named = dict(self.named_parameters())
         counted = counted_once(self.ties, named) if parameters is None else parameters
         return clip_grad_norm_(
-            counted, self.parameters(), max_norm, norm_type, device=self.device, group=self.group
-        )
+            counted, self.parameters(), max_norm, norm_type, device=self.device,
+            group=self.group, timeout=self.timeout, stage=self.stage_index,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

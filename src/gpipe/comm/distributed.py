@@ -16,7 +16,6 @@ received in each peer's send order, which the schedule tells.
 
 from __future__ import annotations
 
-import datetime
 from collections import deque
 from collections.abc import Sequence
 
@@ -28,21 +27,25 @@ from gpipe.comm import envelope, payload
 from gpipe.comm.channel_map import ChannelMap
 from gpipe.comm.message import Message, what
 from gpipe.comm.named_pipes import PipeClosed, Pipes, PipeTimeout
+from gpipe.comm.process_group import bounded_wait
 from gpipe.comm.receive_ahead import FIRST_CAPACITY, ReceiveAhead
 from gpipe.errors import PipelineError, StageError
 from gpipe.schedules import Action, Kind
 
 __all__ = ["DistributedTransport"]
 
+_Sent = tuple[int, int, int]  # a send's source stage, destination stage and micro-batch
+
 
 class DistributedTransport:
     """Point-to-point transfers over torch.distributed (gloo on CPU, NCCL on CUDA).
 
     ``stage_to_rank`` maps stages to ranks of ``group``. ``begin(program)`` posts the
-    receives of a step; ``recv`` waits at most ``timeout`` seconds for a message, so a peer
-    that died or stalls ends in a StageError naming the stage. ``info`` (the step's
-    micro-batch and row counts) travels in every envelope; ``peek`` reads it from the first
-    message of a channel before the step's program is known.
+    receives of a step; ``recv`` waits at most ``timeout`` seconds for a message, and
+    ``flush`` as long for each send to be taken, so a peer that died or stalls ends in a
+    StageError naming the stage. ``info`` (the step's micro-batch and row counts) travels in
+    every envelope; ``peek`` reads it from the first message of a channel before the step's
+    program is known.
     """
 
     info: tuple[int, ...] = (0,) * envelope.N_INFO
@@ -61,13 +64,15 @@ class DistributedTransport:
         # whose tensors the host cannot read without synchronizing
         self._separate = device.type != "cpu" or envelope_group is not None
         self._envelope_group = envelope_group if envelope_group is not None else group
-        self._timeout = datetime.timedelta(seconds=timeout)
         self._timeout_s = timeout
         self._me = dist.get_rank()
         self._receiving = ReceiveAhead(
             self._map, device, group, self._envelope_group, self._separate, timeout
         )
-        self._pending: deque[tuple[dist.Work, object]] = deque()  # sends not yet complete
+        # sends not yet complete, each with its source stage, destination and micro-batch
+        self._pending: deque[tuple[dist.Work, object, _Sent]] = deque()
+        mine = [s for s in range(len(stage_to_rank)) if self._map.rank(s) == self._me]
+        self._first = min(mine, default=0)  # the stage a failed flush through pipes names
         self._capacity: dict[tuple[int, int], int] = {}  # a receiver's buffers, as sent to
         self._local: dict[int, deque[Message]] = {}  # between two stages of this process
         self._pipes: Pipes | None = None  # to processes of this machine (``use_pipes``)
@@ -102,6 +107,7 @@ class DistributedTransport:
             self._local.setdefault(tag, deque()).append(message)
             return
         self._reap()
+        sent = (src, dst, microbatch)
         items, form, structure = payload.encode(message)
         if self._pipes is not None and (peer, tag) in self._pipes.outgoing:
             described = envelope.describe(items, form, self.info, structure, aligned=False)
@@ -113,34 +119,45 @@ class DistributedTransport:
             return
         described = envelope.describe(items, form, self.info, structure)
         if self._separate:
-            self._send_separate(items, described, peer, tag)
+            self._send_separate(items, described, peer, tag, sent)
             return
         capacity = self._capacity.get((peer, tag), FIRST_CAPACITY)
         if described.total > capacity:
-            self._isend(envelope.grow_envelope(described.total), peer, tag, self._group)
+            self._isend(envelope.grow_envelope(described.total), peer, tag, self._group, sent)
             self._capacity[(peer, tag)] = described.total
-        self._isend(envelope.pack(items, described), peer, tag, self._group)
+        self._isend(envelope.pack(items, described), peer, tag, self._group, sent)
 
     def _send_separate(
-        self, items: tuple[Tensor | None, ...], described: envelope.Described, peer: int, tag: int
+        self,
+        items: tuple[Tensor | None, ...],
+        described: envelope.Described,
+        peer: int,
+        tag: int,
+        sent: _Sent,
     ) -> None:
         header = envelope.header(described)
         capacity = self._capacity.get((peer, tag), FIRST_CAPACITY)
+        group = self._envelope_group
         if header.numel() > capacity:
-            self._isend(envelope.grow_envelope(header.numel()), peer, tag, self._envelope_group)
+            self._isend(envelope.grow_envelope(header.numel()), peer, tag, group, sent)
             self._capacity[(peer, tag)] = header.numel()
-        self._isend(header, peer, tag, self._envelope_group)
+        self._isend(header, peer, tag, group, sent)
         for t in items:
             if t is not None:
-                self._isend(t.detach().contiguous(), peer, None, self._group)
+                self._isend(t.detach().contiguous(), peer, None, self._group, sent)
 
     def _isend(
-        self, tensor: Tensor, peer: int, tag: int | None, group: dist.ProcessGroup | None
+        self,
+        tensor: Tensor,
+        peer: int,
+        tag: int | None,
+        group: dist.ProcessGroup | None,
+        sent: _Sent,
     ) -> None:
         """``tag=None``: the tensors of separate envelopes, in one stream per pair of
         processes, as NCCL delivers them whatever the tag."""
         work = dist.isend(tensor, dst=peer, group=group, tag=0 if tag is None else tag)
-        self._pending.append((work, tensor))
+        self._pending.append((work, tensor, sent))
 
     def _reap(self) -> None:
         """Forget the sends that completed, so their buffers are freed now."""
@@ -160,12 +177,13 @@ class DistributedTransport:
         return self._receiving.recv(src, dst, microbatch, kind)
 
     def flush(self) -> None:
-        """Wait until every send has completed (the step's end)."""
+        """Wait until every send has completed (the step's end), each at most the timeout."""
         pending, self._pending = self._pending, deque()
-        for work, _ in pending:
-            work.wait(self._timeout)
+        for work, _, (src, dst, microbatch) in pending:
+            taken = f"waiting for stage {dst} to take micro-batch {microbatch} from stage {src}"
+            bounded_wait(work, self._timeout_s, src, taken, f"stage {dst}")
         if self._pipes is not None:
             try:
                 self._pipes.flush(self._timeout_s)
             except (PipeTimeout, PipeClosed) as exc:
-                raise PipelineError(f"sends did not complete: {exc}") from exc
+                raise StageError(self._first, f"sends did not complete: {exc}") from exc

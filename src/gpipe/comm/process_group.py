@@ -1,4 +1,5 @@
-"""Joining and leaving the default process group, and the device and backend a rank uses."""
+"""Joining and leaving the default process group, the device and backend a rank uses, and
+waiting for a collective at most the pipeline's timeout."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import os
 import torch
 import torch.distributed as dist
 
+from gpipe.errors import StageError
+
 __all__ = [
     "backend_for",
+    "bounded_wait",
     "default_device",
     "finish_process_group",
     "init_process_group",
@@ -88,3 +92,20 @@ def finish_process_group() -> None:
     with contextlib.suppress(RuntimeError):
         dist.barrier()
     dist.destroy_process_group()
+
+
+def bounded_wait(
+    work: dist.Work, timeout: float, stage: int, what: str, who: str = "a peer"
+) -> None:
+    """Wait at most ``timeout`` seconds for ``work`` (a collective or transfer started with
+    ``async_op=True``). A peer that stops answering, or is gone, ends the wait in a
+    StageError naming ``stage`` and ``what`` it waited for ("waiting for the loss ...");
+    ``who`` names the peer when it is lost ("a replica")."""
+    try:
+        work.wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:  # gloo: "Operation timed out!", or the peer's connection closed
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        timed_out = "timed out" in first.lower() or "timeout" in first.lower()
+        reason = f"timed out after {timeout:g} s" if timed_out else f"lost {who} ({first})"
+        raise StageError(stage, f"{reason} {what}") from exc

@@ -12,16 +12,19 @@ once per micro-batch — crosses machines.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpipe.errors import StageError
+from gpipe.comm.process_group import bounded_wait
+
+if TYPE_CHECKING:
+    from gpipe.runtime.batchnorm import DeferredBatchNorm
 
 __all__ = ["GradientBuckets", "Replicas", "bucket_size", "layout", "shard"]
 
@@ -114,10 +117,7 @@ class Replicas:
         return cls(data_parallel, me % data_parallel, mine_r, mine_p, timeout)
 
     def _wait(self, work: dist.Work, what: str, stage: int) -> None:
-        try:
-            work.wait(datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as exc:
-            raise StageError(stage, f"lost a replica while summing {what} ({exc})") from exc
+        bounded_wait(work, self.timeout, stage, f"summing {what} over the replicas", "a replica")
 
     def rows(self, rows: int, stage: int) -> list[int]:
         """Every replica's row count this step, in replica order; a replica whose inputs
@@ -152,11 +152,47 @@ class Replicas:
         norms = [m for m in layers if isinstance(m, DeferredBatchNorm)]
         if not norms:
             return
-        local = [norm.pending_statistics() for norm in norms]
-        gathered: list[list | None] = [None] * self.data_parallel
-        dist.all_gather_object(gathered, local, group=self.group)
+        local = _packed(norms)
+        gathered = [torch.empty_like(local) for _ in range(self.data_parallel)]
+        work = dist.all_gather(gathered, local, group=self.group, async_op=True)
+        what = "waiting for the other replicas' BatchNorm statistics"
+        bounded_wait(work, self.timeout, stage, what, "a replica")
+        per_replica = [_unpacked(flat, norms) for flat in gathered]
         for i, norm in enumerate(norms):
-            norm.replace_statistics([per_replica[i] for per_replica in gathered])  # type: ignore[index]
+            norm.replace_statistics([statistics[i] for statistics in per_replica])
+
+
+_Statistics = tuple[int, int, Tensor | None, Tensor | None]  # as pending_statistics gives them
+
+
+def _packed(norms: Sequence[DeferredBatchNorm]) -> Tensor:
+    """Every norm's pending statistics in one float64 CPU tensor, the same length on every
+    replica: per norm its micro-batches, values per channel, mean and sum of squared
+    deviations (zeros where it counted nothing). float64 holds the counts (below 2**53) and
+    the float32 or float64 statistics exactly."""
+    parts = []
+    for norm in norms:
+        calls, count, mean, m2 = norm.pending_statistics()
+        if mean is None or m2 is None:
+            calls = count = 0
+            mean = m2 = torch.zeros(norm.num_features)
+        header = torch.tensor([calls, count], dtype=torch.float64)
+        parts += [header, mean.reshape(-1).double(), m2.reshape(-1).double()]
+    return torch.cat(parts)
+
+
+def _unpacked(flat: Tensor, norms: Sequence[DeferredBatchNorm]) -> list[_Statistics]:
+    """``_packed``'s statistics back, per norm (float64: ``replace_statistics`` gives them
+    the dtype the norm counts in)."""
+    out: list[_Statistics] = []
+    offset = 0
+    for norm in norms:
+        c = norm.num_features
+        calls, count = (int(v) for v in flat[offset : offset + 2].tolist())
+        mean, m2 = flat[offset + 2 : offset + 2 + 2 * c].view(2, c)
+        out.append((calls, count, mean, m2) if calls else (0, 0, None, None))
+        offset += 2 + 2 * c
+    return out
 
 
 @dataclass

@@ -378,16 +378,16 @@ class StepRunner:
                 on_action=timed,
                 before_action=before if arm else None,
             )
+            if self.deferred_batch_norm and training:
+                modules = [stage.module for stage in self.stages.values()]
+                if self.replicas is not None:
+                    self.replicas.merge_batch_norm(modules, self.stage_index)
+                for module in modules:
+                    commit_deferred_batch_norm(module)
         except BaseException:
             forget_failed_step(self.stages.values())
             self._forget_sums()
             raise
-        if self.deferred_batch_norm and training:
-            modules = [stage.module for stage in self.stages.values()]
-            if self.replicas is not None:
-                self.replicas.merge_batch_norm(modules, self.stage_index)
-            for module in modules:
-                commit_deferred_batch_norm(module)
         return busy
 
     def _sum_gradients(self) -> tuple[float, int, int]:

@@ -72,7 +72,7 @@ class DeferredBatchNorm(_BatchNorm):
         x = x.to(torch.promote_types(x.dtype, torch.float32))
         dims = [d for d in range(x.dim()) if d != 1]
         var, mean = torch.var_mean(x, dim=dims, correction=0)
-        wide = torch.float32 if x.device.type == "mps" else torch.float64
+        wide = _wide(x.device)
         n = x.numel() // x.size(1)
         self._merge(n, mean.to(wide), var.to(wide) * n)
         self._calls += 1
@@ -97,12 +97,14 @@ class DeferredBatchNorm(_BatchNorm):
     def replace_statistics(
         self, parts: list[tuple[int, int, Tensor | None, Tensor | None]]
     ) -> None:
-        """Replace what was counted by the merge, in order, of several replicas' counts."""
-        device = self.running_mean.device if self.running_mean is not None else None
+        """Replace what was counted by the merge, in order, of several replicas' counts
+        (each statistic taken to this norm's device, in the dtype it counts in)."""
+        assert self.running_mean is not None
+        device = self.running_mean.device
         self.discard()
         for calls, n, mean, m2 in parts:
             if calls and mean is not None and m2 is not None:
-                self._merge(n, mean.to(device), m2.to(device))
+                self._merge(n, mean.to(device, _wide(device)), m2.to(device, _wide(device)))
                 self._calls += calls
 
     def commit(self) -> None:
@@ -142,6 +144,11 @@ class DeferredBatchNorm(_BatchNorm):
         DeferredBatchNorm sharing its parameters and buffers (same state-dict keys); those
         with ``track_running_stats=False`` are left as they are."""
         return convert_deferred_batch_norm(module, chunks)
+
+
+def _wide(device: torch.device) -> torch.dtype:
+    """The dtype statistics are counted in: float64, or float32 on MPS, which has none."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def _convert_one(bn: _BatchNorm, chunks: int, auto_commit: bool) -> DeferredBatchNorm:

@@ -4,7 +4,7 @@ only some of the gradients, so that either every rank steps or every rank skips.
 The loss is scaled on the last stage (``Pipeline.step(..., scaler=scaler)``); each rank
 unscales its own gradients; the found-inf flag is then reduced over the whole pipeline (and
 its replicas), so every rank's ``scaler.step`` makes the same decision and every
-``scaler.update`` the same scale.
+``scaler.update`` the same scale. Each reduction waits at most the pipeline's timeout.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
+
+from gpipe.comm.process_group import bounded_wait
 
 __all__ = ["unscale_"]
 
@@ -34,10 +36,15 @@ def unscale_(
     scaler: torch.amp.GradScaler,
     optimizer: Optimizer,
     groups: Iterable[dist.ProcessGroup | None],
+    *,
+    timeout: float,
+    stage: int,
 ) -> bool:
     """``scaler.unscale_(optimizer)``, then its found-inf flags made the maximum over every
     rank of ``groups`` (a pipeline, its replicas); returns whether the step will be skipped.
-    Call it once per step, after the backward and before clipping or ``scaler.step``."""
+    Each reduction waits at most ``timeout`` seconds for the other ranks, then raises
+    StageError naming ``stage``, this rank's. Call it once per step, after the backward and
+    before clipping or ``scaler.step``."""
     if not scaler.is_enabled():
         return False
     scaler.unscale_(optimizer)
@@ -46,7 +53,10 @@ def unscale_(
     for flag in flags:
         found = torch.maximum(found, flag.detach().float().cpu().reshape(1))
     for group in groups:
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        work = dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        what = f"waiting for loss scaling's found-inf flag from ranks {ranks}"
+        bounded_wait(work, timeout, stage, what)
     for flag in flags:
         flag.fill_(found.item())
     if not flags:  # nothing of this optimizer's had a gradient here: the others decide

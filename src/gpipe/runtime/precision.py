@@ -26,17 +26,22 @@ def already_unscaled(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool
 class Precision:
     """``autocast``: the dtype (None: full precision) this rank's stages run under, checked
     by the caller. ``groups``: the process groups whose ranks must agree on a loss scaler's
-    found-inf flag (the pipeline's, its replicas'), so that all step or all skip."""
+    found-inf flag (the pipeline's, its replicas'), so that all step or all skip; each
+    agreement waits at most ``timeout`` seconds, then raises StageError naming ``stage``."""
 
     def __init__(
         self,
         autocast: torch.dtype | None,
         device: torch.device,
         groups: Sequence[dist.ProcessGroup | None],
+        timeout: float,
+        stage: int,
     ) -> None:
         self.autocast = autocast
         self.device = device
         self.groups = list(groups)
+        self.timeout = timeout
+        self.stage = stage
 
     def loss_scale(self, scaler: torch.amp.GradScaler | None) -> float:
         """The factor the last stage multiplies the loss by this step (1 without a scaler).
@@ -57,9 +62,16 @@ class Precision:
     def unscale_(self, scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
         """``scaler.unscale_(optimizer)`` with the found-inf flag reduced over ``groups``;
         returns whether ``scaler.step`` will skip."""
-        return unscale_(scaler, optimizer, self.groups)
+        return unscale_(scaler, optimizer, self.groups, timeout=self.timeout, stage=self.stage)
 
-    def unscale_once(self, scaler: torch.amp.GradScaler, optimizer: Optimizer) -> None:
-        """Unscale unless this step's gradients are unscaled already (before clipping)."""
+    def unscale_once(
+        self, scaler: torch.amp.GradScaler | None, optimizer: Optimizer | None
+    ) -> None:
+        """Before clipping: unscale with a ``scaler`` (which needs its ``optimizer``), unless
+        this step's gradients are unscaled already."""
+        if scaler is None:
+            return
+        if optimizer is None:
+            raise ValueError("clip_grad_norm_(scaler=...) needs optimizer= to unscale")
         if not already_unscaled(scaler, optimizer):
             self.unscale_(scaler, optimizer)
