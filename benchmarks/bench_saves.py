@@ -1,15 +1,16 @@
 """What a checkpoint costs the training steps: written in the background against written
-while training waits, on the GPT in 2 stages (2 processes, one thread each).
+while training waits, on a GPT in 2 stages (2 processes, one thread each).
 
-Each cycle runs three windows of the same steps in rotating order: one with no save, one
-that saves in the foreground (``CheckpointWriter(background=False)``) before its first step,
-one that saves in the background; a window ends when its save is complete, so a background
-save still being written after the last step is counted too. A save's cost is its window's
-time less the window without one; the ratio (background / foreground) is taken per cycle and
-the figures are medians over the cycles. Retention keeps one checkpoint, so the disk holds
-at most two while they are written.
+Each cycle runs both kinds of save in rotating order, each in a stretch of steps of its own:
+three steps, whose median is the stretch's step time without a save, then the save, then
+steps until the save is complete, and one more. A save's cost is what it added to the
+stretch: the time the ``save`` call held training (the whole write in the foreground, the
+copy of the state in the background), plus what each step after it took beyond the
+stretch's step time, plus any wait for the save at the end. Step times are the slower
+rank's. The ratio (background / foreground) is taken per cycle; the figures are medians
+over the cycles. Retention keeps one checkpoint of each kind.
 
-    python -m benchmarks.bench_saves             # the GPT of the benchmarks, 7 cycles
+    python -m benchmarks.bench_saves             # 11 cycles, about 2 minutes on 2 cores
     python -m benchmarks.bench_saves --quick     # small sizes, to check that it runs
 """
 
@@ -30,26 +31,53 @@ from gpipe.training.retention import Retention
 
 from .common import gpt_model, machine, quick_or_repeats, write_results
 
-MODES = ("none", "foreground", "background")
+# The benchmarks' GPT made wider and fed short sequences: 25 M parameters (about 150 MB of
+# weights and AdamW state per process) against steps of a few tenths of a second, so that a
+# save weighs against a step as a large model's does (gigabytes against seconds), and the
+# steps' noise does not hide it.
+WIDE = {"n_layer": 8, "d_model": 512, "n_head": 8, "seq_len": 32, "dropout": 0.0}
+
+MODES = ("foreground", "background")
+LEAD = 3  # steps before a save: their median is the step time without one
+MOST = 12  # steps a background save may overlap before the stretch waits for it
 
 
-def _window(pipe, optimizer, batch, steps: int, writer, step: int) -> float:
-    """Seconds of ``steps`` training steps after a save with ``writer`` (None: no save),
-    until the save is complete; the slower rank's."""
+def _agreed(seconds: float, busy: bool) -> tuple[float, bool]:
+    """The slower rank's seconds, and whether any rank's save is still being written."""
+    found = torch.tensor([seconds, float(busy)], dtype=torch.float64)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return float(found[0]), bool(found[1])
+
+
+def _timed(pipe, optimizer, batch, writer) -> tuple[float, bool]:
     x, y = batch
     dist.barrier()
     start = perf_counter()
-    if writer is not None:
-        writer.save(step, pipe, optimizer, {"step": step}, {"benchmark": "saves"})
-    for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
-        optimizer.step()
-    if writer is not None:
-        writer.wait()
-    took = torch.tensor([perf_counter() - start])
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took)
+    optimizer.zero_grad(set_to_none=True)
+    pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+    optimizer.step()
+    return _agreed(perf_counter() - start, writer.in_flight is not None)
+
+
+def _stretch(pipe, optimizer, batch, writer, step: int) -> dict[str, float]:
+    """A save's cost in a stretch of steps, as the module's docstring says."""
+    lead = statistics.median(_timed(pipe, optimizer, batch, writer)[0] for _ in range(LEAD))
+    dist.barrier()
+    start = perf_counter()
+    writer.save(step, pipe, optimizer, {"step": step}, {"benchmark": "saves"})
+    held, busy = _agreed(perf_counter() - start, writer.in_flight is not None)
+    after = []
+    while busy and len(after) < MOST:
+        seconds, busy = _timed(pipe, optimizer, batch, writer)
+        after.append(seconds)
+    dist.barrier()
+    start = perf_counter()
+    writer.wait()
+    waited, _ = _agreed(perf_counter() - start, False)
+    after.append(_timed(pipe, optimizer, batch, writer)[0])  # and one more
+    slower = sum(t - lead for t in after)
+    return {"step_s": lead, "held_s": held, "slower_s": slower, "waited_s": waited,
+            "steps_overlapped": len(after) - 1, "cost_s": held + slower + waited}  # fmt: skip
 
 
 def side_by_side(cfg: dict) -> dict:
@@ -65,19 +93,15 @@ def side_by_side(cfg: dict) -> dict:
     root = Path(cfg["root"])
     keep_one = Retention(keep=1)
     writers = {
-        "none": None,
         "foreground": CheckpointWriter(root / "fg", pipe, retention=keep_one, background=False),
         "background": CheckpointWriter(root / "bg", pipe, retention=keep_one),
     }
     for mode in MODES:  # warm-up: the first save of each kind pays for imports and folders
-        _window(pipe, optimizer, batch, 1, writers[mode], 0)
+        _stretch(pipe, optimizer, batch, writers[mode], 0)
     cycles = []
     for cycle in range(cfg["repeats"]):
-        shift = cycle % len(MODES)
-        order = MODES[shift:] + MODES[:shift]
-        cycles.append(
-            {m: _window(pipe, optimizer, batch, cfg["steps"], writers[m], cycle + 1) for m in order}
-        )
+        order = MODES if cycle % 2 == 0 else MODES[::-1]
+        cycles.append({m: _stretch(pipe, optimizer, batch, writers[m], cycle + 1) for m in order})
     state = sum(t.numel() * t.element_size() for t in pipe.state_dict().values())
     states = [0] * dist.get_world_size()
     dist.all_gather_object(states, state)
@@ -85,39 +109,33 @@ def side_by_side(cfg: dict) -> dict:
 
 
 def _summary(cycles: list[dict]) -> dict:
-    costs = {m: [c[m] - c["none"] for c in cycles] for m in ("foreground", "background")}
-    ratios = [b / f for b, f in zip(costs["background"], costs["foreground"], strict=True)]
+    ratios = [c["background"]["cost_s"] / c["foreground"]["cost_s"] for c in cycles]
     return {
-        "window_s": {m: statistics.median(c[m] for c in cycles) for m in MODES},
-        "cost_s": {m: statistics.median(v) for m, v in costs.items()},
-        "ratio_background_to_foreground": statistics.median(ratios),
-        "ratios": ratios,
-    }
+        mode: {key: statistics.median(c[mode][key] for c in cycles) for key in cycles[0][mode]}
+        for mode in MODES
+    } | {"ratio_background_to_foreground": statistics.median(ratios), "ratios": ratios}
 
 
 def main() -> None:
-    args = quick_or_repeats(__doc__, repeats=7)
-    model = gpt_model(args.quick)
+    args = quick_or_repeats(__doc__, repeats=11)
+    model = gpt_model(True) if args.quick else WIDE
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = {
-            "model": model,
-            "batch": 8 if args.quick else 32,
-            "chunks": 4 if args.quick else 8,
-            "steps": 4 if args.quick else 8,
-            "repeats": args.repeats,
-            "root": tmp,
-        }
+        cfg = {"model": model, "batch": 8, "chunks": 4, "repeats": args.repeats, "root": tmp}
         found = launch(side_by_side, 2, (cfg,), threads=1)[0]
     summary = _summary(found["cycles"])
-    name = "saves-quick" if args.quick else "saves"
-    print(f"GPT {model}, 2 stages, {cfg['steps']} steps a window, {args.repeats} cycles")
-    print(f"state per rank (model only): {[b / 2**20 for b in found['model_bytes_per_rank']]} MiB")
+    print(f"GPT {model}, 2 stages, batch {cfg['batch']} in {cfg['chunks']} micro-batches, "
+          f"{args.repeats} cycles (medians)")  # fmt: skip
+    print(f"weights per rank: {[round(b / 2**20) for b in found['model_bytes_per_rank']]} MiB "
+          "(AdamW's state twice that)")  # fmt: skip
     for mode in MODES:
-        print(f"{mode:>11}: window {summary['window_s'][mode]:.3f} s")
-    for mode, cost in summary["cost_s"].items():
-        print(f"{mode:>11}: a save costs {cost * 1000:.0f} ms of training")
+        m = summary[mode]
+        print(f"{mode:>11}: a step {m['step_s'] * 1000:.0f} ms; a save costs "
+              f"{m['cost_s'] * 1000:.0f} ms (held {m['held_s'] * 1000:.0f}, steps slower by "
+              f"{m['slower_s'] * 1000:.0f} over {m['steps_overlapped']:.0f}, waited "
+              f"{m['waited_s'] * 1000:.0f})")  # fmt: skip
     print(f"background / foreground (median of per-cycle ratios): "
           f"{summary['ratio_background_to_foreground']:.3f}")  # fmt: skip
+    name = "saves-quick" if args.quick else "saves"
     path = write_results(name, {"machine": machine(), "config": cfg | {"root": None},
                                 "cycles": found["cycles"], "summary": summary})  # fmt: skip
     print(f"written to {path}")
