@@ -5,7 +5,6 @@ them; with replicas, gradients summed over them while the last backward still ru
 from __future__ import annotations
 
 import contextlib
-import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
@@ -18,6 +17,7 @@ from torch import Tensor, nn
 from gpipe.comm.distributed import DistributedTransport
 from gpipe.comm.named_pipes import open_pipes
 from gpipe.comm.payload import tensors_of, with_tensors
+from gpipe.comm.process_group import bounded_wait
 from gpipe.errors import StageError
 from gpipe.parallel.loss_weights import loss_weights, scatter_targets
 from gpipe.parallel.placement import BuiltStages, RankPlacement
@@ -339,12 +339,9 @@ class StepRunner:
             group=self.placement.group,
             async_op=True,
         )
-        try:
-            work.wait(datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as exc:
-            raise StageError(
-                self.stage_index, f"lost stage {src_stage} while waiting for {what} ({exc})"
-            ) from exc
+        bounded_wait(
+            work, self.timeout, self.stage_index, f"waiting for {what}", f"stage {src_stage}"
+        )
         return value
 
     # -- running the program ----------------------------------------------------------------

@@ -11,7 +11,6 @@ so the optimizer moves every copy alike and they stay equal.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpipe.errors import StageError
+from gpipe.comm.process_group import bounded_wait
 from gpipe.runtime.partitions import stage_bounds
 
 __all__ = ["Tie", "TiedGradients", "counted", "find_ties", "sum_local", "untie"]
@@ -132,7 +131,7 @@ class TiedGradients:
         global_rank: Callable[[int], int],
         timeout: float,
     ) -> None:
-        self._timeout = datetime.timedelta(seconds=timeout)
+        self._timeout = timeout
         self._stage = min(stages)
         # per tie: this rank's copies, the group (None within one process), the source of
         # the first copy, and the tie's shape
@@ -162,10 +161,7 @@ class TiedGradients:
         return bool(self._entries)
 
     def _wait(self, work: dist.Work, what: str) -> None:
-        try:
-            work.wait(self._timeout)
-        except RuntimeError as exc:
-            raise StageError(self._stage, f"lost a stage sharing a tied weight ({what})") from exc
+        bounded_wait(work, self._timeout, self._stage, f"({what})", "a stage sharing a tied weight")
 
     @torch.no_grad()
     def broadcast(self) -> None:
