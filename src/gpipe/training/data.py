@@ -1,4 +1,5 @@
-"""Byte-level text data with no download: the interpreter's own standard library, or your files."""
+"""Byte-level text data with no download (the interpreter's own standard library, or your
+files), and the random windows a run trains on, of bytes or of any token ids."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -117,19 +119,26 @@ class ByteDataset:
 
 class BatchSampler:
     """Endless random windows of a split: ``(inputs, targets)`` int64 ``[batch_size, seq_len]``,
-    targets being inputs shifted by one byte.
+    targets being inputs shifted by one token.
+
+    The split is a tensor (a ``ByteDataset``'s) or a 1-D numpy array of token ids (a
+    ``TokenDataset``'s, often a memory map): a batch reads only its windows. Both draw the
+    windows' starts with the same generator calls, so the same ids give the same batches.
 
     It draws from its own generator, so its ``state_dict`` is all a resumed run needs to draw
     exactly the batches the interrupted one would have.
     """
 
-    def __init__(self, data: Tensor, batch_size: int, seq_len: int, *, seed: int = 0) -> None:
+    def __init__(
+        self, data: Tensor | np.ndarray, batch_size: int, seq_len: int, *, seed: int = 0
+    ) -> None:
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"BatchSampler: {name} must be a positive integer, got {value!r}")
         if len(data) < seq_len + 1:
+            unit = "bytes" if isinstance(data, Tensor) or data.dtype == np.uint8 else "tokens"
             raise ValueError(
-                f"BatchSampler: the split has {len(data)} bytes, fewer than one window of "
+                f"BatchSampler: the split has {len(data)} {unit}, fewer than one window of "
                 f"seq_len {seq_len} + 1"
             )
         self.data, self.batch_size, self.seq_len = data, batch_size, seq_len
@@ -142,7 +151,11 @@ class BatchSampler:
         starts = torch.randint(
             len(self.data) - self.seq_len, (self.batch_size,), generator=self.generator
         )
-        windows = self.data[starts[:, None] + self._offsets].long()
+        if isinstance(self.data, Tensor):
+            windows = self.data[starts[:, None] + self._offsets].long()
+        else:  # index the array (a memory map reads just these windows), then convert
+            index = starts.numpy()[:, None] + self._offsets.numpy()
+            windows = torch.from_numpy(np.asarray(self.data[index], dtype=np.int64))
         self.step += 1
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 

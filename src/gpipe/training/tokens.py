@@ -1,0 +1,374 @@
+"""Training data of any size: token files memory-mapped, text and JSON lines as bytes or through
+a tokenizer, split into a training and a validation part, and checked before a run starts."""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from gpipe.training.data import load_text, stdlib_corpus
+from gpipe.training.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "TokenDataset",
+    "Prepared",
+    "open_dataset",
+    "read_tokens",
+    "prepare_tokens",
+    "needs_preparing",
+    "token_dtype_for",
+    "check_vocabulary",
+    "check_windows",
+    "fingerprint",
+]
+
+TOKEN_DTYPES = ("uint16", "uint32")
+_SCAN = 4_000_000  # ids per chunk when scanning a token file for its largest id
+_MIB = 1 << 20
+_PIECE = _MIB  # characters of text tokenized at a time (cut at a line end)
+_BATCH = 1024  # texts handed to the tokenizer at a time
+_SNIFF = 8192  # bytes read to tell text from an unknown binary format
+
+
+@dataclass(frozen=True)
+class TokenDataset:
+    """A corpus as two 1-D integer arrays of token ids: ``train`` and ``val``.
+
+    For a token file both are views of its memory map (``np.memmap``), so nothing is read
+    until a batch needs it.
+    """
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_bound: int | None
+    """Every id is known to be below this (256 for bytes, the tokenizer's vocabulary for text
+    it tokenized), or None for a token file: ``check_vocabulary`` scans it."""
+    description: str
+    """What was read, for messages and the run's log."""
+    train_source: str = "--data"
+    val_source: str = "--data"
+    """The flag and path each part came from, named by errors."""
+
+
+class Prepared(NamedTuple):
+    """A token file ``prepare_tokens`` wrote, and the ``token_dtype`` to read it with."""
+
+    path: Path
+    token_dtype: str
+
+
+def _flag_path(flag: str, path: str | Path | None) -> str:
+    return f"{flag} {path}" if path is not None else "the built-in corpus"
+
+
+def _check_dtype(token_dtype: str) -> np.dtype:
+    if token_dtype not in TOKEN_DTYPES:
+        raise ValueError(f"--token-dtype must be uint16 or uint32, got {token_dtype!r}")
+    return np.dtype(token_dtype)
+
+
+def token_dtype_for(vocab_size: int) -> str:
+    """The smaller token file dtype that holds every id below ``vocab_size``."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def _kind(path: str | Path | None, flag: str) -> str:
+    """``"tokens"``, ``"jsonl"`` or ``"text"``; an unknown binary format is an error."""
+    if path is None:
+        return "text"
+    where = Path(path)
+    if not where.exists():
+        raise ValueError(f"{flag} {path} does not exist")
+    if where.is_dir():
+        return "text"
+    if where.stat().st_size == 0:
+        raise ValueError(f"{flag} {path} is empty (0 bytes); expected token ids or text")
+    suffix = where.suffix.lower()
+    if suffix in (".bin", ".npy"):
+        return "tokens"
+    if suffix == ".jsonl":
+        return "jsonl"
+    with open(where, "rb") as file:
+        head = file.read(_SNIFF)
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        head = b"\0"
+    if b"\0" in head:
+        raise ValueError(
+            f"{flag} {path}: unknown file extension {suffix or '(none)'!r} and not UTF-8 text; "
+            "expected a token file (.bin of uint16/uint32 ids, .npy), JSON lines (.jsonl) "
+            "or text"
+        )
+    return "text"
+
+
+def _read_bin(path: Path, token_dtype: str, flag: str) -> np.ndarray:
+    dtype = _check_dtype(token_dtype)
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        other = np.dtype("uint32" if dtype == np.uint16 else "uint16")
+        hint = (
+            f"; as {other} it would be {size // other.itemsize} ids (--token-dtype {other})"
+            if size % other.itemsize == 0
+            else ""
+        )
+        raise ValueError(
+            f"{flag} {path}: its size, {size} bytes, is not a whole number of {dtype} token "
+            f"ids ({dtype.itemsize} bytes each){hint}"
+        )
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _read_npy(path: Path, flag: str) -> np.ndarray:
+    try:
+        array = np.load(path, mmap_mode="r")
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{flag} {path}: not a .npy array numpy can map ({exc})") from None
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{flag} {path}: holds {array.dtype} values; expected integer token ids")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{flag} {path}: a Fortran-ordered array; save it in C order")
+    if array.size == 0:
+        raise ValueError(f"{flag} {path} is empty (an array of shape {array.shape})")
+    return array.reshape(-1)
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """``text`` in pieces of about ``_PIECE`` characters, each cut just after a line end, so
+    a long text is tokenized a piece at a time and no token spans two pieces mid-line."""
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start + _PIECE)
+        end = len(text) if end < 0 else end + 1
+        yield text[start:end]
+        start = end
+
+
+def _documents(path: Path, flag: str) -> Iterator[str]:
+    """The ``text`` field of each line of a JSON lines file, read a line at a time."""
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{flag} {path}: line {number} is not JSON ({exc})") from None
+            text = record.get("text") if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                found = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise ValueError(
+                    f'{flag} {path}: line {number} has no "text" field holding a string '
+                    f"(found {found}); expected one JSON object per line with a text field"
+                )
+            yield text
+
+
+def _batches(texts: Iterable[str]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == _BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _token_chunks(
+    path: str | Path | None, kind: str, tokenizer: Tokenizer, flag: str
+) -> Iterator[np.ndarray]:
+    """The token ids of a text or JSON lines source, a chunk at a time; each JSON document is
+    followed by the tokenizer's end-of-text id, or a newline's ids if it has none."""
+    dtype = token_dtype_for(tokenizer.vocab_size)
+    if kind == "jsonl":
+        documents = _documents(Path(str(path)), flag)
+        end = [tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode("\n")
+    else:
+        text = stdlib_corpus() if path is None else load_text(path)
+        documents, end = _pieces(text.decode("utf-8", errors="replace")), []
+    for batch in _batches(documents):
+        ids = [i for encoded in tokenizer.encode_batch(batch) for i in (*encoded, *end)]
+        yield np.asarray(ids, dtype=dtype)
+
+
+def _is_bytes(tokenizer: Tokenizer | None) -> bool:
+    return tokenizer is None or isinstance(tokenizer, ByteTokenizer)
+
+
+def read_tokens(
+    path: str | Path | None,
+    *,
+    tokenizer: Tokenizer | str | Path | None = None,
+    token_dtype: str = "uint16",
+    flag: str = "--data",
+) -> tuple[np.ndarray, int | None]:
+    """The token ids of one source, and the bound its ids are known to lie below (None for a
+    token file). A token file is memory-mapped; text is bytes without a tokenizer."""
+    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
+    kind = _kind(path, flag)
+    if kind == "tokens":
+        where = Path(str(path))
+        if where.suffix.lower() == ".npy":
+            return _read_npy(where, flag), None
+        return _read_bin(where, token_dtype, flag), None
+    if kind == "text" and _is_bytes(tok):
+        text = stdlib_corpus() if path is None else load_text(path)
+        return np.frombuffer(text, dtype=np.uint8), 256
+    tok = tok if tok is not None else ByteTokenizer()
+    chunks = list(_token_chunks(path, kind, tok, flag))
+    ids = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint16)
+    if len(ids) == 0:
+        raise ValueError(f"{_flag_path(flag, path)} holds no text to tokenize")
+    return ids, tok.vocab_size
+
+
+def open_dataset(
+    data: str | Path | None,
+    *,
+    val_data: str | Path | None = None,
+    tokenizer: Tokenizer | str | Path | None = None,
+    token_dtype: str = "uint16",
+    val_fraction: float = 0.1,
+) -> TokenDataset:
+    """The training and validation token ids of ``gpipe train --data``.
+
+    ``data`` is a token file (``.bin`` of ``token_dtype`` ids, ``.npy``), JSON lines
+    (``.jsonl``, a ``text`` field per line), or a text file or folder; None is this Python's
+    standard library. Text is bytes (vocabulary 256) without a ``tokenizer``. The last
+    ``val_fraction`` of it is the validation part, unless ``val_data`` gives that separately
+    (in any of the same forms).
+    """
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    _check_dtype(token_dtype)
+    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
+    ids, bound = read_tokens(data, tokenizer=tok, token_dtype=token_dtype)
+    source = _flag_path("--data", data)
+    what = f"{Path(str(data)).name if data else 'the standard library'}: {len(ids):,} ids"
+    if val_data is None:
+        cut = len(ids) - int(len(ids) * val_fraction)
+        train, val, val_source = ids[:cut], ids[cut:], source
+        what += f" ({ids.dtype}), the last {len(val):,} held out"
+    else:
+        val, val_bound = read_tokens(
+            val_data, tokenizer=tok, token_dtype=token_dtype, flag="--val-data"
+        )
+        train, val_source = ids, _flag_path("--val-data", val_data)
+        bound = None if bound is None or val_bound is None else max(bound, val_bound)
+        what += f" ({ids.dtype}); validation {Path(str(val_data)).name}: {len(val):,} ids"
+    return TokenDataset(train, val, bound, what, source, val_source)
+
+
+def needs_preparing(data: str | Path | None, tokenizer: Tokenizer | str | Path | None) -> bool:
+    """Whether ``data`` is text or JSON lines that a real tokenizer must turn into ids: then
+    ``prepare_tokens`` once, before the processes start, spares every rank the work."""
+    if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
+        return False
+    return _kind(data, "--data") != "tokens"
+
+
+def prepare_tokens(
+    data: str | Path | None,
+    out: str | Path,
+    tokenizer: Tokenizer | str | Path,
+    *,
+    flag: str = "--data",
+) -> Prepared:
+    """Tokenize a text or JSON lines source once into the token file ``out`` (uint16 ids if
+    the tokenizer's vocabulary fits, else uint32), written whole or not at all: a temporary
+    file beside it, renamed into place."""
+    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
+    kind = _kind(data, flag)
+    if kind == "tokens":
+        raise ValueError(f"{flag} {data} is already a token file; read it with open_dataset")
+    target = Path(out)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    written = 0
+    try:
+        with open(temporary, "wb") as file:
+            for chunk in _token_chunks(data, kind, tok, flag):
+                file.write(chunk.tobytes())
+                written += len(chunk)
+            file.flush()
+            os.fsync(file.fileno())
+        if written == 0:
+            raise ValueError(f"{_flag_path(flag, data)} holds no text to tokenize")
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return Prepared(target, token_dtype_for(tok.vocab_size))
+
+
+def _extremes(part: np.ndarray) -> tuple[int, int, int, int]:
+    """(smallest id, its index, largest id, its index) of ``part``, a chunk at a time."""
+    low = high = int(part[0])
+    at_low = at_high = 0
+    for start in range(0, len(part), _SCAN):
+        chunk = np.asarray(part[start : start + _SCAN])
+        i, j = int(chunk.argmin()), int(chunk.argmax())
+        if chunk[i] < low:
+            low, at_low = int(chunk[i]), start + i
+        if chunk[j] > high:
+            high, at_high = int(chunk[j]), start + j
+    return low, at_low, high, at_high
+
+
+def check_vocabulary(dataset: TokenDataset, vocab_size: int) -> None:
+    """Refuse token ids the model's embedding has no row for: a token file is scanned (a few
+    million ids at a time, never whole), unless its ids are already known to fit."""
+    if dataset.vocab_bound is not None and dataset.vocab_bound <= vocab_size:
+        return
+    parts = [(dataset.train, dataset.train_source, "training")]
+    parts.append((dataset.val, dataset.val_source, "validation"))
+    for part, source, name in parts:
+        low, at_low, high, at_high = _extremes(part)
+        if low < 0:
+            raise ValueError(
+                f"{source}: its {name} part holds a negative token id, {low} (at index "
+                f"{at_low}); expected ids in 0 to {vocab_size - 1}"
+            )
+        if high >= vocab_size:
+            raise ValueError(
+                f"{source}: its {name} part holds token id {high} (at index {at_high}), beyond "
+                f"the model's vocabulary of {vocab_size} (ids 0 to {vocab_size - 1}); use "
+                "the model's own tokenizer, a larger vocab_size, or check --token-dtype"
+            )
+
+
+def check_windows(dataset: TokenDataset, seq_len: int) -> None:
+    """Refuse a part too short for one window of ``seq_len`` inputs and its next target."""
+    for part, source, name in (
+        (dataset.train, dataset.train_source, "training"),
+        (dataset.val, dataset.val_source, "validation"),
+    ):
+        if len(part) < seq_len + 1:
+            raise ValueError(
+                f"{source}: its {name} part has {len(part)} tokens, fewer than one window of "
+                f"--seq-len {seq_len} + 1; give more data or a shorter --seq-len"
+            )
+
+
+def fingerprint(dataset: TokenDataset) -> str:
+    """A digest of the dataset that tells whether two ranks read the same: the whole of data
+    held in memory; of a memory-mapped part, its size and its first and last MiB."""
+    digest = hashlib.sha256()
+    for part in (dataset.train, dataset.val):
+        digest.update(f"{part.dtype.str}:{len(part)};".encode())
+        if isinstance(part, np.memmap):
+            edge = _MIB // part.dtype.itemsize
+            digest.update(np.asarray(part[:edge]).tobytes())
+            digest.update(np.asarray(part[-edge:]).tobytes())
+        else:
+            digest.update(np.ascontiguousarray(part).tobytes())
+    return digest.hexdigest()
