@@ -240,6 +240,9 @@ def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path):
         check_tokenizer(tokenizer, 8)
     with pytest.raises(ValueError, match="--tokenizer .*missing does not exist"):
         load_tokenizer(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty: the folder holds neither tokenizer.json nor"):
+        load_tokenizer(tmp_path / "empty")
 
 
 def test_a_split_shorter_than_a_window_says_how_many_tokens_it_has(tmp_path):

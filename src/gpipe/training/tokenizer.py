@@ -116,7 +116,8 @@ class HFTokenizer:
             self._tok: Any = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ValueError(
-                f"--tokenizer {path}: no Hugging Face tokenizer in this folder ({exc})"
+                f"--tokenizer {path}: no Hugging Face tokenizer in this folder "
+                f"({str(exc).splitlines()[0]})"
             ) from None
         self.name = str(path)
         self.vocab_size = len(self._tok)  # added tokens included, unlike its .vocab_size
@@ -145,6 +146,11 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
         raise ValueError(
             f"--tokenizer {path} does not exist; expected a tokenizer.json or a Hugging Face "
             "tokenizer folder"
+        )
+    if not any((where / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(
+            f"--tokenizer {path}: the folder holds neither tokenizer.json nor "
+            "tokenizer_config.json; expected a Hugging Face tokenizer folder"
         )
     try:
         import transformers  # noqa: F401
