@@ -20,6 +20,7 @@ from gpipe.cli.train_flags import (
     add_run_folder_options,
     add_training_options,
 )
+from gpipe.cli.train_model import model_layer_count, resolve_model, starting_weights
 from gpipe.runtime.recompute import check_checkpoint
 from gpipe.schedules import traits
 
@@ -30,16 +31,6 @@ RUN_FILE = "run.json"  # the run's model config and options, written when it sta
 
 def _under_torchrun() -> bool:
     return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-_MODEL_FLAGS = {  # flag -> GPTConfig field
-    "n_layer": "n_layer",
-    "d_model": "d_model",
-    "n_head": "n_head",
-    "d_ff": "d_ff",
-    "context": "seq_len",
-    "dropout": "dropout",
-}
 
 
 def add_parser(sub: Any) -> None:
@@ -55,30 +46,6 @@ def add_parser(sub: Any) -> None:
     add_training_options(p.add_argument_group("training"))
     add_run_folder_options(p.add_argument_group("run folder"))
     p.set_defaults(command=_train)
-
-
-def _model_config(args: argparse.Namespace, saved: dict[str, Any] | None, out: Path) -> Any:
-    from gpipe.training.models.gpt import GPTConfig, config_from_preset
-
-    overrides = {
-        field_: getattr(args, flag)
-        for flag, field_ in _MODEL_FLAGS.items()
-        if getattr(args, flag) is not None
-    }
-    if args.untied:
-        overrides["tied"] = False
-    try:
-        if saved is None:
-            return config_from_preset(args.preset, **overrides)
-        config = GPTConfig.from_dict(saved)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise UsageError(str(exc).strip("'\"")) from None
-    differ = {k: v for k, v in overrides.items() if getattr(config, k) != v}
-    if differ:
-        asked = ", ".join(f"{k}={v}" for k, v in differ.items())
-        held = ", ".join(f"{k}={getattr(config, k)}" for k in differ)
-        raise UsageError(f"the checkpoint in {out} holds a model with {held}, not {asked}")
-    return config
 
 
 def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> Any:
@@ -97,7 +64,7 @@ def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> An
     return TrainOptions(**values)
 
 
-def _check(config: Any, opts: Any) -> None:
+def _check(model: Any, opts: Any) -> None:
     for name in (
         "stages",
         "data_parallel",
@@ -113,26 +80,26 @@ def _check(config: Any, opts: Any) -> None:
         raise UsageError("--warmup, --save-every and --keep-every must not be negative")
     if opts.keep < 1:
         raise UsageError(f"--keep must be at least 1 (the newest good checkpoint), got {opts.keep}")
-    layers = config.n_layer + 2
+    layers = model_layer_count(model)
     if opts.batch_size < opts.data_parallel:
         raise UsageError(
             f"--batch-size {opts.batch_size} cannot give each of --data-parallel "
             f"{opts.data_parallel} replicas a row"
         )
-    if opts.stages > layers:
+    if layers is not None and opts.stages > layers:
         raise UsageError(
             f"--stages {opts.stages} is more than the model's {layers} layers "
-            f"({config.n_layer} blocks, embedding and head); at most {layers} stages"
+            f"({layers - 2} blocks, embedding and head); at most {layers} stages"
         )
-    if opts.seq_len is not None and opts.seq_len > config.seq_len:
+    if opts.seq_len is not None and opts.seq_len > model.seq_len:
+        more = "raise --context" if model.kind == "gpt" else "its config says so"
         raise UsageError(
-            f"--seq-len {opts.seq_len} is above the model's maximum of {config.seq_len} "
-            "(raise --context)"
+            f"--seq-len {opts.seq_len} is above the model's maximum of {model.seq_len} ({more})"
         )
     if opts.schedule == "auto":
-        _check_auto(opts)
+        _check_auto(opts, model)
     else:
-        _check_schedule(config, opts, layers)
+        _check_schedule(opts, layers)
     try:
         check_checkpoint(opts.checkpoint)
     except ValueError as exc:
@@ -141,8 +108,13 @@ def _check(config: Any, opts: Any) -> None:
         raise UsageError("--device cuda, but this machine has no CUDA device")
 
 
-def _check_auto(opts: Any) -> None:
+def _check_auto(opts: Any, model: Any) -> None:
     """``--schedule auto`` chooses the stages per process and the cut itself."""
+    if model.kind == "hf" or model.split_at:
+        raise UsageError(
+            f"--schedule auto cuts an nn.Sequential between its layers; --model {model.source} "
+            "is split by tracing: pass --schedule and --chunks"
+        )
     if opts.virtual_stages > 1:
         raise UsageError(
             f"--virtual-stages {opts.virtual_stages}: --schedule auto chooses the stages per "
@@ -159,7 +131,7 @@ def _check_auto(opts: Any) -> None:
         )
 
 
-def _check_schedule(config: Any, opts: Any, layers: int) -> None:
+def _check_schedule(opts: Any, layers: int | None) -> None:
     """A named schedule: its stages per process and micro-batch rules, and the cut."""
     from gpipe.training.job import parse_balance
 
@@ -187,31 +159,47 @@ def _check_schedule(config: Any, opts: Any, layers: int) -> None:
             f"--schedule {opts.schedule} needs --chunks of at least {fewest} for --stages "
             f"{opts.stages}, got {opts.chunks}"
         )
-    if opts.parts > layers:
+    if layers is not None and opts.parts > layers:
         raise UsageError(
             f"--stages {opts.stages} x --virtual-stages {opts.virtual_stages} is more than the "
-            f"model's {layers} layers ({config.n_layer} blocks, embedding and head)"
+            f"model's {layers} layers ({layers - 2} blocks, embedding and head)"
         )
+    if layers is None:
+        return  # a split model: the ranks cut it where --split-at or the balance says
     try:
         parse_balance(opts.balance, opts.parts, layers)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
 
-def _check_data(opts: Any, seq_len: int) -> None:
-    from gpipe.training.data import ByteDataset
-    from gpipe.training.job import load_corpus
+def _check_data(opts: Any, model: Any, out: Path) -> None:
+    """The data against the model, before any process starts: the tokenizer's vocabulary,
+    the token ids, one window of each part. Text a tokenizer must turn into ids is checked
+    once it is, in the run folder."""
+    from gpipe.training.run_data import run_dataset
+    from gpipe.training.tokenizer import check_tokenizer, load_tokenizer
+    from gpipe.training.tokens import check_vocabulary, check_windows, needs_preparing
 
     try:
-        dataset = ByteDataset.split(load_corpus(opts.data))
+        check_tokenizer(load_tokenizer(opts.tokenizer), model.vocab_size)
+        if needs_preparing(opts.data, opts.tokenizer) and not (out / "tokens").is_dir():
+            return
+        dataset = run_dataset(opts, out)
+        check_windows(dataset, opts.seq_len or model.seq_len)
+        check_vocabulary(dataset, model.vocab_size)
     except (ValueError, OSError) as exc:
         raise UsageError(str(exc)) from None
-    shortest = min(len(dataset.train), len(dataset.val))
-    if shortest < seq_len + 1:
-        raise UsageError(
-            f"--data {opts.data}: its validation part has {shortest} bytes, fewer than one "
-            f"window of --seq-len {seq_len} + 1; give more text or a shorter --seq-len"
-        )
+
+
+def _prepare_data(opts: Any, model: Any, out: Path) -> None:
+    """Tokenize text data once into the run folder, then check it as any data is."""
+    from gpipe.training.run_data import prepare_run_data
+
+    try:
+        prepare_run_data(opts, out)
+    except (ValueError, OSError) as exc:
+        raise UsageError(str(exc)) from None
+    _check_data(opts, model, out)
 
 
 def _prepare_folder(out: Path, resume: bool, force: bool, run: dict[str, Any]) -> None:
@@ -296,15 +284,18 @@ def _train(args: argparse.Namespace) -> int:
     out = Path(args.resume or args.out)
     held = _this_jobs_run(out) if torchrun else None
     saved = held or _saved_run(args)
-    config = _model_config(args, saved and saved["model"], out)
+    model = resolve_model(args, saved and saved["model"], out)
     opts = _train_options(args, saved and saved["train"])
     if torchrun:
         _shape_from_world(args, opts, int(os.environ["WORLD_SIZE"]))
-    _check(config, opts)
-    _check_data(opts, opts.seq_len or config.seq_len)
+    _check(model, opts)
+    _check_data(opts, model, out)
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be a positive integer, got {args.threads}")
-    run: dict[str, Any] = {"model": asdict(config), "train": asdict(opts)}
+    fresh_weights = model.kind == "hf" and model.weights is None
+    if fresh_weights:  # drawn once, in the run folder, where every rank reads its stage's
+        model.weights = str(out / "initial")
+    run: dict[str, Any] = {"model": model.to_dict(), "train": asdict(opts)}
     restarted = held is not None
     if torchrun:
         from gpipe.training.elastic import job_id
@@ -315,13 +306,16 @@ def _train(args: argparse.Namespace) -> int:
 
     def prepare() -> None:
         _prepare_folder(out, args.resume is not None or restarted, args.force, run)
+        if fresh_weights:
+            starting_weights(model, opts.seed)
+        _prepare_data(opts, model, out)
 
     if torchrun:
         restarted = _agree_on_folder(prepare, opts.device, opts.timeout, restarted)
     else:
         prepare()
     spec = RunSpec(
-        model=asdict(config),
+        model=model.to_dict(),
         train=asdict(opts),
         out=str(out),
         resume=args.resume is not None and not restarted,

@@ -16,7 +16,20 @@ __all__ = [
 
 
 def add_model_options(model: Any) -> None:
-    model.add_argument("--preset", default="small", help="named model size (default: small)")
+    model.add_argument(
+        "--model",
+        help="what to train: gpt (the built-in GPT, the default), hf:PATH (a Hugging Face "
+        "causal LM from a config.json, random weights, or from a model folder with its "
+        "weights), or MODULE:FUNCTION (a factory returning an nn.Module that maps token ids "
+        "to logits, imported from this folder or the installed packages)",
+    )
+    model.add_argument(
+        "--split-at",
+        metavar="NAME,...",
+        help="where the stages of a traced model begin, by submodule name (such as "
+        "model.layers.4); default: cut by --balance",
+    )
+    model.add_argument("--preset", help="the GPT's named size (default: small)")
     model.add_argument("--n-layer", type=int, help="transformer blocks")
     model.add_argument("--d-model", type=int, help="width of the residual stream")
     model.add_argument("--n-head", type=int, help="attention heads")
@@ -99,7 +112,25 @@ def add_training_options(run: Any) -> None:
         help="write checkpoints while training waits (default: in the background, from a "
         "copy of the state in CPU memory)",
     )
-    run.add_argument("--data", help="a text file or folder to train on instead")
+    run.add_argument(
+        "--data",
+        help="what to train on: a text file or folder (bytes, or tokens with --tokenizer), "
+        "JSON lines with a text field, or token ids in a .bin (see --token-dtype) or .npy "
+        "file, memory-mapped (default: this Python's standard library's sources)",
+    )
+    run.add_argument(
+        "--val-data", help="held-out data for the validation loss (default: the last 10%%)"
+    )
+    run.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="a tokenizer.json or a Hugging Face tokenizer folder for text data",
+    )
+    run.add_argument(
+        "--token-dtype",
+        choices=["uint16", "uint32"],
+        help="the ids' type in a .bin token file (default uint16)",
+    )
     run.add_argument("--seed", type=int, help="seed of weights, data order and dropout")
     run.add_argument("--timeout", type=float, help="seconds a stage waits for a neighbour")
     run.add_argument(

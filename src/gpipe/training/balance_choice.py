@@ -15,7 +15,6 @@ from gpipe.pipeline import agreed_balance, init_process_group
 from gpipe.planning.auto import AUTO
 from gpipe.planning.balancing import balance_by_params
 from gpipe.runtime.partitions import even_balance
-from gpipe.training.models.gpt import GPTConfig
 from gpipe.training.options import TrainOptions
 
 __all__ = ["BALANCE_MODES", "choose_balance", "held_choice", "parse_balance", "sample_tokens"]
@@ -43,7 +42,7 @@ def parse_balance(value: str, parts: int, n_layers: int) -> list[int] | None:
 def choose_balance(
     opts: TrainOptions,
     layers: nn.Sequential,
-    config: GPTConfig,
+    vocab_size: int,
     seq_len: int,
     device: torch.device,
     saved: Any,
@@ -63,19 +62,19 @@ def choose_balance(
     if saved is not None and len(saved) == parts:
         return list(saved)
     init_process_group(device, opts.timeout)
-    sample = sample_tokens(opts, config, seq_len, opts.chunks)
+    sample = sample_tokens(opts, vocab_size, seq_len, opts.chunks)
     first = dist.get_rank() == 0
     return agreed_balance(layers, parts, sample if first else None, device=device)
 
 
 def sample_tokens(
-    opts: TrainOptions, config: GPTConfig, seq_len: int, chunks: int | None
+    opts: TrainOptions, vocab_size: int, seq_len: int, chunks: int | None
 ) -> torch.Tensor:
     """Random tokens the size of one micro-batch of ``chunks`` (of a replica's whole share
     of the mini-batch if None), to time the layers on."""
     rows = math.ceil(opts.batch_size / opts.data_parallel / (chunks or 1))
     generator = torch.Generator().manual_seed(opts.seed)
-    return torch.randint(0, config.vocab_size, (rows, seq_len), generator=generator)
+    return torch.randint(0, vocab_size, (rows, seq_len), generator=generator)
 
 
 def held_choice(opts: TrainOptions, saved: dict[str, Any]) -> TrainOptions:

@@ -6,28 +6,36 @@ import torch
 import torch.distributed as dist
 
 from gpipe.pipeline import Pipeline
-from gpipe.training.data import decode, encode
+from gpipe.training.model_sources import logits_of
+from gpipe.training.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["generate_text"]
 
 
 def generate_text(
-    pipe: Pipeline, prompt: str, tokens: int, seq_len: int, seed: int, device: torch.device
+    pipe: Pipeline,
+    prompt: str,
+    tokens: int,
+    seq_len: int,
+    seed: int,
+    device: torch.device,
+    tokenizer: Tokenizer | None = None,
 ) -> str:
-    """Generate ``tokens`` bytes through the pipeline: the last stage picks every next token
-    and tells the others."""
+    """Generate ``tokens`` tokens (bytes without a tokenizer) through the pipeline: the last
+    stage picks every next token and tells the others."""
+    tokenizer = tokenizer or ByteTokenizer()
     generator = torch.Generator().manual_seed(seed)
-    context = encode(prompt).view(1, -1)
+    context = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long)
     pipe.eval()
     for _ in range(tokens):
-        logits = pipe(context[:, -seq_len:] if pipe.is_first else None)
+        outputs = pipe(context[:, -seq_len:] if pipe.is_first else None)
         token = torch.zeros(1, 1, dtype=torch.long, device=device)
         if pipe.is_last:
-            probs = torch.softmax(logits[0, -1].float().cpu(), dim=-1)
+            probs = torch.softmax(logits_of(outputs)[0, -1].float().cpu(), dim=-1)
             token[0, 0] = torch.multinomial(probs, 1, generator=generator).item()
         if pipe.n_ranks > 1:
             last = pipe.global_rank(pipe.rank_of(pipe.n_stages - 1))
             dist.broadcast(token, src=last, group=pipe.group)
         context = torch.cat([context, token.cpu()], dim=1)
     pipe.train()
-    return decode(context[0].tolist())
+    return tokenizer.decode(context[0].tolist())

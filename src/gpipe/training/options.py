@@ -42,6 +42,9 @@ class TrainOptions:
     device: str = "cpu"
     precision: str = "fp32"  # fp32, bf16 (autocast) or fp16 (autocast and loss scaling)
     data: str | None = None
+    val_data: str | None = None  # default: the last tenth of --data
+    tokenizer: str | None = None  # text as bytes without one
+    token_dtype: str = "uint16"  # of a .bin token file
     timeout: float = 300.0
     sample_tokens: int = 300
     prompt: str = "def "

@@ -16,21 +16,23 @@ from gpipe.parallel.replicas import shard
 from gpipe.pipeline import Pipeline
 from gpipe.planning.auto import AUTO
 from gpipe.runtime.microbatch import split_sizes
+from gpipe.splitting import SplitModel
 from gpipe.training.balance_choice import choose_balance, held_choice, sample_tokens
 from gpipe.training.checkpoint_writer import CheckpointWriter
 from gpipe.training.checkpoints import load_checkpoint, read_description
-from gpipe.training.corpus import check_same_text, load_corpus
-from gpipe.training.data import BatchSampler, ByteDataset
+from gpipe.training.data import BatchSampler
 from gpipe.training.elastic import join_process_group, kill_point, restart_count
 from gpipe.training.generation import generate_text
-from gpipe.training.models.gpt import GPTConfig, build_gpt, lm_loss
+from gpipe.training.model_sources import model_from_dict, model_loss
 from gpipe.training.optimization import build_optimizer, learning_rate
 from gpipe.training.options import PRECISIONS, RunSpec, TrainOptions
 from gpipe.training.reporting import Reporter, peak_memory
 from gpipe.training.resuming import resume_point, trim_metrics
 from gpipe.training.retention import Retention
+from gpipe.training.run_data import check_same_data, run_dataset
 from gpipe.training.tied_copies import TiedCopies
 from gpipe.training.timelines import write_timeline
+from gpipe.training.tokenizer import load_tokenizer
 
 __all__ = ["StageRun"]
 
@@ -51,17 +53,21 @@ class StageRun:
 
     def __init__(self, spec: RunSpec) -> None:
         opts = self.opts = TrainOptions(**spec.train)
-        self.config = GPTConfig.from_dict(spec.model)
+        self.model = model_from_dict(spec.model)
         self.out = Path(spec.out)
-        self.seq_len = opts.seq_len or self.config.seq_len
+        self.seq_len = opts.seq_len or self.model.seq_len
         self.device = _rank_device(opts.device)
-        torch.manual_seed(opts.seed)
-        layers = build_gpt(self.config, device="meta", init_seed=opts.seed)
         join_process_group(self.device, opts.timeout)  # before anything else starts one
         self.resumed = spec.resume
         self.restarted = spec.restarted or restart_count() > 0
         self.checkpoint = resume_point(self.out, spec.resume, self.restarted)
-        self.pipe = self._build_pipeline(layers)
+        saved = read_description(self.checkpoint) if self.checkpoint else {}
+        if saved.get("model", {}).get("split_at") is not None:  # cut where it was cut before
+            self.model.split_at = saved["model"]["split_at"]
+        torch.manual_seed(opts.seed)
+        layers = self.model.layers(self.opts.parts, opts.seed, opts.balance)
+        self.pipe = self._build_pipeline(layers, saved)
+        self.model.load_weights(layers, self.pipe)
         self.replica = self.pipe.replicas.replica if self.pipe.replicas is not None else 0
         self.world, self.me = dist.get_world_size(), dist.get_rank()
         self.root = self.me == 0
@@ -70,9 +76,9 @@ class StageRun:
         # float16 needs its loss scaled; bfloat16 has float32's range and needs none
         fp16 = opts.precision == "fp16"
         self.scaler = torch.amp.GradScaler(self.device.type) if fp16 else None
-        corpus = load_corpus(opts.data)
-        check_same_text(corpus, self.pipe)
-        self.dataset = ByteDataset.split(corpus)
+        self.dataset = run_dataset(opts, self.out)
+        check_same_data(self.dataset, self.pipe)
+        self.tokenizer = load_tokenizer(opts.tokenizer)
         self.sampler = BatchSampler(
             self.dataset.train, opts.batch_size, self.seq_len, seed=opts.seed
         )
@@ -86,21 +92,24 @@ class StageRun:
         self.step = 0
         self.train_loss = self.val_loss = float("nan")
 
-    def _build_pipeline(self, layers: nn.Sequential) -> Pipeline:
+    def _build_pipeline(self, layers: nn.Sequential, saved: dict[str, Any]) -> Pipeline:
         """This rank's stage; a resumed run keeps the balance its checkpoint was trained with
         (and under ``--schedule auto``, the choice); a new one under auto chooses here, and
-        its options record the choice."""
-        saved = read_description(self.checkpoint) if self.checkpoint else {}
+        its options record the choice. A split model is already cut, one stage a part."""
         opts = self.opts = held_choice(self.opts, saved)
+        if isinstance(layers, SplitModel):
+            return self._pipeline(layers, [1] * len(layers))
         if opts.schedule == AUTO:
-            sample = sample_tokens(opts, self.config, self.seq_len, None)
+            sample = sample_tokens(opts, self.model.vocab_size, self.seq_len, None)
             pipe = self._pipeline(layers, None, sample=sample)
             chosen = pipe.auto_choice.chosen  # type: ignore[union-attr]
             self.opts = replace(opts, schedule=chosen.schedule, chunks=chosen.chunks,
                                 virtual_stages=chosen.virtual_stages)  # fmt: skip
             return pipe
         measured = saved.get("balance")
-        cut = choose_balance(opts, layers, self.config, self.seq_len, self.device, measured)
+        cut = choose_balance(
+            opts, layers, self.model.vocab_size, self.seq_len, self.device, measured
+        )
         return self._pipeline(layers, cut)
 
     def _pipeline(self, layers: nn.Sequential, balance: list[int] | None, **more: Any) -> Pipeline:
@@ -111,7 +120,7 @@ class StageRun:
             chunks=opts.chunks,
             checkpoint=opts.checkpoint,
             schedule=opts.schedule,
-            loss_fn=lm_loss,
+            loss_fn=model_loss,
             device=self.device,
             data_parallel=opts.data_parallel,
             autocast=PRECISIONS[opts.precision],
@@ -257,7 +266,7 @@ class StageRun:
         gradients are summed, their BatchNorm statistics merged), so replica 0 writes, in
         the background unless ``--sync-save``."""
         description = {
-            "model": asdict(self.config),
+            "model": self.model.to_dict(),
             "train": asdict(self.opts),
             "stages": self.pipe.n_ranks,
             "data_parallel": self.opts.data_parallel,
@@ -274,8 +283,9 @@ class StageRun:
         """The sample text and every rank's peak memory, with the run's losses and speed."""
         opts = self.opts
         sample = generate_text(
-            self.pipe, opts.prompt, opts.sample_tokens, self.seq_len, opts.seed, self.device
-        )
+            self.pipe, opts.prompt, opts.sample_tokens, self.seq_len, opts.seed, self.device,
+            self.tokenizer,
+        )  # fmt: skip
         memory: list[int] = [0] * self.world
         if self.world > 1:
             dist.all_gather_object(memory, peak_memory(self.device))

@@ -64,7 +64,9 @@ class ByteTokenizer:
         return [self.encode(text) for text in texts]
 
     def decode(self, ids: Sequence[int] | Tensor) -> str:
-        return bytes(_ids(ids)).decode("utf-8", errors="replace")
+        # a model with a wider vocabulary than bytes may pick an id above 255: U+FFFD
+        held = b"".join(bytes([i]) if 0 <= i < 256 else b"\xef\xbf\xbd" for i in _ids(ids))
+        return held.decode("utf-8", errors="replace")
 
 
 class JsonTokenizer:

@@ -1,0 +1,155 @@
+"""``gpipe train --model``: the model a run trains, resolved from the flags (or from the run
+it continues) and checked before any process starts."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe.cli.common import UsageError
+
+__all__ = ["GPT_FLAGS", "model_layer_count", "resolve_model", "starting_weights"]
+
+GPT_FLAGS = {  # flag -> GPTConfig field
+    "n_layer": "n_layer",
+    "d_model": "d_model",
+    "n_head": "n_head",
+    "d_ff": "d_ff",
+    "context": "seq_len",
+    "dropout": "dropout",
+}
+
+
+def resolve_model(args: argparse.Namespace, saved: dict[str, Any] | None, out: Path) -> Any:
+    """The run's ``TrainModel``: from ``--model`` and its flags, or as the run in ``out``
+    recorded it (where the flags must agree with it)."""
+    from gpipe.training.model_sources import model_from_dict, parse_model
+
+    try:
+        kind, target = parse_model(args.model or (saved or {}).get("source", "gpt"))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    given = [f"--{f.replace('_', '-')}" for f in GPT_FLAGS if getattr(args, f) is not None]
+    given += ["--untied"] * bool(args.untied) + ["--preset"] * (args.preset is not None)
+    if kind != "gpt" and given:
+        raise UsageError(
+            f"{', '.join(given)}: the built-in GPT's flags, but --model {args.model} gives the "
+            "model; set its shape in its own config or factory"
+        )
+    if kind == "gpt":
+        return model_from_dict({"source": "gpt", **_gpt_fields(args, saved, out)})
+    if saved is not None:
+        held = model_from_dict(saved)
+        if args.model is not None and args.model != held.source:
+            raise UsageError(f"the run in {out} trains --model {held.source}, not {args.model}")
+        return held
+    split_at = args.split_at.split(",") if args.split_at else None
+    try:
+        if kind == "hf":
+            return _hf_model(target, split_at)
+        return _module_model(target, split_at, args.seq_len)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _gpt_fields(
+    args: argparse.Namespace, saved: dict[str, Any] | None, out: Path
+) -> dict[str, Any]:
+    from gpipe.training.models.gpt import GPTConfig, config_from_preset
+
+    if args.split_at:
+        raise UsageError("--split-at cuts a model given by --model hf:... or MODULE:FUNCTION")
+    overrides = {
+        field_: getattr(args, flag)
+        for flag, field_ in GPT_FLAGS.items()
+        if getattr(args, flag) is not None
+    }
+    if args.untied:
+        overrides["tied"] = False
+    try:
+        if saved is None:
+            config = config_from_preset(args.preset or "small", **overrides)
+        else:
+            config = GPTConfig.from_dict({k: v for k, v in saved.items() if k != "source"})
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UsageError(str(exc).strip("'\"")) from None
+    differ = {k: v for k, v in overrides.items() if getattr(config, k) != v}
+    if differ:
+        asked = ", ".join(f"{k}={v}" for k, v in differ.items())
+        held = ", ".join(f"{k}={getattr(config, k)}" for k in differ)
+        raise UsageError(f"the checkpoint in {out} holds a model with {held}, not {asked}")
+    return config.to_dict()
+
+
+def _hf_model(target: str, split_at: list[str] | None) -> Any:
+    from gpipe.training.hf_models import config_file, hf_config
+    from gpipe.training.model_sources import TrainModel
+
+    config = hf_config(target)
+    folder = config_file(target).parent
+    has_weights = any((folder / n).is_file() for n in ("model.safetensors", _INDEX))
+    return TrainModel(
+        source=f"hf:{target}",
+        vocab_size=int(config.vocab_size),
+        seq_len=int(getattr(config, "max_position_embeddings", 0) or 2048),
+        weights=str(folder.resolve()) if Path(target).is_dir() and has_weights else None,
+        split_at=split_at,
+        hf_config=str(config_file(target).resolve()),
+    )
+
+
+_INDEX = "model.safetensors.index.json"
+
+
+def _module_model(target: str, split_at: list[str] | None, seq_len: int | None) -> Any:
+    """A factory's model, built once here to learn its vocabulary (the logits' width, on the
+    meta device) and its longest sequence (``max_seq_len``, ``seq_len`` or its config's
+    ``max_position_embeddings``; else ``--seq-len``)."""
+    from gpipe.training.model_sources import TrainModel, call_factory, logits_of
+
+    model = call_factory(target, 0)
+    longest = _longest_sequence(model) or seq_len
+    if longest is None:
+        raise ValueError(
+            f"--model {target}: its longest sequence is unknown (no max_seq_len, seq_len or "
+            "config.max_position_embeddings attribute); pass --seq-len"
+        )
+    probe = model.to("meta")
+    try:
+        with torch.no_grad():
+            vocab = logits_of(probe(torch.zeros(2, 4, dtype=torch.long, device="meta"))).shape[-1]
+    except (TypeError, RuntimeError) as exc:
+        raise ValueError(
+            f"--model {target}: the model must take token ids [batch, tokens] and return "
+            f"logits [batch, tokens, vocabulary] ({exc})"
+        ) from None
+    return TrainModel(source=target, vocab_size=int(vocab), seq_len=int(longest), split_at=split_at)
+
+
+def _longest_sequence(model: nn.Module) -> int | None:
+    for name in ("max_seq_len", "seq_len"):
+        if isinstance(getattr(model, name, None), int):
+            return int(getattr(model, name))
+    found = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(found) if isinstance(found, int) else None
+
+
+def model_layer_count(model: Any) -> int | None:
+    """Layers the pipeline cuts between (``--stages`` can be at most that), where known
+    before the ranks trace the model: the GPT's blocks, embedding and head."""
+    return model.config.n_layer + 2 if model.kind == "gpt" else None
+
+
+def starting_weights(model: Any, seed: int) -> None:
+    """A Hugging Face model built from a config alone starts from random weights drawn
+    once, by the process that prepares the run folder, and saved there (``model.weights``):
+    every rank reads its own stage's from them."""
+    if model.kind != "hf" or model.weights is None or Path(model.weights).is_dir():
+        return
+    from gpipe.training.hf_models import write_initial_weights
+
+    write_initial_weights(model.hf_config, Path(model.weights), seed)

@@ -1,0 +1,153 @@
+"""Hugging Face causal language models in ``gpipe train``: read a config, build the model
+without its weights, read each rank's weights lazily, and write a trained run back out.
+
+``transformers`` is an optional extra; it is imported here only, and its absence is a
+one-line error that names the extra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "LazyWeights",
+    "build_hf_meta",
+    "fill_unsaved_buffers",
+    "hf_config",
+    "write_initial_weights",
+]
+
+_WEIGHTS = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(
+            "--model hf: needs Hugging Face transformers: pip install 'gpipe[hf]'"
+        ) from None
+    return transformers
+
+
+def config_file(path: str | Path) -> Path:
+    """The ``config.json`` that ``path`` names: the file itself, or the one in a folder."""
+    path = Path(path)
+    found = path / "config.json" if path.is_dir() else path
+    if not found.is_file():
+        raise ValueError(f"--model hf:{path}: no config.json there")
+    return found
+
+
+def hf_config(path: str | Path) -> Any:
+    """The model config at ``path``, refused unless it describes a causal language model."""
+    transformers = _transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    file = config_file(path)
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(file), local_files_only=True)
+    except (ValueError, OSError, KeyError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--model hf:{path}: not a Hugging Face config ({exc})") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"--model hf:{path}: a {config.model_type!r} config is not a causal language model "
+            "(AutoModelForCausalLM has no class for it); give the config of a decoder such as "
+            "Llama, Qwen, Mistral or GPT-2"
+        )
+    config.use_cache = False  # training: no key/value cache in the traced graph
+    return config
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Build modules whose parameters take no memory while their buffers are real: buffers
+    that no checkpoint holds (a rotary embedding's frequencies) are computed as usual."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def build_hf_meta(path: str | Path) -> nn.Module:
+    """The model of the config at ``path`` in float32, parameters on the meta device."""
+    transformers = _transformers()
+    config = hf_config(path)
+    with _parameters_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.train()
+
+
+def write_initial_weights(path: str | Path, out: Path, seed: int) -> Path:
+    """Build the model of the config at ``path`` once, with random weights from ``seed``, and
+    save it as a Hugging Face folder under ``out`` that every rank then reads its own
+    tensors from; returns the folder (written whole or not at all)."""
+    transformers = _transformers()
+    config = hf_config(path)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    partial = out.with_name(f".{out.name}.partial")
+    model.save_pretrained(str(partial))
+    os.replace(partial, out)
+    return out
+
+
+class LazyWeights:
+    """The tensors of a Hugging Face folder's safetensors by name, each read only when asked
+    for: a rank reads its own stage's weights and nothing else."""
+
+    def __init__(self, folder: str | Path) -> None:
+        from safetensors import safe_open
+
+        folder = Path(folder)
+        if (folder / _INDEX).is_file():
+            files = json.loads((folder / _INDEX).read_text())["weight_map"]
+        elif (folder / _WEIGHTS).is_file():
+            files = None
+        else:
+            raise ValueError(f"{folder}: no {_WEIGHTS} or {_INDEX} to read weights from")
+        names = sorted(set(files.values())) if files else [_WEIGHTS]
+        self._open = {name: safe_open(str(folder / name), "pt") for name in names}
+        self._where = files or {k: _WEIGHTS for k in self._open[_WEIGHTS].keys()}  # noqa: SIM118
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self._open[self._where[key]].get_tensor(key)
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+
+def fill_unsaved_buffers(stages: nn.Module, pipe: nn.Module, reference: nn.Module | None) -> None:
+    """Copy the buffers no state dict holds (non-persistent ones, such as a rotary
+    embedding's frequencies) into the stages ``pipe`` holds, from the model they were split
+    from, where its buffers are real."""
+    if reference is None:
+        return
+    real = {n: b for n, b in reference.named_buffers() if not b.is_meta}
+    mine = {id(s) for s in stages.children()}
+    for stage in (m for m in pipe.modules() if id(m) in mine):
+        saved = set(stage.state_dict())
+        for name, buffer in stage.named_buffers():
+            if name not in saved and name in real:
+                with torch.no_grad():
+                    buffer.copy_(real[name])

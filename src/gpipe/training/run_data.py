@@ -1,0 +1,81 @@
+"""A run's data as every rank reads it: token files memory-mapped where they are, text
+through a tokenizer tokenized once into the run folder before the processes start, and the
+check that every rank reads the same."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from gpipe.errors import StageError
+from gpipe.pipeline import Pipeline
+from gpipe.training.options import TrainOptions
+from gpipe.training.tokenizer import load_tokenizer
+from gpipe.training.tokens import (
+    TokenDataset,
+    fingerprint,
+    needs_preparing,
+    open_dataset,
+    prepare_tokens,
+    token_dtype_for,
+)
+
+__all__ = ["check_same_data", "prepare_run_data", "run_dataset"]
+
+TOKENS = "tokens"  # the run folder's subfolder of tokenized text
+
+
+def _prepared(opts: TrainOptions, out: Path) -> tuple[Path, Path | None] | None:
+    """Where the tokenized text of this run lies (training, validation), if it has any."""
+    if not needs_preparing(opts.data, opts.tokenizer):
+        return None
+    val = out / TOKENS / "val.bin" if opts.val_data is not None else None
+    return out / TOKENS / "train.bin", val
+
+
+def prepare_run_data(opts: TrainOptions, out: Path) -> None:
+    """Tokenize text data once into the run folder, unless an earlier start of this run
+    already did (each file is written whole or not at all)."""
+    paths = _prepared(opts, out)
+    if paths is None:
+        return
+    tokenizer = load_tokenizer(opts.tokenizer)
+    train, val = paths
+    if not train.is_file():
+        prepare_tokens(opts.data, train, tokenizer)
+    if val is not None and not val.is_file():
+        prepare_tokens(opts.val_data, val, tokenizer, flag="--val-data")
+
+
+def run_dataset(opts: TrainOptions, out: Path) -> TokenDataset:
+    """The training and validation ids of the run in ``out``: its tokenized text if it has
+    some, else ``--data`` as it is (memory-mapped token files, or bytes)."""
+    paths = _prepared(opts, out)
+    if paths is None:
+        return open_dataset(
+            opts.data,
+            val_data=opts.val_data,
+            tokenizer=opts.tokenizer,
+            token_dtype=opts.token_dtype,
+        )
+    train, val = paths
+    dtype = token_dtype_for(load_tokenizer(opts.tokenizer).vocab_size)
+    return open_dataset(train, val_data=val, token_dtype=dtype)
+
+
+def check_same_data(dataset: TokenDataset, pipe: Pipeline) -> None:
+    """Inputs come from the first stage's copy of the data and targets from the last's: on
+    several machines, make sure every copy is the same."""
+    if dist.get_world_size() == 1:
+        return
+    prints: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(prints, fingerprint(dataset))
+    replicas = pipe.replicas.data_parallel if pipe.replicas is not None else 1
+    for rank, found in enumerate(prints):
+        if found != prints[0]:
+            raise StageError(
+                rank // replicas,  # rank = position in the pipeline x D + replica
+                "reads different training data than stage 0 (another Python's standard "
+                "library, another copy of --data?); pass the same --data on every machine",
+            )
