@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from gpipe.cli.common import UsageError, multi_stage_schedules, positive
+from gpipe.cli.config_file import apply_config_file, config_text, resolved_config
 from gpipe.cli.train_flags import (
     add_model_options,
     add_pipeline_options,
@@ -45,7 +46,17 @@ def add_parser(sub: Any) -> None:
     add_pipeline_options(p.add_argument_group("pipeline"))
     add_training_options(p.add_argument_group("training"))
     add_run_folder_options(p.add_argument_group("run folder"))
-    p.set_defaults(command=_train)
+    p.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="flags as keys of a TOML file (batch-size = 16); flags given here win",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved configuration, as a file --config reads, and stop",
+    )
+    p.set_defaults(command=_train, train_parser=p)
 
 
 def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> Any:
@@ -181,7 +192,8 @@ def _check_data(opts: Any, model: Any, out: Path) -> None:
     from gpipe.training.tokens import check_vocabulary, check_windows, needs_preparing
 
     try:
-        check_tokenizer(load_tokenizer(opts.tokenizer), model.vocab_size)
+        if opts.tokenizer is not None:
+            check_tokenizer(load_tokenizer(opts.tokenizer), model.vocab_size)
         if needs_preparing(opts.data, opts.tokenizer) and not (out / "tokens").is_dir():
             return
         dataset = run_dataset(opts, out)
@@ -273,6 +285,7 @@ def _train(args: argparse.Namespace) -> int:
     from gpipe.training.job import RunSpec, run_stage
     from gpipe.training.launch import launch, threads_per_process
 
+    apply_config_file(args, args.train_parser)
     torchrun = _under_torchrun()
     if torchrun and args.max_restarts is not None:
         raise UsageError(
@@ -289,13 +302,17 @@ def _train(args: argparse.Namespace) -> int:
     if torchrun:
         _shape_from_world(args, opts, int(os.environ["WORLD_SIZE"]))
     _check(model, opts)
+    config = resolved_config(args, args.train_parser, model, opts)
+    if args.print_config:
+        print(config_text(config), end="")
+        return 0
     _check_data(opts, model, out)
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be a positive integer, got {args.threads}")
     fresh_weights = model.kind == "hf" and model.weights is None
     if fresh_weights:  # drawn once, in the run folder, where every rank reads its stage's
         model.weights = str(out / "initial")
-    run: dict[str, Any] = {"model": model.to_dict(), "train": asdict(opts)}
+    run: dict[str, Any] = {"model": model.to_dict(), "train": asdict(opts), "config": config}
     restarted = held is not None
     if torchrun:
         from gpipe.training.elastic import job_id

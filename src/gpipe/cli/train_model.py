@@ -4,6 +4,10 @@ it continues) and checked before any process starts."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +123,8 @@ def _module_model(target: str, split_at: list[str] | None, seq_len: int | None) 
             "config.max_position_embeddings attribute); pass --seq-len"
         )
     probe = model.to("meta")
+    if not isinstance(model, nn.Sequential) or split_at:
+        _check_traceable(probe, target, split_at)
     try:
         with torch.no_grad():
             vocab = logits_of(probe(torch.zeros(2, 4, dtype=torch.long, device="meta"))).shape[-1]
@@ -128,6 +134,20 @@ def _module_model(target: str, split_at: list[str] | None, seq_len: int | None) 
             f"logits [batch, tokens, vocabulary] ({exc})"
         ) from None
     return TrainModel(source=target, vocab_size=int(vocab), seq_len=int(longest), split_at=split_at)
+
+
+def _check_traceable(model: nn.Module, target: str, split_at: list[str] | None) -> None:
+    """Trace the model (on meta: no memory, no compute) before any process starts, so an
+    untraceable one, or a wrong --split-at, is gpipe.split's one-line error here."""
+    from gpipe.splitting import split
+
+    example = torch.zeros(2, 4, dtype=torch.long, device="meta")
+    try:  # the tracer prints the graph it gave up on, and logs: the message says it all
+        with _quiet():
+            split(model, (example,), at=split_at or [])
+    except Exception as exc:  # TraceError, CutError, or the tracer's own
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"--model {target}: {first}") from None
 
 
 def _longest_sequence(model: nn.Module) -> int | None:
@@ -153,3 +173,15 @@ def starting_weights(model: Any, seed: int) -> None:
     from gpipe.training.hf_models import write_initial_weights
 
     write_initial_weights(model.hf_config, Path(model.weights), seed)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    torch_log = logging.getLogger("torch")
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        torch_log.setLevel(level)

@@ -14,18 +14,20 @@ __all__ = ["generate_text"]
 
 def generate_text(
     pipe: Pipeline,
-    prompt: str,
+    prompt: str | list[int],
     tokens: int,
     seq_len: int,
     seed: int,
     device: torch.device,
     tokenizer: Tokenizer | None = None,
 ) -> str:
-    """Generate ``tokens`` tokens (bytes without a tokenizer) through the pipeline: the last
-    stage picks every next token and tells the others."""
+    """Generate ``tokens`` tokens (bytes without a tokenizer) through the pipeline after
+    ``prompt`` (text, or its ids): the last stage picks every next token and tells the
+    others."""
     tokenizer = tokenizer or ByteTokenizer()
     generator = torch.Generator().manual_seed(seed)
-    context = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long)
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    context = torch.tensor([ids], dtype=torch.long)
     pipe.eval()
     for _ in range(tokens):
         outputs = pipe(context[:, -seq_len:] if pipe.is_first else None)

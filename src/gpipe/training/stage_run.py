@@ -32,7 +32,7 @@ from gpipe.training.retention import Retention
 from gpipe.training.run_data import check_same_data, run_dataset
 from gpipe.training.tied_copies import TiedCopies
 from gpipe.training.timelines import write_timeline
-from gpipe.training.tokenizer import load_tokenizer
+from gpipe.training.tokenizer import IdTokenizer, load_tokenizer
 
 __all__ = ["StageRun"]
 
@@ -78,7 +78,8 @@ class StageRun:
         self.scaler = torch.amp.GradScaler(self.device.type) if fp16 else None
         self.dataset = run_dataset(opts, self.out)
         check_same_data(self.dataset, self.pipe)
-        self.tokenizer = load_tokenizer(opts.tokenizer)
+        token_file = opts.tokenizer is None and self.dataset.vocab_bound is None
+        self.tokenizer = IdTokenizer() if token_file else load_tokenizer(opts.tokenizer)
         self.sampler = BatchSampler(
             self.dataset.train, opts.batch_size, self.seq_len, seed=opts.seed
         )
@@ -279,11 +280,19 @@ class StageRun:
         self.writer.save(step, self.pipe, self.optimizer, extra, description,
                          on_written=lambda: kill_point("save", step))  # fmt: skip
 
+    def _prompt(self) -> list[int]:
+        """The sample's first ids: ``--prompt``, or where the model's vocabulary cannot say
+        it (a token file's ids), the validation data's first few."""
+        ids = self.tokenizer.encode(self.opts.prompt)
+        if ids and max(ids) < self.model.vocab_size:
+            return ids
+        return [int(i) for i in self.dataset.val[:4]]
+
     def _summary(self, elapsed: float, steps_run: int) -> dict[str, Any] | None:
         """The sample text and every rank's peak memory, with the run's losses and speed."""
         opts = self.opts
         sample = generate_text(
-            self.pipe, opts.prompt, opts.sample_tokens, self.seq_len, opts.seed, self.device,
+            self.pipe, self._prompt(), opts.sample_tokens, self.seq_len, opts.seed, self.device,
             self.tokenizer,
         )  # fmt: skip
         memory: list[int] = [0] * self.world

@@ -12,6 +12,7 @@ from torch import Tensor
 __all__ = [
     "Tokenizer",
     "ByteTokenizer",
+    "IdTokenizer",
     "JsonTokenizer",
     "HFTokenizer",
     "load_tokenizer",
@@ -67,6 +68,24 @@ class ByteTokenizer:
         # a model with a wider vocabulary than bytes may pick an id above 255: U+FFFD
         held = b"".join(bytes([i]) if 0 <= i < 256 else b"\xef\xbf\xbd" for i in _ids(ids))
         return held.decode("utf-8", errors="replace")
+
+
+class IdTokenizer:
+    """Token ids shown as numbers: the text of a run trained on a token file with no
+    tokenizer to decode it."""
+
+    name = "ids"
+    vocab_size = 1 << 32
+    eos_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return [int(word) for word in text.split() if word.isdigit()]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    def decode(self, ids: Sequence[int] | Tensor) -> str:
+        return " ".join(map(str, _ids(ids)))
 
 
 class JsonTokenizer:
