@@ -18,57 +18,83 @@ def add_parser(sub: Any) -> None:
         "sample",
         help="generate text from a checkpoint",
         description="Generate text from a gpipe checkpoint (a run folder or one of its "
-        "checkpoints), with the whole model in this process.",
+        "checkpoints), with the whole model in this process: the model the run trained, "
+        "the built-in GPT, a Hugging Face model or a module of your own.",
     )
     p.add_argument("path", metavar="DIR", help="run folder or checkpoint folder")
     p.add_argument("--prompt", default="def ", help="text to continue")
-    p.add_argument("--tokens", type=int, default=300, help="bytes to generate")
+    p.add_argument("--tokens", type=int, default=300, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="a tokenizer.json or Hugging Face tokenizer folder (default: the run's "
+        "--tokenizer; bytes if it had none)",
+    )
+    p.add_argument(
+        "--model",
+        help="the run's --model, checked against what the checkpoint holds (the checkpoint "
+        "says which model it is; this only guards against reading the wrong run)",
+    )
     p.set_defaults(command=_sample)
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from gpipe.training.checkpoints import (
-        DESCRIPTION,
-        latest_checkpoint,
-        load_model_weights,
-        read_description,
-        verify_checkpoint,
-    )
-    from gpipe.training.data import decode, encode
-    from gpipe.training.models.gpt import GPTConfig, build_gpt, generate
+    from gpipe.training.models.gpt import generate
+    from gpipe.training.tokenizer import check_tokenizer, load_tokenizer
+    from gpipe.training.trained import checkpoint_at, load_trained, trained_model
 
-    folder = Path(args.path)
-    if (folder / DESCRIPTION).is_file():  # one checkpoint, named
-        path: Path | None = folder
-        problems = verify_checkpoint(folder)
-        if problems:
-            raise UsageError(f"{folder}: damaged checkpoint ({'; '.join(problems)})")
-    else:  # a run folder: its newest checkpoint that verifies
-        path = latest_checkpoint(folder / "checkpoints")
-    if path is None:
-        raise UsageError(f"{folder}: no gpipe checkpoint there")
     positive("tokens", args.tokens)
     positive("top-k", args.top_k)
     if args.temperature <= 0:
         raise UsageError(f"--temperature must be positive, got {args.temperature}")
-    config = GPTConfig.from_dict(read_description(path)["model"])
-    model = build_gpt(config)
-    load_model_weights(path, model)
-    model.eval()
-    prompt = encode(args.prompt).view(1, -1)
+    try:
+        path = checkpoint_at(args.path)
+        if args.model is not None:
+            _check_model(args.model, trained_model(path).source, path)
+        trained = load_trained(path)
+        where = args.tokenizer or trained.train.get("tokenizer")
+        tokenizer = load_tokenizer(where)
+        check_tokenizer(tokenizer, trained.model.vocab_size)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
+    if prompt.shape[1] == 0:
+        raise UsageError(f"--prompt {args.prompt!r} gives no tokens to continue")
     generator = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         tokens = generate(
-            model,
+            trained.logits,
             prompt,
             args.tokens,
-            config.seq_len,
+            trained.seq_len,
             temperature=args.temperature,
             top_k=args.top_k,
             generator=generator,
         )
-    print(decode(tokens[0].tolist()))
+    print(tokenizer.decode(tokens[0].tolist()))
     return 0
+
+
+def _check_model(given: str, held: str, path: Path) -> None:
+    """``--model`` must name the model the checkpoint holds (a Hugging Face config by its
+    file or its folder alike)."""
+    from gpipe.training.model_sources import parse_model
+
+    try:
+        kind, target = parse_model(given)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    held_kind, held_target = parse_model(held)
+    same = kind == held_kind and (
+        _config_path(target) == _config_path(held_target) if kind == "hf" else target == held_target
+    )
+    if not same:
+        raise UsageError(f"--model {given}: the checkpoint {path} holds --model {held}")
+
+
+def _config_path(target: str) -> Path:
+    path = Path(target)
+    return (path / "config.json" if path.is_dir() else path).resolve()

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 __all__ = [
     "LazyWeights",
     "build_hf_meta",
+    "build_hf_zeros",
     "fill_unsaved_buffers",
     "hf_config",
     "write_initial_weights",
@@ -93,6 +94,22 @@ def build_hf_meta(path: str | Path) -> nn.Module:
     with _parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.train()
+
+
+def build_hf_zeros(path: str | Path) -> nn.Module:
+    """The model of the config at ``path`` in float32 on the CPU, every parameter zeros for a
+    checkpoint to fill: nothing drawn at random, so a large model builds in the time its
+    memory takes to fill. Tied parameters stay one parameter."""
+    model = build_hf_meta(path)
+    real: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                if id(param) not in real:
+                    zeros = torch.zeros(param.shape, dtype=param.dtype)
+                    real[id(param)] = nn.Parameter(zeros, requires_grad=param.requires_grad)
+                module._parameters[name] = real[id(param)]
+    return model
 
 
 def write_initial_weights(path: str | Path, out: Path, seed: int) -> Path:

@@ -1,0 +1,126 @@
+"""A run's model whole in one process, read from one of its checkpoints: what ``gpipe
+sample`` generates with and ``gpipe export`` writes out.
+
+The model is built real on the CPU in float32 as the run recorded it (the GPT from its
+config, a Hugging Face model from its config, a factory's module from its function), cut
+where the run cut it, so the checkpoint's keys (``"0.model.embed_tokens.weight"``) are the
+stages', and loaded. A split model's stages hold the model's own parameters: loading them
+fills the model as it was built, which is what an export saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gpipe.splitting import split
+from gpipe.training.checkpoints import (
+    DESCRIPTION,
+    latest_checkpoint,
+    load_model_weights,
+    read_description,
+    verify_checkpoint,
+)
+from gpipe.training.model_sources import TrainModel, call_factory, logits_of, model_from_dict
+from gpipe.training.models.gpt import build_gpt
+
+__all__ = ["TrainedModel", "checkpoint_at", "hf_config_of", "load_trained", "trained_model"]
+
+
+def checkpoint_at(path: str | Path) -> Path:
+    """The checkpoint ``path`` names: the folder itself if it is one (refused if damaged),
+    else the newest checkpoint of the run folder ``path`` that verifies. ValueError if there
+    is none."""
+    folder = Path(path)
+    if (folder / DESCRIPTION).is_file():
+        problems = verify_checkpoint(folder)
+        if problems:
+            raise ValueError(f"{folder}: damaged checkpoint ({'; '.join(problems)})")
+        return folder
+    found = latest_checkpoint(folder / "checkpoints")
+    if found is None:
+        raise ValueError(f"{folder}: no gpipe checkpoint there (a run folder or a checkpoint)")
+    return found
+
+
+def trained_model(checkpoint: Path) -> TrainModel:
+    """The model the checkpoint's run trains, as it recorded it (with its cuts)."""
+    return model_from_dict(read_description(checkpoint)["model"])
+
+
+@dataclass
+class TrainedModel:
+    """A run's model loaded from a checkpoint."""
+
+    model: TrainModel
+    """What the run trains, as ``--model`` said and the run recorded."""
+    module: nn.Module
+    """Token ids ``[batch, tokens]`` to the model's outputs: the GPT, a factory's
+    Sequential, or the stages the run cut (a ``SplitModel``)."""
+    original: nn.Module
+    """The model as it was built, holding the loaded weights (``module`` itself unless the
+    run split it)."""
+    checkpoint: Path
+    train: dict[str, Any]
+    """The run's options as the checkpoint recorded them (``TrainOptions`` as a dict)."""
+
+    @property
+    def step(self) -> int:
+        return int(read_description(self.checkpoint)["step"])
+
+    @property
+    def seq_len(self) -> int:
+        """The longest window the run trained on."""
+        return int(self.train.get("seq_len") or self.model.seq_len)
+
+    def logits(self, ids: Tensor) -> Tensor:
+        """The logits ``[batch, tokens, vocabulary]`` of token ids ``[batch, tokens]``."""
+        return logits_of(self.module(ids))
+
+
+def hf_config_of(model: TrainModel) -> Path:
+    """The config.json a Hugging Face run was built from: where the run found it, else the
+    copy beside its starting weights (the run folder's ``initial``, or the fine-tuned
+    folder)."""
+    candidates = [Path(model.hf_config or "")]
+    if model.weights is not None:
+        candidates.append(Path(model.weights) / "config.json")
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise ValueError(
+        f"--model {model.source}: its config is gone ({' and '.join(map(str, candidates))} "
+        "do not exist); put the config.json back where the run read it"
+    )
+
+
+def load_trained(checkpoint: Path) -> TrainedModel:
+    """The run's model, built on the CPU in float32 and loaded from ``checkpoint``, in
+    evaluation mode."""
+    description = read_description(checkpoint)
+    model = model_from_dict(description["model"])
+    train = dict(description.get("train") or {})
+    original = _build(model, int(train.get("seed", 0)))
+    original.eval()
+    module = original
+    if model.kind != "gpt" and (model.split_at or not isinstance(original, nn.Sequential)):
+        example = torch.zeros(2, min(model.seq_len, 16), dtype=torch.long)
+        module = split(original, (example,), at=model.split_at or [])
+        module.eval()
+    load_model_weights(checkpoint, module)
+    return TrainedModel(model, module, original, checkpoint, train)
+
+
+def _build(model: TrainModel, seed: int) -> nn.Module:
+    """The model with real weights on the CPU, for a checkpoint to overwrite."""
+    if model.kind == "gpt":
+        return build_gpt(model.config)
+    if model.kind == "hf":
+        from gpipe.training.hf_models import build_hf_zeros
+
+        return build_hf_zeros(hf_config_of(model))
+    return call_factory(model.source, seed)
