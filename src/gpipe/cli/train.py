@@ -70,6 +70,9 @@ def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> An
     for flag in ("quiet", "trace", "sync_save"):
         if getattr(args, flag):
             values[flag] = True
+    for path in ("data", "val_data", "tokenizer"):  # the run is read from other folders too
+        if getattr(args, path) is not None:
+            values[path] = str(Path(getattr(args, path)).resolve())
     if values.get("schedule") == "auto" and args.chunks is None and saved is None:
         values["chunks"] = None  # the search chooses it
     return TrainOptions(**values)
@@ -413,7 +416,7 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
         f"trained {summary['steps']} steps in {summary['seconds']:.1f} s, "
         f"{summary['tokens_per_s']:,.0f} tokens/s, stages {summary['balance']}\n"
         f"loss: train {summary['train_loss']:.3f}, validation {summary['val_loss']:.3f} "
-        f"(nats per byte)\n"
+        f"(nats per {summary.get('unit', 'byte')})\n"
         f"peak memory per process: {memory}\n"
         f"run folder: {out}\n"
         f"sample:\n{summary['sample']}"

@@ -32,7 +32,7 @@ from gpipe.training.retention import Retention
 from gpipe.training.run_data import check_same_data, run_dataset
 from gpipe.training.tied_copies import TiedCopies
 from gpipe.training.timelines import write_timeline
-from gpipe.training.tokenizer import IdTokenizer, load_tokenizer
+from gpipe.training.tokenizer import ByteTokenizer, IdTokenizer, load_tokenizer
 
 __all__ = ["StageRun"]
 
@@ -312,4 +312,5 @@ class StageRun:
             "peak_memory_bytes": memory,
             "sample": sample,
             "balance": self.pipe.balance,
+            "unit": "byte" if isinstance(self.tokenizer, ByteTokenizer) else "token",
         }
