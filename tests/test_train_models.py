@@ -77,6 +77,12 @@ def test_a_hugging_face_llama_trains_on_a_token_file(reference):
     assert (reference / "initial" / "model.safetensors").is_file()  # drawn once, read by rank
 
 
+def test_sample_of_a_token_file_run_takes_and_prints_ids(reference, capsys):
+    assert main(["sample", str(reference), "--prompt", "3 5", "--tokens", "4"]) == 0
+    ids = capsys.readouterr().out.split()
+    assert ids[:2] == ["3", "5"] and len(ids) == 6 and all(0 <= int(i) < VOCAB for i in ids)
+
+
 def test_killed_and_restarted_it_goes_on_with_the_same_losses(
     inputs, reference, tmp_path, monkeypatch
 ):

@@ -43,7 +43,7 @@ def add_parser(sub: Any) -> None:
 
 def _sample(args: argparse.Namespace) -> int:
     from gpipe.training.models.gpt import generate
-    from gpipe.training.tokenizer import check_tokenizer, load_tokenizer
+    from gpipe.training.tokenizer import IdTokenizer, check_tokenizer, load_tokenizer
     from gpipe.training.trained import checkpoint_at, load_trained, trained_model
 
     positive("tokens", args.tokens)
@@ -56,13 +56,20 @@ def _sample(args: argparse.Namespace) -> int:
             _check_model(args.model, trained_model(path).source, path)
         trained = load_trained(path)
         where = args.tokenizer or trained.train.get("tokenizer")
-        tokenizer = load_tokenizer(where)
-        check_tokenizer(tokenizer, trained.model.vocab_size)
+        data = str(trained.train.get("data") or "")
+        ids_only = where is None and data.endswith((".bin", ".npy"))  # no text to speak
+        tokenizer = IdTokenizer() if ids_only else load_tokenizer(where)
+        if not ids_only:
+            check_tokenizer(tokenizer, trained.model.vocab_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
-    if prompt.shape[1] == 0:
-        raise UsageError(f"--prompt {args.prompt!r} gives no tokens to continue")
+    how = "token ids such as '17 42 7' (the run read a token file)" if ids_only else "text"
+    if prompt.shape[1] == 0 or int(prompt.max()) >= trained.model.vocab_size:
+        raise UsageError(
+            f"--prompt {args.prompt!r} gives no tokens of the model's vocabulary of "
+            f"{trained.model.vocab_size} to continue; give {how}"
+        )
     generator = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         tokens = generate(
