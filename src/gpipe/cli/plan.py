@@ -14,6 +14,12 @@ from typing import Any
 import torch
 
 from gpipe.cli.common import UsageError, multi_stage_schedules
+from gpipe.cli.plan_model import (
+    add_model_arguments,
+    check_split_options,
+    model_kind,
+    plan_split,
+)
 from gpipe.planning.advice import chunks_advice
 from gpipe.planning.memory import (
     OPTIMIZER_STATES,
@@ -68,16 +74,7 @@ def add_parser(sub: Any) -> None:
         "state and activations) for a model cut into pipeline stages, without allocating "
         "it: the model is profiled on the meta device.",
     )
-    p.add_argument("--model", choices=["gpt"], default="gpt", help="model family (default gpt)")
-    p.add_argument("--n-layer", type=int, default=12, help="transformer blocks (default 12)")
-    p.add_argument("--d-model", type=int, default=768, help="residual width (default 768)")
-    p.add_argument("--n-head", type=int, default=12, help="attention heads (default 12)")
-    p.add_argument("--d-ff", type=int, help="MLP width (default 4 x d-model)")
-    p.add_argument("--vocab-size", type=int, default=50257, help="vocabulary (default 50257)")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
-    p.add_argument(
-        "--no-tie-embeddings", action="store_true", help="separate embedding and head weights"
-    )
+    add_model_arguments(p)
     p.add_argument("--stages", type=int, metavar="K", help="processes (default 4)")
     p.add_argument(
         "--data-parallel",
@@ -217,11 +214,11 @@ def _check_model(args: argparse.Namespace, *more: str) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    if args.d_model % args.n_head:
+    if args.n_head is not None and args.d_model % args.n_head:
         raise UsageError(f"--d-model {args.d_model} must be a multiple of --n-head {args.n_head}")
 
 
-def _check(args: argparse.Namespace) -> None:
+def _check(args: argparse.Namespace, gpt: bool) -> None:
     for flag in ("suggest", "max_stages", "measure", "top"):
         if getattr(args, flag) not in (None, False):
             raise UsageError(f"--{flag.replace('_', '-')} needs --suggest")
@@ -248,6 +245,8 @@ def _check(args: argparse.Namespace) -> None:
         )
     if args.max_layers and args.balance not in ("even", "params"):
         raise UsageError("--max-layers cuts each candidate itself: --balance even or params")
+    if not gpt:  # gpipe.split says how many stages the model can be cut into
+        return
     layers = args.n_layer + 2
     if not args.max_layers and args.stages * args.virtual_stages > layers:
         raise UsageError(
@@ -276,11 +275,19 @@ def _most_layers(args: argparse.Namespace, template: Profile, memory: int) -> in
 
 
 def _plan(args: argparse.Namespace) -> int:
-    if args.suggest:
+    gpt = model_kind(args) == "gpt"
+    if not gpt:
+        check_split_options(args)
+    elif args.suggest:
         return _suggest(args)
-    _check(args)
+    _check(args, gpt)
     try:
         memory = parse_bytes(args.device_memory)
+        if not gpt:
+            result, starts = plan_split(args, _DTYPES[args.dtype])
+            cut = "cut at --split-at" if args.split_at else "cut by parameters"
+            _print(args, f"{args.model}: seq_len {args.seq_len}", cut, result, memory, starts)
+            return _advise(args, result, memory)
         template = _template(args)
         n_layer = args.n_layer
         if args.max_layers:
@@ -292,7 +299,14 @@ def _plan(args: argparse.Namespace) -> int:
         result = _plan_for(args, template, n_layer)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    _print(args, n_layer, result, memory)
+    blocks = "most blocks that fit" if args.max_layers else "blocks"
+    heading = f"gpt: {blocks} {n_layer}, d_model {args.d_model}"
+    _print(args, heading, f"balance {list(result.balance)}", result, memory)
+    return _advise(args, result, memory)
+
+
+def _advise(args: argparse.Namespace, result: MemoryPlan, memory: int) -> int:
+    """Print the micro-batch advice, if any; the exit code: 0 if the plan fits, else 1."""
     advice = chunks_advice(
         args.schedule,
         args.stages,
@@ -315,23 +329,32 @@ def _rows(args: argparse.Namespace) -> str:
     return f"{share} (of {args.batch_size}, over {args.data_parallel} replicas)"
 
 
-def _print(args: argparse.Namespace, n_layer: int, result: MemoryPlan, memory: int) -> None:
+def _print(
+    args: argparse.Namespace,
+    heading: str,
+    cut: str,
+    result: MemoryPlan,
+    memory: int,
+    starts: list[str] | None = None,
+) -> None:
+    """The plan's table, a row per process; ``starts`` (a split model's): the submodule
+    where each stage begins, in place of the count of layers."""
     params = sum(r.params for r in result.ranks)
-    heading = "most blocks that fit" if args.max_layers else "blocks"
     print(
-        f"gpt: {heading} {n_layer}, d_model {args.d_model}, {params / 1e6:,.1f} M parameters "
-        f"({args.dtype}); {args.stages} stages, balance {list(result.balance)}, "
+        f"{heading}, {params / 1e6:,.1f} M parameters "
+        f"({args.dtype}); {args.stages} stages, {cut}, "
         f"{args.schedule}, {args.chunks} micro-batches of {_rows(args)} sequences, "
         f"checkpoint {args.checkpoint}, {args.optimizer}"
     )
     replicated = args.data_parallel > 1
-    header = ["rank", "layers", "parameters", "weights", "grads+optimizer", "activations",
+    header = ["rank", "layers" if starts is None else "stages begin at", "parameters",
+              "weights", "grads+optimizer", "activations",
               *(["all-reduce"] if replicated else []), "total",
               f"fits {format_bytes(memory)}"]  # fmt: skip
     rows = [
         [
             str(r.rank),
-            str(r.layers),
+            str(r.layers) if starts is None else ", ".join(starts[s] for s in r.stages),
             f"{r.params / 1e6:,.1f} M",
             format_bytes(r.param_bytes),
             format_bytes(r.state_bytes),
