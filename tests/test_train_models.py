@@ -94,12 +94,22 @@ def test_killed_and_restarted_it_goes_on_with_the_same_losses(
     assert _losses(out) == _losses(reference)
 
 
-def test_two_replicas_of_the_two_stages_in_bfloat16(inputs, tmp_path):
+def test_fine_tuning_the_exported_model_on_two_replicas_in_bfloat16(inputs, reference, tmp_path):
+    """The reference run exported as a Hugging Face folder and fine-tuned from it, 2 x 2
+    processes in bfloat16: each rank reads its stage's trained weights, so the first step's
+    loss is the trained model's, far below a fresh one's."""
+    exported = tmp_path / "exported"
+    assert main(["export", str(reference), "--hf", str(exported)]) == 0
     out = tmp_path / "run"
     more = ["--data-parallel", "2", "--precision", "bf16", "--eval-every", "2"]
-    assert _hf(inputs, out, "--steps", "2", *more) == 0
-    losses = _losses(out)
-    assert len(losses) == 2 and all(math.isfinite(v) for v in losses.values())
+    code = main([
+        *RUN, "--model", f"hf:{exported}", "--data", str(inputs / "tokens.bin"),
+        "--out", str(out), "--steps", "2", *more,
+    ])  # fmt: skip
+    assert code == 0
+    assert not (out / "initial").exists()  # the folder's weights, not fresh ones
+    first, trained = _losses(out)[1], _losses(reference)[18]
+    assert first < 0.5 * math.log(VOCAB) and abs(first - trained) < 0.5, (first, trained)
 
 
 FACTORY = '''
