@@ -75,7 +75,7 @@ MODULES = {
     "gpipe.models.gpt": ["GPTConfig", "build_gpt"],
     "gpipe.models.resnet": ["resnet"],
     "gpipe.distributed": ["Pipeline", "init_process_group"],
-    "gpipe.data": ["BatchSampler", "ByteDataset", "stdlib_corpus"],
+    "gpipe.data": ["BatchSampler", "ByteDataset", "counts_of", "pack", "stdlib_corpus"],
     "gpipe.elastic": ["join_process_group"],
     "gpipe.partition": ["materialize"],
     "gpipe.view": ["Measured", "Settings", "write"],

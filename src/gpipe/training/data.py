@@ -15,7 +15,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gpipe.training.packing import counts_of, pack
+
 __all__ = [
+    "pack",
+    "counts_of",
     "stdlib_corpus",
     "load_text",
     "encode",
