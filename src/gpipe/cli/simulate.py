@@ -32,7 +32,18 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--stages", type=int, default=4, metavar="K", help="pipeline stages (default 4)")
     p.add_argument(
-        "--chunks", type=int, default=8, metavar="M", help="micro-batches per step (default 8)"
+        "--chunks",
+        type=int,
+        default=None,
+        metavar="M",
+        help="micro-batches per step (default 8, or as many as --microbatch-tokens lists)",
+    )
+    p.add_argument(
+        "--microbatch-tokens",
+        metavar="N,N,...",
+        help="tokens of each micro-batch, such as packed sequences give (e.g. 100,30,500): "
+        "each micro-batch's compute costs in proportion, the costs being those of the mean "
+        "one (Costs.microbatch_scale), so uneven micro-batches show in the bubble",
     )
     p.add_argument(
         "--schedule",
@@ -87,7 +98,33 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(command=_simulate)
 
 
+def _microbatch_tokens(args: argparse.Namespace) -> list[float] | None:
+    """``--microbatch-tokens``, checked, which sets ``--chunks`` when that is not given."""
+    if args.microbatch_tokens is None:
+        args.chunks = 8 if args.chunks is None else args.chunks
+        return None
+    try:
+        tokens = [float(t) for t in args.microbatch_tokens.split(",")]
+    except ValueError:
+        tokens = []
+    if not tokens or any(not t > 0 for t in tokens):
+        raise UsageError(
+            "--microbatch-tokens must be a comma list of positive token counts, got "
+            f"{args.microbatch_tokens!r}"
+        )
+    if args.chunks not in (None, len(tokens)):
+        raise UsageError(
+            f"--chunks {args.chunks} but --microbatch-tokens lists {len(tokens)} micro-batches: "
+            "give one, or both agreeing"
+        )
+    if args.html is not None:
+        raise UsageError("--html: the page plays equal micro-batches; drop --microbatch-tokens")
+    args.chunks = len(tokens)
+    return tokens
+
+
 def _simulate(args: argparse.Namespace) -> int:
+    tokens = _microbatch_tokens(args)
     for flag in ("stages", "chunks", "virtual_stages", "data_parallel"):
         if getattr(args, flag) < 1:
             raise UsageError(
@@ -97,6 +134,7 @@ def _simulate(args: argparse.Namespace) -> int:
         return _simulate_file(args)
     names = _schedule_names(args.schedule)
     costs = DEFAULT_COSTS if args.costs is None else read_costs(args.costs, args.stages)
+    costs = costs if tokens is None else costs.with_tokens(tokens)
     if args.dump_csv is not None:
         _dump(args, names)
     if args.plot is not None:
@@ -105,7 +143,8 @@ def _simulate(args: argparse.Namespace) -> int:
     rows = compare(names, args.stages, args.chunks, costs, args.virtual_stages, args.data_parallel)
     source = args.costs or "default: forward 1, backward 1, weight 1 per stage"
     replicas = f", {args.data_parallel} replicas" if args.data_parallel > 1 else ""
-    print(f"{args.stages} stages, {args.chunks} micro-batches{replicas}, costs {source}")
+    sizes = "" if tokens is None else f" of {args.microbatch_tokens} tokens"
+    print(f"{args.stages} stages, {args.chunks} micro-batches{sizes}{replicas}, costs {source}")
     print(_table(rows, args.stages, args.chunks, costs, args.data_parallel > 1))
     if args.plot is not None:
         results = [
@@ -139,9 +178,9 @@ def _dump(args: argparse.Namespace, names: list[str]) -> None:
 
 def _simulate_file(args: argparse.Namespace) -> int:
     """The schedule of a PyTorch schedule file, checked, simulated and drawn."""
-    if args.schedule or args.dump_csv or args.html:
+    if args.schedule or args.dump_csv or args.html or args.microbatch_tokens:
         raise UsageError("--schedule-csv simulates the file's schedule alone: drop --schedule, "
-                         "--dump-csv and --html")  # fmt: skip
+                         "--dump-csv, --html and --microbatch-tokens")  # fmt: skip
     try:
         schedule = from_csv(args.schedule_csv)
     except ValueError as exc:

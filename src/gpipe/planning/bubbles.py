@@ -87,8 +87,8 @@ def compare(
 
 
 def _closed_bubble(name: str, k: int, m: int, costs: Costs, v: int) -> float | None:
-    """The closed-form bubble under ``costs``, if every rank costs the same."""
+    """The closed-form bubble under ``costs``, if every rank and micro-batch costs the same."""
     values = [costs.per_stage(field, k) for field in ("forward", "backward", "weight")]
-    if any(len(set(v)) > 1 for v in values):
+    if any(len(set(v)) > 1 for v in values) or len(set(costs.microbatch_scale)) > 1:
         return None
     return closed_form_bubble(name, k, m, v, *(x[0] for x in values))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -70,6 +71,14 @@ def _check_skip_bytes(value: Any) -> tuple[tuple[Route, float], ...]:
     return tuple(sorted(routes.items()))
 
 
+def _check_scales(value: Any) -> tuple[float, ...]:
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise ValueError(
+            f"Costs.microbatch_scale must be a list of one factor per micro-batch, got {value!r}"
+        )
+    return tuple(_check_amount(f"microbatch_scale[{i}]", v) for i, v in enumerate(value))
+
+
 @dataclass(frozen=True)
 class Costs:
     """What a schedule's actions cost, so that schedules can be compared before anything runs.
@@ -96,6 +105,13 @@ class Costs:
     ``recompute`` is the forward time each backward runs again when only some layers are
     recomputed (``gpipe.runtime.recompute.Layers``); it is added to every B.
 
+    ``microbatch_scale`` makes micro-batches cost differently, as those of packed sequences
+    of different lengths do: one factor per micro-batch that multiplies every compute action
+    of it (F, B, W and R) on every stage, so the per-stage costs are those of a micro-batch
+    of scale 1 (``with_tokens`` sets it from token counts). Empty, the default, is 1 for all;
+    given, it must have one factor per micro-batch of the simulated schedule. Messages and
+    memory are not scaled.
+
     With replicas (``simulate``'s ``data_parallel``), each stage's ``grad_bytes`` of
     gradients are summed over them by a ring all-reduce: ``2 (D - 1) / D x grad_bytes /
     allreduce_bandwidth`` (the link's bandwidth if None) plus ``2 (D - 1)`` latencies.
@@ -112,6 +128,7 @@ class Costs:
     grad_bytes: PerStage = 0.0
     allreduce_bandwidth: float | None = None
     recompute: PerStage = 0.0
+    microbatch_scale: Sequence[float] = ()
 
     def __post_init__(self) -> None:
         for name in PER_STAGE_FIELDS:
@@ -119,6 +136,7 @@ class Costs:
         for name in _SCALAR:
             object.__setattr__(self, name, _check_amount(name, getattr(self, name)))
         object.__setattr__(self, "skip_bytes", _check_skip_bytes(self.skip_bytes))
+        object.__setattr__(self, "microbatch_scale", _check_scales(self.microbatch_scale))
         ring = self.allreduce_bandwidth
         if ring is not None and (not _is_number(ring) or math.isnan(ring) or ring <= 0):
             raise ValueError(
@@ -158,8 +176,33 @@ class Costs:
             value = getattr(self, f.name)
             if f.name == "skip_bytes":
                 value = {f"{src}->{dst}": v for (src, dst), v in value}
+            if f.name == "microbatch_scale" and not value:
+                continue  # equal micro-batches: the files of before read the same
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
+
+    def with_tokens(self, tokens: Sequence[float]) -> Costs:
+        """These costs with micro-batches that cost in proportion to their ``tokens``, the
+        per-stage costs being those of a micro-batch of the mean token count."""
+        if not tokens or any(not _is_number(t) or t <= 0 for t in tokens):
+            raise ValueError(
+                f"tokens must be a non-empty list of positive token counts, got {tokens!r}"
+            )
+        mean = sum(tokens) / len(tokens)
+        return dataclasses.replace(self, microbatch_scale=[t / mean for t in tokens])
+
+    def microbatch_scales(self, n_microbatches: int) -> tuple[float, ...] | None:
+        """Each micro-batch's factor, or None when all are 1 (``microbatch_scale`` empty);
+        a list that does not have ``n_microbatches`` factors is refused."""
+        scale = self.microbatch_scale
+        if not scale:
+            return None
+        if len(scale) != n_microbatches:
+            raise ValueError(
+                f"Costs.microbatch_scale has {len(scale)} factors, but the schedule has "
+                f"{n_microbatches} micro-batches"
+            )
+        return tuple(scale)
 
     def per_stage(self, name: str, n_stages: int) -> tuple[float, ...]:
         """The field ``name`` as one value per stage, checking a list has ``n_stages`` values."""

@@ -277,6 +277,7 @@ class _Replay:
             )
         self.schedule = schedule
         self._f_cost, self._b_cost, self._w_cost = _action_costs(schedule, costs)
+        self._scale = costs.microbatch_scales(n_mb)
         self._f_delay, self._b_delay = _delays(schedule, costs)
         # The activations (f) or gradients (b) sent to stage s about micro-batch i arrive in
         # slot s * n_mb + i of their list; a rank waiting for one is noted by its slot.
@@ -311,11 +312,14 @@ class _Replay:
         f_delay, f_arrival, f_waiting = self._f_delay, self._f_arrival, self._f_waiting
         b_delay, b_arrival, b_waiting = self._b_delay, self._b_arrival, self._b_waiting
         n_mb, ready, skips = self.schedule.n_microbatches, self._ready, self._skips
+        scale = self._scale
         pending, program = self._blocked_at[rank], self._programs[rank]
         for a in program if pending is None else itertools.chain((pending,), program):
             kind = a.kind
             if kind is _F or kind is _B or kind is _W or kind is _R:
                 cost = (w_cost if kind is _W else b_cost if kind is _B else f_cost)[a.stage]
+                if scale is not None:
+                    cost *= scale[a.microbatch]
                 record(t)
                 t += cost
                 work += cost
