@@ -10,6 +10,7 @@ changing an import.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +26,7 @@ from gpipe.parallel.ties import find_ties, sum_local, untie
 from gpipe.runtime.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
 from gpipe.runtime.executor import StepData, run_program
 from gpipe.runtime.failed_step import forget_failed_step
+from gpipe.runtime.given_batches import GivenForward, check_microbatches, given_outputs
 from gpipe.runtime.microbatch import (
     Batch,
     as_tuple,
@@ -340,38 +342,76 @@ class GPipe(nn.Module):
         return super().to(*args, **kwargs)
 
     # -- Running -----------------------------------------------------------------------------
-    def forward(self, input: Tensor | tuple[Tensor, ...]) -> Any:
+    def forward(
+        self,
+        input: Tensor | tuple[Tensor, ...] | None = None,
+        *,
+        microbatches: Sequence[Tensor | tuple[Tensor, ...]] | None = None,
+    ) -> Any:
         """Pipelined forward over micro-batches; the output is on the last device, a tensor
-        or a tuple as the last partition returns it."""
+        or a tuple as the last partition returns it.
+
+        ``microbatches=[x0, x1, ...]`` runs your own micro-batches instead of splitting
+        ``input`` into ``chunks``: each a tensor or a tuple of tensors of one structure, of
+        its own rows and length, run in order; returns the list of their outputs (which
+        cannot be joined when their lengths differ), through which ``backward`` runs as one.
+        """
+        if microbatches is not None:
+            if input is not None:
+                raise ValueError("give input or microbatches=[...], not both")
+            return self._forward_given(microbatches)
         if not self.partitions:  # an empty Sequential is the identity
             return check_batch(input, batched=False)
         if self.recorder is not None:
             self.recorder.step()  # a step is this forward and the backward of its output
         batch = check_batch(input)
         batch = like(batch, [t.to(self.devices[0]) for t in as_tuple(batch)])
-        microbatches = scatter(batch, self.chunks)
-        m, k = len(microbatches), len(self.partitions)
-        routes = self.skip_layout.routes
-        if not torch.is_grad_enabled():
-            data = StepData(n_stages=k, build_graph=False, inputs=microbatches)
-            schedule = add_skips(forward_only(k, m), routes)
+        schedule, data = self._step_of(scatter(batch, self.chunks))
+        m = schedule.n_microbatches
+        if not data.build_graph:
             self._run.run(schedule, "forward", data, AutocastState.capture())
             self._commit()
             return gather([data.outputs[i] for i in range(m)])
-        mode = self.checkpoint if self.training else "never"
-        recomputed = frozenset(i for i in range(m) if should_checkpoint(mode, i, m))
-        data = StepData(
-            n_stages=k,
-            build_graph=True,
-            checkpoint=recomputed.__contains__,
-            inputs=microbatches,
-        )
         phony = torch.empty(0, device=self.devices[0], requires_grad=True)
-        schedule = add_recompute(add_skips(gpipe(k, m), routes), recomputed)
         shape: list[Batch] = []
         outputs = _PipelineFunction.apply(self._run, schedule, data, shape, phony, *as_tuple(batch))
         self._commit()
         return like(shape[0], outputs)
+
+    def _forward_given(self, given: object) -> list[Any]:
+        """The forward over the user's own micro-batches: a list of their outputs."""
+        microbatches = check_microbatches(given, self.devices[0])
+        if not self.partitions:
+            return microbatches
+        if self.recorder is not None:
+            self.recorder.step()
+        schedule, data = self._step_of(microbatches)
+        if not data.build_graph:
+            self._run.run(schedule, "forward", data, AutocastState.capture())
+            self._commit()
+            return [data.outputs[i] for i in range(schedule.n_microbatches)]
+        phony = torch.empty(0, device=self.devices[0], requires_grad=True)
+        inputs = [t for batch in microbatches for t in as_tuple(batch)]
+        forms: list[int] = []
+        after = functools.partial(sum_local, self._run.tied)
+        outputs = GivenForward.apply(self._run, schedule, data, forms, after, phony, *inputs)
+        self._commit()
+        return given_outputs(forms, outputs)
+
+    def _step_of(self, microbatches: list[Batch]) -> tuple[Schedule, StepData]:
+        """The schedule and data of a forward over ``microbatches``: forward-only without
+        grad, else GPipe's with the micro-batches ``checkpoint`` re-materializes."""
+        m, k = len(microbatches), len(self.partitions)
+        routes = self.skip_layout.routes
+        if not torch.is_grad_enabled():
+            data = StepData(n_stages=k, build_graph=False, inputs=microbatches)
+            return add_skips(forward_only(k, m), routes), data
+        mode = self.checkpoint if self.training else "never"
+        recomputed = frozenset(i for i in range(m) if should_checkpoint(mode, i, m))
+        data = StepData(
+            n_stages=k, build_graph=True, checkpoint=recomputed.__contains__, inputs=microbatches
+        )
+        return add_recompute(add_skips(gpipe(k, m), routes), recomputed), data
 
     def _commit(self) -> None:
         """After a training forward, fold the micro-batches' BatchNorm statistics in."""
