@@ -1,0 +1,64 @@
+"""Per-token log-probabilities of given targets, computed micro-batch by micro-batch on the
+last stage so that no micro-batch's logits outlive it (the reference and old-policy passes of
+RL, and scoring)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["IGNORE_INDEX", "TokenLogprobs", "logits_of", "token_logprobs"]
+
+IGNORE_INDEX = -100  # a target that has no log-probability (padding, a document's end)
+
+
+def logits_of(outputs: Any) -> Tensor:
+    """The logits in a last stage's outputs: the tensor itself, the first of a tuple, or the
+    ``logits`` of a mapping or of an object such as a Hugging Face ``ModelOutput``."""
+    if isinstance(outputs, Tensor):
+        return outputs
+    if isinstance(outputs, Mapping) and "logits" in outputs:
+        return outputs["logits"]
+    if isinstance(getattr(outputs, "logits", None), Tensor):
+        return outputs.logits
+    if isinstance(outputs, tuple) and outputs and isinstance(outputs[0], Tensor):
+        return outputs[0]
+    raise TypeError(
+        "the last stage's outputs hold no logits: give a tensor, a tuple whose first item is "
+        f"one, or a mapping or object with 'logits'; got {type(outputs).__name__}"
+    )
+
+
+def token_logprobs(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """``log_softmax(logits)`` at each target (logits ``(..., vocab)``, targets ``(...)``), in
+    the logits' dtype (float32 at least); 0 where the target is ``ignore_index``."""
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not fit targets of shape "
+            f"{tuple(targets.shape)}: expected logits of shape (*targets.shape, vocab)"
+        )
+    if not logits.dtype.is_floating_point or logits.element_size() < 4:
+        logits = logits.float()
+    kept = targets != ignore_index
+    index = torch.where(kept, targets, torch.zeros_like(targets)).long().unsqueeze(-1)
+    picked = logits.log_softmax(dim=-1).gather(-1, index).squeeze(-1)
+    return torch.where(kept, picked, torch.zeros_like(picked))
+
+
+class TokenLogprobs(dict):
+    """Where the last stage puts each micro-batch's outputs (``StepData.outputs``): it keeps
+    only their log-probabilities of ``targets[microbatch]``, so that the logits of one
+    micro-batch are freed as soon as the next one runs."""
+
+    def __init__(self, targets: Sequence[Tensor], ignore_index: int = IGNORE_INDEX) -> None:
+        super().__init__()
+        self.targets = targets
+        self.ignore_index = ignore_index
+
+    def __setitem__(self, microbatch: int, outputs: Any) -> None:
+        logits = logits_of(outputs).detach()
+        target = self.targets[microbatch].to(logits.device)
+        super().__setitem__(microbatch, token_logprobs(logits, target, self.ignore_index))
