@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 
 from gpipe.parallel.presplit import Presplit, presplit
-from gpipe.pipeline import Pipeline
 from gpipe.runtime.logprobs import IGNORE_INDEX, TokenLogprobs
 
 __all__ = ["forward_logprobs"]
@@ -43,14 +42,16 @@ def _last_targets(targets: Any, given: Presplit | None, sizes: list[int]) -> lis
 
 @torch.no_grad()
 def forward_logprobs(
-    pipe: Pipeline,
+    pipe: Any,
     inputs: Any = None,
     targets: Tensor | None = None,
     *,
     microbatches: Sequence[tuple[Any, Tensor]] | None = None,
     ignore_index: int = IGNORE_INDEX,
 ) -> Tensor | list[Tensor] | None:
-    """``log_softmax(logits).gather(targets)`` of every token, from a forward alone.
+    """``log_softmax(logits).gather(targets)`` of every token, from a forward alone of
+    ``pipe`` (a ``gpipe.Pipeline``; typed loosely so that this module imports nothing above
+    ``parallel``, and ``Pipeline.forward_only`` can call it from a lower layer).
 
     As ``pipe.evaluate``: ``inputs`` (read on the first stage) split into ``pipe.chunks``
     micro-batches and ``targets`` (token ids, ``(rows, ...)``, read on the last stage), or
