@@ -20,6 +20,8 @@ from gpipe.cli.plan_model import (
     model_kind,
     plan_split,
 )
+from gpipe.cli.plan_shard import add_shard_arguments, planned_shard, searched_shards
+from gpipe.cli.plan_tables import print_plan, print_suggestions
 from gpipe.planning.advice import chunks_advice
 from gpipe.planning.memory import (
     OPTIMIZER_STATES,
@@ -29,15 +31,7 @@ from gpipe.planning.memory import (
     plan,
     profile,
 )
-from gpipe.planning.suggest import (
-    MAX_STAGES,
-    Candidate,
-    LayerCosts,
-    Search,
-    flop_costs,
-    search,
-    timed_costs,
-)
+from gpipe.planning.suggest import MAX_STAGES, LayerCosts, flop_costs, search, timed_costs
 from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import SCHEDULES, traits
 
@@ -84,6 +78,7 @@ def add_parser(sub: Any) -> None:
         help="replicas of the pipeline, --batch-size split among them; adds the all-reduce "
         "buckets to each process (default 1)",
     )
+    add_shard_arguments(p)
     p.add_argument("--chunks", type=int, metavar="M", help="micro-batches (default 8)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
     p.add_argument("--schedule", choices=SCHEDULES, help="default gpipe")
@@ -206,6 +201,8 @@ def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> Memo
         optimizer=args.optimizer,
         n_ranks=args.stages,
         data_parallel=args.data_parallel,
+        shard=planned_shard(args),
+        reshard_after_forward=args.reshard_after_forward,
     )
 
 
@@ -231,6 +228,7 @@ def _check(args: argparse.Namespace, gpt: bool) -> None:
             f"--batch-size {args.batch_size} cannot give each of --data-parallel "
             f"{args.data_parallel} replicas a row"
         )
+    planned_shard(args)
     schedule = traits(args.schedule)
     if args.virtual_stages > 1 and not schedule.several_stages_per_rank:
         raise UsageError(f"--virtual-stages needs --schedule {multi_stage_schedules()}")
@@ -286,7 +284,7 @@ def _plan(args: argparse.Namespace) -> int:
         if not gpt:
             result, starts = plan_split(args, _DTYPES[args.dtype])
             cut = "cut at --split-at" if args.split_at else "cut by parameters"
-            _print(args, f"{args.model}: seq_len {args.seq_len}", cut, result, memory, starts)
+            print_plan(args, f"{args.model}: seq_len {args.seq_len}", cut, result, memory, starts)
             return _advise(args, result, memory)
         template = _template(args)
         n_layer = args.n_layer
@@ -301,7 +299,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     blocks = "most blocks that fit" if args.max_layers else "blocks"
     heading = f"gpt: {blocks} {n_layer}, d_model {args.d_model}"
-    _print(args, heading, f"balance {list(result.balance)}", result, memory)
+    print_plan(args, heading, f"balance {list(result.balance)}", result, memory)
     return _advise(args, result, memory)
 
 
@@ -321,55 +319,6 @@ def _advise(args: argparse.Namespace, result: MemoryPlan, memory: int) -> int:
     return 0 if result.fits(memory) else 1
 
 
-def _rows(args: argparse.Namespace) -> str:
-    """The sequences a process's mini-batch holds: the batch, or each replica's share."""
-    if args.data_parallel == 1:
-        return str(args.batch_size)
-    share = -(-args.batch_size // args.data_parallel)
-    return f"{share} (of {args.batch_size}, over {args.data_parallel} replicas)"
-
-
-def _print(
-    args: argparse.Namespace,
-    heading: str,
-    cut: str,
-    result: MemoryPlan,
-    memory: int,
-    starts: list[str] | None = None,
-) -> None:
-    """The plan's table, a row per process; ``starts`` (a split model's): the submodule
-    where each stage begins, in place of the count of layers."""
-    params = sum(r.params for r in result.ranks)
-    print(
-        f"{heading}, {params / 1e6:,.1f} M parameters "
-        f"({args.dtype}); {args.stages} stages, {cut}, "
-        f"{args.schedule}, {args.chunks} micro-batches of {_rows(args)} sequences, "
-        f"checkpoint {args.checkpoint}, {args.optimizer}"
-    )
-    replicated = args.data_parallel > 1
-    header = ["rank", "layers" if starts is None else "stages begin at", "parameters",
-              "weights", "grads+optimizer", "activations",
-              *(["all-reduce"] if replicated else []), "total",
-              f"fits {format_bytes(memory)}"]  # fmt: skip
-    rows = [
-        [
-            str(r.rank),
-            str(r.layers) if starts is None else ", ".join(starts[s] for s in r.stages),
-            f"{r.params / 1e6:,.1f} M",
-            format_bytes(r.param_bytes),
-            format_bytes(r.state_bytes),
-            format_bytes(r.activation_bytes),
-            *([format_bytes(r.allreduce_bytes)] if replicated else []),
-            format_bytes(r.total_bytes),
-            "yes" if r.total_bytes <= memory else "no",
-        ]
-        for r in result.ranks
-    ]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
-
-
 def _suggest(args: argparse.Namespace) -> int:
     """``--suggest``: the fastest configurations that fit, as a short table."""
     if args.device_memory is None:
@@ -377,6 +326,7 @@ def _suggest(args: argparse.Namespace) -> int:
     if args.max_layers:
         raise UsageError("--suggest plans the model as given: leave out --max-layers")
     _check_model(args, "stages", "chunks", "max_stages", "top")
+    shards = searched_shards(args)
     if args.chunks is not None and args.chunks > args.batch_size:
         raise UsageError(
             f"--chunks {args.chunks} is more than --batch-size {args.batch_size}: a "
@@ -411,6 +361,8 @@ def _suggest(args: argparse.Namespace) -> int:
             checkpoints=None if args.checkpoint is None else [args.checkpoint],
             virtual_stages=v,
             max_stages=args.max_stages or MAX_STAGES,
+            data_parallel=args.data_parallel,
+            shards=shards,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -428,59 +380,5 @@ def _suggest(args: argparse.Namespace) -> int:
             f"({least.options()})"
         )
         return 1
-    _print_suggestions(args, found, costs, memory)
+    print_suggestions(args, found, costs, memory)
     return 0
-
-
-def _print_suggestions(
-    args: argparse.Namespace, found: Search, costs: LayerCosts, memory: int
-) -> None:
-    shown = found.fitting[: args.top or 5]
-    params = sum(r.params for r in shown[0].memory.ranks)
-    print(
-        f"gpt: blocks {args.n_layer}, d_model {args.d_model}, {params / 1e6:,.1f} M parameters "
-        f"({args.dtype}); {args.batch_size} sequences per step, {args.optimizer}, "
-        f"{format_bytes(memory)} per process"
-    )
-    print(f"{found.fits} of {found.searched} configurations fit ({_bounds(found)})")
-    print(f"time: {costs.source}, backward 2 x forward, messages free")
-    timed = costs.unit == "s"
-    best = shown[0].step_time
-    time = "step time" if timed else "relative time"
-    header = ["stages", "chunks", "schedule", "checkpoint", time, "bubble", "peak memory", "fits"]
-    rows = [_row(c, best, timed, memory) for c in shown]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    left = {2, 3}  # names read better aligned left
-    for row in [header, *rows]:
-        cells = [c.ljust(w) if i in left else c.rjust(w)
-                 for i, (c, w) in enumerate(zip(row, widths, strict=True))]  # fmt: skip
-        print("  ".join(cells).rstrip())
-    print(f"fastest: {shown[0].options()}")
-
-
-def _row(c: Candidate, best: float, timed: bool, memory: int) -> list[str]:
-    schedule = c.schedule if c.virtual_stages == 1 else f"{c.schedule} v={c.virtual_stages}"
-    return [
-        str(c.stages),
-        str(c.chunks),
-        schedule,
-        c.checkpoint,
-        f"{c.step_time:.3g} s" if timed else f"{c.step_time / best:.2f}",
-        f"{c.bubble:.1%}",
-        format_bytes(c.peak_bytes),
-        f"yes ({c.peak_bytes / memory:.0%})",
-    ]
-
-
-def _bounds(found: Search) -> str:
-    """What was searched, in a few words: the range of each dimension."""
-
-    def span(values: set[Any]) -> str:
-        low, high = min(values), max(values)
-        return str(low) if low == high else f"{low}-{high}"
-
-    grid = found.grid
-    return (
-        f"stages {span({g[0] for g in grid})}, chunks {span({g[1] for g in grid})}, "
-        f"{len({g[2] for g in grid})} schedules, {len({g[3] for g in grid})} checkpoint modes"
-    )

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from gpipe.cli.common import UsageError
+from gpipe.cli.plan_shard import planned_shard
 from gpipe.planning.memory import MemoryPlan, plan, profile
 
 __all__ = ["GPT_DEFAULTS", "add_model_arguments", "check_split_options", "model_kind", "plan_split"]
@@ -169,6 +170,8 @@ def plan_split(args: argparse.Namespace, dtype: torch.dtype) -> tuple[MemoryPlan
         optimizer=args.optimizer,
         n_ranks=args.stages,
         data_parallel=args.data_parallel,
+        shard=planned_shard(args),
+        reshard_after_forward=args.reshard_after_forward,
     )
     return result, ["(input)", *stages.at]
 

@@ -20,6 +20,14 @@ DEFAULT_COSTS = Costs(forward=1.0, backward=1.0, weight=1.0)
 
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 
+# The column of the gradients' reduction past the program, by --shard
+_REDUCTION = {
+    None: "all-reduce exposed",
+    "full": "reduce-scatter exposed",
+    "optimizer": "reduce-scatter+gather exposed",
+    "gradients": "reduce-scatter+gather exposed",
+}
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
@@ -66,15 +74,7 @@ def add_parser(sub: Any) -> None:
         help=f"stages per rank for the {multi_stage_schedules()} schedule, each with 1/V of "
         "the rank's costs (default 2)",
     )
-    p.add_argument(
-        "--data-parallel",
-        type=int,
-        default=1,
-        metavar="D",
-        help="replicas of the pipeline: adds each stage's gradient all-reduce (the costs' "
-        "grad_bytes over allreduce_bandwidth, in the runtime's buckets, each started as the "
-        "last backward completes it) (default 1)",
-    )
+    _add_replica_arguments(p)
     p.add_argument(
         "--schedule-csv",
         metavar="FILE",
@@ -96,6 +96,33 @@ def add_parser(sub: Any) -> None:
         "first schedule named",
     )
     p.set_defaults(command=_simulate)
+
+
+def _add_replica_arguments(p: Any) -> None:
+    """--data-parallel, and how its replicas keep their states."""
+    p.add_argument(
+        "--data-parallel",
+        type=int,
+        default=1,
+        metavar="D",
+        help="replicas of the pipeline: adds each stage's gradient all-reduce (the costs' "
+        "grad_bytes over allreduce_bandwidth, in the runtime's buckets, each started as the "
+        "last backward completes it) (default 1)",
+    )
+    p.add_argument(
+        "--shard",
+        choices=("none", "optimizer", "gradients", "full"),
+        default="none",
+        help="with --data-parallel: split the replicas' states (Pipeline's shard=); full "
+        "all-gathers each stage's parameters (grad_bytes of them) at its first action and "
+        "reduce-scatters its gradients in place of the all-reduce; optimizer and gradients "
+        "reduce-scatter, then all-gather the updated parameters (default none)",
+    )
+    p.add_argument(
+        "--reshard-after-forward",
+        action="store_true",
+        help="with --shard full: gather the parameters again for every compute action",
+    )
 
 
 def _microbatch_tokens(args: argparse.Namespace) -> list[float] | None:
@@ -130,6 +157,7 @@ def _simulate(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}"
             )
+    shard = _shard(args)
     if args.schedule_csv is not None:
         return _simulate_file(args)
     names = _schedule_names(args.schedule)
@@ -140,12 +168,14 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.plot is not None:
         _figure_class()  # fail before simulating, not after
     page = None if args.html is None else _page_settings(args, names[0], costs)
-    rows = compare(names, args.stages, args.chunks, costs, args.virtual_stages, args.data_parallel)
+    rows = compare(names, args.stages, args.chunks, costs, args.virtual_stages, args.data_parallel,
+                   shard, args.reshard_after_forward)  # fmt: skip
     source = args.costs or "default: forward 1, backward 1, weight 1 per stage"
     replicas = f", {args.data_parallel} replicas" if args.data_parallel > 1 else ""
+    replicas += f" sharded {shard}" if shard else ""
     sizes = "" if tokens is None else f" of {args.microbatch_tokens} tokens"
     print(f"{args.stages} stages, {args.chunks} micro-batches{sizes}{replicas}, costs {source}")
-    print(_table(rows, args.stages, args.chunks, costs, args.data_parallel > 1))
+    print(_table(rows, args.stages, args.chunks, costs, args.data_parallel > 1, shard))
     if args.plot is not None:
         results = [
             simulate(
@@ -161,6 +191,19 @@ def _simulate(args: argparse.Namespace) -> int:
     if page is not None:
         print(f"page: {write_page(args.html, page)}")
     return 0
+
+
+def _shard(args: argparse.Namespace) -> str | None:
+    """``--shard``, checked against the options it needs and those it cannot go with."""
+    shard = None if args.shard == "none" else args.shard
+    if shard is not None and args.data_parallel < 2:
+        raise UsageError(f"--shard {shard} splits each stage over its replicas: it needs "
+                         f"--data-parallel 2 or more, got {args.data_parallel}")  # fmt: skip
+    if args.reshard_after_forward and shard != "full":
+        raise UsageError("--reshard-after-forward frees what --shard full gathers: add it")
+    if shard is not None and (args.html is not None or args.schedule_csv is not None):
+        raise UsageError("--shard: the page and --schedule-csv play unsharded replicas; drop it")
+    return shard
 
 
 def _dump(args: argparse.Namespace, names: list[str]) -> None:
@@ -238,13 +281,16 @@ def _table(
     n_microbatches: int,
     costs: Costs,
     replicas: bool = False,
+    shard: str | None = None,
 ) -> str:
     memory = any(costs.per_stage("activation_bytes", n_stages))
     header = ["schedule", "makespan", "bubble", "formula", "held", "peak live per stage"]
     if memory:
         header.insert(5, "peak memory")
     if replicas:
-        header.insert(2, "all-reduce exposed")
+        header.insert(2, _REDUCTION[shard])
+    if shard == "full":
+        header.insert(2, "gather exposed")
     lines: list[list[str]] = []
     for row in rows:
         if "note" in row:
@@ -262,6 +308,8 @@ def _table(
             cells.insert(5, _bytes(row["peak_activation_bytes"]))
         if replicas:
             cells.insert(2, f"{row['allreduce_exposed']:.6g}")
+        if shard == "full":
+            cells.insert(2, f"{row['gather_exposed']:.6g}")
         lines.append(cells)
     full = [header] + [cells for cells in lines if len(cells) == len(header)]
     widths = [max(len(cells[i]) for cells in full) for i in range(len(header))]

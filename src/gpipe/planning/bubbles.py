@@ -50,11 +50,14 @@ def compare(
     costs: Costs,
     virtual_stages: int = 2,
     data_parallel: int = 1,
+    shard: str | None = None,
+    reshard_after_forward: bool = False,
 ) -> list[dict[str, Any]]:
     """One table row per named schedule: its makespan, bubble and peak memory under ``costs``
-    (with ``data_parallel`` replicas, the gradient all-reduce's exposed time too), beside
-    its closed forms (``closed_forms``; None where there is none, or the ranks' costs
-    differ): the bubble, and the busiest rank's peak in micro-batches.
+    (with ``data_parallel`` replicas, the gradient reduction's exposed time too, and
+    sharded as ``simulate``'s ``shard`` and ``reshard_after_forward`` say, the time waited
+    for all-gathers), beside its closed forms (``closed_forms``; None where there is none,
+    or the ranks' costs differ): the bubble, and the busiest rank's peak in micro-batches.
 
     ``n_stages`` is the number of ranks; see ``scenario`` for schedules that place several
     stages on a rank. A schedule whose generator rejects these sizes gets a row with only its
@@ -67,7 +70,13 @@ def compare(
         except ValueError as exc:
             rows.append({"schedule": name, "note": f"skipped: {exc}"})
             continue
-        result = simulate(schedule, cost, data_parallel=data_parallel)
+        result = simulate(
+            schedule,
+            cost,
+            data_parallel=data_parallel,
+            shard=shard,
+            reshard_after_forward=reshard_after_forward,
+        )
         v = traits(name).stages_per_rank(virtual_stages)
         peak = closed_form_peak(name, n_stages, n_microbatches, v)
         rows.append(
@@ -81,6 +90,7 @@ def compare(
                 "peak_live_per_stage": result.peak_live,
                 "peak_activation_bytes": max(result.peak_rank_activation_bytes),
                 "allreduce_exposed": max(result.allreduce_exposed, default=0.0),
+                "gather_exposed": max(result.gather_exposed, default=0.0),
             }
         )
     return rows

@@ -115,6 +115,9 @@ class Costs:
     With replicas (``simulate``'s ``data_parallel``), each stage's ``grad_bytes`` of
     gradients are summed over them by a ring all-reduce: ``2 (D - 1) / D x grad_bytes /
     allreduce_bandwidth`` (the link's bandwidth if None) plus ``2 (D - 1)`` latencies.
+    Sharded (``simulate``'s ``shard``), the parameters, taken to be ``grad_bytes`` too, are
+    all-gathered and the gradients reduce-scattered, each half that: ``(D - 1) / D x bytes /
+    allreduce_bandwidth`` plus ``D - 1`` latencies.
     """
 
     forward: PerStage

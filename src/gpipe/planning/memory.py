@@ -18,6 +18,7 @@ from torch import nn
 
 from gpipe.planning.meter import ActivationMeter
 from gpipe.planning.profile import Profile, profile
+from gpipe.planning.shards import ReplicaStates, check_shard
 from gpipe.runtime.microbatch import split_sizes
 from gpipe.runtime.partitions import as_sequential, check_balance, stage_bounds
 from gpipe.runtime.recompute import Layers, check_checkpoint, recomputed_layers, should_checkpoint
@@ -47,7 +48,12 @@ OPTIMIZER_STATES = {
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Predicted peak bytes of one process (its stages together)."""
+    """Predicted peak bytes of one process (its stages together).
+
+    With sharded replicas (``plan``'s ``shard``), ``param_bytes`` and ``state_bytes`` are
+    what the step holds at its peak (the shards, and what is gathered or accumulated whole
+    beside them), ``held_param_bytes`` and ``held_state_bytes`` what stays between steps
+    (``gpipe.planning.shards.ReplicaStates``)."""
 
     rank: int
     stages: tuple[int, ...]
@@ -57,11 +63,22 @@ class StagePlan:
     state_bytes: float  # their gradients and the optimizer's state
     activation_bytes: float  # peak of what is held for backward
     peak_live: int  # most micro-batches held at once
-    # with replicas: the gradients' copies in the all-reduce buckets, live from the last
-    # backward (buckets start during it) to the step's end, beside at most the graph of the
-    # one micro-batch still being backpropagated (``last_graph_bytes``)
+    # with replicas: the gradients' copies in the all-reduce buckets (sharded: the
+    # reduce-scatter's), live from the last backward (buckets start during it) to the step's
+    # end, beside at most the graph of the one micro-batch still being backpropagated
+    # (``last_graph_bytes``)
     allreduce_bytes: float = 0.0
     last_graph_bytes: float = 0.0
+    shard: str | None = None
+    held_param_bytes: float | None = None  # between steps; None: ``param_bytes``
+    held_state_bytes: float | None = None  # between steps; None: ``state_bytes``
+
+    @property
+    def held_bytes(self) -> float:
+        """Parameters, gradients and optimizer state held between steps."""
+        params = self.param_bytes if self.held_param_bytes is None else self.held_param_bytes
+        states = self.state_bytes if self.held_state_bytes is None else self.held_state_bytes
+        return params + states
 
     @property
     def total_bytes(self) -> float:
@@ -77,6 +94,8 @@ class MemoryPlan:
     chunks: int
     optimizer: str
     ranks: tuple[StagePlan, ...]
+    data_parallel: int = 1
+    shard: str | None = None
 
     @property
     def peak_bytes(self) -> float:
@@ -191,16 +210,22 @@ def plan(
     n_ranks: int | None = None,
     layers: nn.Sequential | None = None,
     data_parallel: int = 1,
+    shard: str | None = None,
+    reshard_after_forward: bool = False,
 ) -> MemoryPlan:
     """Predicted peak memory of every process for a mini-batch of ``batch_size`` rows cut
     into ``chunks`` micro-batches. ``n_ranks`` below ``len(balance)`` puts several stages on
     each process (a schedule that places several per rank). A ``Layers(select=...)`` policy
     needs the model's ``layers`` to apply its predicate to. With ``data_parallel`` replicas,
     ``batch_size`` is the global mini-batch (each replica takes its share, the largest
-    counted) and each process also holds its gradients' copies in the all-reduce buckets."""
+    counted) and each process also holds its gradients' copies in the all-reduce buckets.
+    ``shard`` splits parameters, gradients and optimizer state over the replicas as
+    ``Pipeline``'s does (``gpipe.planning.shards``), ``reshard_after_forward`` as
+    ``Sharding``'s."""
     balance = check_balance(len(prof), list(balance))
     checkpoint = check_checkpoint(checkpoint)
     _check_options(checkpoint, layers, optimizer, batch_size, data_parallel)
+    check_shard(shard, data_parallel, reshard_after_forward)
     n_stages = len(balance)
     n_ranks = n_stages if n_ranks is None else n_ranks
     batch_size = split_sizes(batch_size, data_parallel)[0]  # the largest replica's share
@@ -210,12 +235,16 @@ def plan(
     )
     sched = add_recompute(_schedule(schedule, n_stages, n_ranks, len(sizes)), recomputed)
     held = _held(prof, balance, sched, sizes, checkpoint, layers)
-    states = 1 + OPTIMIZER_STATES[optimizer]  # gradient + optimizer state
+    replicas = ReplicaStates(
+        data_parallel, shard, reshard_after_forward, OPTIMIZER_STATES[optimizer]
+    )
     ranks = tuple(
-        _rank_plan(prof, balance, sched, held, rank, recomputed, batch_size, states, data_parallel)
+        _rank_plan(prof, balance, sched, held, rank, recomputed, batch_size, replicas)
         for rank in range(n_ranks)
     )
-    return MemoryPlan(tuple(balance), schedule, checkpoint, chunks, optimizer, ranks)
+    return MemoryPlan(
+        tuple(balance), schedule, checkpoint, chunks, optimizer, ranks, data_parallel, shard
+    )
 
 
 def _check_options(
@@ -276,11 +305,11 @@ def _rank_plan(
     rank: int,
     recomputed: frozenset[int],
     batch_size: int,
-    states: int,
-    data_parallel: int,
+    replicas: ReplicaStates,
 ) -> StagePlan:
-    """The peak of one process: its stages' weights and ``states`` copies of them, the peak
-    of its activations and of the mini-batch it reads, and with replicas its buckets."""
+    """The peak of one process: its stages' weights, gradients and optimizer state as
+    ``replicas`` keeps them, the peak of its activations and of the mini-batch it reads, and
+    with replicas its message buffers."""
     bounds = stage_bounds(balance)
     stages = tuple(s for s in range(len(balance)) if sched.stage_to_rank[s] == rank)
     layers = [i for s in stages for i in range(*bounds[s])]
@@ -289,18 +318,22 @@ def _rank_plan(
         sched.programs[rank], sched.split_backward, held, recomputed.__contains__
     )
     peak += sum(prof.batch_bytes(*bounds[s], batch_size) for s in stages)
-    replicated = data_parallel > 1
+    replicated = replicas.data_parallel > 1
+    kept = replicas.states(weights, max((prof.param_bytes[i] for i in layers), default=0.0))
     return StagePlan(
         rank=rank,
         stages=stages,
         layers=len(layers),
         params=sum(prof.params[i] for i in layers),
-        param_bytes=weights,
-        state_bytes=weights * states,
+        param_bytes=kept.params,
+        state_bytes=kept.states,
         activation_bytes=peak,
         peak_live=live,
-        allreduce_bytes=weights if replicated else 0.0,  # gradients: the weights' size
+        allreduce_bytes=kept.messages,
         last_graph_bytes=max((h.graph for s in stages for h in held[s]), default=0.0)
         if replicated
         else 0.0,
+        shard=replicas.shard,
+        held_param_bytes=kept.held_params,
+        held_state_bytes=kept.held_states,
     )

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpipe.planning.costs import Costs
+from gpipe.planning.shards import check_shard, ring_seconds
 from gpipe.runtime.recompute import check_checkpoint, should_checkpoint
 from gpipe.schedules import SEND_KINDS, Action, Kind, Schedule, ScheduleError, add_recompute
 
@@ -47,6 +48,7 @@ class SimResult:
     compute_times: tuple[tuple[float, ...], ...] = field(repr=False)
     checkpoint: str = "never"
     allreduce_exposed: tuple[float, ...] = ()  # per rank: all-reduce time past its program
+    gather_exposed: tuple[float, ...] = ()  # per rank: time its program waits for all-gathers
 
     @functools.cached_property
     def events(self) -> list[tuple[int, Action, float, float]]:
@@ -69,6 +71,8 @@ def simulate(
     data_parallel: int = 1,
     overlap: bool = True,
     bucket_bytes: float | None = None,
+    shard: str | None = None,
+    reshard_after_forward: bool = False,
 ) -> SimResult:
     """Predict when every action of ``schedule`` runs, on ranks that each run their program.
 
@@ -92,24 +96,42 @@ def simulate(
     backward action and starts then, so only the last bucket is sure to run after it;
     without, they all start when that action ends. A rank's all-reduces run one after the
     other, and its step ends when the last does.
+
+    ``shard`` (``Pipeline``'s) replaces the all-reduce by ring collectives of half its
+    traffic each (``gpipe.planning.shards.ring_seconds``, on ``allreduce_bandwidth``):
+    ``"full"`` gathers each stage's parameters (``grad_bytes`` of them) at its first compute
+    action, the rank waiting for it (``gather_exposed``), and reduce-scatters the gradients
+    in the buckets above; with ``reshard_after_forward`` every compute action gathers them
+    again. ``"optimizer"`` and ``"gradients"`` reduce-scatter the same way, then gather the
+    updated parameters after the rank's last reduction.
     """
     check_checkpoint(checkpoint)
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
         raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
+    check_shard(shard, data_parallel, reshard_after_forward)
     n_mb = schedule.n_microbatches
     if checkpoint != "never" and not schedule.recomputed:
         picked = frozenset(i for i in range(n_mb) if should_checkpoint(checkpoint, i, n_mb))
         schedule = add_recompute(schedule, picked)
     replay = _Replay(schedule, costs)
+    if shard == "full":
+        replay.gather(_gathers(schedule, costs, data_parallel), reshard_after_forward)
     held = _Activations(schedule, costs)
     replay.run()
     held.walk()
     exposed = [0.0] * schedule.n_ranks
     if data_parallel > 1 and schedule.backward:
-        exposed = _allreduce(
-            schedule, replay.times, replay.clock, costs, data_parallel, overlap, bucket_bytes
-        )
+        exposed = _allreduce(schedule, replay, costs, (data_parallel, shard), overlap, bucket_bytes)
     return _result(replay, held, checkpoint, exposed)
+
+
+def _gathers(schedule: Schedule, costs: Costs, data_parallel: int) -> list[float]:
+    """Seconds of the all-gather of each stage's parameters (``grad_bytes`` of them)."""
+    bandwidth = costs.allreduce_bandwidth or costs.bandwidth
+    return [
+        ring_seconds(nbytes, data_parallel, bandwidth, costs.latency)
+        for nbytes in costs.per_stage("grad_bytes", schedule.n_stages)
+    ]
 
 
 def _action_costs(
@@ -292,6 +314,16 @@ class _Replay:
         self.clock = [0.0] * n_ranks
         self.busy = [0.0] * n_ranks
         self.times: list[list[float]] = [[] for _ in range(n_ranks)]
+        self.waited = [0.0] * n_ranks  # on all-gathers of sharded parameters
+        self._gather: list[float] | None = None
+        self._whole = [False] * n_stages  # a stage's parameters gathered
+        self._reshard = False
+
+    def gather(self, seconds: list[float], reshard: bool) -> None:
+        """Shard the parameters: each stage's compute action waits ``seconds[stage]`` for
+        them unless they are whole; gathered, they stay so for the step, or (``reshard``)
+        only for that action."""
+        self._gather, self._reshard = seconds, reshard
 
     def run(self) -> None:
         """Run every program to its end; ranks left waiting on each other raise."""
@@ -312,11 +344,15 @@ class _Replay:
         f_delay, f_arrival, f_waiting = self._f_delay, self._f_arrival, self._f_waiting
         b_delay, b_arrival, b_waiting = self._b_delay, self._b_arrival, self._b_waiting
         n_mb, ready, skips = self.schedule.n_microbatches, self._ready, self._skips
-        scale = self._scale
+        scale, gather, whole = self._scale, self._gather, self._whole
         pending, program = self._blocked_at[rank], self._programs[rank]
         for a in program if pending is None else itertools.chain((pending,), program):
             kind = a.kind
             if kind is _F or kind is _B or kind is _W or kind is _R:
+                if gather is not None and not whole[a.stage]:
+                    t += gather[a.stage]
+                    self.waited[rank] += gather[a.stage]
+                    whole[a.stage] = not self._reshard
                 cost = (w_cost if kind is _W else b_cost if kind is _B else f_cost)[a.stage]
                 if scale is not None:
                     cost *= scale[a.microbatch]
@@ -368,22 +404,24 @@ class _Replay:
 
 def _allreduce(
     schedule: Schedule,
-    times: list[list[float]],
-    clock: list[float],
+    replay: _Replay,
     costs: Costs,
-    data_parallel: int,
+    replicas: tuple[int, str | None],
     overlap: bool,
     bucket_bytes: float | None,
 ) -> list[float]:
-    """Move each rank's clock past its stages' gradient all-reduces; returns what each rank
-    waits for them after its program."""
+    """Move each rank's clock past its stages' gradient all-reduces (``replicas``: D and
+    the sharding; sharded, reduce-scatters, and then all-gathers of the updated parameters
+    unless ``"full"``); returns what each rank waits for them after its program."""
     from gpipe.parallel.replicas import (
         bucket_size,  # here: the rest of the simulator needs no torch
     )
 
-    d = data_parallel
+    d, shard = replicas
+    times, clock = replay.times, replay.clock
     grad = costs.per_stage("grad_bytes", schedule.n_stages)
     bandwidth = costs.allreduce_bandwidth or costs.bandwidth
+    passes = 2 if shard is None else 1
     exposed = []
     for rank, spans in enumerate(times):
         last: dict[int, tuple[float, float]] = {}
@@ -394,11 +432,13 @@ def _allreduce(
         for stage in sorted(last, key=lambda s: last[s][0]):
             start, end = last[stage]
             n = max(1, math.ceil(grad[stage] / bucket_size(grad[stage], bucket_bytes)))
-            seconds = 2 * (d - 1) / d * grad[stage] / n / bandwidth + 2 * (d - 1) * costs.latency
+            seconds = ring_seconds(grad[stage] / n, d, bandwidth, costs.latency, passes)
             for i in range(1, n + 1):
                 ready = start + i / n * (end - start) if overlap else end
                 link = max(link, ready) + seconds
             link = max(link, end)
+        if shard in ("optimizer", "gradients"):  # the updated parameters, after the step
+            link += sum(ring_seconds(grad[s], d, bandwidth, costs.latency) for s in last)
         finish = max(clock[rank], link)
         exposed.append(finish - clock[rank])
         clock[rank] = finish
@@ -424,4 +464,5 @@ def _result(
         compute_times=tuple(map(tuple, replay.times)),
         checkpoint=checkpoint,
         allreduce_exposed=tuple(exposed),
+        gather_exposed=tuple(replay.waited),
     )

@@ -12,7 +12,7 @@ their bubble, not by the interconnect."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -161,12 +161,20 @@ class Candidate:
         """The most any one process holds."""
         return self.memory.peak_bytes
 
+    @property
+    def shard(self) -> str | None:
+        """How the replicas' states are split (``plan``'s ``shard``)."""
+        return self.memory.shard
+
     def options(self) -> str:
         """The configuration as ``gpipe train`` and ``gpipe plan`` options."""
         text = f"--stages {self.stages} --chunks {self.chunks} --schedule {self.schedule}"
         if self.virtual_stages > 1:
             text += f" --virtual-stages {self.virtual_stages}"
-        return f"{text} --checkpoint {self.checkpoint}"
+        text += f" --checkpoint {self.checkpoint}"
+        if self.memory.data_parallel > 1:
+            text += f" --data-parallel {self.memory.data_parallel}"
+        return text if self.shard is None else f"{text} --shard {self.shard}"
 
 
 @dataclass(frozen=True)
@@ -259,11 +267,13 @@ class _Config:
     virtual_stages: int
     batch_size: int
     optimizer: str
+    data_parallel: int = 1
+    shard: str | None = None
 
     @property
     def rows(self) -> float:
-        """A micro-batch's mean rows."""
-        return self.batch_size / self.chunks
+        """A micro-batch's mean rows, on one replica."""
+        return self.batch_size / self.data_parallel / self.chunks
 
     def memory(self, prof: Profile, cut: tuple[int, ...]) -> MemoryPlan:
         return plan(
@@ -275,6 +285,8 @@ class _Config:
             checkpoint=self.checkpoint,
             optimizer=self.optimizer,
             n_ranks=self.stages,
+            data_parallel=self.data_parallel,
+            shard=self.shard,
         )
 
     def timed(self, costs: LayerCosts, cut: tuple[int, ...], memory: MemoryPlan) -> Candidate:
@@ -302,14 +314,18 @@ def evaluate(
     batch_size: int,
     optimizer: str = "adam",
     balance: str | Sequence[int] = "time",
+    data_parallel: int = 1,
+    shard: str | None = None,
 ) -> Candidate:
     """One configuration's memory (``plan``) and time (``simulate``). ``balance`` is a cut
     (layers per stage) or how to find one: ``"time"`` cuts where the slowest stage is
-    fastest under ``costs``, ``"params"`` evens out the parameters, ``"even"`` the layers."""
+    fastest under ``costs``, ``"params"`` evens out the parameters, ``"even"`` the layers.
+    ``batch_size`` is shared by ``data_parallel`` replicas, whose states ``shard`` splits."""
     check_checkpoint(checkpoint)
     if len(costs) != len(prof):
         raise ValueError(f"costs have {len(costs)} layers, the profile {len(prof)}")
-    config = _Config(stages, chunks, schedule, checkpoint, virtual_stages, batch_size, optimizer)
+    config = _Config(stages, chunks, schedule, checkpoint, virtual_stages, batch_size, optimizer,
+                     data_parallel, shard)  # fmt: skip
     cut = _cut(prof, costs, stages * virtual_stages, config.rows, balance)
     return config.timed(costs, cut, config.memory(prof, cut))
 
@@ -322,10 +338,17 @@ def search(
     device_bytes: float,
     optimizer: str = "adam",
     balance: str = "time",
+    data_parallel: int = 1,
+    shards: Sequence[str | None] | None = None,
     **grid: Any,
 ) -> Search:
-    """The configurations of ``candidates(len(prof), batch_size, **grid)`` that fit in
-    ``device_bytes`` per process, fastest first, each cut as ``evaluate``'s ``balance`` says.
+    """The configurations of ``candidates(len(prof), batch_size // data_parallel, **grid)``
+    that fit in ``device_bytes`` per process, fastest first, each cut as ``evaluate``'s
+    ``balance`` says, ``batch_size`` shared by ``data_parallel`` replicas.
+
+    Each configuration is planned with the replicas' states kept as the first of ``shards``
+    (``plan``'s ``shard``) under which it fits, or, fitting under none, as the one that
+    needs the least memory; by default whole (None), then ``"full"`` with replicas.
 
     A configuration is left out when another that fits is at least as fast on no more
     processes with no more memory: what remains are real trade-offs of time, processes and
@@ -334,13 +357,16 @@ def search(
     """
     if len(costs) != len(prof):
         raise ValueError(f"costs have {len(costs)} layers, the profile {len(prof)}")
-    tried = candidates(len(prof), batch_size, **grid)
+    if shards is None:
+        shards = (None, "full") if data_parallel > 1 else (None,)
+    tried = candidates(len(prof), max(1, batch_size // data_parallel), **grid)
     fitting = []
     least: tuple[float, _Config, tuple[int, ...], MemoryPlan] | None = None
     for stages, chunks, schedule, checkpoint, v in tried:
-        config = _Config(stages, chunks, schedule, checkpoint, v, batch_size, optimizer)
+        config = _Config(stages, chunks, schedule, checkpoint, v, batch_size, optimizer,
+                         data_parallel)  # fmt: skip
         cut = _cut(prof, costs, stages * v, config.rows, balance)
-        memory = config.memory(prof, cut)
+        config, memory = _kept(config, prof, cut, shards, device_bytes)
         if memory.fits(device_bytes):
             fitting.append(config.timed(costs, cut, memory))
         if least is None or memory.peak_bytes < least[0]:
@@ -348,6 +374,25 @@ def search(
     smallest = None if least is None else least[1].timed(costs, least[2], least[3])
     ranked = tuple(sorted(fitting, key=_speed))
     return Search(_frontier(ranked), tuple(tried), len(fitting), smallest, ranked)
+
+
+def _kept(
+    config: _Config,
+    prof: Profile,
+    cut: tuple[int, ...],
+    shards: Sequence[str | None],
+    device_bytes: float,
+) -> tuple[_Config, MemoryPlan]:
+    """``config`` with the first of ``shards`` under which it fits, or the smallest."""
+    planned = []
+    for shard in shards:
+        sharded = replace(config, shard=shard)
+        memory = sharded.memory(prof, cut)
+        if memory.fits(device_bytes):
+            return sharded, memory
+        planned.append((memory.peak_bytes, len(planned), sharded, memory))
+    _, _, config, memory = min(planned)
+    return config, memory
 
 
 def _speed(c: Candidate) -> tuple[float, int, float, int, int]:
