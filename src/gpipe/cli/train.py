@@ -110,6 +110,11 @@ def _check(model: Any, opts: Any) -> None:
         raise UsageError(
             f"--seq-len {opts.seq_len} is above the model's maximum of {model.seq_len} ({more})"
         )
+    if model.kind == "hf" and opts.balance not in ("time", "params"):
+        raise UsageError(
+            f"--balance {opts.balance}: a Hugging Face model is cut by tracing, by parameters "
+            "(time and params both mean that on the meta device) or at --split-at NAME,..."
+        )
     if opts.schedule == "auto":
         _check_auto(opts, model)
     else:
