@@ -36,6 +36,7 @@ from gpipe.parallel.placement import (
 from gpipe.parallel.presplit import Presplit, presplit
 from gpipe.parallel.replicas import Replicas, check_bucket_bytes
 from gpipe.parallel.schedule_source import ScheduleSource
+from gpipe.parallel.sharding import Sharding, check_shard
 from gpipe.parallel.step import StepResult, StepRunner, StepTimes
 from gpipe.parallel.ties import counted as counted_once
 from gpipe.planning.auto import AutoChoice, agreed_choice, check_auto
@@ -99,9 +100,10 @@ def _check_step_options(loss_fn: object, loss_reduction: object, timeout: object
 
 
 def _check_data_parallel(
-    data_parallel: object, bucket_bytes: object, group: dist.ProcessGroup | None
-) -> float | None:
-    """The checked bucket size; refuses a bad ``data_parallel`` or one beside a ``group``."""
+    data_parallel: object, bucket_bytes: object, group: dist.ProcessGroup | None, shard: object
+) -> tuple[float | None, Sharding | None]:
+    """The checked bucket size and sharding; refuses a bad ``data_parallel`` or one beside a
+    ``group``."""
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
         raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
     checked = check_bucket_bytes(bucket_bytes)
@@ -110,7 +112,7 @@ def _check_data_parallel(
             "pass group or data_parallel, not both: data_parallel lays its pipelines out "
             "over the whole world"
         )
-    return checked
+    return checked, check_shard(shard, data_parallel)
 
 
 def _stage_balance(
@@ -214,12 +216,14 @@ class Pipeline(nn.Module):
             processes (rank = position in the pipeline x D + replica: a stage's replicas are
             neighbours, on one machine where they fit); each trains on its own shard
             (``gpipe.parallel.replicas.shard``), gradients are summed across replicas in
-            buckets while
-            the last backward still runs, and ``step`` returns the loss of the union of the
-            shards, weighted by rows.
-        bucket_bytes: the size of those buckets; by default a quarter of the stage's
-            gradients, between 1 MiB and 25 MiB (``gpipe.parallel.replicas.bucket_size``), so that
-            most of them start before the last backward ends.
+            buckets while the last backward still runs, and ``step`` returns the loss of the
+            union of the shards, weighted by rows.
+        bucket_bytes: the size of those buckets; by default a quarter of the stage's gradients,
+            between 1 MiB and 25 MiB (``gpipe.parallel.replicas.bucket_size``), so that most
+            of them start before the last backward ends.
+        shard: ``"full"`` splits each stage's parameters, gradients and optimizer state over
+            its replicas with ``fully_shard`` (``gpipe.parallel.sharding.Sharding`` for its
+            options); gradients are then DTensors (``.full_tensor()`` gathers one).
         deferred_batch_norm: replace every BatchNorm by
             ``gpipe.runtime.batchnorm.DeferredBatchNorm``,
             so running statistics are tracked once per mini-batch, from all its micro-batches.
@@ -259,6 +263,7 @@ class Pipeline(nn.Module):
         group: dist.ProcessGroup | None = None,
         data_parallel: int = 1,
         bucket_bytes: float | None = None,
+        shard: str | Sharding | None = None,
         deferred_batch_norm: bool = False,
         autocast: torch.dtype | None = None,
         local_pipes: bool = True,
@@ -277,7 +282,7 @@ class Pipeline(nn.Module):
         skips = find_skips(module)  # a bad skip is refused before any process group work
         self.device = rank_device(device)
         self.autocast = check_autocast(autocast, self.device)
-        bucket_bytes = _check_data_parallel(data_parallel, bucket_bytes, group)
+        bucket_bytes, sharding = _check_data_parallel(data_parallel, bucket_bytes, group, shard)
         self.replicas, self.group = _joined(self.device, group, data_parallel, timeout)
         self.n_ranks, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.auto_choice: AutoChoice | None = None
@@ -295,9 +300,7 @@ class Pipeline(nn.Module):
         self.n_stages = len(self.balance)
         self.deferred_batch_norm = deferred_batch_norm
         self.schedule_name = self._schedule.name
-        self.loss_fn = loss_fn
-        self.loss_reduction = loss_reduction
-        self.timeout = float(timeout)
+        self.loss_fn, self.loss_reduction, self.timeout = loss_fn, loss_reduction, float(timeout)
         self.placement = RankPlacement(
             tuple(self.balance), self.rank, self.n_ranks, self.group, self._schedule.layout()
         )
@@ -305,7 +308,7 @@ class Pipeline(nn.Module):
         self.stage_index = self.stages[0]
         recipe = StageRecipe(
             self.device, self.chunks, self.checkpoint, loss_fn, self.autocast,
-            deferred_batch_norm, seed,
+            deferred_batch_norm, seed, sharding, self.replicas,
         )  # fmt: skip
         built = build_stages(module, skips, self.placement, recipe)
         self.skip_layout, self.ties = built.skip_layout, built.ties

@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from gpipe.parallel.sharding import ShardedStages, Sharding
 from gpipe.parallel.ties import Tie, find_ties, untie
 from gpipe.runtime.batchnorm import convert_deferred_batch_norm
 from gpipe.runtime.partitions import materialize, stage_bounds
@@ -20,6 +21,9 @@ from gpipe.runtime.stage import LossFn, Stage
 from gpipe.schedules import SCHEDULES, Placement, traits
 from gpipe.skip.layout import SkipLayout
 from gpipe.skip.skippable import Skip
+
+if TYPE_CHECKING:
+    from gpipe.parallel.replicas import Replicas
 
 __all__ = ["BuiltStages", "RankPlacement", "StageRecipe", "build_stages", "check_stages_per_rank"]
 
@@ -108,6 +112,8 @@ class StageRecipe:
     autocast: torch.dtype | None
     deferred_batch_norm: bool
     seed: int  # of the initialization of layers built on the meta device
+    sharding: Sharding | None = None  # over ``replicas``, which it needs
+    replicas: Replicas | None = None
 
 
 class BuiltStages(NamedTuple):
@@ -117,6 +123,7 @@ class BuiltStages(NamedTuple):
     stages: dict[int, Stage]
     ties: list[Tie]  # parameters that layers of several stages share
     skip_layout: SkipLayout
+    sharded: ShardedStages | None = None  # the stages sharded over their replicas
 
 
 def build_stages(
@@ -156,4 +163,7 @@ def build_stages(
             recomputed_layers=recomputed[stage],
             payloads=True,
         )
-    return BuiltStages(layers, stages, ties, skip_layout)
+    sharded = None
+    if recipe.sharding is not None and recipe.replicas is not None:
+        sharded = ShardedStages(stages, recipe.replicas, recipe.sharding)
+    return BuiltStages(layers, stages, ties, skip_layout, sharded)

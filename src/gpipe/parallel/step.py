@@ -23,6 +23,7 @@ from gpipe.parallel.loss_weights import loss_weights, scatter_targets
 from gpipe.parallel.placement import BuiltStages, RankPlacement
 from gpipe.parallel.presplit import Presplit, first_parts, given_targets, later_sizes
 from gpipe.parallel.replicas import GradientBuckets, Replicas
+from gpipe.parallel.sharding import ShardedGradients
 from gpipe.parallel.ties import TiedGradients
 from gpipe.runtime.batchnorm import commit_deferred_batch_norm
 from gpipe.runtime.executor import StepData, run_program
@@ -142,20 +143,18 @@ class StepRunner:
         self.deferred_batch_norm = deferred_batch_norm
         self.recorder = recorder
         self.transport = connect(placement, built.skip_layout.routes, device, timeout, local_pipes)
-        self.buckets: dict[int, GradientBuckets] = {}  # each stage's, summed over replicas
-        if replicas is not None:
+        # each stage's gradients, summed over replicas: in buckets, or by fully_shard's units
+        self.buckets: dict[int, GradientBuckets | ShardedGradients] = {}
+        self.sharded = built.sharded
+        if self.sharded is not None:
+            self.buckets.update(self.sharded.gradients)
+        elif replicas is not None:
             for stage, runner in self.stages.items():
                 params_ = list(runner.module.parameters())
                 self.buckets[stage] = GradientBuckets(params_, replicas, stage, bucket_bytes)
         self._rows_all = 0  # rows of the step over every replica
-        self.tied = TiedGradients(
-            built.ties,
-            params,
-            placement.stages,
-            placement.rank_of,
-            placement.global_rank,
-            timeout,
-        )
+        self.tied = TiedGradients(built.ties, params, placement.stages, placement.rank_of,
+                                  placement.global_rank, timeout)  # fmt: skip
         self.tied.broadcast()  # each rank built its own copy: start them equal
 
     @property
@@ -353,9 +352,13 @@ class StepRunner:
         self.transport.begin(schedule.programs, self.placement.rank)
         arm, launch = _gradient_points(program) if self.buckets else (set(), set())
 
+        resharded = self.sharded is not None and self.sharded.sharding.reshard_after_forward
+
         def before(action: Action) -> None:
             if action in arm:
                 self.buckets[action.stage].arm()
+            elif resharded and action.kind is Kind.WEIGHT:  # a forward since B freed them
+                self.sharded.gradients[action.stage].before_weight()  # type: ignore[union-attr]
 
         def timed(action: Action, start: float, end: float) -> None:
             nonlocal busy
@@ -373,8 +376,10 @@ class StepRunner:
                 self.transport,
                 data,
                 on_action=timed,
-                before_action=before if arm else None,
+                before_action=before if arm or resharded else None,
             )
+            if self.sharded is not None and not data.build_graph:
+                self.sharded.reshard()  # a forward alone left the parameters gathered
             if self.deferred_batch_norm and training:
                 modules = [stage.module for stage in self.stages.values()]
                 if self.replicas is not None:

@@ -52,12 +52,19 @@ def owners(module: nn.Module) -> Owners:
 
 @dataclass
 class _Part:
-    """One output of a parameter-holding layer: where it entered the graph, the layer's
-    parameters, and the gradient that reached it during B (None if B did not pass it)."""
+    """One output of a parameter-holding layer: where it entered the graph, the layer, and
+    the gradient that reached it during B (None if B did not pass it)."""
 
     edge: GradientEdge
-    params: list[nn.Parameter]
+    layer: nn.Module
     grad: Tensor | None = None
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The layer's parameters as W finds them: read then, not at the forward, since a
+        sharded layer (``fully_shard``) swaps in its gathered parameters only while they
+        are in use."""
+        return list(self.layer.parameters(recurse=False))
 
 
 class WeightGradients:
@@ -70,17 +77,12 @@ class WeightGradients:
     def capturing(self, layers: Owners) -> Iterator[None]:
         """Run a forward inside this to note the output of every layer of ``layers``."""
 
-        def note(params: list[nn.Parameter], output: Any) -> None:
+        def note(layer: nn.Module, args: Any, output: Any) -> None:
             for out in tensors_of(output):  # every leaf, however nested
                 if out.requires_grad:
-                    self._parts.append(_Part(get_gradient_edge(out), params))
+                    self._parts.append(_Part(get_gradient_edge(out), layer))
 
-        handles = [
-            layer.register_forward_hook(
-                lambda layer, args, output, params=params: note(params, output)
-            )
-            for layer, params in layers
-        ]
+        handles = [layer.register_forward_hook(note) for layer, _ in layers]
         try:
             yield
         finally:
@@ -114,10 +116,12 @@ class WeightGradients:
             torch.autograd.backward(roots, root_grads)
             return
         # a parameter is served by its layers' outputs only if B reached every one of them
-        missed = {id(p) for part in self._parts if part.grad is None for p in part.params}
+        held = [part.params for part in self._parts]
+        missed = {id(p) for part, ps in zip(self._parts, held, strict=True) if part.grad is None
+                  for p in ps}  # fmt: skip
         covered: set[int] = set()
-        for part in self._parts:
-            params = [p for p in part.params if p.requires_grad]
+        for part, ps in zip(self._parts, held, strict=True):
+            params = [p for p in ps if p.requires_grad]
             if part.grad is None or not params or any(id(p) in missed for p in params):
                 continue
             _backward_to(part.edge, part.grad, params)

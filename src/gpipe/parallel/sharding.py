@@ -1,0 +1,290 @@
+"""Sharded replicas: each stage's parameters, gradients and optimizer state split over its D
+replicas by PyTorch's ``fully_shard`` (FSDP2), driven the way a pipeline needs.
+
+A step runs many micro-batches through a stage, so the default gathers the parameters once,
+at the step's first forward, and keeps them whole until the last backward
+(``reshard_after_forward=False``): one all-gather per unit and step rather than one per
+micro-batch and pass. Gradients accumulate whole, unreduced, over the micro-batches; the
+stage's last backward reduce-scatters each unit as it passes it (``arm``), or, when the
+backward is split into B and W, the last W is followed by every unit's reduction
+(``launch``), so W never reduces per micro-batch. The optimizer, built from
+``Pipeline.parameters()``, then steps on the shards (DTensors).
+
+The replicas of a stage sum their gradients, as unsharded ones do (each micro-batch's loss is
+already weighted by its share of the global mini-batch), so the reduction divides by 1.
+
+Only ``"full"`` exists. ``fully_shard`` keeps no whole gradient (``"optimizer"``, ZeRO-1,
+needs one on every replica), and its optimizer steps on the parameter shards, so the
+parameters must be gathered again every step whichever way they were kept between steps:
+``"gradients"`` (ZeRO-2) would cost the memory of whole parameters and save no message
+over ``"full"``, which already gathers once a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+    from gpipe.parallel.replicas import Replicas
+    from gpipe.runtime.stage import Stage
+
+__all__ = ["SHARD_MODES", "ShardedGradients", "ShardedStages", "Sharding", "check_shard"]
+
+SHARD_MODES = (None, "optimizer", "gradients", "full")
+Unit = Callable[[str, nn.Module], bool] | tuple[type[nn.Module], ...]
+
+_DROPPED = {
+    "optimizer": "fully_shard reduce-scatters every gradient into shards, and ZeRO-1 needs the "
+    "whole gradient on every replica: use shard=None for that, or shard='full'",
+    "gradients": "fully_shard's optimizer steps on the parameter shards, so the parameters "
+    "are gathered again every step however they were kept: keeping them whole between steps "
+    "(ZeRO-2) costs their memory and saves no message over shard='full', which gathers them "
+    "once a step",
+}
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """``Pipeline(shard=Sharding(...))``: sharding with its options (``shard="full"`` is
+    ``Sharding()``).
+
+    ``unit``: what one ``fully_shard`` unit is, gathered and reduced in one message. None:
+    each layer of the stage (each child of the whole ``nn.Sequential``); a tuple of module
+    classes: every module of those classes inside the stage's layers (a transformer's
+    blocks); or a predicate ``unit(name, module)`` over the stage's modules, named as in the
+    whole model (``"3.attn"``). Parameters outside every unit, and those that several layers
+    of one stage share, belong to the stage's own unit.
+
+    ``reshard_after_forward``: free each unit's whole parameters after every micro-batch's
+    forward and gather them again for its backward, saving their memory at the cost of two
+    all-gathers per micro-batch (default False: gathered once per step).
+
+    ``mp_policy``: ``fully_shard``'s ``MixedPrecisionPolicy``, say ``param_dtype=bfloat16``
+    to gather in bfloat16 while the shards stay float32 master weights (default: none;
+    ``Pipeline(autocast=...)`` works on the float32 parameters as unsharded).
+    """
+
+    mode: str = "full"
+    unit: Unit | None = None
+    reshard_after_forward: bool = False
+    mp_policy: MixedPrecisionPolicy | None = None
+
+
+def check_shard(shard: object, data_parallel: int) -> Sharding | None:
+    """``Pipeline``'s ``shard`` argument as a ``Sharding`` (None: unsharded replicas)."""
+    mode = shard.mode if isinstance(shard, Sharding) else shard
+    if not isinstance(mode, str | type(None)) or mode not in SHARD_MODES:
+        raise ValueError(
+            f"shard must be one of None, 'optimizer', 'gradients', 'full' or a Sharding, "
+            f"got {shard!r}"
+        )
+    if mode is None:
+        return None
+    if mode in _DROPPED:
+        raise ValueError(f"shard={mode!r} is not offered: {_DROPPED[mode]}")
+    if data_parallel < 2:
+        raise ValueError(
+            f"shard={mode!r} splits each stage over its replicas and needs data_parallel > 1, "
+            f"got data_parallel={data_parallel}"
+        )
+    return shard if isinstance(shard, Sharding) else Sharding(mode)
+
+
+def _selected(unit: Unit | None, name: str, module: nn.Module, is_layer: bool) -> bool:
+    if unit is None:
+        return is_layer
+    if isinstance(unit, tuple):
+        return isinstance(module, unit)
+    return bool(unit(name, module))
+
+
+def _units(partition: nn.Module, unit: Unit | None) -> list[tuple[str, nn.Module]]:
+    """The modules of ``partition`` to wrap, innermost first: those ``unit`` selects that
+    hold parameters and share none with modules outside them."""
+    uses: dict[int, int] = {}
+    for _, p in partition.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    layers = {id(m) for m in partition.children()}
+    found = []
+    for name, module in reversed(list(partition.named_modules())):
+        if module is partition or not _selected(unit, name, module, id(module) in layers):
+            continue
+        inside: dict[int, int] = {}
+        for _, p in module.named_parameters(remove_duplicate=False):
+            inside[id(p)] = inside.get(id(p), 0) + 1
+        if inside and all(uses[key] == n for key, n in inside.items()):
+            found.append((name, module))
+    return found
+
+
+def _check_dtypes(name: str, module: nn.Module, wrapped: set[int], stage: int) -> None:
+    """One unit gathers its parameters in one message, so they need one dtype."""
+    own = {p.dtype for p in _own_parameters(module, wrapped)}
+    if len(own) > 1:
+        raise ValueError(
+            f"shard: layer {name or 'of the stage'} of stage {stage} cannot be sharded: its "
+            f"parameters have dtypes {sorted(map(str, own))}, and fully_shard gathers a unit "
+            "in one dtype; give it one, or make its parts units of their own (Sharding(unit=...))"
+        )
+
+
+def _own_parameters(module: nn.Module, wrapped: set[int]) -> Iterator[nn.Parameter]:
+    """``module``'s parameters outside the units already wrapped inside it."""
+    seen: set[int] = set()
+    for sub in module.modules():
+        if sub is not module and id(sub) in wrapped:
+            continue
+        for p in sub.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield p
+
+
+def _shard_stage(stage: Stage, mesh: Any, sharding: Sharding) -> FSDPModule:
+    """Wrap ``stage``'s units, then its partition as the root; returns the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    options: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": sharding.reshard_after_forward,
+    }
+    if sharding.mp_policy is not None:
+        options["mp_policy"] = sharding.mp_policy
+    wrapped: set[int] = set()
+    units = [*_units(stage.module, sharding.unit), ("", stage.module)]
+    for name, module in units:
+        _check_dtypes(name, module, wrapped, stage.index)
+        try:
+            fully_shard(module, **options)
+        except (TypeError, ValueError, RuntimeError, AssertionError) as exc:
+            what = f"layer {name} ({type(module).__name__})" if name else "the stage's module"
+            raise ValueError(
+                f"shard: {what} of stage {stage.index} cannot be wrapped by fully_shard: {exc}"
+            ) from exc
+        wrapped.add(id(module))
+    root: FSDPModule = stage.module  # type: ignore[assignment]
+    # the root's lazy set-up now, not at its first forward: a stage that recomputes some
+    # layers calls them one by one, and the root's own forward never runs
+    fully_shard.state(root)._lazy_init()
+    root.set_gradient_divide_factor(1.0)  # the replicas' gradients are summed
+    root.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+    for module in root.modules():
+        if module is not root and hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return root
+
+
+class ShardedGradients:
+    """One stage's gradient reduction over its replicas, as ``GradientBuckets`` offers it to
+    the step: ``arm`` before the stage's last whole backward, ``launch`` after its last
+    backward or W, ``finish`` once the step's program has run, ``reset`` after a failure.
+
+    Between those, the units keep their gradients whole and unreduced
+    (``set_requires_gradient_sync(False)``) and their parameters gathered."""
+
+    def __init__(self, root: FSDPModule, stage: int) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        self.root = root
+        self.stage = stage
+        self._state = fully_shard.state(root)
+        self.buckets = [g for s in self._states() if (g := s._fsdp_param_group) is not None]
+        self._armed = self._reduced = False
+        self._accumulate()
+
+    def _states(self) -> list[Any]:
+        return list(self._state._state_ctx.all_states)
+
+    def _accumulate(self) -> None:
+        """Micro-batches: gradients whole, parameters kept for the next backward or W."""
+        self.root.set_requires_gradient_sync(False)
+        self.root.set_reshard_after_backward(False)
+        self.root.set_is_last_backward(False)
+        self._armed = self._reduced = False
+
+    def _last(self) -> None:
+        self.root.set_requires_gradient_sync(True)
+        self.root.set_reshard_after_backward(True)
+        self.root.set_is_last_backward(True)
+
+    def arm(self) -> None:
+        """The next backward is the stage's last: each unit reduce-scatters as it passes."""
+        self._last()
+        self._armed = True
+
+    def before_weight(self) -> None:
+        """Before a W: its units' parameters whole again, if a forward since freed them."""
+        for group in self.buckets:
+            if not group.is_unsharded:
+                group.unshard()
+                group.wait_for_unshard()
+
+    def launch(self) -> None:
+        """After the stage's last backward or W: reduce what is not reduced yet."""
+        if self._reduced:
+            return
+        self._reduced = True
+        if self._armed:  # fully_shard's hooks reduced every unit during that backward
+            return
+        self._last()
+        for state in reversed(self._states()):
+            if state._fsdp_param_group is not None:
+                state._fsdp_param_group.post_backward()
+        self._state._root_post_backward_final_callback()
+
+    def finish(self) -> tuple[float, int]:
+        """Complete the reductions; returns the seconds it took and how many units were
+        reduced during the last backward."""
+        start = perf_counter()
+        early = len(self.buckets) if self._armed else 0
+        self.launch()  # on a GPU, the current stream waits for the reductions
+        self._accumulate()
+        return perf_counter() - start, early
+
+    def reset(self) -> None:
+        """Forget a failed step: gradients not yet reduced are dropped, parameters resharded."""
+        self._state._reset_iter_state()
+        for group in self.buckets:
+            for param in group.fsdp_params:
+                param.unsharded_accumulated_grad = None
+                if hasattr(param, "_unsharded_param"):
+                    param._unsharded_param.grad = None
+        self._accumulate()
+
+
+class ShardedStages:
+    """This rank's stages, each sharded over its replicas (``Replicas.group``)."""
+
+    def __init__(self, stages: dict[int, Stage], replicas: Replicas, sharding: Sharding) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        self.sharding = sharding
+        device = next(iter(stages.values())).device
+        self.mesh = DeviceMesh.from_group(replicas.group, device.type)
+        self.gradients = {
+            index: ShardedGradients(_shard_stage(stage, self.mesh, sharding), index)
+            for index, stage in stages.items()
+        }
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group()
+
+    def reshard(self) -> None:
+        """Free the whole parameters a forward without a backward left gathered (the
+        optimizer steps on the shards, so they would be stale by the next step)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for gradients in self.gradients.values():
+            for module in gradients.root.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
