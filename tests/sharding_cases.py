@@ -4,6 +4,7 @@ unsharded replicas."""
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.functional import mse_loss
 
@@ -81,3 +82,159 @@ def exactness(schedules=tuple(SCHEDULES), modes=("never", "always")) -> dict:
             names = [name for name, _ in sharded.named_parameters()]
             cases += 1
     return {"cases": cases, "names": names}
+
+
+class _Messages:
+    """Counts fully_shard's all-gathers and reduce-scatters while it is open."""
+
+    def __enter__(self):
+        self.gathers = self.scatters = 0
+        self._saved = dist.all_gather_single, dist.reduce_scatter_single
+
+        def gather(*args, **kwargs):
+            self.gathers += 1
+            return self._saved[0](*args, **kwargs)
+
+        def scatter(*args, **kwargs):
+            self.scatters += 1
+            return self._saved[1](*args, **kwargs)
+
+        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_gather_single, dist.reduce_scatter_single = self._saved
+
+
+def _twins(make, balance, data, *, steps=2, tol=EXACT, scaled=False, clip=None, **options):
+    """A sharded pipeline and its unsharded twin, ``steps`` steps of AdamW side by side on
+    ``data(step)``: the same losses, gathered gradients, clipped norms, evaluations, outputs
+    and weights. Returns the sharded one and its messages in the last step."""
+    sharding = options.pop("shard", "full")
+    common = dict(data_parallel=D, timeout=20, **options)
+    pipes = [
+        Pipeline(make(), balance, shard=sharding, **common),
+        Pipeline(make(), balance, **common),
+    ]
+    optimizers = [torch.optim.AdamW(p.parameters(), lr=0.01) for p in pipes]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=256.0) if scaled else None for _ in pipes]
+    messages = None
+    for step in range(steps):
+        x, y = data(step)
+        found = []
+        for pipe, optimizer, scaler in zip(pipes, optimizers, scalers, strict=True):
+            optimizer.zero_grad()
+            with _Messages() as counted:
+                loss = pipe.step(_mine(x, pipe, True), _mine(y, pipe, False), scaler=scaler)
+            messages = counted if pipe is pipes[0] else messages
+            norm = pipe.clip_grad_norm_(clip, scaler=scaler, optimizer=optimizer) if clip else 0
+            grads = {n: full(p.grad) for n, p in pipe.named_parameters() if p.grad is not None}
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            value = pipe.evaluate(_mine(x, pipe, True), _mine(y, pipe, False))
+            out = pipe(_mine(x, pipe, True))
+            found.append((loss, norm, grads, value, out))
+        (loss, norm, grads, value, out), (loss_, norm_, grads_, value_, out_) = found
+        torch.testing.assert_close(loss, loss_, **tol)
+        torch.testing.assert_close(norm, norm_, **tol)
+        assert grads.keys() == grads_.keys() and grads
+        for name in grads:
+            torch.testing.assert_close(grads[name], grads_[name], **tol)
+        torch.testing.assert_close(value, value_, **tol)
+        torch.testing.assert_close(out, out_, **tol)
+    held = dict(pipes[1].state_dict())
+    for name, tensor in pipes[0].state_dict().items():  # weights and buffers
+        torch.testing.assert_close(full(tensor), held[name], **tol)
+    return pipes[0], messages
+
+
+def _rows(make_batch, rows):
+    return lambda step: make_batch(rows, seed=step + 1)
+
+
+def compositions() -> dict:
+    """shard="full" beside every other option, against unsharded replicas: layers recomputed
+    selectively, parameters freed after every forward (with zero-bubble's W), autocast,
+    GradScaler with clipping, deferred BatchNorm, skips, tied weights; and the messages of a
+    step: one all-gather and one reduce-scatter per unit."""
+    from gpipe.parallel.sharding import Sharding
+    from gpipe.runtime.recompute import Layers
+
+    from .models import (
+        UNET_BALANCES,
+        UNET_INTERLEAVED,
+        bn_model,
+        tied,
+        token_loss,
+        tokens,
+        unet,
+        unet_batch,
+    )
+
+    init_process_group(torch.device("cpu"))
+    data = _rows(batch, 11)
+    out = {}
+    # one unit per layer with parameters: gathered once, reduced once, during the last B
+    pipe, messages = _twins(mlp, [4, 4], data, chunks=4, schedule="1f1b", loss_fn=mse_loss)
+    units = len(pipe._runner.sharded.gradients[pipe.stage_index].buckets)
+    out["1f1b"] = (units, messages.gathers, messages.scatters, pipe.last_step.allreduce_early)
+    pipe, messages = _twins(mlp, [4, 4], data, chunks=4, schedule="zero-bubble", loss_fn=mse_loss)
+    out["zero-bubble"] = (
+        units,
+        messages.gathers,
+        messages.scatters,
+        pipe.last_step.allreduce_early,
+    )
+    freed = Sharding(reshard_after_forward=True)
+    for schedule in ("zero-bubble", "interleaved-zero-bubble"):
+        balance = [4, 4] if schedule == "zero-bubble" else [2, 2, 2, 2]
+        pipe, messages = _twins(mlp, balance, data, chunks=4, schedule=schedule, shard=freed,
+                                checkpoint="except_last", loss_fn=mse_loss)  # fmt: skip
+        out[f"freed {schedule}"] = (messages.gathers, messages.scatters)
+    _twins(mlp, [4, 4], data, chunks=4, schedule="zero-bubble", loss_fn=mse_loss,
+           checkpoint=Layers(every=2))  # fmt: skip
+    single = _rows(lambda rows, seed: batch(rows, torch.float32, seed), 11)
+    _twins(lambda: mlp(torch.float32), [4, 4], single, chunks=4, schedule="zero-bubble",
+           autocast=torch.bfloat16, loss_fn=lambda o, t: mse_loss(o.float(), t),
+           tol={"rtol": 1e-6, "atol": 1e-7})  # fmt: skip
+    _twins(mlp, [4, 4], data, chunks=4, schedule="1f1b", loss_fn=mse_loss, scaled=True, clip=0.05)
+    x = torch.randn(8, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    _twins(bn_model, [2, 4], lambda step: (x, x), chunks=2, deferred_batch_norm=True,
+           loss_fn=lambda o, t: o.pow(2).mean())  # fmt: skip
+    _twins(unet, UNET_BALANCES[2], _rows(unet_batch, 11), chunks=4, schedule="zero-bubble",
+           loss_fn=mse_loss)  # fmt: skip
+    _twins(unet, UNET_INTERLEAVED[2], _rows(unet_batch, 8), chunks=4, schedule="interleaved",
+           loss_fn=mse_loss, checkpoint="always")  # fmt: skip
+    ids = _rows(lambda rows, seed: tokens(rows, seed=seed), 7)
+    _twins(tied, [2, 2], ids, chunks=3, loss_fn=token_loss, clip=0.5)
+    _twins(tied, [1, 1, 1, 1], ids, chunks=4, schedule="zero-bubble-v", loss_fn=token_loss)
+    return out
+
+
+class _Scaled(nn.Module):
+    """A layer with a scalar parameter, which fully_shard cannot split."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def bad_inputs() -> dict:
+    """One clear error each, on every rank alike (so none waits for the others)."""
+    from .distributed_cases import _error
+
+    init_process_group(torch.device("cpu"))
+    layers = [*mlp(), _Scaled()]
+    return {
+        "alone": _error(lambda: Pipeline(mlp(), [8], shard="full", loss_fn=mse_loss)),
+        "unknown": _error(lambda: Pipeline(mlp(), data_parallel=2, shard="zero3")),
+        "optimizer": _error(lambda: Pipeline(mlp(), data_parallel=2, shard="optimizer")),
+        "gradients": _error(lambda: Pipeline(mlp(), data_parallel=2, shard="gradients")),
+        "scalar": _error(lambda: Pipeline(layers, [5, 4], data_parallel=2, shard="full")),
+    }

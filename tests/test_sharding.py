@@ -13,3 +13,34 @@ def test_every_schedule_sharded_matches_one_unpipelined_step_and_the_unsharded_r
     assert all(r["cases"] == 16 for r in results.values())
     # names as in the whole nn.Sequential, sharded or not
     assert results[0]["names"][:2] == ["0.weight", "0.bias"]
+
+
+def test_sharding_composes_with_every_option_as_the_unsharded_replicas():
+    """Selective recomputation, parameters freed after each forward (zero-bubble's W
+    included), autocast, GradScaler with clipping, deferred BatchNorm, skips and tied weights:
+    the losses, gradients, norms, evaluations, outputs and weights of unsharded replicas."""
+    results = run(cases.compositions, 4, threads=1)
+    for r in results.values():
+        units = r["1f1b"][0]
+        # gathered once a step, reduced once, during the last backward (after the last W)
+        assert r["1f1b"] == (units, units, units, units)
+        assert r["zero-bubble"] == (units, units, units, 0)
+        # freed after every forward: gathered for each of 4 micro-batches' F and B
+        gathers, scatters = r["freed zero-bubble"]
+        assert (gathers, scatters) == (2 * 4 * units, units)
+
+
+def test_bad_shard_arguments_are_named():
+    errors = run(cases.bad_inputs, 4, threads=1)
+    assert len({tuple(e.values()) for e in errors.values()}) == 1  # every rank alike
+    e = errors[0]
+    assert (
+        "shard='full' splits each stage over its replicas and needs data_parallel > 1"
+        in (e["alone"])
+    )
+    assert "got data_parallel=1" in e["alone"]
+    assert "shard must be one of None, 'optimizer', 'gradients', 'full'" in e["unknown"]
+    assert "got 'zero3'" in e["unknown"]
+    assert "shard='optimizer' is not offered: fully_shard reduce-scatters" in e["optimizer"]
+    assert "shard='gradients' is not offered" in e["gradients"]
+    assert "layer 8 (_Scaled) cannot be wrapped by fully_shard: it holds a scalar" in e["scalar"]

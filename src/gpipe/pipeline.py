@@ -100,10 +100,14 @@ def _check_step_options(loss_fn: object, loss_reduction: object, timeout: object
 
 
 def _check_data_parallel(
-    data_parallel: object, bucket_bytes: object, group: dist.ProcessGroup | None, shard: object
+    data_parallel: object,
+    bucket_bytes: object,
+    group: dist.ProcessGroup | None,
+    shard: object,
+    module: nn.Sequential,
 ) -> tuple[float | None, Sharding | None]:
-    """The checked bucket size and sharding; refuses a bad ``data_parallel`` or one beside a
-    ``group``."""
+    """The checked bucket size and sharding of ``module``; refuses a bad ``data_parallel`` or
+    one beside a ``group``."""
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
         raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
     checked = check_bucket_bytes(bucket_bytes)
@@ -112,7 +116,7 @@ def _check_data_parallel(
             "pass group or data_parallel, not both: data_parallel lays its pipelines out "
             "over the whole world"
         )
-    return checked, check_shard(shard, data_parallel)
+    return checked, check_shard(shard, data_parallel, module)
 
 
 def _stage_balance(
@@ -282,7 +286,7 @@ class Pipeline(nn.Module):
         skips = find_skips(module)  # a bad skip is refused before any process group work
         self.device = rank_device(device)
         self.autocast = check_autocast(autocast, self.device)
-        bucket_bytes, sharding = _check_data_parallel(data_parallel, bucket_bytes, group, shard)
+        buckets, sharding = _check_data_parallel(data_parallel, bucket_bytes, group, shard, module)
         self.replicas, self.group = _joined(self.device, group, data_parallel, timeout)
         self.n_ranks, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.auto_choice: AutoChoice | None = None
@@ -323,7 +327,7 @@ class Pipeline(nn.Module):
             self.placement, built, dict(self.named_parameters(remove_duplicate=False)),
             device=self.device, chunks=self.chunks, loss_reduction=loss_reduction,
             timeout=self.timeout, local_pipes=local_pipes, replicas=self.replicas,
-            bucket_bytes=bucket_bytes, deferred_batch_norm=deferred_batch_norm,
+            bucket_bytes=buckets, deferred_batch_norm=deferred_batch_norm,
             recorder=self.recorder,
         )  # fmt: skip
         self.last_step: StepTimes | None = None

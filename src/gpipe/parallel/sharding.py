@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -36,7 +37,14 @@ if TYPE_CHECKING:
     from gpipe.parallel.replicas import Replicas
     from gpipe.runtime.stage import Stage
 
-__all__ = ["SHARD_MODES", "ShardedGradients", "ShardedStages", "Sharding", "check_shard"]
+__all__ = [
+    "SHARD_MODES",
+    "ShardedGradients",
+    "ShardedStages",
+    "Sharding",
+    "check_shard",
+    "check_shardable",
+]
 
 SHARD_MODES = (None, "optimizer", "gradients", "full")
 Unit = Callable[[str, nn.Module], bool] | tuple[type[nn.Module], ...]
@@ -78,8 +86,9 @@ class Sharding:
     mp_policy: MixedPrecisionPolicy | None = None
 
 
-def check_shard(shard: object, data_parallel: int) -> Sharding | None:
-    """``Pipeline``'s ``shard`` argument as a ``Sharding`` (None: unsharded replicas)."""
+def check_shard(shard: object, data_parallel: int, module: nn.Sequential) -> Sharding | None:
+    """``Pipeline``'s ``shard`` argument as a ``Sharding`` (None: unsharded replicas), for
+    the whole model ``module``."""
     mode = shard.mode if isinstance(shard, Sharding) else shard
     if not isinstance(mode, str | type(None)) or mode not in SHARD_MODES:
         raise ValueError(
@@ -95,7 +104,9 @@ def check_shard(shard: object, data_parallel: int) -> Sharding | None:
             f"shard={mode!r} splits each stage over its replicas and needs data_parallel > 1, "
             f"got data_parallel={data_parallel}"
         )
-    return shard if isinstance(shard, Sharding) else Sharding(mode)
+    sharding = shard if isinstance(shard, Sharding) else Sharding(mode)
+    check_shardable(module, sharding)
+    return sharding
 
 
 def _selected(unit: Unit | None, name: str, module: nn.Module, is_layer: bool) -> bool:
@@ -125,15 +136,34 @@ def _units(partition: nn.Module, unit: Unit | None) -> list[tuple[str, nn.Module
     return found
 
 
-def _check_dtypes(name: str, module: nn.Module, wrapped: set[int], stage: int) -> None:
-    """One unit gathers its parameters in one message, so they need one dtype."""
-    own = {p.dtype for p in _own_parameters(module, wrapped)}
-    if len(own) > 1:
-        raise ValueError(
-            f"shard: layer {name or 'of the stage'} of stage {stage} cannot be sharded: its "
-            f"parameters have dtypes {sorted(map(str, own))}, and fully_shard gathers a unit "
-            "in one dtype; give it one, or make its parts units of their own (Sharding(unit=...))"
+def _check_unit(name: str, module: nn.Module, wrapped: set[int], where: str = "") -> None:
+    """Refuse a unit ``fully_shard`` cannot wrap, naming it and why."""
+    what = f"layer {name} ({type(module).__name__})" if name else "the stage's own unit"
+
+    def refuse(why: str) -> None:
+        raise ValueError(f"shard: {what}{where} cannot be wrapped by fully_shard: {why}")
+
+    if isinstance(module, torch.jit.ScriptModule):
+        refuse("it is a ScriptModule, which takes no hooks; pass the module unscripted")
+    own = list(_own_parameters(module, wrapped))
+    scalar = next((p for p in own if p.dim() == 0), None)
+    if scalar is not None:
+        refuse("it holds a scalar parameter, and fully_shard splits dim 0: give it shape (1,)")
+    dtypes = sorted({str(p.dtype) for p in own})
+    if len(dtypes) > 1:
+        refuse(
+            f"its parameters have dtypes {dtypes}, and a unit is gathered in one: give them "
+            "one, or make its parts units of their own (Sharding(unit=...))"
         )
+
+
+def check_shardable(module: nn.Sequential, sharding: Sharding) -> None:
+    """Refuse, before any process group work, a model with a unit that cannot be wrapped, so
+    that every rank raises alike (the stage's own unit is checked as it is built)."""
+    wrapped: set[int] = set()
+    for name, unit in _units(module, sharding.unit):
+        _check_unit(name, unit, wrapped)
+        wrapped.add(id(unit))
 
 
 def _own_parameters(module: nn.Module, wrapped: set[int]) -> Iterator[nn.Parameter]:
@@ -161,16 +191,18 @@ def _shard_stage(stage: Stage, mesh: Any, sharding: Sharding) -> FSDPModule:
     wrapped: set[int] = set()
     units = [*_units(stage.module, sharding.unit), ("", stage.module)]
     for name, module in units:
-        _check_dtypes(name, module, wrapped, stage.index)
+        where = f" of stage {stage.index}"
+        _check_unit(name, module, wrapped, where)
         try:
             fully_shard(module, **options)
         except (TypeError, ValueError, RuntimeError, AssertionError) as exc:
-            what = f"layer {name} ({type(module).__name__})" if name else "the stage's module"
+            what = f"layer {name} ({type(module).__name__})" if name else "the stage's own unit"
             raise ValueError(
-                f"shard: {what} of stage {stage.index} cannot be wrapped by fully_shard: {exc}"
+                f"shard: {what}{where} cannot be wrapped by fully_shard: {exc}"
             ) from exc
         wrapped.add(id(module))
     root: FSDPModule = stage.module  # type: ignore[assignment]
+    _prefetch_in_order([root, *(module for name, module in units if name)])  # type: ignore[misc]
     # the root's lazy set-up now, not at its first forward: a stage that recomputes some
     # layers calls them one by one, and the root's own forward never runs
     fully_shard.state(root)._lazy_init()
@@ -181,6 +213,17 @@ def _shard_stage(stage: Stage, mesh: Any, sharding: Sharding) -> FSDPModule:
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return root
+
+
+def _prefetch_in_order(order: list[FSDPModule]) -> None:
+    """Each unit's backward gathers the next one's parameters in ``order``, the backward's.
+
+    fully_shard would guess the next unit from the order of the forwards; a step runs
+    several forwards before a backward, and its guess would gather again, after the last
+    backward reduced it, the last unit of an earlier micro-batch. The last unit names itself:
+    nothing to gather."""
+    for unit, after in zip(order, [*order[1:], order[-1]], strict=True):
+        unit.set_modules_to_backward_prefetch([after])
 
 
 class ShardedGradients:
