@@ -238,3 +238,57 @@ def bad_inputs() -> dict:
         "gradients": _error(lambda: Pipeline(mlp(), data_parallel=2, shard="gradients")),
         "scalar": _error(lambda: Pipeline(layers, [5, 4], data_parallel=2, shard="full")),
     }
+
+
+def _steps(pipe: Pipeline, optimizer, steps: range) -> list[float]:
+    """AdamW steps on the global mini-batches of ``steps``; the losses."""
+    losses = []
+    for step in steps:
+        x, y = batch(11, seed=step)
+        optimizer.zero_grad()
+        if pipe.replicas is not None:
+            x, y = _mine(x, pipe, True), _mine(y, pipe, False)
+        losses.append(float(pipe.step(x, y)))
+        optimizer.step()
+    return losses
+
+
+def checkpoints(root: str) -> dict:
+    """A run saved at D = 2 x K = 2 sharded (in the foreground and in the background)
+    resumes at D = 2 sharded, at D = 1 (two pipelines of K = 2, unsharded) and at D = 4 x
+    K = 1 sharded, with the losses the run itself goes on with."""
+    from pathlib import Path
+
+    from gpipe.training.checkpoint_writer import CheckpointWriter
+    from gpipe.training.checkpoints import latest_checkpoint, load_checkpoint, verify_checkpoint
+
+    init_process_group(torch.device("cpu"))
+    options = dict(chunks=4, schedule="1f1b", loss_fn=mse_loss, timeout=20)
+    pipe = Pipeline(mlp(), [4, 4], data_parallel=D, shard="full", **options)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+    _steps(pipe, optimizer, range(2))
+    paths = {}
+    for how in ("foreground", "background"):
+        writer = CheckpointWriter(Path(root) / how, pipe, background=how == "background")
+        writer.save(2, pipe, optimizer, {"step": 2}, {"model": "mlp"})
+        paths[how] = writer.close()
+    going_on = _steps(pipe, optimizer, range(2, 4))
+    found = {"problems": [verify_checkpoint(p) for p in paths.values()]}
+    found["latest"] = [str(latest_checkpoint(Path(root) / how)) for how in paths]
+    me = dist.get_rank()
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
+    resumed = {
+        "D=2 sharded": lambda: Pipeline(mlp(), [4, 4], data_parallel=D, shard="full", **options),
+        "D=1": lambda: Pipeline(mlp(), [4, 4], group=halves[me // 2], **options),
+        "D=4 K=1 sharded": lambda: Pipeline(mlp(), [8], data_parallel=4, shard="full", **options),
+    }
+    for how, path in paths.items():
+        for name, make in resumed.items():
+            again = make()
+            optimizer = torch.optim.AdamW(again.parameters(), lr=0.01)
+            held = load_checkpoint(path, again, optimizer, {"step": 0}, group=again.group)
+            assert held["step"] == 2
+            losses = _steps(again, optimizer, range(2, 4))
+            torch.testing.assert_close(losses, going_on, **EXACT, msg=f"{how}, {name}")
+    found["losses"] = going_on
+    return found

@@ -44,3 +44,19 @@ def test_bad_shard_arguments_are_named():
     assert "shard='optimizer' is not offered: fully_shard reduce-scatters" in e["optimizer"]
     assert "shard='gradients' is not offered" in e["gradients"]
     assert "layer 8 (_Scaled) cannot be wrapped by fully_shard: it holds a scalar" in e["scalar"]
+
+
+def test_a_sharded_checkpoint_resumes_sharded_unsharded_and_at_another_k(tmp_path):
+    """Saved at D = 2 x K = 2 sharded, every rank its shard, in the foreground and in the
+    background: the manifest verifies, and the run resumes at D = 2 sharded, at D = 1 and at
+    D = 4 x K = 1 sharded with the losses it goes on with itself."""
+    results = run(cases.checkpoints, 4, (str(tmp_path),), threads=1)
+    r = results[0]
+    assert r["problems"] == [[], []]
+    assert [p.rsplit("/", 2)[-2:] for p in r["latest"]] == [
+        ["foreground", "step-000002"],
+        ["background", "step-000002"],
+    ]
+    assert {tuple(x["losses"]) for x in results.values()} == {tuple(r["losses"])}
+    written = sorted(p.name for p in (tmp_path / "foreground" / "step-000002").iterdir())
+    assert [n for n in written if n.endswith(".distcp")] == [f"__{i}_0.distcp" for i in range(4)]

@@ -140,7 +140,11 @@ def _stage_balance(
 
 
 def _joined(
-    device: torch.device, group: dist.ProcessGroup | None, data_parallel: int, timeout: float
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    data_parallel: int,
+    timeout: float,
+    sharding: Sharding | None,
 ) -> tuple[Replicas | None, dist.ProcessGroup | None]:
     """Join the process group (unless given one) and, with replicas, their groups; returns
     the replicas and the pipeline's group."""
@@ -148,7 +152,7 @@ def _joined(
         init_process_group(device, timeout)
     if data_parallel == 1:
         return None, group
-    replicas = Replicas.create(data_parallel, float(timeout))
+    replicas = Replicas.create(data_parallel, float(timeout), sharding is not None)
     return replicas, replicas.pipeline_group
 
 
@@ -287,7 +291,7 @@ class Pipeline(nn.Module):
         self.device = rank_device(device)
         self.autocast = check_autocast(autocast, self.device)
         buckets, sharding = _check_data_parallel(data_parallel, bucket_bytes, group, shard, module)
-        self.replicas, self.group = _joined(self.device, group, data_parallel, timeout)
+        self.replicas, self.group = _joined(self.device, group, data_parallel, timeout, sharding)
         self.n_ranks, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.auto_choice: AutoChoice | None = None
         if auto:  # the replicas agree with the first pipeline's choice

@@ -98,9 +98,10 @@ class Replicas:
     group: dist.ProcessGroup  # this position's replicas, one per pipeline
     pipeline_group: dist.ProcessGroup  # this replica's pipeline
     timeout: float
+    sharded: bool = False  # each holds a shard of its stage's state (``shard="full"``)
 
     @classmethod
-    def create(cls, data_parallel: int, timeout: float) -> Replicas:
+    def create(cls, data_parallel: int, timeout: float, sharded: bool = False) -> Replicas:
         """Collective over the default group: every rank makes every group, in one order."""
         world, me = dist.get_world_size(), dist.get_rank()
         pipelines, replicas = layout(world, data_parallel)
@@ -114,7 +115,7 @@ class Replicas:
             if me in ranks:
                 mine_r = g
         assert mine_p is not None and mine_r is not None
-        return cls(data_parallel, me % data_parallel, mine_r, mine_p, timeout)
+        return cls(data_parallel, me % data_parallel, mine_r, mine_p, timeout, sharded)
 
     def _wait(self, work: dist.Work, what: str, stage: int) -> None:
         bounded_wait(work, self.timeout, stage, f"summing {what} over the replicas", "a replica")

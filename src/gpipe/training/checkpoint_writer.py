@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from gpipe.training.checkpoints import (
     begin_save,
+    checkpoint_group,
     finish_save,
     save_checkpoint,
     saved_state,
@@ -44,8 +45,9 @@ __all__ = ["CheckpointWriter"]
 
 def _writing_ranks(pipe: Pipeline | None) -> list[int]:
     """The ranks that write a checkpoint: the pipeline's (its first replica's, with replicas,
-    which hold the same state as the others)."""
-    if pipe is None:
+    which hold the same state as the others; every rank's, with sharded replicas, each of
+    which holds its own shard)."""
+    if pipe is None or (pipe.replicas is not None and pipe.replicas.sharded):
         return list(range(dist.get_world_size()))
     if pipe.replicas is not None:
         from gpipe.parallel.replicas import layout
@@ -95,7 +97,8 @@ def _lowest_priority() -> None:
 
 class CheckpointWriter:
     """Saves a run's checkpoints under ``root``: the state of ``pipe``'s stages, written by
-    its first replica (the others hold the same and skip ``save``).
+    its first replica (the others hold the same and skip ``save``), or with sharded replicas
+    by every rank, each its shard.
 
     ``background``: training goes on while a checkpoint is written (the default); at most one
     is in flight, so a save first waits for the one before it. ``retention`` says which
@@ -118,8 +121,9 @@ class CheckpointWriter:
         self.root = Path(root)
         self.retention = retention or Retention()
         self.background = background
-        self.group = pipe.group if pipe is not None else None
-        self.writes = pipe is None or pipe.replicas is None or pipe.replicas.replica == 0
+        self.group = checkpoint_group(pipe)
+        replicas = pipe.replicas if pipe is not None else None
+        self.writes = replicas is None or replicas.replica == 0 or replicas.sharded
         self._writers = self.group
         if background and dist.is_initialized():
             seconds = timeout if timeout is not None else getattr(pipe, "timeout", 300.0)

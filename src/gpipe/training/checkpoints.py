@@ -3,7 +3,8 @@ and verifiably.
 
 A checkpoint holds the model keyed by layer (``model.3.attn.qkv.weight``, whatever the number
 of stages), the optimizer keyed the same way, the data sampler's state and the step. Every
-rank writes its own stage's part into ``.step-N.partial``; once all have finished, the ranks
+rank writes its own stage's part into ``.step-N.partial`` (sharded replicas their shards,
+which load into any number of replicas, sharded or not); once all have finished, the ranks
 share out the hashing of its files, rank 0 writes a manifest of every file's size and SHA-256
 last and renames the folder to ``step-N``. A crash mid-save leaves only a ``.partial`` folder,
 which is never read, and a ``step-N`` folder damaged afterwards (a file lost or cut short)
@@ -31,6 +32,7 @@ __all__ = [
     "DamagedCheckpointWarning",
     "begin_save",
     "checkpoint_dirs",
+    "checkpoint_group",
     "discard_partial",
     "finish_save",
     "latest_checkpoint",
@@ -102,6 +104,16 @@ def discard_partial(root: Path) -> list[Path]:
 
 def read_description(path: Path) -> dict[str, Any]:
     return json.loads((path / DESCRIPTION).read_text())
+
+
+def checkpoint_group(pipe: Any) -> dist.ProcessGroup | None:
+    """The group that saves ``pipe``'s checkpoints: its pipeline's (the first replica's
+    writes for all); with sharded replicas the whole world (None), since every rank holds a
+    different shard, and one ``.metadata`` must list them all."""
+    if pipe is None:
+        return None
+    sharded = pipe.replicas is not None and pipe.replicas.sharded
+    return None if sharded else pipe.group
 
 
 def _barrier(group: dist.ProcessGroup | None) -> None:
