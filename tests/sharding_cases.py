@@ -196,6 +196,14 @@ def compositions() -> dict:
         out[f"freed {schedule}"] = (messages.gathers, messages.scatters)
     _twins(mlp, [4, 4], data, chunks=4, schedule="zero-bubble", loss_fn=mse_loss,
            checkpoint=Layers(every=2))  # fmt: skip
+    # units of one's choosing: the rest of each stage's parameters in the stage's own unit
+    chosen = Sharding(unit=lambda name, module: name in ("0", "5"))
+    pipe, messages = _twins(mlp, [4, 4], data, chunks=4, schedule="1f1b", shard=chosen,
+                            loss_fn=mse_loss)  # fmt: skip
+    out["chosen"] = (len(pipe._runner.sharded.gradients[pipe.stage_index].buckets),
+                     messages.gathers, messages.scatters)  # fmt: skip
+    _twins(mlp, [4, 4], data, chunks=4, schedule="gpipe", shard=Sharding(unit=(nn.Linear,)),
+           loss_fn=mse_loss)  # fmt: skip
     single = _rows(lambda rows, seed: batch(rows, torch.float32, seed), 11)
     _twins(lambda: mlp(torch.float32), [4, 4], single, chunks=4, schedule="zero-bubble",
            autocast=torch.bfloat16, loss_fn=lambda o, t: mse_loss(o.float(), t),
@@ -292,3 +300,30 @@ def checkpoints(root: str) -> dict:
             torch.testing.assert_close(losses, going_on, **EXACT, msg=f"{how}, {name}")
     found["losses"] = going_on
     return found
+
+
+def mixed_precision() -> float:
+    """fully_shard's MixedPrecisionPolicy through Sharding: gathered and computed in float32,
+    float64 shards and reductions; the unsharded float64 replicas' gradients to float32's
+    precision. Returns the largest relative difference."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from gpipe.parallel.sharding import Sharding
+
+    init_process_group(torch.device("cpu"))
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
+    common = dict(chunks=4, schedule="zero-bubble", data_parallel=D, timeout=20,
+                  loss_fn=lambda o, t: mse_loss(o.double(), t))  # fmt: skip
+    sharded = Pipeline(mlp(), [4, 4], shard=Sharding(mp_policy=policy), **common)
+    whole = Pipeline(mlp(), [4, 4], **common)
+    x, y = batch(11)
+    for pipe in (sharded, whole):
+        pipe.step(_mine(x, pipe, True), _mine(y, pipe, False))
+    held = dict(whole.named_parameters())
+    worst = 0.0
+    for name, p in sharded.named_parameters():
+        assert p.dtype == torch.float64 and p.grad.dtype == torch.float64, name
+        want = held[name].grad
+        torch.testing.assert_close(full(p.grad), want, rtol=1e-4, atol=1e-5)
+        worst = max(worst, float((full(p.grad) - want).abs().max() / want.abs().max()))
+    return worst

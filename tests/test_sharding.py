@@ -28,6 +28,13 @@ def test_sharding_composes_with_every_option_as_the_unsharded_replicas():
         # freed after every forward: gathered for each of 4 micro-batches' F and B
         gathers, scatters = r["freed zero-bubble"]
         assert (gathers, scatters) == (2 * 4 * units, units)
+        # layer 0 or 5 a unit, the stage's own unit holding the rest
+        assert r["chosen"] == (2, 2, 2)
+
+
+def test_a_mixed_precision_policy_gathers_and_computes_in_its_dtype():
+    worst = run(cases.mixed_precision, 4, threads=1)
+    assert all(0 < w < 1e-5 for w in worst.values())
 
 
 def test_bad_shard_arguments_are_named():
