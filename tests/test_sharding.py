@@ -67,3 +67,7 @@ def test_a_sharded_checkpoint_resumes_sharded_unsharded_and_at_another_k(tmp_pat
     assert {tuple(x["losses"]) for x in results.values()} == {tuple(r["losses"])}
     written = sorted(p.name for p in (tmp_path / "foreground" / "step-000002").iterdir())
     assert [n for n in written if n.endswith(".distcp")] == [f"__{i}_0.distcp" for i in range(4)]
+
+
+def test_a_failed_step_leaves_no_unreduced_gradient_behind():
+    assert all(run(cases.failed_step, 4, threads=1).values())

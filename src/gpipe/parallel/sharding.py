@@ -28,7 +28,6 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
@@ -242,6 +241,7 @@ class ShardedGradients:
         self._state = fully_shard.state(root)
         self.buckets = [g for s in self._states() if (g := s._fsdp_param_group) is not None]
         self._armed = self._reduced = False
+        self._early = 0  # units reduced during the last backward
         self._accumulate()
 
     def _states(self) -> list[Any]:
@@ -271,13 +271,27 @@ class ShardedGradients:
                 group.unshard()
                 group.wait_for_unshard()
 
+    def _pending(self) -> bool:
+        """Whether a unit still holds a whole gradient, not reduced yet."""
+        return any(
+            hasattr(param, "_unsharded_param")
+            and (
+                param._unsharded_param.grad is not None
+                or param.unsharded_accumulated_grad is not None
+            )
+            for group in self.buckets
+            for param in group.fsdp_params
+        )
+
     def launch(self) -> None:
         """After the stage's last backward or W: reduce what is not reduced yet."""
         if self._reduced:
             return
         self._reduced = True
-        if self._armed:  # fully_shard's hooks reduced every unit during that backward
+        self._early = len(self.buckets) if self._armed else 0
+        if self._armed and not self._pending():  # fully_shard's hooks reduced every unit
             return
+        self._early = 0
         self._last()
         for state in reversed(self._states()):
             if state._fsdp_param_group is not None:
@@ -288,10 +302,9 @@ class ShardedGradients:
         """Complete the reductions; returns the seconds it took and how many units were
         reduced during the last backward."""
         start = perf_counter()
-        early = len(self.buckets) if self._armed else 0
         self.launch()  # on a GPU, the current stream waits for the reductions
         self._accumulate()
-        return perf_counter() - start, early
+        return perf_counter() - start, self._early
 
     def reset(self) -> None:
         """Forget a failed step: gradients not yet reduced are dropped, parameters resharded."""
@@ -317,10 +330,6 @@ class ShardedStages:
             index: ShardedGradients(_shard_stage(stage, self.mesh, sharding), index)
             for index, stage in stages.items()
         }
-
-    @property
-    def group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group()
 
     def reshard(self) -> None:
         """Free the whole parameters a forward without a backward left gathered (the
