@@ -328,6 +328,27 @@ def test_data_parallel_trains_as_one_pipeline_and_saves_once_per_stage(trained, 
     assert set(_losses(out)) == set(range(1, 23))
 
 
+def test_sharded_replicas_train_as_one_pipeline_and_resume_unsharded(trained, tmp_path, capsys):
+    """--shard full over D = 2 replicas of the 2-stage pipeline: the first steps' losses are
+    D = 1's (within float rounding); every replica writes its shard, and the checkpoint of
+    step 4 resumes unsharded at D = 1 with the losses the sharded run went on with."""
+    out = tmp_path / "sharded"
+    code = main(["train", *TINY, "--stages", "2", "--data-parallel", "2", "--shard", "full",
+                 "--steps", "6", "--save-every", "4", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    one, sharded = _losses(trained[2]), _losses(out)
+    for step in (1, 2, 3):  # before the learning rates of a 20-step and a 6-step run differ
+        assert sharded[step] == pytest.approx(one[step], rel=1e-5), step
+    assert _description(out, 4)["train"]["shard"] == "full"
+    shutil.rmtree(out / "checkpoints" / "step-000006")
+    assert main(["train", "--resume", str(out), "--data-parallel", "1", "--shard", "none",
+                 "--quiet"]) == 0  # fmt: skip
+    resumed = _losses(out)
+    for step in (5, 6):
+        assert resumed[step] == pytest.approx(sharded[step], rel=1e-5), step
+    assert "needs data_parallel > 1" in _usage_error(capsys, "train", "--shard", "full")
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains(tmp_path, precision):
     out = tmp_path / precision

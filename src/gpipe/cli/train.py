@@ -110,6 +110,7 @@ def _check(model: Any, opts: Any) -> None:
         raise UsageError(
             f"--seq-len {opts.seq_len} is above the model's maximum of {model.seq_len} ({more})"
         )
+    _check_shard(opts)
     if model.kind == "hf" and opts.balance not in ("time", "params"):
         raise UsageError(
             f"--balance {opts.balance}: a Hugging Face model is cut by tracing, by parameters "
@@ -125,6 +126,22 @@ def _check(model: Any, opts: Any) -> None:
         raise UsageError(str(exc)) from None
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda, but this machine has no CUDA device")
+
+
+def _check_shard(opts: Any) -> None:
+    """``--shard``: only ``full`` exists, and only with replicas to shard over."""
+    if opts.shard == "none":
+        return
+    from torch import nn
+
+    from gpipe.parallel.sharding import check_shard
+
+    try:
+        check_shard(opts.shard, opts.data_parallel, nn.Sequential())
+    except ValueError as exc:
+        raise UsageError(
+            f"--shard {opts.shard} (with --data-parallel {opts.data_parallel}): {exc}"
+        ) from None
 
 
 def _check_auto(opts: Any, model: Any) -> None:

@@ -50,6 +50,13 @@ def add_pipeline_options(pipe: Any) -> None:
         help="replicas of the pipeline, D x stages processes in all; --batch-size is split "
         "among them (default 1)",
     )
+    pipe.add_argument(
+        "--shard",
+        choices=["none", "optimizer", "gradients", "full"],
+        help="with --data-parallel: full splits each stage's parameters, gradients and "
+        "optimizer state over its replicas (PyTorch's fully_shard); default none, whole "
+        "copies on every replica",
+    )
     pipe.add_argument("--chunks", type=int, help="micro-batches per mini-batch (default 8)")
     pipe.add_argument("--checkpoint", help="re-materialization: always, except_last, never")
     pipe.add_argument(

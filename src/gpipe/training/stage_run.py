@@ -124,6 +124,7 @@ class StageRun:
             loss_fn=model_loss,
             device=self.device,
             data_parallel=opts.data_parallel,
+            shard=None if opts.shard == "none" else opts.shard,
             autocast=PRECISIONS[opts.precision],
             seed=opts.seed,
             timeout=opts.timeout,

@@ -44,8 +44,9 @@ class TiedCopies:
             self.head.grad.copy_(total)
         elif self.group is not None:
             copy = self.embedding if self.embedding is not None else self.head
-            if copy is not None:
-                dist.all_reduce(copy.grad, group=self.group)
+            if copy is not None:  # sharded (a DTensor): the copies' shards are the same rows
+                grad = copy.grad
+                dist.all_reduce(getattr(grad, "_local_tensor", grad), group=self.group)
 
     def counted(self, pipe: Pipeline) -> list[nn.Parameter]:
         """Parameters counted in the gradient norm: the head's copy of a tied weight is not."""
