@@ -8,7 +8,9 @@ micro-batch and pass. Gradients accumulate whole, unreduced, over the micro-batc
 stage's last backward reduce-scatters each unit as it passes it (``arm``), or, when the
 backward is split into B and W, the last W is followed by every unit's reduction
 (``launch``), so W never reduces per micro-batch. The optimizer, built from
-``Pipeline.parameters()``, then steps on the shards (DTensors).
+``Pipeline.parameters()``, then steps on the shards. Parameters keep their names in the
+whole model (``named_parameters``, ``state_dict``, checkpoints); they and their gradients
+are DTensors, whose ``.full_tensor()`` gathers the whole (collective over the replicas).
 
 The replicas of a stage sum their gradients, as unsharded ones do (each micro-batch's loss is
 already weighted by its share of the global mini-batch), so the reduction divides by 1.
