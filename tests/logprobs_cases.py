@@ -6,7 +6,7 @@ into chunks, under a schedule of one stage per process and one of two."""
 import torch
 
 from gpipe import Pipeline
-from gpipe.training.logprobs import forward_logprobs
+from gpipe.parallel.forward_only import forward_logprobs
 
 from .presplit_cases import VOCAB, microbatches, token_model
 
@@ -30,7 +30,7 @@ def agree() -> int:
     for schedule, balance in (("1f1b", [4, 4]), ("interleaved", [2, 2, 2, 2])):
         pipe = Pipeline(token_model(), balance, chunks=2, schedule=schedule, checkpoint="always")
         per_mb = forward_logprobs(pipe, microbatches=given)
-        whole = forward_logprobs(pipe, x, y)
+        whole = pipe.forward_only(x, y)
         assert not any(p.grad is not None for p in pipe.parameters())
         if not pipe.is_last:
             assert per_mb is None and whole is None

@@ -12,6 +12,7 @@ are registered under their names in the whole model, so ``state_dict`` and
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from gpipe.comm.process_group import (
 )
 from gpipe.parallel.agreement import on_first_rank
 from gpipe.parallel.clipping import clip_grad_norm_
+from gpipe.parallel.forward_only import forward_logprobs, forward_schedule
 from gpipe.parallel.placement import (
     RankPlacement,
     StageRecipe,
@@ -47,12 +49,7 @@ from gpipe.runtime.precision import Precision
 from gpipe.runtime.recompute import check_autocast, check_checkpoint, should_checkpoint
 from gpipe.runtime.stage import LossFn
 from gpipe.runtime.timeline import Event, Recorder, merge
-from gpipe.schedules import (
-    Schedule,
-    add_recompute,
-    add_skips,
-    forward_only,
-)
+from gpipe.schedules import Schedule, add_recompute, add_skips
 from gpipe.skip.skippable import find_skips
 
 __all__ = [
@@ -335,6 +332,7 @@ class Pipeline(nn.Module):
             recorder=self.recorder,
         )  # fmt: skip
         self.last_step: StepTimes | None = None
+        self._forward_schedule = functools.partial(forward_schedule, self)
 
     # -- where the stages are ---------------------------------------------------------------
     @property
@@ -376,12 +374,6 @@ class Pipeline(nn.Module):
             i for i in range(n_microbatches) if should_checkpoint(mode, i, n_microbatches)
         )
         return add_recompute(schedule, recomputed)
-
-    def _forward_schedule(self, n_microbatches: int) -> Schedule:
-        schedule = forward_only(
-            self.n_stages, n_microbatches, self.n_ranks, self.placement.stage_to_rank
-        )
-        return add_skips(schedule, self.skip_layout.routes)
 
     # -- steps --------------------------------------------------------------------------------
     def step(
@@ -439,6 +431,11 @@ class Pipeline(nn.Module):
     def forward(self, inputs: Any = None) -> Any:
         """Inference over micro-batches; the output on the last stage, None elsewhere."""
         return self._runner.forward(inputs, self._forward_schedule, self.training)
+
+    def forward_only(self, inputs: Any = None, targets: Any = None, **options: Any) -> Any:
+        """Per-token log-probabilities of ``targets`` from a forward alone, no activation kept
+        (``gpipe.parallel.forward_only.forward_logprobs``: ``microbatches=``, ``ignore_index``)."""
+        return forward_logprobs(self, inputs, targets, **options)
 
     def timeline(self) -> list[Event]:
         """What every rank ran in the last ``step``, ``evaluate`` or forward, merged; collective

@@ -12,8 +12,18 @@ from torch import Tensor
 
 from gpipe.parallel.presplit import Presplit, presplit
 from gpipe.runtime.logprobs import IGNORE_INDEX, TokenLogprobs
+from gpipe.schedules import Schedule, add_skips, forward_only
 
-__all__ = ["forward_logprobs"]
+__all__ = ["forward_logprobs", "forward_schedule"]
+
+
+def forward_schedule(pipe: Any, n_microbatches: int) -> Schedule:
+    """The schedule of a forward alone through ``pipe``'s stages (``evaluate``, ``forward``,
+    log-probabilities), skips routed."""
+    schedule = forward_only(
+        pipe.n_stages, n_microbatches, pipe.n_ranks, pipe.placement.stage_to_rank
+    )
+    return add_skips(schedule, pipe.skip_layout.routes)
 
 
 def _check_targets(targets: Any, given: Presplit | None) -> None:
@@ -76,7 +86,7 @@ def forward_logprobs(
     data = runner._data(parts, build_graph=False)
     if pipe.is_last:
         data.outputs = TokenLogprobs(_last_targets(targets, given, sizes), ignore_index)
-    runner._run(pipe._forward_schedule(m), data, pipe.training)
+    runner._run(forward_schedule(pipe, m), data, pipe.training)
     if not pipe.is_last:
         return None
     found = [data.outputs[i] for i in range(m)]
