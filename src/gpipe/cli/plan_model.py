@@ -7,10 +7,6 @@ device, cut by ``gpipe.split`` into the stages, and each stage profiled whole.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,6 +14,7 @@ from torch import nn
 
 from gpipe.cli.common import UsageError
 from gpipe.cli.plan_shard import planned_shard
+from gpipe.cli.train_model import longest_sequence, quiet_tracer
 from gpipe.planning.memory import MemoryPlan, plan, profile
 
 __all__ = ["GPT_DEFAULTS", "add_model_arguments", "check_split_options", "model_kind", "plan_split"]
@@ -148,7 +145,7 @@ def plan_split(args: argparse.Namespace, dtype: torch.dtype) -> tuple[MemoryPlan
     tokenizer = None if args.tokenizer is None else _tokenizer(args)
     model = _build(args).to(device="meta", dtype=dtype)
     if args.seq_len is None:
-        args.seq_len = _longest_sequence(model)
+        args.seq_len = longest_sequence(model)
     if args.seq_len is None:
         raise UsageError(
             f"--model {args.model}: its longest sequence is unknown (no max_seq_len, seq_len or "
@@ -200,7 +197,7 @@ def _split(model: nn.Module, args: argparse.Namespace, parts: int) -> Any:
     example = torch.zeros(2, min(args.seq_len, 16), dtype=torch.long, device="meta")
     at = None if args.split_at is None else args.split_at.split(",")
     try:  # the tracer prints the graph it gave up on, and logs: the message says it all
-        with _quiet():
+        with quiet_tracer():
             if at is None:
                 return split(model, (example,), parts=parts, balance="parameters")
             stages = split(model, (example,), at=at)
@@ -232,24 +229,3 @@ def _vocab_size(model: nn.Module, source: str) -> int:
             f"--model {source}: the model must take token ids [batch, tokens] and return "
             f"logits [batch, tokens, vocabulary] ({exc})"
         ) from None
-
-
-def _longest_sequence(model: nn.Module) -> int | None:
-    """A module's ``max_seq_len`` or ``seq_len``, or its config's ``max_position_embeddings``."""
-    for name in ("max_seq_len", "seq_len"):
-        if isinstance(getattr(model, name, None), int):
-            return int(getattr(model, name))
-    found = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return int(found) if isinstance(found, int) else None
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    torch_log = logging.getLogger("torch")
-    level = torch_log.level
-    torch_log.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        torch_log.setLevel(level)

@@ -16,7 +16,14 @@ from torch import nn
 
 from gpipe.cli.common import UsageError
 
-__all__ = ["GPT_FLAGS", "model_layer_count", "resolve_model", "starting_weights"]
+__all__ = [
+    "GPT_FLAGS",
+    "longest_sequence",
+    "model_layer_count",
+    "quiet_tracer",
+    "resolve_model",
+    "starting_weights",
+]
 
 GPT_FLAGS = {  # flag -> GPTConfig field
     "n_layer": "n_layer",
@@ -116,7 +123,7 @@ def _module_model(target: str, split_at: list[str] | None, seq_len: int | None) 
     from gpipe.training.model_sources import TrainModel, call_factory, logits_of
 
     model = call_factory(target, 0)
-    longest = _longest_sequence(model) or seq_len
+    longest = longest_sequence(model) or seq_len
     if longest is None:
         raise ValueError(
             f"--model {target}: its longest sequence is unknown (no max_seq_len, seq_len or "
@@ -143,14 +150,15 @@ def _check_traceable(model: nn.Module, target: str, split_at: list[str] | None) 
 
     example = torch.zeros(2, 4, dtype=torch.long, device="meta")
     try:  # the tracer prints the graph it gave up on, and logs: the message says it all
-        with _quiet():
+        with quiet_tracer():
             split(model, (example,), at=split_at or [])
     except Exception as exc:  # TraceError, CutError, or the tracer's own
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"--model {target}: {first}") from None
 
 
-def _longest_sequence(model: nn.Module) -> int | None:
+def longest_sequence(model: nn.Module) -> int | None:
+    """A module's ``max_seq_len`` or ``seq_len``, or its config's ``max_position_embeddings``."""
     for name in ("max_seq_len", "seq_len"):
         if isinstance(getattr(model, name, None), int):
             return int(getattr(model, name))
@@ -176,7 +184,8 @@ def starting_weights(model: Any, seed: int) -> None:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet_tracer() -> Iterator[None]:
+    """torch.export prints the graph it gave up on, and logs: the error says it all."""
     torch_log = logging.getLogger("torch")
     level = torch_log.level
     torch_log.setLevel(logging.ERROR)
