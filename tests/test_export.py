@@ -23,23 +23,11 @@ from gpipe.training.options import TrainOptions
 from gpipe.training.run_data import run_dataset
 from gpipe.training.trained import checkpoint_at, load_trained
 
+from .text_cases import LINES, word_tokenizer
+
 transformers = pytest.importorskip(
     "transformers", reason="gpipe export --hf and --model hf: need Hugging Face transformers"
 )
-
-LINES = ["the cat sat on the mat", "a dog ate the cat food", "the mat was red and the dog sat"]
-
-
-def _word_tokenizer(path):
-    """A WordLevel tokenizer trained on LINES, saved as ``path`` (a tokenizer.json)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", "<|endoftext|>"])
-    tokenizer.train_from_iterator(LINES, trainer)
-    tokenizer.save(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +44,7 @@ def run(tmp_path_factory):
     out = folder / "run"
     code = main([
         "train", "--model", f"hf:{folder / 'llama' / 'config.json'}",
-        "--data", str(folder / "text.txt"), "--tokenizer", str(_word_tokenizer(folder / "t.json")),
+        "--data", str(folder / "text.txt"), "--tokenizer", str(word_tokenizer(folder / "t.json")),
         "--stages", "2", "--steps", "2", "--seq-len", "16", "--batch-size", "4", "--chunks", "2",
         "--eval-every", "2", "--sample-tokens", "2", "--threads", "1", "--quiet", "--out", str(out),
     ])  # fmt: skip
@@ -211,7 +199,7 @@ def test_a_tokenizer_folder_gives_its_tokenizer_files_only(tmp_path):
 
     from gpipe.training.hf_export import tokenizer_files
 
-    raw = Tokenizer.from_file(str(_word_tokenizer(tmp_path / "t.json")))
+    raw = Tokenizer.from_file(str(word_tokenizer(tmp_path / "t.json")))
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
     fast.save_pretrained(tmp_path / "model")
     for other in ("config.json", "model.safetensors", "generation_config.json"):

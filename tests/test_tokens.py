@@ -22,19 +22,7 @@ from gpipe.training.tokens import (
     token_dtype_for,
 )
 
-LINES = ["the cat sat on the mat", "a dog ate the cat food", "the mat was red and the dog sat"]
-
-
-def _word_tokenizer(path):
-    """A WordLevel tokenizer trained on LINES, saved as ``path`` (a tokenizer.json)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", "<|endoftext|>"])
-    tokenizer.train_from_iterator(LINES, trainer)
-    tokenizer.save(str(path))
-    return path
+from .text_cases import LINES, word_tokenizer
 
 
 def _old_batches(data, batch_size, seq_len, seed, count):
@@ -148,7 +136,7 @@ def test_jsonl_documents_are_joined(tmp_path):
 
 
 def test_a_tokenizer_json_tokenizes_text_and_jsonl(tmp_path):
-    tokenizer = load_tokenizer(_word_tokenizer(tmp_path / "tokenizer.json"))
+    tokenizer = load_tokenizer(word_tokenizer(tmp_path / "tokenizer.json"))
     assert tokenizer.vocab_size < 40 and tokenizer.eos_id == 1
     assert tokenizer.decode(tokenizer.encode("the cat sat")) == "the cat sat"
     (tmp_path / "a.txt").write_text("\n".join(LINES * 20))
@@ -165,7 +153,7 @@ def test_a_hugging_face_tokenizer_folder_loads_from_disk(tmp_path):
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer
 
-    raw = Tokenizer.from_file(str(_word_tokenizer(tmp_path / "tokenizer.json")))
+    raw = Tokenizer.from_file(str(word_tokenizer(tmp_path / "tokenizer.json")))
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
     fast.save_pretrained(tmp_path / "folder")
     tokenizer = load_tokenizer(tmp_path / "folder")
@@ -174,7 +162,7 @@ def test_a_hugging_face_tokenizer_folder_loads_from_disk(tmp_path):
 
 
 def test_prepare_tokens_writes_the_smallest_dtype_atomically(tmp_path):
-    tokenizer = load_tokenizer(_word_tokenizer(tmp_path / "tokenizer.json"))
+    tokenizer = load_tokenizer(word_tokenizer(tmp_path / "tokenizer.json"))
     (tmp_path / "a.txt").write_text("\n".join(LINES * 5))
     assert needs_preparing(tmp_path / "a.txt", tokenizer)
     prepared = prepare_tokens(tmp_path / "a.txt", tmp_path / "run" / "train.bin", tokenizer)
@@ -231,7 +219,7 @@ def test_check_vocabulary_scans_for_the_largest_id(tmp_path, monkeypatch):
 
 
 def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path):
-    tokenizer = load_tokenizer(_word_tokenizer(tmp_path / "tokenizer.json"))
+    tokenizer = load_tokenizer(word_tokenizer(tmp_path / "tokenizer.json"))
     check_tokenizer(tokenizer, tokenizer.vocab_size)
     with pytest.raises(
         ValueError,

@@ -26,7 +26,12 @@ from gpipe.parallel.ties import find_ties, sum_local, untie
 from gpipe.runtime.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
 from gpipe.runtime.executor import StepData, run_program
 from gpipe.runtime.failed_step import forget_failed_step
-from gpipe.runtime.given_batches import GivenForward, check_microbatches, given_outputs
+from gpipe.runtime.given_batches import (
+    GivenForward,
+    check_microbatches,
+    given_outputs,
+    take_step_data,
+)
 from gpipe.runtime.microbatch import (
     Batch,
     as_tuple,
@@ -198,10 +203,7 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
-        data: StepData = ctx.data
-        if data is None:
-            raise RuntimeError("a pipelined forward can be backpropagated only once")
-        ctx.data = None
+        data = take_step_data(ctx)
         splits = [g.split(ctx.sizes, dim=0) for g in grad_outputs]
         data.grad_outputs = [tuple(s[i] for s in splits) for i in range(len(ctx.sizes))]
         ctx.run.run(ctx.schedule, "backward", data)

@@ -14,7 +14,17 @@ from gpipe.runtime.microbatch import Batch, as_tuple, check_batch, like
 from gpipe.runtime.recompute import AutocastState
 from gpipe.schedules import Schedule
 
-__all__ = ["GivenForward", "check_microbatches", "given_outputs"]
+__all__ = ["GivenForward", "check_microbatches", "given_outputs", "take_step_data"]
+
+
+def take_step_data(ctx: Any) -> StepData:
+    """The step's data a pipelined forward left for its backward, taken once: a second
+    backward through the same forward is an error, as autograd's own is."""
+    data: StepData | None = ctx.data
+    if data is None:
+        raise RuntimeError("a pipelined forward can be backpropagated only once")
+    ctx.data = None
+    return data
 
 
 class Runs(Protocol):
@@ -93,10 +103,7 @@ class GivenForward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
-        data: StepData = ctx.data
-        if data is None:
-            raise RuntimeError("a pipelined forward can be backpropagated only once")
-        ctx.data = None
+        data = take_step_data(ctx)
         grads, at = [], 0
         for width in ctx.widths:
             grads.append(tuple(grad_outputs[at : at + width]))
