@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers", reason="--model hf: needs tra
 VOCAB = 96
 RUN = [
     "train", "--stages", "2", "--batch-size", "8", "--seq-len", "32", "--chunks", "4",
-    "--lr", "1e-2", "--warmup", "2", "--eval-every", "6", "--sample-tokens", "4", "--quiet",
+    "--lr", "1e-2", "--warmup", "2", "--eval-every", "4", "--sample-tokens", "4", "--quiet",
     "--timeout", "20", "--threads", "1",
 ]  # fmt: skip
 
@@ -61,9 +61,9 @@ def _hf(inputs, out, *more):
 
 @pytest.fixture(scope="module")
 def reference(inputs, tmp_path_factory):
-    """The uninterrupted run: 18 steps, a checkpoint every 6."""
+    """The uninterrupted run: 12 steps, a checkpoint every 4."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    assert _hf(inputs, out, "--steps", "18", "--save-every", "6") == 0
+    assert _hf(inputs, out, "--steps", "12", "--save-every", "4") == 0
     return out
 
 
@@ -86,10 +86,10 @@ def test_sample_of_a_token_file_run_takes_and_prints_ids(reference, capsys):
 def test_killed_and_restarted_it_goes_on_with_the_same_losses(
     inputs, reference, tmp_path, monkeypatch
 ):
-    kill = {"rank": 1, "step": 10, "at": "step", "once": str(tmp_path / "killed")}
+    kill = {"rank": 1, "step": 7, "at": "step", "once": str(tmp_path / "killed")}
     monkeypatch.setenv("GPIPE_TEST_KILL", json.dumps(kill))
     out = tmp_path / "run"
-    assert _hf(inputs, out, "--steps", "18", "--save-every", "6", "--max-restarts", "1") == 0
+    assert _hf(inputs, out, "--steps", "12", "--save-every", "4", "--max-restarts", "1") == 0
     assert (tmp_path / "killed").exists()
     assert _losses(out) == _losses(reference)
 
@@ -108,8 +108,8 @@ def test_fine_tuning_the_exported_model_on_two_replicas_in_bfloat16(inputs, refe
     ])  # fmt: skip
     assert code == 0
     assert not (out / "initial").exists()  # the folder's weights, not fresh ones
-    first, trained = _losses(out)[1], _losses(reference)[18]
-    assert first < 0.5 * math.log(VOCAB) and abs(first - trained) < 0.5, (first, trained)
+    first, trained = _losses(out)[1], _losses(reference)[12]
+    assert first < 0.7 * math.log(VOCAB) and abs(first - trained) < 0.5, (first, trained)
 
 
 FACTORY = '''
