@@ -36,6 +36,7 @@ from .bench_scaling import _layer_costs, _link, _stage_costs
 from .common import gpt_model, machine, quick_or_repeats, write_results
 
 NAMES = ("whole", "sharded")
+KEYS = ("seconds", "pipeline")
 LINK = ("latency", "bandwidth", "allreduce", "gather", "grad_bytes")
 
 
@@ -53,18 +54,20 @@ def _contender(config: GPTConfig, chunks: int, name: str) -> tuple[Pipeline, tor
     return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-4)
 
 
-def _step(pipe: Pipeline, optimizer: torch.optim.Optimizer, x, y) -> float:
-    """One training step of this replica's half; the slower rank's seconds."""
+def _step(pipe: Pipeline, optimizer: torch.optim.Optimizer, x, y) -> dict[str, float]:
+    """One training step of this replica's half: the slower rank's seconds in all, and of the
+    pipeline's step alone (what the simulator predicts; the optimizer's step is outside it)."""
     assert pipe.replicas is not None
     x, y = shard(x, pipe.replicas.replica, 2), shard(y, pipe.replicas.replica, 2)
     optimizer.zero_grad(set_to_none=True)
     dist.barrier()
     start = perf_counter()
     pipe.step(x, y)
+    stepped = perf_counter()
     optimizer.step()
-    took = torch.tensor([perf_counter() - start])
+    took = torch.tensor([perf_counter() - start, stepped - start])
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took)
+    return {"seconds": float(took[0]), "pipeline": float(took[1])}
 
 
 def held_bytes(pipe: Pipeline, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -190,8 +193,11 @@ def main() -> None:
     cfg = {"model": model, "batch": 32, "chunks": 4, "repeats": args.repeats}
     found = launch(side_by_side, 2, (cfg,), threads=1)
     cycles = found[0]["cycles"]
-    median = {name: statistics.median(c[name] for c in cycles) for name in NAMES}
-    ratios = [c["sharded"] / c["whole"] for c in cycles]
+    median = {
+        name: {key: statistics.median(c[name][key] for c in cycles) for key in KEYS}
+        for name in NAMES
+    }
+    ratios = [c["sharded"]["seconds"] / c["whole"]["seconds"] for c in cycles]
     held = {name: [sum(r["held"][name].values()) for r in found.values()] for name in NAMES}
     peaks = {name: list(launch(peak_memory, 2, (cfg, name), threads=1).values()) for name in NAMES}
     plans = planned(cfg)
@@ -199,9 +205,11 @@ def main() -> None:
     print(f"{cfg['batch']} sequences of {model['seq_len']} tokens, {cfg['chunks']} micro-batches")
     for name in NAMES:
         print(
-            f"{name}: step {median[name] * 1e3:.0f} ms (simulated {sims[name] * 1e3:.0f} ms, "
-            f"measured / simulated {median[name] / sims[name]:.2f}); held between steps "
-            f"{max(held[name]) / 2**20:.1f} MiB per process (planned {plans[name] / 2**20:.1f}, "
+            f"{name}: step {median[name]['seconds'] * 1e3:.0f} ms, of which the pipeline's "
+            f"{median[name]['pipeline'] * 1e3:.0f} ms (simulated {sims[name] * 1e3:.0f} ms, "
+            f"measured / simulated {median[name]['pipeline'] / sims[name]:.2f}); held between "
+            f"steps {max(held[name]) / 2**20:.1f} MiB per process (planned "
+            f"{plans[name] / 2**20:.1f}, "
             f"measured / planned {max(held[name]) / plans[name]:.3f}); peak resident "
             f"{max(peaks[name]) / 2**20:.0f} MiB"
         )
