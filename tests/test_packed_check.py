@@ -57,3 +57,16 @@ def test_position_ids_of_another_shape_than_the_tokens_are_refused():
 def test_inputs_that_are_not_packed_pass_unread():
     check_packed(torch.ones(2, 3))
     check_packed({"input_ids": torch.ones(2, 3)})
+
+
+def test_pipeline_step_refuses_a_packed_micro_batch_that_does_not_match_before_sending():
+    """``Pipeline.step(microbatches=...)`` checks each packed micro-batch as it takes the list
+    (``gpipe.parallel.presplit``), on every rank, before any message."""
+    from gpipe.parallel.presplit import presplit
+
+    good = pack([torch.arange(1, n + 1) for n in (5, 9, 3, 7)], max_tokens=16, chunks=2)
+    (x, y), second = good
+    presplit(good)
+    bad = {**x, "cu_seqlens": x["cu_seqlens"] + 1}
+    with pytest.raises(ValueError, match=r"microbatches\[1\] inputs: cu_seqlens must start at 0"):
+        presplit([second, (bad, y)])

@@ -12,6 +12,7 @@ import torch
 from gpipe.comm.payload import check_same_structure, signature
 from gpipe.errors import StageError
 from gpipe.runtime.microbatch import check_payload, payload_to, scatter_payload, split_sizes
+from gpipe.runtime.packed_check import check_packed
 from gpipe.runtime.stage import NO_TARGET
 
 __all__ = ["Presplit", "first_parts", "given_targets", "later_sizes", "presplit"]
@@ -54,6 +55,7 @@ def presplit(microbatches: Any) -> Presplit:
             )
         x, y = item
         rows = check_payload(x, f"{where} inputs")
+        check_packed(x, f"{where} inputs")  # cu_seqlens that match the tokens, if packed
         if first is None:
             first = signature(x)
         else:
