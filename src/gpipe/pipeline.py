@@ -12,7 +12,6 @@ are registered under their names in the whole model, so ``state_dict`` and
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -332,7 +331,6 @@ class Pipeline(nn.Module):
             recorder=self.recorder,
         )  # fmt: skip
         self.last_step: StepTimes | None = None
-        self._forward_schedule = functools.partial(forward_schedule, self)
 
     # -- where the stages are ---------------------------------------------------------------
     @property
@@ -432,9 +430,11 @@ class Pipeline(nn.Module):
         """Inference over micro-batches; the output on the last stage, None elsewhere."""
         return self._runner.forward(inputs, self._forward_schedule, self.training)
 
+    def _forward_schedule(self, n_microbatches: int) -> Schedule:
+        return forward_schedule(self, n_microbatches)  # a method: a stored partial would cycle
+
     def forward_only(self, inputs: Any = None, targets: Any = None, **options: Any) -> Any:
-        """Per-token log-probabilities of ``targets`` from a forward alone, no activation kept
-        (``gpipe.parallel.forward_only.forward_logprobs``: ``microbatches=``, ``ignore_index``)."""
+        """Log-probabilities of ``targets``, forward only: ``parallel.forward_only``."""
         return forward_logprobs(self, inputs, targets, **options)
 
     def timeline(self) -> list[Event]:
@@ -479,8 +479,6 @@ class Pipeline(nn.Module):
         )  # fmt: skip
 
     def extra_repr(self) -> str:
-        return (
-            f"stages={list(self.stages)} of {self.n_stages}, balance={self.balance}, "
-            f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
-            f"schedule={self.schedule_name!r}, device={self.device}"
-        )
+        where = f"stages={list(self.stages)} of {self.n_stages}, balance={self.balance}"
+        how = f"chunks={self.chunks}, checkpoint={self.checkpoint!r}"
+        return f"{where}, {how}, schedule={self.schedule_name!r}, device={self.device}"
