@@ -10,7 +10,7 @@ from gpipe.errors import StageError
 from gpipe.pipeline import Pipeline
 from gpipe.training.data import load_text, stdlib_corpus
 
-__all__ = ["check_same_text", "load_corpus"]
+__all__ = ["check_same_everywhere", "check_same_text", "load_corpus"]
 
 
 def load_corpus(path: str | None) -> bytes:
@@ -21,15 +21,22 @@ def load_corpus(path: str | None) -> bytes:
 def check_same_text(corpus: bytes, pipe: Pipeline) -> None:
     """Inputs come from the first stage's copy of the text and targets from the last's: on
     several machines, make sure every copy is the same."""
+    check_same_everywhere(
+        hashlib.sha256(corpus).hexdigest(),
+        pipe,
+        "reads different training text than stage 0 (another Python's standard library?); "
+        "pass --data with the same text on every machine",
+    )
+
+
+def check_same_everywhere(digest: str, pipe: Pipeline, problem: str) -> None:
+    """Raise ``problem`` as the error of the first stage whose ``digest`` differs from stage
+    0's; collective over the world."""
     if dist.get_world_size() == 1:
         return
     digests: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, hashlib.sha256(corpus).hexdigest())
+    dist.all_gather_object(digests, digest)
     replicas = pipe.replicas.data_parallel if pipe.replicas is not None else 1
-    for rank, digest in enumerate(digests):
-        if digest != digests[0]:
-            raise StageError(
-                rank // replicas,  # rank = position in the pipeline x D + replica
-                "reads different training text than stage 0 (another Python's standard "
-                "library?); pass --data with the same text on every machine",
-            )
+    for rank, found in enumerate(digests):
+        if found != digests[0]:
+            raise StageError(rank // replicas, problem)  # rank = position x D + replica

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch.distributed as dist
-
-from gpipe.errors import StageError
 from gpipe.pipeline import Pipeline
+from gpipe.training.corpus import check_same_everywhere
 from gpipe.training.options import TrainOptions
 from gpipe.training.tokenizer import load_tokenizer
 from gpipe.training.tokens import (
@@ -67,15 +65,9 @@ def run_dataset(opts: TrainOptions, out: Path) -> TokenDataset:
 def check_same_data(dataset: TokenDataset, pipe: Pipeline) -> None:
     """Inputs come from the first stage's copy of the data and targets from the last's: on
     several machines, make sure every copy is the same."""
-    if dist.get_world_size() == 1:
-        return
-    prints: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(prints, fingerprint(dataset))
-    replicas = pipe.replicas.data_parallel if pipe.replicas is not None else 1
-    for rank, found in enumerate(prints):
-        if found != prints[0]:
-            raise StageError(
-                rank // replicas,  # rank = position in the pipeline x D + replica
-                "reads different training data than stage 0 (another Python's standard "
-                "library, another copy of --data?); pass the same --data on every machine",
-            )
+    check_same_everywhere(
+        fingerprint(dataset),
+        pipe,
+        "reads different training data than stage 0 (another Python's standard library, "
+        "another copy of --data?); pass the same --data on every machine",
+    )
