@@ -20,7 +20,7 @@ from gpipe.cli.plan_model import (
     model_kind,
     plan_split,
 )
-from gpipe.cli.plan_shard import add_shard_arguments, planned_shard, searched_shards
+from gpipe.cli.plan_shard import add_shard_arguments, plan_options, planned_shard, searched_shards
 from gpipe.cli.plan_tables import print_plan, print_suggestions
 from gpipe.planning.advice import chunks_advice
 from gpipe.planning.memory import (
@@ -191,19 +191,7 @@ def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> Memo
         balance = partition(prof.params, parts)
     else:
         balance = parse_balance(args.balance, parts, len(prof)) or even_balance(len(prof), parts)
-    return plan(
-        prof,
-        balance,
-        batch_size=args.batch_size,
-        chunks=args.chunks,
-        schedule=args.schedule,
-        checkpoint=args.checkpoint,
-        optimizer=args.optimizer,
-        n_ranks=args.stages,
-        data_parallel=args.data_parallel,
-        shard=planned_shard(args),
-        reshard_after_forward=args.reshard_after_forward,
-    )
+    return plan(prof, balance, **plan_options(args))
 
 
 def _check_model(args: argparse.Namespace, *more: str) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gpipe.cli.common import UsageError
-from gpipe.cli.plan_shard import planned_shard
+from gpipe.cli.plan_shard import plan_options
 from gpipe.cli.train_model import longest_sequence, quiet_tracer
 from gpipe.planning.memory import MemoryPlan, plan, profile
 
@@ -157,19 +157,7 @@ def plan_split(args: argparse.Namespace, dtype: torch.dtype) -> tuple[MemoryPlan
     stages = _split(model, args, parts)
     sample = torch.zeros(min(2, args.batch_size), args.seq_len, dtype=torch.long, device="meta")
     prof = profile(stages, sample, target=sample, loss_fn=model_loss)
-    result = plan(
-        prof,
-        [1] * parts,
-        batch_size=args.batch_size,
-        chunks=args.chunks,
-        schedule=args.schedule,
-        checkpoint=args.checkpoint,
-        optimizer=args.optimizer,
-        n_ranks=args.stages,
-        data_parallel=args.data_parallel,
-        shard=planned_shard(args),
-        reshard_after_forward=args.reshard_after_forward,
-    )
+    result = plan(prof, [1] * parts, **plan_options(args))
     return result, ["(input)", *stages.at]
 
 

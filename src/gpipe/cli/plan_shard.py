@@ -8,7 +8,7 @@ from typing import Any
 
 from gpipe.cli.common import UsageError
 
-__all__ = ["add_shard_arguments", "planned_shard", "searched_shards"]
+__all__ = ["add_shard_arguments", "plan_options", "planned_shard", "searched_shards"]
 
 _MODES = ("none", "optimizer", "gradients", "full")
 
@@ -57,3 +57,19 @@ def searched_shards(args: argparse.Namespace) -> list[str | None] | None:
         raise UsageError("--suggest plans the gathers once a step: drop --reshard-after-forward")
     shard = planned_shard(args)
     return None if args.shard is None else [shard]
+
+
+def plan_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``gpipe plan``'s flags tell ``planning.memory.plan`` besides the profile and the
+    cut: the same for the built-in GPT and for a split model."""
+    return {
+        "batch_size": args.batch_size,
+        "chunks": args.chunks,
+        "schedule": args.schedule,
+        "checkpoint": args.checkpoint,
+        "optimizer": args.optimizer,
+        "n_ranks": args.stages,
+        "data_parallel": args.data_parallel,
+        "shard": planned_shard(args),
+        "reshard_after_forward": args.reshard_after_forward,
+    }
