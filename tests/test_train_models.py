@@ -197,6 +197,11 @@ def test_bad_input_is_one_line_before_any_process_starts(inputs, factory, tmp_pa
     message = _refused(capsys, [*RUN, "--model", llama, *data, "--n-layer", "3"])
     assert "--n-layer" in message
 
+    (tmp_path / "docs.jsonl").write_text('{"text": "a cat"}\n{"text": "a dog"}\n')
+    jsonl = ["--data", str(tmp_path / "docs.jsonl"), "--pack", "--out", str(tmp_path / "run")]
+    message = _refused(capsys, [*RUN, "--model", f"{factory}:tiny", *jsonl])
+    assert "--pack" in message and "document boundaries" in message
+
     (tmp_path / "run.toml").write_text("stages = 2\nlearning_rate = 0.1\n")
     message = _refused(capsys, [*RUN, "--config", str(tmp_path / "run.toml")])
     assert "learning_rate" in message

@@ -21,7 +21,12 @@ from gpipe.cli.train_flags import (
     add_run_folder_options,
     add_training_options,
 )
-from gpipe.cli.train_model import model_layer_count, resolve_model, starting_weights
+from gpipe.cli.train_model import (
+    check_pack,
+    model_layer_count,
+    resolve_model,
+    starting_weights,
+)
 from gpipe.runtime.recompute import check_checkpoint
 from gpipe.schedules import traits
 
@@ -327,6 +332,7 @@ def _train(args: argparse.Namespace) -> int:
     if torchrun:
         _shape_from_world(args, opts, int(os.environ["WORLD_SIZE"]))
     _check(model, opts)
+    check_pack(opts, model)
     config = resolved_config(args, args.train_parser, model, opts)
     if args.print_config:
         print(config_text(config), end="")

@@ -138,6 +138,12 @@ def add_training_options(run: Any) -> None:
         choices=["uint16", "uint32"],
         help="the ids' type in a .bin token file (default uint16)",
     )
+    run.add_argument(
+        "--pack",
+        action="store_true",
+        help="train on whole documents of a JSON lines --data, packed into micro-batches of "
+        "near-equal tokens, attention kept within each document (docs/varlen.md)",
+    )
     run.add_argument("--seed", type=int, help="seed of weights, data order and dropout")
     run.add_argument("--timeout", type=float, help="seconds a stage waits for a neighbour")
     run.add_argument(

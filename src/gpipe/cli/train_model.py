@@ -18,6 +18,7 @@ from gpipe.cli.common import UsageError
 
 __all__ = [
     "GPT_FLAGS",
+    "check_pack",
     "longest_sequence",
     "model_layer_count",
     "quiet_tracer",
@@ -194,3 +195,34 @@ def quiet_tracer() -> Iterator[None]:
             yield
     finally:
         torch_log.setLevel(level)
+
+
+def check_pack(opts: Any, model: Any) -> None:
+    """``--pack`` needs documents, a model that knows where they begin, and a named
+    schedule."""
+    if not opts.pack:
+        return
+    for flag, path in (("--data", opts.data), ("--val-data", opts.val_data)):
+        if (path is not None or flag == "--data") and not str(path).endswith(".jsonl"):
+            raise UsageError(
+                f"--pack trains on documents: {flag} must be a JSON lines file (.jsonl, one "
+                f'object with a "text" field per document), got {path}'
+            )
+    if model.kind == "module":
+        raise UsageError(
+            f"--pack with --model {model.source}: gpipe cannot know how your model takes "
+            "document boundaries; use --model gpt or hf:PATH, or gpipe.data.pack with "
+            "Pipeline.step(microbatches=...) in your own loop (docs/varlen.md)"
+        )
+    if opts.schedule == "auto":
+        raise UsageError(
+            "--pack with --schedule auto: auto times micro-batches of one shape, and packed "
+            "ones differ; name a schedule (gpipe plan --suggest can help choose)"
+        )
+    if opts.chunks is not None and opts.batch_size < opts.chunks * opts.data_parallel:
+        raise UsageError(
+            f"--pack: --batch-size {opts.batch_size} rows' worth of tokens cannot fill --chunks "
+            f"{opts.chunks} x --data-parallel {opts.data_parallel} micro-batches; raise "
+            "--batch-size or lower --chunks"
+        )
+    model.packed = model.kind == "hf"

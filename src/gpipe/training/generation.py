@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from gpipe.pipeline import Pipeline
 from gpipe.training.model_sources import logits_of
@@ -20,17 +24,21 @@ def generate_text(
     seed: int,
     device: torch.device,
     tokenizer: Tokenizer | None = None,
+    as_inputs: Callable[[Tensor], Any] | None = None,
 ) -> str:
     """Generate ``tokens`` tokens (bytes without a tokenizer) through the pipeline after
     ``prompt`` (text, or its ids): the last stage picks every next token and tells the
-    others."""
+    others. ``as_inputs`` turns ids into what the model takes, where that is more (a model
+    traced for packed documents takes their positions too)."""
     tokenizer = tokenizer or ByteTokenizer()
     generator = torch.Generator().manual_seed(seed)
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     context = torch.tensor([ids], dtype=torch.long)
     pipe.eval()
     for _ in range(tokens):
-        outputs = pipe(context[:, -seq_len:] if pipe.is_first else None)
+        window = context[:, -seq_len:]
+        inputs = as_inputs(window) if as_inputs is not None else window
+        outputs = pipe(inputs if pipe.is_first else None)
         token = torch.zeros(1, 1, dtype=torch.long, device=device)
         if pipe.is_last:
             probs = torch.softmax(logits_of(outputs)[0, -1].float().cpu(), dim=-1)

@@ -79,6 +79,7 @@ class TrainModel:
     weights: str | None = None  # a folder whose safetensors hold the starting weights
     split_at: list[str] | None = None  # where the stages of a split model begin
     hf_config: str | None = None  # the config.json a Hugging Face model is built from
+    packed: bool = False  # traced to take packed documents: input_ids and position_ids
 
     @property
     def kind(self) -> str:
@@ -116,18 +117,26 @@ class TrainModel:
         """Cut ``model`` into ``parts`` stages, at the same places on every rank: where the
         run was cut before, where ``--split-at`` says, or where the first rank finds the
         balance (by time only where the weights are real: a model on meta has no times)."""
-        example = torch.zeros(2, min(self.seq_len, 16), dtype=torch.long, device=_device_of(model))
-        on_meta = example.is_meta
-        by = "time" if balance == "time" and not on_meta else "parameters"
+        ids = torch.zeros(2, min(self.seq_len, 16), dtype=torch.long, device=_device_of(model))
+        example = self.inputs(ids)
+        by = "time" if balance == "time" and not ids.is_meta else "parameters"
         if self.split_at is not None or parts == 1:
-            stages = split(model, (example,), at=self.split_at or [])
+            stages = _split(model, example, at=self.split_at or [])
         elif by == "time" and dist.is_initialized() and dist.get_world_size() > 1:
             stages = _cut_by_first_rank(model, example, parts)
         else:  # by parameters, the same cut on every rank
-            stages = split(model, (example,), parts=parts, balance=by)
+            stages = _split(model, example, parts=parts, balance=by)
         self.split_at = list(stages.at)
         self._reference = model  # its real buffers fill the stages' unsaved ones
         return stages
+
+    def inputs(self, ids: Tensor) -> Any:
+        """What the model takes for rows of token ids: the ids, or for a split model traced
+        to take packed documents, the ids and their positions (each row one document)."""
+        if not self.packed or self.kind == "gpt":
+            return ids
+        positions = torch.arange(ids.shape[-1], device=ids.device).expand(ids.shape)
+        return {"input_ids": ids, "position_ids": positions}
 
     def load_weights(self, stages: nn.Sequential, pipe: nn.Module) -> None:
         """Give the stages ``pipe`` holds their starting weights: from ``weights`` by the
@@ -141,15 +150,23 @@ class TrainModel:
         fill_unsaved_buffers(stages, pipe, getattr(self, "_reference", None))
 
 
-def _cut_by_first_rank(model: nn.Module, example: Tensor, parts: int) -> SplitModel:
+def _split(model: nn.Module, example: Any, **how: Any) -> SplitModel:
+    """``gpipe.split`` with ``example`` as the model's positional input, or as its keyword
+    inputs if it is a dict (packed documents)."""
+    if isinstance(example, dict):
+        return split(model, (), example, **how)
+    return split(model, (example,), **how)
+
+
+def _cut_by_first_rank(model: nn.Module, example: Any, parts: int) -> SplitModel:
     """Stages cut by measured time: the first rank measures and the others cut where it did
     (times differ between processes, and every rank must hold the same stages)."""
     chosen: list[Any] = [None]
     if dist.get_rank() == 0:
-        stages = split(model, (example,), parts=parts, balance="time")
+        stages = _split(model, example, parts=parts, balance="time")
         chosen[0] = stages.at
     dist.broadcast_object_list(chosen, src=0)
-    return stages if dist.get_rank() == 0 else split(model, (example,), at=chosen[0])
+    return stages if dist.get_rank() == 0 else _split(model, example, at=chosen[0])
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -46,6 +46,7 @@ class TrainOptions:
     val_data: str | None = None  # default: the last tenth of --data
     tokenizer: str | None = None  # text as bytes without one
     token_dtype: str = "uint16"  # of a .bin token file
+    pack: bool = False  # --data's documents packed into micro-batches of near-equal tokens
     timeout: float = 300.0
     sample_tokens: int = 300
     prompt: str = "def "

@@ -8,6 +8,13 @@ from pathlib import Path
 
 from gpipe.pipeline import Pipeline
 from gpipe.training.corpus import check_same_everywhere
+from gpipe.training.documents import (
+    Documents,
+    open_documents,
+    prepare_documents,
+    read_documents,
+    starts_path,
+)
 from gpipe.training.options import TrainOptions
 from gpipe.training.tokenizer import load_tokenizer
 from gpipe.training.tokens import (
@@ -19,9 +26,10 @@ from gpipe.training.tokens import (
     token_dtype_for,
 )
 
-__all__ = ["check_same_data", "prepare_run_data", "run_dataset"]
+__all__ = ["check_same_data", "prepare_run_data", "run_dataset", "run_documents"]
 
 TOKENS = "tokens"  # the run folder's subfolder of tokenized text
+VAL_FRACTION = 0.1  # of --data held out for validation when there is no --val-data
 
 
 def _prepared(opts: TrainOptions, out: Path) -> tuple[Path, Path | None] | None:
@@ -40,6 +48,11 @@ def prepare_run_data(opts: TrainOptions, out: Path) -> None:
         return
     tokenizer = load_tokenizer(opts.tokenizer)
     train, val = paths
+    if opts.pack:  # the ids and where each document begins, the latter written last
+        for source, flag, target in (("data", "--data", train), ("val_data", "--val-data", val)):
+            if target is not None and not starts_path(target).is_file():
+                prepare_documents(getattr(opts, source), target, tokenizer, flag)
+        return
     if not train.is_file():
         prepare_tokens(opts.data, train, tokenizer)
     if val is not None and not val.is_file():
@@ -60,6 +73,36 @@ def run_dataset(opts: TrainOptions, out: Path) -> TokenDataset:
     train, val = paths
     dtype = token_dtype_for(load_tokenizer(opts.tokenizer).vocab_size)
     return open_dataset(train, val_data=val, token_dtype=dtype)
+
+
+def run_documents(opts: TrainOptions, out: Path) -> tuple[TokenDataset, Documents, Documents]:
+    """The documents of a ``--pack`` run, for training and validation (the last tenth of
+    ``--data``'s documents unless ``--val-data``), and all their ids as a ``TokenDataset``
+    for the checks every run's data gets."""
+    paths = _prepared(opts, out)
+    if paths is None:
+        tokenizer = load_tokenizer(opts.tokenizer) if opts.tokenizer else None
+        whole = read_documents(str(opts.data), tokenizer)
+        bound = tokenizer.vocab_size if tokenizer else 256
+        if opts.val_data is None:
+            train, val = whole.split(VAL_FRACTION)
+        else:
+            train, val = whole, read_documents(opts.val_data, tokenizer, "--val-data")
+    else:
+        tokenizer = load_tokenizer(opts.tokenizer)
+        bound = tokenizer.vocab_size
+        whole = open_documents(paths[0], tokenizer)
+        if paths[1] is None:
+            train, val = whole.split(VAL_FRACTION)
+        else:
+            train, val = whole, open_documents(paths[1], tokenizer)
+    what = (
+        f"{Path(str(opts.data)).name}: {len(train):,} documents, {len(train.ids):,} ids for "
+        f"training; {len(val):,} documents, {len(val.ids):,} ids held out"
+    )
+    val_source = "--data" if opts.val_data is None else "--val-data"
+    dataset = TokenDataset(train.ids, val.ids, bound, what, "--data", val_source)
+    return dataset, train, val
 
 
 def check_same_data(dataset: TokenDataset, pipe: Pipeline) -> None:

@@ -12,15 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpipe.parallel.replicas import shard
 from gpipe.pipeline import Pipeline
 from gpipe.planning.auto import AUTO
-from gpipe.runtime.microbatch import split_sizes
 from gpipe.splitting import SplitModel
 from gpipe.training.balance_choice import choose_balance, held_choice, sample_tokens
 from gpipe.training.checkpoint_writer import CheckpointWriter
 from gpipe.training.checkpoints import load_checkpoint, read_description
-from gpipe.training.data import BatchSampler
 from gpipe.training.elastic import join_process_group, kill_point, restart_count
 from gpipe.training.generation import generate_text
 from gpipe.training.model_sources import model_from_dict, model_loss
@@ -29,7 +26,8 @@ from gpipe.training.options import PRECISIONS, RunSpec, TrainOptions
 from gpipe.training.reporting import Reporter, peak_memory
 from gpipe.training.resuming import resume_point, trim_metrics
 from gpipe.training.retention import Retention
-from gpipe.training.run_data import check_same_data, run_dataset
+from gpipe.training.run_data import check_same_data, run_dataset, run_documents
+from gpipe.training.step_batches import PackedBatches, WindowBatches
 from gpipe.training.tied_copies import TiedCopies
 from gpipe.training.timelines import write_timeline
 from gpipe.training.tokenizer import ByteTokenizer, IdTokenizer, load_tokenizer
@@ -76,14 +74,11 @@ class StageRun:
         # float16 needs its loss scaled; bfloat16 has float32's range and needs none
         fp16 = opts.precision == "fp16"
         self.scaler = torch.amp.GradScaler(self.device.type) if fp16 else None
-        self.dataset = run_dataset(opts, self.out)
+        self.batches = self._batches()
         check_same_data(self.dataset, self.pipe)
         token_file = opts.tokenizer is None and self.dataset.vocab_bound is None
         self.tokenizer = IdTokenizer() if token_file else load_tokenizer(opts.tokenizer)
-        self.sampler = BatchSampler(
-            self.dataset.train, opts.batch_size, self.seq_len, seed=opts.seed
-        )
-        self.tokens_per_step = opts.batch_size * self.seq_len
+        self.tokens_trained = 0
         self.writer = CheckpointWriter(
             self.out / "checkpoints",
             self.pipe,
@@ -132,11 +127,23 @@ class StageRun:
             **more,
         )
 
+    def _batches(self) -> WindowBatches | PackedBatches:
+        """Where each step's data comes from: windows of the token stream, or packed
+        documents under ``--pack``."""
+        opts = self.opts
+        shape = (opts.batch_size, self.seq_len, opts.chunks or 1)
+        where = {"seed": opts.seed, "replica": self.replica, "replicas": opts.data_parallel}
+        if opts.pack:
+            self.dataset, train, val = run_documents(opts, self.out)
+            return PackedBatches(train, val, *shape, **where)
+        self.dataset = run_dataset(opts, self.out)
+        return WindowBatches(self.dataset, *shape, **where)
+
     def run(self) -> dict[str, Any] | None:
         """Train to the last step; returns the run's summary on rank 0 and None elsewhere."""
         self.restore()
         reporter = Reporter(self.opts, self.out, self.step, enabled=self.root)
-        started, trained_from = time.perf_counter(), self.step
+        started = time.perf_counter()
         try:
             while self.step < self.opts.steps:
                 self._step_and_report(reporter)
@@ -148,19 +155,19 @@ class StageRun:
             raise
         finally:
             reporter.close()
-        return self._summary(elapsed, self.step - trained_from)
+        return self._summary(elapsed)
 
     def restore(self) -> None:
         """Continue from the checkpoint, if there is one: weights, optimizer, sampler, step
         and loss scale; rank 0 cuts the metrics log back to the step continued from."""
         if self.checkpoint is not None:
-            held = {"sampler": self.sampler.state_dict(), "step": 0}
+            held = {"sampler": self.batches.state_dict(), "step": 0}
             if self.scaler is not None:
                 held["scaler"] = self.scaler.state_dict()
             restored = load_checkpoint(
                 self.checkpoint, self.pipe, self.optimizer, held, group=self.pipe.group
             )
-            self.sampler.load_state_dict(restored["sampler"])
+            self.batches.load_state_dict(restored["sampler"])
             self.step = int(restored["step"])
             if self.scaler is not None:
                 self.scaler.load_state_dict(restored["scaler"])
@@ -174,11 +181,6 @@ class StageRun:
             )
             stages = self.pipe.balance
             print(f"{how} {where}: training from step {self.step}, stages {stages}", flush=True)
-
-    def _mine(self, batch: torch.Tensor) -> torch.Tensor:
-        """This replica's rows of a global mini-batch."""
-        replicas = self.opts.data_parallel
-        return shard(batch, self.replica, replicas) if replicas > 1 else batch
 
     def _step_and_report(self, reporter: Reporter) -> None:
         """One training step, then what is due after it: evaluation, the log line, a save."""
@@ -199,29 +201,27 @@ class StageRun:
         lr = learning_rate(self.step, opts)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        x, y = self.sampler.next()  # the global mini-batch, the same on every rank
-        x, y = self._mine(x), self._mine(y)
+        batch = self.batches.next(pipe)
         tick = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = pipe.step(
-            x if pipe.is_first else None, y if pipe.is_last else None, scaler=self.scaler
-        )
+        loss = pipe.step(**batch.args, scaler=self.scaler)
         norm = self._apply_gradients()
         seconds = time.perf_counter() - tick
         self.step += 1
+        self.tokens_trained += batch.tokens
         bubble = self._measured_bubble()
         self.train_loss = float(loss)
         if opts.trace and self.step == opts.steps:  # collective, before evaluate() records
             events = pipe.timeline()
             if self.root:
-                write_timeline(self.out, events, pipe, len(split_sizes(len(x), opts.chunks)))
+                write_timeline(self.out, events, pipe, batch.microbatches)
         return {
             "step": self.step,
             "loss": self.train_loss,
             "lr": lr,
             "grad_norm": float(norm),
             "seconds": seconds,
-            "tokens_per_s": self.tokens_per_step / seconds,
+            "tokens_per_s": batch.tokens / seconds,
             "bubble": bubble,
         }
 
@@ -254,12 +254,8 @@ class StageRun:
         """The mean loss over the first ``eval_batches`` batches of the held-out text."""
         opts, pipe = self.opts, self.pipe
         pipe.eval()
-        val = BatchSampler(self.dataset.val, opts.batch_size, self.seq_len, seed=opts.seed + 1)
-        losses = []
-        for _ in range(opts.eval_batches):
-            x, y = val.next()
-            x = self._mine(x) if pipe.is_first else None
-            losses.append(float(pipe.evaluate(x, self._mine(y))))
+        batches = self.batches.validation(pipe, opts.eval_batches, opts.seed + 1)
+        losses = [float(pipe.evaluate(**batch.args)) for batch in batches]
         pipe.train()
         return sum(losses) / len(losses)
 
@@ -274,7 +270,7 @@ class StageRun:
             "data_parallel": self.opts.data_parallel,
             "balance": self.pipe.balance,
         }
-        extra: dict[str, Any] = {"sampler": self.sampler.state_dict(), "step": self.step}
+        extra: dict[str, Any] = {"sampler": self.batches.state_dict(), "step": self.step}
         if self.scaler is not None:
             extra["scaler"] = self.scaler.state_dict()
         step = self.step
@@ -289,12 +285,12 @@ class StageRun:
             return ids
         return [int(i) for i in self.dataset.val[:4]]
 
-    def _summary(self, elapsed: float, steps_run: int) -> dict[str, Any] | None:
+    def _summary(self, elapsed: float) -> dict[str, Any] | None:
         """The sample text and every rank's peak memory, with the run's losses and speed."""
         opts = self.opts
         sample = generate_text(
             self.pipe, self._prompt(), opts.sample_tokens, self.seq_len, opts.seed, self.device,
-            self.tokenizer,
+            self.tokenizer, self.model.inputs,
         )  # fmt: skip
         memory: list[int] = [0] * self.world
         if self.world > 1:
@@ -303,13 +299,12 @@ class StageRun:
             memory = [peak_memory(self.device)]
         if not self.root:
             return None
-        tokens = steps_run * self.tokens_per_step
         return {
             "steps": self.step,
             "train_loss": self.train_loss,
             "val_loss": self.val_loss,
             "seconds": elapsed,
-            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+            "tokens_per_s": self.tokens_trained / elapsed if elapsed > 0 else 0.0,
             "peak_memory_bytes": memory,
             "sample": sample,
             "balance": self.pipe.balance,

@@ -23,6 +23,7 @@ __all__ = [
     "open_dataset",
     "read_tokens",
     "prepare_tokens",
+    "document_chunks",
     "needs_preparing",
     "token_dtype_for",
     "check_vocabulary",
@@ -184,20 +185,32 @@ def _batches(texts: Iterable[str]) -> Iterator[list[str]]:
         yield batch
 
 
+def document_chunks(
+    path: str | Path, tokenizer: Tokenizer, flag: str = "--data"
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The token ids of a JSON lines file's documents, a chunk of documents at a time, with
+    each document's length: its ids followed by the tokenizer's end-of-text id, or a newline's
+    ids if it has none."""
+    dtype = token_dtype_for(tokenizer.vocab_size)
+    end = [tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode("\n")
+    for batch in _batches(_documents(Path(str(path)), flag)):
+        encoded = [[*ids, *end] for ids in tokenizer.encode_batch(batch)]
+        ids = [i for document in encoded for i in document]
+        yield np.asarray(ids, dtype=dtype), np.asarray([len(d) for d in encoded], dtype=np.int64)
+
+
 def _token_chunks(
     path: str | Path | None, kind: str, tokenizer: Tokenizer, flag: str
 ) -> Iterator[np.ndarray]:
-    """The token ids of a text or JSON lines source, a chunk at a time; each JSON document is
-    followed by the tokenizer's end-of-text id, or a newline's ids if it has none."""
-    dtype = token_dtype_for(tokenizer.vocab_size)
+    """The token ids of a text or JSON lines source, a chunk at a time (JSON lines as
+    ``document_chunks`` gives them)."""
     if kind == "jsonl":
-        documents = _documents(Path(str(path)), flag)
-        end = [tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode("\n")
-    else:
-        text = stdlib_corpus() if path is None else load_text(path)
-        documents, end = _pieces(text.decode("utf-8", errors="replace")), []
-    for batch in _batches(documents):
-        ids = [i for encoded in tokenizer.encode_batch(batch) for i in (*encoded, *end)]
+        yield from (ids for ids, _ in document_chunks(str(path), tokenizer, flag))
+        return
+    dtype = token_dtype_for(tokenizer.vocab_size)
+    text = stdlib_corpus() if path is None else load_text(path)
+    for batch in _batches(_pieces(text.decode("utf-8", errors="replace"))):
+        ids = [i for encoded in tokenizer.encode_batch(batch) for i in encoded]
         yield np.asarray(ids, dtype=dtype)
 
 

@@ -1,7 +1,10 @@
 """A GPT-style decoder-only transformer as a flat list of layers a pipeline can cut anywhere.
 
 The model is ``Embedding, Block x n_layer, Head``: each layer takes one tensor and returns
-one, so the pipeline can pass a single activation between any two of them. Every layer
+one, so the pipeline can pass a single activation between any two of them. Packed
+documents (``gpipe.data.pack``) come as a dict of ``input_ids`` and ``position_ids`` that
+restart with every document: then the layers pass ``(hidden, documents)`` on, each token's
+document in its row, and attention stays within a document. Every layer
 initializes all of its parameters in ``reset_parameters``, because the pipeline builds
 layers on the meta device and materializes each one separately, in its own process.
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -29,6 +32,7 @@ __all__ = [
     "PRESETS",
     "config_from_preset",
     "Embedding",
+    "documents_of",
     "Block",
     "Head",
     "build_gpt",
@@ -191,14 +195,26 @@ class Embedding(nn.Module):
         with torch.no_grad():
             _normal_(self.position, _STD)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        length = tokens.shape[-1]
+    def forward(self, tokens: Tensor | Mapping[str, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
+        packed = isinstance(tokens, Mapping)
+        ids = tokens["input_ids"] if packed else tokens
+        length = ids.shape[-1]
         if length > self.seq_len:
             raise ValueError(
-                f"Embedding: input has {length} tokens (shape {list(tokens.shape)}), "
+                f"Embedding: input has {length} tokens (shape {list(ids.shape)}), "
                 f"more than the model's seq_len {self.seq_len}"
             )
-        return self.dropout(self.token(tokens) + self.position[:length])
+        if not packed:
+            return self.dropout(self.token(ids) + self.position[:length])
+        positions = tokens["position_ids"]
+        x = self.dropout(self.token(ids) + self.position[positions])
+        return x, documents_of(positions)
+
+
+def documents_of(positions: Tensor) -> Tensor:
+    """Each token's document within its row, numbered from 1: a document begins wherever
+    the position restarts at 0 (so does each token of padding, alone)."""
+    return (positions == 0).cumsum(dim=-1, dtype=torch.int32)
 
 
 class _Attention(nn.Module):
@@ -212,14 +228,19 @@ class _Attention(nn.Module):
         self.proj = _Linear(d, d, bias=config.bias, std=residual_std)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, documents: Tensor | None = None) -> Tensor:
         b, t, d = x.shape
         q, k, v = (
             part.view(b, t, self.n_head, d // self.n_head).transpose(1, 2)
             for part in self.qkv(x).split(d, dim=-1)
         )
         p = self.p if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if documents is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:  # earlier tokens of the same document only
+            same = documents[:, None, :, None] == documents[:, None, None, :]
+            mask = same & torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, d)))
 
 
@@ -250,7 +271,11 @@ class Block(nn.Module):
     def reset_parameters(self) -> None:
         _init_(self)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
+        if isinstance(x, tuple):  # packed documents
+            h, documents = x
+            h = h + self.attn(self.ln1(h), documents)
+            return h + self.mlp(self.ln2(h)), documents
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
@@ -274,7 +299,9 @@ class Head(nn.Module):
         if self.tied:
             _init_tied_(self.proj.weight, self.init_seed)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor | tuple[Tensor, Tensor]) -> Tensor:
+        if isinstance(x, tuple):  # packed documents: their logits alike
+            x = x[0]
         return self.proj(self.ln(x))
 
 
