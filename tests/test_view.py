@@ -105,6 +105,10 @@ def test_an_interleaved_measured_step_starts_the_controls_at_its_v():
         ({"virtual_stages": 0}, "virtual_stages must be a whole number from 1 to 8"),
         ({"costs": Costs(forward=[1, 2], backward=1)}, "Costs.forward has 2 values"),
         (
+            {"chunks": 4, "costs": Costs(forward=1, backward=1, microbatch_scale=[1, 2])},
+            "Costs.microbatch_scale has 2 factors, but the schedule has 4 micro-batches",
+        ),
+        (
             {"stages": 32, "chunks": 128, "schedule": "interleaved", "virtual_stages": 3},
             "more than the page draws",
         ),
@@ -131,6 +135,25 @@ def test_gpipe_view_writes_the_page_and_prints_its_path(tmp_path, capsys):
         "always",
     )
     assert settings["costs"]["forward"] == [1, 2]
+
+
+def test_gpipe_view_and_simulate_html_take_each_micro_batchs_tokens(tmp_path, capsys):
+    """``--microbatch-tokens`` sets M and each micro-batch's cost factor, its tokens over
+    the mean, as ``gpipe simulate`` counts them; the page starts with them."""
+    out = tmp_path / "page.html"
+    assert main(["view", "--stages", "2", "--microbatch-tokens", "100,300,200,200",
+                 "--out", str(out)]) == 0  # fmt: skip
+    settings = data_of(out.read_text())["settings"]
+    assert settings["chunks"] == 4
+    assert settings["costs"]["microbatch_scale"] == [0.5, 1.5, 1.0, 1.0]
+    args = ["simulate", "--stages", "2", "--microbatch-tokens", "100,300,200,200",
+            "--schedule", "1f1b", "--html", str(tmp_path / "sim.html")]  # fmt: skip
+    assert main(args) == 0
+    costs = data_of((tmp_path / "sim.html").read_text())["settings"]["costs"]
+    assert costs["microbatch_scale"] == [0.5, 1.5, 1.0, 1.0]
+    capsys.readouterr()
+    assert main(["view", "--chunks", "3", "--microbatch-tokens", "1,2", "--out", str(out)]) == 2
+    assert "--chunks 3 but --microbatch-tokens lists 2" in capsys.readouterr().err
 
 
 def test_gpipe_view_plays_a_schedule_file_with_the_files_shape(tmp_path, capsys):

@@ -224,6 +224,24 @@ def test_a_schedule_file_plays_with_the_controls_costs(browser, tmp_path):
     assert browser.find_element(By.ID, "chunks").is_enabled() and _error(browser) == ""
 
 
+def test_micro_batches_of_their_own_costs_play_as_the_simulator_says(browser, page):
+    """Cost factors typed per micro-batch (packed micro-batches of different tokens) scale
+    each one's F, B and W as ``Costs.microbatch_scale`` does; no closed form holds then,
+    and a list that is not M long is named."""
+    _open(browser, page)
+    for control, value in (("schedule", "1f1b"), ("stages", "2"), ("chunks", "4")):
+        _set(browser, control, value)
+    _set(browser, "microbatch_scale", "0.5, 1.5, 1, 1")
+    assert _error(browser) == ""
+    costs = dataclasses.replace(DEFAULT_COSTS, microbatch_scale=(0.5, 1.5, 1.0, 1.0))
+    result = simulate(*scenario("1f1b", 2, 4, costs))
+    assert _value(browser, "makespan") == pytest.approx(result.makespan, rel=1e-12)
+    assert _value(browser, "bubble") == pytest.approx(result.bubble, rel=1e-12, abs=1e-12)
+    assert _value(browser, "closed-form") is None
+    _set(browser, "chunks", "5")
+    assert "cost factor per micro-batch takes M = 5 numbers" in _error(browser)
+
+
 def test_blocks_appear_at_their_simulated_start(browser, page):
     _open(browser, page)
     _key(browser, Keys.HOME)

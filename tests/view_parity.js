@@ -36,7 +36,8 @@ function run(c) {
     peak_activation_bytes: result.peakActivationBytes,
     peak_rank_activation_bytes: result.peakRankActivationBytes,
     memory_top: result.memory.map((points) => Math.max(...points.map((p) => p[1]))),
-    closed_form: c.schedule_data || [c.costs.forward, c.costs.backward, c.costs.weight].some(Array.isArray)
+    closed_form: c.schedule_data || [c.costs.forward, c.costs.backward, c.costs.weight].some(Array.isArray) ||
+      G.unevenMicrobatches(c.costs)
       ? null
       : G.closedFormBubble(
           c.schedule,

@@ -9,10 +9,12 @@ from gpipe.planning.simulate import Costs
 from gpipe.schedules import SCHEDULES, traits
 
 __all__ = [
+    "MICROBATCH_TOKENS_HELP",
     "PAGE_OPTIONS",
     "Parser",
     "UsageError",
     "multi_stage_schedules",
+    "microbatch_tokens",
     "positive",
     "read_costs",
 ]
@@ -60,3 +62,34 @@ def multi_stage_schedules() -> str:
     """The registered schedules that place several stages on each rank, as ``--schedule``
     values for a message or a help text: ``interleaved``, or ``a or b``."""
     return " or ".join(name for name in SCHEDULES if traits(name).several_stages_per_rank)
+
+
+def microbatch_tokens(args: argparse.Namespace) -> list[float] | None:
+    """``--microbatch-tokens``, checked: it sets ``--chunks`` when that is not given (8 when
+    neither is), and must agree with it when both are."""
+    if args.microbatch_tokens is None:
+        args.chunks = 8 if args.chunks is None else args.chunks
+        return None
+    try:
+        tokens = [float(t) for t in args.microbatch_tokens.split(",")]
+    except ValueError:
+        tokens = []
+    if not tokens or any(not t > 0 for t in tokens):
+        raise UsageError(
+            "--microbatch-tokens must be a comma list of positive token counts, got "
+            f"{args.microbatch_tokens!r}"
+        )
+    if args.chunks not in (None, len(tokens)):
+        raise UsageError(
+            f"--chunks {args.chunks} but --microbatch-tokens lists {len(tokens)} micro-batches: "
+            "give one, or both agreeing"
+        )
+    args.chunks = len(tokens)
+    return tokens
+
+
+MICROBATCH_TOKENS_HELP = (
+    "tokens of each micro-batch, such as packed sequences give (e.g. 100,30,500): each "
+    "micro-batch's compute costs in proportion, the costs being those of the mean one "
+    "(Costs.microbatch_scale), so uneven micro-batches show in the bubble"
+)

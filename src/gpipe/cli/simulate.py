@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gpipe.cli.common import PAGE_OPTIONS, UsageError, multi_stage_schedules, read_costs
+from gpipe.cli.common import (
+    MICROBATCH_TOKENS_HELP,
+    PAGE_OPTIONS,
+    UsageError,
+    microbatch_tokens,
+    multi_stage_schedules,
+    read_costs,
+)
 from gpipe.planning.bubbles import split_costs
 from gpipe.planning.simulate import Costs, SimResult, compare, scenario, simulate
 from gpipe.schedules import SCHEDULES, build, from_csv, get_schedule, to_csv
@@ -49,9 +56,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--microbatch-tokens",
         metavar="N,N,...",
-        help="tokens of each micro-batch, such as packed sequences give (e.g. 100,30,500): "
-        "each micro-batch's compute costs in proportion, the costs being those of the mean "
-        "one (Costs.microbatch_scale), so uneven micro-batches show in the bubble",
+        help=MICROBATCH_TOKENS_HELP,
     )
     p.add_argument(
         "--schedule",
@@ -125,33 +130,8 @@ def _add_replica_arguments(p: Any) -> None:
     )
 
 
-def _microbatch_tokens(args: argparse.Namespace) -> list[float] | None:
-    """``--microbatch-tokens``, checked, which sets ``--chunks`` when that is not given."""
-    if args.microbatch_tokens is None:
-        args.chunks = 8 if args.chunks is None else args.chunks
-        return None
-    try:
-        tokens = [float(t) for t in args.microbatch_tokens.split(",")]
-    except ValueError:
-        tokens = []
-    if not tokens or any(not t > 0 for t in tokens):
-        raise UsageError(
-            "--microbatch-tokens must be a comma list of positive token counts, got "
-            f"{args.microbatch_tokens!r}"
-        )
-    if args.chunks not in (None, len(tokens)):
-        raise UsageError(
-            f"--chunks {args.chunks} but --microbatch-tokens lists {len(tokens)} micro-batches: "
-            "give one, or both agreeing"
-        )
-    if args.html is not None:
-        raise UsageError("--html: the page plays equal micro-batches; drop --microbatch-tokens")
-    args.chunks = len(tokens)
-    return tokens
-
-
 def _simulate(args: argparse.Namespace) -> int:
-    tokens = _microbatch_tokens(args)
+    tokens = microbatch_tokens(args)
     for flag in ("stages", "chunks", "virtual_stages", "data_parallel"):
         if getattr(args, flag) < 1:
             raise UsageError(

@@ -6,7 +6,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gpipe.cli.common import PAGE_OPTIONS, UsageError, multi_stage_schedules, read_costs
+from gpipe.cli.common import (
+    MICROBATCH_TOKENS_HELP,
+    PAGE_OPTIONS,
+    UsageError,
+    microbatch_tokens,
+    multi_stage_schedules,
+    read_costs,
+)
 from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import SCHEDULES, from_csv
 from gpipe.view import DEFAULT_COSTS, Settings, check_settings, write
@@ -25,7 +32,13 @@ def add_parser(sub: Any) -> None:
         "rank, 4 MiB messages, 64 MiB of activations per micro-batch.",
     )
     p.add_argument("--stages", type=int, default=4, metavar="K", help="ranks (default 4)")
-    p.add_argument("--chunks", type=int, default=8, metavar="M", help="micro-batches (default 8)")
+    p.add_argument(
+        "--chunks",
+        type=int,
+        metavar="M",
+        help="micro-batches (default 8, or as many as --microbatch-tokens lists)",
+    )
+    p.add_argument("--microbatch-tokens", metavar="N,N,...", help=MICROBATCH_TOKENS_HELP)
     p.add_argument("--schedule", choices=tuple(SCHEDULES), default="gpipe", help="default gpipe")
     p.add_argument(
         "--virtual-stages",
@@ -57,8 +70,15 @@ def _view(args: argparse.Namespace) -> int:
             fixed = from_csv(args.schedule_csv)
         except ValueError as exc:
             raise UsageError(f"--schedule-csv: {exc}") from None
+        if args.chunks not in (None, fixed.n_microbatches):
+            raise UsageError(
+                f"--chunks {args.chunks}, but --schedule-csv {args.schedule_csv} has "
+                f"{fixed.n_microbatches} micro-batches"
+            )
         args.stages, args.chunks = fixed.n_ranks, fixed.n_microbatches
+    tokens = microbatch_tokens(args)
     costs = DEFAULT_COSTS if args.costs is None else read_costs(args.costs, args.stages)
+    costs = costs if tokens is None else costs.with_tokens(tokens)
     values = (args.stages, args.chunks, args.schedule, args.virtual_stages, args.checkpoint)
     try:
         if fixed is None:

@@ -106,6 +106,10 @@ def check_settings(
             costs.per_stage(key, stages)
         except ValueError as exc:
             raise ValueError(f"{name('costs')}: {exc} (one value per rank)") from None
+    try:
+        costs.microbatch_scales(chunks)
+    except ValueError as exc:
+        raise ValueError(f"{name('costs')}: {exc}") from None
     actions = _actions(stages, chunks, schedule, traits(schedule).stages_per_rank(v))
     if actions > LIMITS["actions"]:
         raise ValueError(

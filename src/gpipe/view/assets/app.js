@@ -39,9 +39,11 @@
     const [schedule, costs] = G.scenario(s.schedule, s.stages, s.chunks, s.costs, s.virtual_stages);
     const result = G.simulate(schedule, costs, s.checkpoint);
     const c = s.costs;
-    const equal = [c.forward, c.backward, c.weight].every(
-      (x) => !Array.isArray(x) || x.every((y) => y === x[0]),
-    );
+    const equal =
+      !G.unevenMicrobatches(c) &&
+      [c.forward, c.backward, c.weight].every(
+        (x) => !Array.isArray(x) || x.every((y) => y === x[0]),
+      );
     const first = (x) => (Array.isArray(x) ? x[0] : x);
     const closed = equal
       ? G.closedFormBubble(
@@ -160,7 +162,8 @@
           ? "a schedule read from a file has no formula"
           : closed === null
             ? `${name}: ${CLOSED_FORMS[name]} does not hold here`
-            : `${name}: ${CLOSED_FORMS[name]}; equal stages, free links, no recomputation`,
+            : `${name}: ${CLOSED_FORMS[name]}; equal stages and micro-batches, free links, ` +
+              "no recomputation",
       );
       const peak = run.peak === null ? null : Math.max(...run.peak);
       summaryRow(

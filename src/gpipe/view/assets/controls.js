@@ -57,6 +57,19 @@
     return { stages, chunks, schedule, v };
   }
 
+  // The cost factor of each of the M micro-batches, or none: "" or "1, 2.5, 0.5".
+  function microbatchScale(chunks) {
+    const text = $("microbatch_scale").value.trim();
+    if (text === "") return [];
+    const label = "cost factor per micro-batch";
+    const values = text.split(",").map((p) => amount(p.trim(), label));
+    if (values.length !== chunks) {
+      throw new Error(`${label} takes M = ${chunks} numbers, one per micro-batch, got ${values.length}`);
+    }
+    if (values.some((x) => !(x > 0))) throw new Error(`${label} must be above 0`);
+    return values;
+  }
+
   function read(limits, fixed) {
     const { stages, chunks, schedule, v } = readShape(limits, fixed);
     const bandwidthText = $("bandwidth").value.trim();
@@ -73,6 +86,7 @@
       bandwidth,
       message_bytes: amount($("message_mib").value.trim(), "message MiB") * MIB,
       activation_bytes: perRank("activation_mib", "activations MiB", stages, MIB),
+      microbatch_scale: microbatchScale(chunks),
     };
     const actions = stages * v * chunks * (schedule === "zero-bubble" ? 7 : 6);
     if (actions > limits.actions) {
@@ -109,6 +123,7 @@
     $("bandwidth").value = Number.isFinite(c.bandwidth) ? String(c.bandwidth / MIB) : "";
     showValue("message_mib", c.message_bytes, MIB);
     showValue("activation_mib", c.activation_bytes, MIB);
+    $("microbatch_scale").value = (c.microbatch_scale || []).map(String).join(", ");
     for (const id of ["stages", "chunks"]) $(id).max = limits[id];
     $("virtual_stages").max = limits.virtual_stages;
   }
@@ -123,6 +138,7 @@
     $("bandwidth").value = "";
     $("message_mib").value = "not measured";
     $("activation_mib").value = "not measured";
+    $("microbatch_scale").value = "";
   }
 
   // Locked while the measured run is shown; v only counts for the looped schedules (a V

@@ -36,6 +36,26 @@
     return new Array(nStages).fill(value);
   }
 
+  // Costs.microbatch_scales: one factor per micro-batch that multiplies its F, B, W and R
+  // (packed micro-batches of different tokens), or null when there are none.
+  function microbatchScales(costs, nMicrobatches) {
+    const scale = costs.microbatch_scale;
+    if (!scale || !scale.length) return null;
+    if (scale.length !== nMicrobatches) {
+      throw new Error(
+        `Costs.microbatch_scale has ${scale.length} factors, but the schedule has ` +
+          `${nMicrobatches} micro-batches`,
+      );
+    }
+    return scale.slice();
+  }
+
+  // Whether the micro-batches cost differently: then no closed form holds.
+  function unevenMicrobatches(costs) {
+    const scale = costs.microbatch_scale || [];
+    return scale.some((x) => x !== scale[0]);
+  }
+
   function checkCheckpoint(mode) {
     if (!CHECKPOINT_MODES.includes(mode)) {
       throw new Error(
@@ -95,6 +115,8 @@
     if (!schedule.splitBackward) bCost = bCost.map((b, s) => b + wCost[s]);
     const actBytes = perStage(costs, "activation_bytes", n);
     const [fDelay, bDelay] = delays(schedule, costs);
+    const scale = microbatchScales(costs, m);
+    const times = (cost, microbatch) => (scale === null ? cost : cost * scale[microbatch]);
     const light = costs.message_bytes;
     const recompute = [];
     for (let i = 0; i < m; i++) {
@@ -138,7 +160,7 @@
         const kind = a.kind;
         if (kind === "F") {
           const start = t;
-          const cost = fCost[s];
+          const cost = times(fCost[s], a.microbatch);
           t += cost;
           work += cost;
           lane.push({ action: a, start, end: t });
@@ -210,12 +232,13 @@
           const now = (live[s] - kept[s]) * actBytes[s] + kept[s] * light;
           if (now > stagePeak[s]) stagePeak[s] = now;
           memory[r].push([start, held]);
-          t += fCost[s];
-          work += fCost[s];
+          const cost = times(fCost[s], a.microbatch);
+          t += cost;
+          work += cost;
           lane.push({ action: a, start, end: t });
         } else if (kind === "B" || kind === "W") {
           const start = t;
-          const cost = kind === "B" ? bCost[s] : wCost[s];
+          const cost = times(kind === "B" ? bCost[s] : wCost[s], a.microbatch);
           t += cost;
           work += cost;
           lane.push({ action: a, start, end: t });
@@ -356,10 +379,12 @@
     closedFormBubble,
     closedFormPeak,
     costsOf,
+    microbatchScales,
     perStage,
     scenario,
     shouldCheckpoint,
     simulate,
     splitCosts,
+    unevenMicrobatches,
   });
 })(globalThis);
