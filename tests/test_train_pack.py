@@ -86,12 +86,13 @@ def test_a_packed_llama_step_is_the_unsplit_model_on_the_same_documents(corpus, 
 
 
 def test_killed_and_restarted_on_two_replicas_it_goes_on_like_one(corpus, tmp_path, monkeypatch):
-    """The GPT on bytes: an uninterrupted run on one replica, and one on two replicas whose
-    rank 1 is killed at step 7 and restarted from the step-4 checkpoint. The replicas pack
+    """The GPT on bytes, one stage (the pipeline's part is the Llama's test above): an
+    uninterrupted run on one replica, and one on two replicas whose rank 1 is killed at
+    step 7 and restarted from the step-4 checkpoint. The replicas pack
     the same documents into twice the micro-batches, so their token mean is the same loss up
     to float32 rounding; a sampler resumed at the wrong document would not be."""
     common = [*RUN, "--preset", "tiny", "--data", str(corpus / "docs.jsonl"), "--steps", "10",
-              "--save-every", "4", "--batch-size", "8"]  # fmt: skip
+              "--save-every", "4", "--batch-size", "8", "--stages", "1"]  # fmt: skip
     one = tmp_path / "one"
     assert main([*common, "--out", str(one)]) == 0
     kill = {"rank": 1, "step": 7, "at": "step", "once": str(tmp_path / "killed")}
