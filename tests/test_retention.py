@@ -134,3 +134,22 @@ def test_a_background_save_of_a_model_on_a_gpu_copies_it_out_first(tmp_path):
     loaded = torch.nn.Linear(3, 2)
     load_model_weights(tmp_path / "step-000001", loaded)
     assert torch.equal(loaded.weight, saved)
+
+
+def test_a_helper_process_writes_as_the_thread_does_and_its_death_is_an_error(tmp_path):
+    """``process=True`` in one process: the same checkpoints and retention; a helper that
+    dies while writing is named by the next wait, and its checkpoint never appears."""
+    writer, weights = _save_all(tmp_path, range(1, 4), retention=Retention(keep=2),
+                                process=True)  # fmt: skip
+    assert _steps(tmp_path) == [2, 3] and [p.name for p in writer.removed] == ["step-000001"]
+    model, _ = _model()
+    load_model_weights(tmp_path / "step-000003", model)
+    assert torch.equal(model.weight, weights[3])
+
+    model, optimizer = _model()
+    writer = CheckpointWriter(tmp_path, process=True)
+    writer.save(4, model, optimizer, {"step": 4}, {})
+    writer._helper._process.kill()
+    with pytest.raises(RuntimeError, match="step 4 ended"):
+        writer.wait()
+    assert _steps(tmp_path) == [2, 3]

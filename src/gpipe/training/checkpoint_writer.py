@@ -1,14 +1,19 @@
 """Checkpoints written while training goes on, one at a time, with the disk they use bounded.
 
 ``CheckpointWriter.save`` copies this rank's state out of the step (to CPU memory, whatever
-device it is on, with ``torch.distributed.checkpoint``'s default stager) and returns. A
-thread at the lowest CPU priority then has ``torch.distributed.checkpoint.async_save`` write
-the copy, completes the checkpoint as ``save_checkpoint`` does (description, digests,
-manifest last, rename into place), checks it and removes what the retention policy no
-longer keeps. The threads' collectives run on a process group of their own, since the
-step's run on the pipeline's at the same time. A save that is still being
-written when the process ends on an error is abandoned, and says so: its ``.partial``
-folder is never loaded, and the next start clears it.
+device it is on) and returns. Then, out of the training thread's way, the copy is written
+and the checkpoint completed as ``save_checkpoint`` does (description, digests, manifest
+last, rename into place), checked, and what the retention policy no longer keeps removed:
+
+- by a helper process of the rank (``gpipe.training.save_process``) where the state is
+  large (``PROCESS_BYTES`` or more on some rank): it shares no Python lock with training;
+- else by a thread at the lowest CPU priority, through
+  ``torch.distributed.checkpoint.async_save``, its collectives on a process group of their
+  own, since the step's run on the pipeline's at the same time. States with sharded
+  (DTensor) tensors are always written this way: a helper process has no device mesh.
+
+A save that is still being written when the process ends on an error is abandoned, and
+says so: its ``.partial`` folder is never loaded, and the next start clears it.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
+import torch.utils._pytree
 from torch import nn
 from torch.optim import Optimizer
 
@@ -36,11 +43,16 @@ from gpipe.training.checkpoints import (
     verify_checkpoint,
 )
 from gpipe.training.retention import Retention, prune_checkpoints
+from gpipe.training.save_process import SaveProcess, state_bytes
 
 if TYPE_CHECKING:
     from gpipe.pipeline import Pipeline
 
-__all__ = ["CheckpointWriter"]
+__all__ = ["PROCESS_BYTES", "CheckpointWriter"]
+
+# A rank's state from which a helper process writes its checkpoints: the two seconds it takes
+# to start pay for themselves once a write holds the Python lock long enough to be felt.
+PROCESS_BYTES = 64 * 2**20
 
 
 def _writing_ranks(pipe: Pipeline | None) -> list[int]:
@@ -107,7 +119,9 @@ class CheckpointWriter:
     waits as the pipeline's process group does. Collective over every process of the job, as
     ``torch.distributed.new_group`` is: each makes the writer and calls ``save`` for the same
     steps. Call ``close`` at the end of the run (it waits for the last save). Without
-    ``pipe``, the state is one process's (or the whole group's, if one is started)."""
+    ``pipe``, the state is one process's (or the whole group's, if one is started).
+    ``process``: write in the background by a helper process (True), by a thread (False),
+    or (None) by a process where some rank's state is ``PROCESS_BYTES`` or more."""
 
     def __init__(
         self,
@@ -117,8 +131,13 @@ class CheckpointWriter:
         retention: Retention | None = None,
         background: bool = True,
         timeout: float | None = None,
+        process: bool | None = None,
     ) -> None:
         self.root = Path(root)
+        self._wanted = process
+        self._helper: SaveProcess | None = None
+        self._by_process: bool | None = None  # decided at the first save in the background
+        self._timeout = timeout if timeout is not None else getattr(pipe, "timeout", 300.0)
         self.retention = retention or Retention()
         self.background = background
         self.group = checkpoint_group(pipe)
@@ -126,10 +145,11 @@ class CheckpointWriter:
         self.writes = replicas is None or replicas.replica == 0 or replicas.sharded
         self._writers = self.group
         if background and dist.is_initialized():
-            seconds = timeout if timeout is not None else getattr(pipe, "timeout", 300.0)
             # the threads' own group: the step's collectives run on the pipeline's meanwhile
             self._writers = dist.new_group(
-                _writing_ranks(pipe), timeout=datetime.timedelta(seconds=seconds), backend="gloo"
+                _writing_ranks(pipe),
+                timeout=datetime.timedelta(seconds=self._timeout),
+                backend="gloo",
             )
         self._thread: threading.Thread | None = None
         self._in_flight: int | None = None
@@ -151,7 +171,8 @@ class CheckpointWriter:
         on_written: Callable[[], None] | None = None,
     ) -> None:
         """Save step ``step``: ``extra`` and ``description`` as ``save_checkpoint`` takes
-        them. In the background this returns once the state is copied out."""
+        them. In the background this returns once the state is copied out. ``on_written``
+        is not called by a helper process, which follows ``GPIPE_TEST_KILL`` itself."""
         if not self.writes:
             return
         self.wait()
@@ -160,13 +181,22 @@ class CheckpointWriter:
                                    self.group, on_written=on_written)  # fmt: skip
             self._retire(path)
             return
+        state = saved_state(model, optimizer, extra)
+        if self._by_process is None:
+            self._by_process = self._choose(state)
+        if self._by_process:
+            if self._helper is None:
+                self._helper = SaveProcess(self._writers, self._timeout)
+                self._helper.start()
+            self._helper.submit(step, state, self.root, description, self.retention)
+            return
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         partial = begin_save(self.root, step, self._writers)
         # the copy out of the step, as async_save makes it by default, done here: training
         # may change the state as soon as this returns
         stager = DefaultStager(StagingOptions(False, False, False, False))
-        staged = stager.stage(saved_state(model, optimizer, extra))
+        staged = stager.stage(state)
         stager.close()
 
         # Python hands its lock between threads every 5 ms by default: the training thread,
@@ -193,6 +223,27 @@ class CheckpointWriter:
         self._thread = threading.Thread(target=complete, name=f"gpipe-save-{step}", daemon=True)
         self._thread.start()
 
+    def _choose(self, state: dict[str, Any]) -> bool:
+        """Whether a helper process writes: where asked or, unasked, where some writing rank's
+        state is large; never where some rank holds sharded tensors. Every writing rank
+        decides alike (collective)."""
+        from torch.distributed.tensor import DTensor
+
+        leaves = torch.utils._pytree.tree_leaves(state)
+        found = torch.tensor([float(any(isinstance(t, DTensor) for t in leaves)),
+                              float(state_bytes(state))], dtype=torch.float64)  # fmt: skip
+        if dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._writers)
+        sharded, largest = bool(found[0]), float(found[1])
+        if sharded and self._wanted:
+            raise ValueError(
+                "CheckpointWriter(process=True): a helper process cannot write sharded "
+                "(DTensor) state; leave process unset"
+            )
+        if self._wanted is not None:
+            return self._wanted
+        return not sharded and dist.is_initialized() and largest >= PROCESS_BYTES
+
     def _retire(self, path: Path) -> None:
         """After a checkpoint is in place: check it, then prune (on one rank). Its files'
         sizes are checked against the manifest; their checksums need no second read, since
@@ -210,11 +261,20 @@ class CheckpointWriter:
     @property
     def in_flight(self) -> int | None:
         """The step of the save still being written, if any."""
+        if self._helper is not None:
+            return self._helper.in_flight
         return self._in_flight if self._thread is not None and self._thread.is_alive() else None
 
     def wait(self) -> Path | None:
         """Finish the save in flight, if any; raises what went wrong in it. Returns the
         newest completed checkpoint."""
+        done = self._helper.wait() if self._helper is not None else None
+        if done is not None:
+            self.last, removed, problems = done
+            self.removed += removed
+            if problems:
+                warnings.warn(f"checkpoint {self.last} does not verify ({problems}); older "
+                              "checkpoints kept", stacklevel=2)  # fmt: skip
         if self._thread is not None:
             self._thread.join()
             self._thread, step = None, self._in_flight
@@ -226,7 +286,10 @@ class CheckpointWriter:
 
     def close(self) -> Path | None:
         """The end of the run: wait for the last save."""
-        return self.wait()
+        last = self.wait()
+        if self._helper is not None:
+            self._helper.close()
+        return last
 
     def abandon(self) -> None:
         """The run is ending on an error: leave a save in flight unfinished, and say so."""
@@ -239,3 +302,5 @@ class CheckpointWriter:
                 flush=True,
             )
         self._thread = None
+        if self._helper is not None:
+            self._helper.abandon()

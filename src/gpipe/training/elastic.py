@@ -112,13 +112,16 @@ def _planned_kills() -> list[dict[str, object]]:
     return plans
 
 
-def kill_point(at: str, step: int) -> None:
-    """Kill this process with SIGKILL here if ``GPIPE_TEST_KILL`` plans it (tests only)."""
+def kill_point(at: str, step: int, lineage: tuple[int, int] | None = None) -> None:
+    """Kill this process with SIGKILL here if ``GPIPE_TEST_KILL`` plans it (tests only).
+
+    ``lineage`` is ``(agent, trainer)`` where this is a trainer's helper process (the one
+    that writes its checkpoints): the planned loss is the trainer's, so it goes first."""
     for plan in _planned_kills():
-        _follow(plan, at, step)
+        _follow(plan, at, step, lineage)
 
 
-def _follow(plan: dict[str, object], at: str, step: int) -> None:
+def _follow(plan: dict[str, object], at: str, step: int, lineage: tuple[int, int] | None) -> None:
     wanted = plan.get("at", "step")
     if ("save" if wanted == "save" else "step") != at:
         return
@@ -134,6 +137,9 @@ def _follow(plan: dict[str, object], at: str, step: int) -> None:
             Path(str(once)).touch(exist_ok=False)
         except FileExistsError:
             return
+    agent, trainer = lineage if lineage is not None else (os.getppid(), os.getpid())
     if wanted == "node":
-        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(agent, signal.SIGKILL)
+    if trainer != os.getpid():
+        os.kill(trainer, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
