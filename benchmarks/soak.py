@@ -10,6 +10,7 @@ restart continued from a finished checkpoint. tests/test_restart.py runs a short
 
     python -m benchmarks.soak                          # 3,000 steps, a kill every 300-500
     python -m benchmarks.soak --steps 600 --every 150  # a shorter one
+    python -m benchmarks.soak --save-writer process    # checkpoints by helper processes
 """
 
 from __future__ import annotations
@@ -218,9 +219,16 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--keep", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--save-writer",
+        choices=["auto", "process", "thread"],
+        default="auto",
+        help="gpipe train's: what writes the checkpoints in the background",
+    )
     args = parser.parse_args()
     common = [*TRAIN, "--steps", str(args.steps), "--save-every", str(args.save_every),
-              "--keep", str(args.keep), "--eval-every", str(args.save_every)]  # fmt: skip
+              "--keep", str(args.keep), "--eval-every", str(args.save_every),
+              "--save-writer", args.save_writer]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         kills = plan_kills(args.steps, args.every, args.save_every, 2, args.seed, Path(tmp))
         hurt = train(Path(tmp) / "hurt", [*common, "--max-restarts", str(len(kills))], kills)

@@ -97,6 +97,11 @@ def _check(model: Any, opts: Any) -> None:
         positive(name.replace("_", "-"), getattr(opts, name))
     if opts.warmup < 0 or opts.save_every < 0 or opts.keep_every < 0:
         raise UsageError("--warmup, --save-every and --keep-every must not be negative")
+    if opts.sync_save and opts.save_writer != "auto":
+        raise UsageError(
+            f"--save-writer {opts.save_writer} says what writes in the background, but "
+            "--sync-save writes with training stopped: give one of them"
+        )
     if opts.keep < 1:
         raise UsageError(f"--keep must be at least 1 (the newest good checkpoint), got {opts.keep}")
     layers = model_layer_count(model)

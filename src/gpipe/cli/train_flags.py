@@ -120,6 +120,13 @@ def add_training_options(run: Any) -> None:
         "copy of the state in CPU memory)",
     )
     run.add_argument(
+        "--save-writer",
+        choices=["auto", "process", "thread"],
+        help="what writes a checkpoint in the background: a helper process per rank, a "
+        "thread, or (auto, the default) a helper process where a rank's state is 64 MiB or "
+        "more (docs/train.md, Saves in the background)",
+    )
+    run.add_argument(
         "--data",
         help="what to train on: a text file or folder (bytes, or tokens with --tokenizer), "
         "JSON lines with a text field, or token ids in a .bin (see --token-dtype) or .npy "

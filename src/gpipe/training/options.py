@@ -39,6 +39,7 @@ class TrainOptions:
     keep: int = 3  # the newest verified checkpoints kept; older ones are removed
     keep_every: int = 0  # checkpoints at multiples of this many steps are kept for good
     sync_save: bool = False  # training waits while a checkpoint is written
+    save_writer: str = "auto"  # in the background: process, thread, or auto (by state size)
     seed: int = 0
     device: str = "cpu"
     precision: str = "fp32"  # fp32, bf16 (autocast) or fp16 (autocast and loss scaling)

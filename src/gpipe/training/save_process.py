@@ -125,8 +125,9 @@ class SaveProcess:
         ``step``'s checkpoint; returns once the copy is made."""
         tensors = [t for t in pytree.tree_leaves(state) if isinstance(t, Tensor)]
         if [(b.shape, b.dtype) for b in self._buffers] != [(t.shape, t.dtype) for t in tensors]:
-            self._buffers = [torch.empty(t.shape, dtype=t.dtype).share_memory_() for t in tensors]
-            self._conn.send(("buffers", self._buffers))
+            flats, places = _shared_layout(tensors)
+            self._buffers = _views(flats, places)
+            self._conn.send(("buffers", flats, places))
         with torch.no_grad():
             for buffer, tensor in zip(self._buffers, tensors, strict=True):
                 buffer.copy_(tensor.detach())
@@ -187,6 +188,26 @@ class SaveProcess:
         """Stop the helper once it has nothing to do."""
         if self._process is not None:
             _shut_down(self._process, self._conn)
+
+
+_Place = tuple[torch.dtype, int, torch.Size]  # a tensor's dtype, offset and shape in its flat
+
+
+def _shared_layout(tensors: list[Tensor]) -> tuple[dict[torch.dtype, Tensor], list[_Place]]:
+    """One flat tensor in shared memory per dtype, and where each tensor lies in its flat:
+    a file descriptor per dtype rather than one per tensor (a large model's optimizer state
+    has thousands of tensors, more than a process may hold open)."""
+    totals: dict[torch.dtype, int] = {}
+    places = []
+    for t in tensors:
+        places.append((t.dtype, totals.get(t.dtype, 0), t.shape))
+        totals[t.dtype] = totals.get(t.dtype, 0) + t.numel()
+    flats = {d: torch.empty(n, dtype=d).share_memory_() for d, n in totals.items()}
+    return flats, places
+
+
+def _views(flats: dict[torch.dtype, Tensor], places: list[_Place]) -> list[Tensor]:
+    return [flats[d][at : at + shape.numel()].view(shape) for d, at, shape in places]
 
 
 def _failure(what: str, trace: str) -> RuntimeError:
@@ -252,7 +273,7 @@ def _serve(conn: Any, peers: _Peers, lineage: tuple[int, int]) -> None:
         if message[0] == "stop":
             break
         if message[0] == "buffers":
-            buffers = message[1]
+            buffers = _views(message[1], message[2])
             continue
         try:
             conn.send(("saved", *_write(message[1], buffers, lineage)))

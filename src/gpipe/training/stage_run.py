@@ -84,6 +84,7 @@ class StageRun:
             self.pipe,
             retention=Retention(opts.keep, opts.keep_every),
             background=not opts.sync_save,
+            process={"auto": None, "process": True, "thread": False}[opts.save_writer],
         )
         self.step = 0
         self.train_loss = self.val_loss = float("nan")
