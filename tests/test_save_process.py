@@ -10,10 +10,12 @@ import os
 import time
 
 import pytest
+import torch
 
 from gpipe import LaunchError, launch
-from gpipe.training.checkpoints import checkpoint_dirs, verify_checkpoint
+from gpipe.training.checkpoints import checkpoint_dirs, load_model_weights, verify_checkpoint
 
+from .models import mlp
 from .save_process_cases import saves
 
 
@@ -28,29 +30,30 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to see the helpers end")
 def test_helpers_write_the_state_at_save_and_die_with_their_rank(tmp_path, monkeypatch):
-    launch(saves, 2, (str(tmp_path), 3), threads=1)
-    root = tmp_path / "checkpoints"
-    assert [p.name for p in checkpoint_dirs(root)] == ["step-000002", "step-000003"]
-    assert all(verify_checkpoint(p) == [] for p in checkpoint_dirs(root))
-    for rank in (0, 1):
-        result = json.loads((tmp_path / f"result-{rank}.json").read_text())
-        assert result["same"], rank  # the weights at save(), not those changed after
-    assert json.loads((tmp_path / "result-0.json").read_text())["removed"] == ["step-000001"]
-
-    # rank 1 lost once its helper has written its files of step 2's checkpoint
-    again = tmp_path / "again"
-    again.mkdir()
-    kill = {"rank": 1, "step": 2, "at": "save", "once": str(tmp_path / "killed")}
+    """Steps 1 and 2 saved whole (step 1 then removed: keep 1); rank 1 lost once its helper
+    has written its files of step 3's checkpoint."""
+    kill = {"rank": 1, "step": 3, "at": "save", "once": str(tmp_path / "killed")}
     monkeypatch.setenv("GPIPE_TEST_KILL", json.dumps(kill))
     with pytest.raises(LaunchError) as failed:  # the first failure the agent sees
-        launch(saves, 2, (str(again), 3), threads=1)
+        launch(saves, 2, (str(tmp_path), 4), threads=1)
     message = str(failed.value)
-    assert "SIGKILL" in message or "checkpoint of step 2 failed in the writing process" in message
+    assert "SIGKILL" in message or "checkpoint of step 3 failed in the writing process" in message
     assert (tmp_path / "killed").exists()
-    root = again / "checkpoints"
-    assert [p.name for p in checkpoint_dirs(root)] == ["step-000001"]
-    assert (root / ".step-000002.partial").is_dir()  # never loaded; the next start clears it
-    helpers = [int((again / f"helper-{rank}").read_text()) for rank in (0, 1)]
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in checkpoint_dirs(root)] == ["step-000002"]
+    assert verify_checkpoint(root / "step-000002") == []
+    assert (root / ".step-000003.partial").is_dir()  # never loaded; the next start clears it
+
+    whole = {}  # both stages' weights as they were at save(), not as changed after it
+    for rank in (0, 1):
+        whole |= torch.load(tmp_path / f"weights-{rank}-2.pt")
+    loaded = mlp(seed=5)  # the whole model in this process: checkpoints are keyed by layer
+    load_model_weights(root / "step-000002", loaded)
+    assert set(loaded.state_dict()) == set(whole)
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, whole[name]), name
+
+    helpers = [int((tmp_path / f"helper-{rank}").read_text()) for rank in (0, 1)]
     deadline = time.monotonic() + 30
     while not all(map(_gone, helpers)) and time.monotonic() < deadline:
         time.sleep(0.2)
