@@ -200,7 +200,7 @@ def test_bad_options_end_in_one_line_and_exit_code_2(capsys, tmp_path):
     assert "--keep-every must not be negative" in _usage_error(
         capsys, "train", "--keep-every", "-1", *out
     )
-    assert "--save-writer process says what writes in the background" in _usage_error(
+    assert "--save-writer process (given, or the run's own) says what writes" in _usage_error(
         capsys, "train", "--save-writer", "process", "--sync-save", *out
     )
     assert not (tmp_path / "new").exists()

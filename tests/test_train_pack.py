@@ -20,7 +20,9 @@ from gpipe.cli import main
 from gpipe.training.documents import Documents, DocumentSampler, read_documents
 from gpipe.training.models.gpt import GPTConfig, build_gpt
 
+from . import packed_cases
 from .text_cases import LINES, word_tokenizer
+from .workers import run
 
 RUN = [
     "train", "--stages", "2", "--batch-size", "4", "--seq-len", "24", "--chunks", "4",
@@ -168,12 +170,23 @@ def test_documents_are_held_out_whole(tmp_path):
         (["--data", "{jsonl}", "--val-data", "{bin}"], "--val-data must be a JSON lines file"),
         (["--data", "{jsonl}", "--schedule", "auto"], "--pack with --schedule auto"),
         (["--data", "{jsonl}", "--batch-size", "2"], "cannot fill --chunks 4"),
+        (["--data", "{one}"], "at least 2 documents"),
+        (["--data", "{empty}"], "has no document of 2 tokens or more"),
     ],
 )
 def test_bad_pack_input_is_one_line(corpus, tmp_path, capsys, more, expected):
     (tmp_path / "t.bin").write_bytes(b"\0" * 64)
-    where = {"bin": tmp_path / "t.bin", "jsonl": corpus / "docs.jsonl"}
+    (tmp_path / "one.jsonl").write_text('{"text": "a single document"}\n')
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n' * 20)
+    where = {"bin": tmp_path / "t.bin", "jsonl": corpus / "docs.jsonl",
+             "one": tmp_path / "one.jsonl", "empty": tmp_path / "empty.jsonl"}  # fmt: skip
     args = [a.format(**where) for a in more]
     assert main([*RUN, "--preset", "tiny", *args, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0], err
+
+
+def test_packed_documents_cross_gpt_stages_exactly():
+    """Two processes, each a stage of the GPT: what the first sends on is the hidden states
+    and each token's document (tests/packed_cases.py)."""
+    assert run(packed_cases.gpt_equivalence, 2, threads=1) == {0: 4, 1: 4}

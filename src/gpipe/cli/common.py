@@ -64,9 +64,9 @@ def multi_stage_schedules() -> str:
     return " or ".join(name for name in SCHEDULES if traits(name).several_stages_per_rank)
 
 
-def microbatch_tokens(args: argparse.Namespace) -> list[float] | None:
+def microbatch_tokens(args: argparse.Namespace, chunks: str = "--chunks {m}") -> list[float] | None:
     """``--microbatch-tokens``, checked: it sets ``--chunks`` when that is not given (8 when
-    neither is), and must agree with it when both are."""
+    neither is), and must agree with it when both are (``chunks`` says where M came from)."""
     if args.microbatch_tokens is None:
         args.chunks = 8 if args.chunks is None else args.chunks
         return None
@@ -81,8 +81,8 @@ def microbatch_tokens(args: argparse.Namespace) -> list[float] | None:
         )
     if args.chunks not in (None, len(tokens)):
         raise UsageError(
-            f"--chunks {args.chunks} but --microbatch-tokens lists {len(tokens)} micro-batches: "
-            "give one, or both agreeing"
+            f"{chunks.format(m=args.chunks)} but --microbatch-tokens lists {len(tokens)} "
+            "micro-batches: give one, or both agreeing"
         )
     args.chunks = len(tokens)
     return tokens

@@ -68,6 +68,11 @@ def _train_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> An
     from gpipe.training.job import TrainOptions
 
     values = dict(saved or {})
+    if saved is not None and args.pack and not saved.get("pack", False):
+        raise UsageError(
+            "--pack: the run being continued trained on windows of the token stream; a run "
+            "packs documents from its start or never (start a new run with --pack)"
+        )
     for f in fields(TrainOptions):
         given = getattr(args, f.name, None)
         if given is not None and given is not False:
@@ -99,8 +104,8 @@ def _check(model: Any, opts: Any) -> None:
         raise UsageError("--warmup, --save-every and --keep-every must not be negative")
     if opts.sync_save and opts.save_writer != "auto":
         raise UsageError(
-            f"--save-writer {opts.save_writer} says what writes in the background, but "
-            "--sync-save writes with training stopped: give one of them"
+            f"--save-writer {opts.save_writer} (given, or the run's own) says what writes in "
+            "the background, but --sync-save writes with training stopped: give one of them"
         )
     if opts.keep < 1:
         raise UsageError(f"--keep must be at least 1 (the newest good checkpoint), got {opts.keep}")
@@ -222,17 +227,20 @@ def _check_data(opts: Any, model: Any, out: Path) -> None:
     """The data against the model, before any process starts: the tokenizer's vocabulary,
     the token ids, one window of each part. Text a tokenizer must turn into ids is checked
     once it is, in the run folder."""
-    from gpipe.training.run_data import run_dataset
+    from gpipe.training.run_data import checked_documents, data_prepared, run_dataset
     from gpipe.training.tokenizer import check_tokenizer, load_tokenizer
-    from gpipe.training.tokens import check_vocabulary, check_windows, needs_preparing
+    from gpipe.training.tokens import check_vocabulary, check_windows
 
     try:
         if opts.tokenizer is not None:
             check_tokenizer(load_tokenizer(opts.tokenizer), model.vocab_size)
-        if needs_preparing(opts.data, opts.tokenizer) and not (out / "tokens").is_dir():
+        if not data_prepared(opts, out):  # checked once the text is tokenized
             return
-        dataset = run_dataset(opts, out)
-        check_windows(dataset, opts.seq_len or model.seq_len)
+        if opts.pack:  # documents, each its own length: no window to fit
+            dataset = checked_documents(opts, out)
+        else:
+            dataset = run_dataset(opts, out)
+            check_windows(dataset, opts.seq_len or model.seq_len)
         check_vocabulary(dataset, model.vocab_size)
     except (ValueError, OSError) as exc:
         raise UsageError(str(exc)) from None

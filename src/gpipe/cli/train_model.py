@@ -203,7 +203,7 @@ def check_pack(opts: Any, model: Any) -> None:
     if not opts.pack:
         return
     for flag, path in (("--data", opts.data), ("--val-data", opts.val_data)):
-        if (path is not None or flag == "--data") and not str(path).endswith(".jsonl"):
+        if (path is not None or flag == "--data") and not str(path).lower().endswith(".jsonl"):
             raise UsageError(
                 f"--pack trains on documents: {flag} must be a JSON lines file (.jsonl, one "
                 f'object with a "text" field per document), got {path}'
@@ -225,4 +225,21 @@ def check_pack(opts: Any, model: Any) -> None:
             f"{opts.chunks} x --data-parallel {opts.data_parallel} micro-batches; raise "
             "--batch-size or lower --chunks"
         )
+    if model.kind == "hf":
+        _check_packed_masks(model.source)
     model.packed = model.kind == "hf"
+
+
+def _check_packed_masks(source: str) -> None:
+    """A Hugging Face model keeps packed documents apart only where transformers builds its
+    document mask from ``position_ids`` that restart (``find_packed_sequence_indices``)."""
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        import transformers
+
+        raise UsageError(
+            f"--pack with --model {source}: transformers {transformers.__version__} does not "
+            "build document masks from position_ids, so packed documents would attend to "
+            "each other; upgrade transformers"
+        ) from None

@@ -76,8 +76,14 @@ def _view(args: argparse.Namespace) -> int:
                 f"{fixed.n_microbatches} micro-batches"
             )
         args.stages, args.chunks = fixed.n_ranks, fixed.n_microbatches
-    tokens = microbatch_tokens(args)
     costs = DEFAULT_COSTS if args.costs is None else read_costs(args.costs, args.stages)
+    given = len(costs.microbatch_scale) or None  # a --costs file's factors set M too
+    if args.microbatch_tokens is None and args.chunks is None:
+        args.chunks = given
+    said = (
+        f"--schedule-csv {args.schedule_csv} has {{m}} micro-batches" if fixed else "--chunks {m}"
+    )
+    tokens = microbatch_tokens(args, said)
     costs = costs if tokens is None else costs.with_tokens(tokens)
     values = (args.stages, args.chunks, args.schedule, args.virtual_stages, args.checkpoint)
     try:

@@ -43,7 +43,7 @@ from gpipe.training.checkpoints import (
     verify_checkpoint,
 )
 from gpipe.training.retention import Retention, prune_checkpoints
-from gpipe.training.save_process import SaveProcess, state_bytes
+from gpipe.training.save_process import SaveProcess, shared_memory_room, state_bytes
 
 if TYPE_CHECKING:
     from gpipe.pipeline import Pipeline
@@ -225,24 +225,33 @@ class CheckpointWriter:
 
     def _choose(self, state: dict[str, Any]) -> bool:
         """Whether a helper process writes: where asked or, unasked, where some writing rank's
-        state is large; never where some rank holds sharded tensors. Every writing rank
+        state is large; never where some rank holds sharded tensors, and unasked, not where
+        shared memory has no room for the copies of this machine's ranks. Every writing rank
         decides alike (collective)."""
         from torch.distributed.tensor import DTensor
 
         leaves = torch.utils._pytree.tree_leaves(state)
-        found = torch.tensor([float(any(isinstance(t, DTensor) for t in leaves)),
-                              float(state_bytes(state))], dtype=torch.float64)  # fmt: skip
+        size = state_bytes(state)
+        cramped = size * int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > shared_memory_room()
+        found = torch.tensor([float(any(isinstance(t, DTensor) for t in leaves)), float(size),
+                              float(cramped)], dtype=torch.float64)  # fmt: skip
         if dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._writers)
-        sharded, largest = bool(found[0]), float(found[1])
-        if sharded and self._wanted:
+        sharded, largest, short = bool(found[0]), float(found[1]), bool(found[2])
+        if self._wanted and (sharded or short):
+            why = (
+                "cannot write sharded (DTensor) state"
+                if sharded
+                else f"needs {size / 2**20:.0f} MiB of /dev/shm per rank for its copy of the "
+                f"state, and it has {shared_memory_room() / 2**20:.0f} MiB free"
+            )
             raise ValueError(
-                "CheckpointWriter(process=True): a helper process cannot write sharded "
-                "(DTensor) state; leave process unset"
+                f"checkpoints by a helper process (--save-writer process): it {why}; write "
+                "them by a thread (--save-writer thread) or give /dev/shm more room"
             )
         if self._wanted is not None:
             return self._wanted
-        return not sharded and dist.is_initialized() and largest >= PROCESS_BYTES
+        return dist.is_initialized() and not (sharded or short) and largest >= PROCESS_BYTES
 
     def _retire(self, path: Path) -> None:
         """After a checkpoint is in place: check it, then prune (on one rank). Its files'

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from gpipe.pipeline import Pipeline
 from gpipe.training.corpus import check_same_everywhere
 from gpipe.training.documents import (
@@ -26,7 +28,14 @@ from gpipe.training.tokens import (
     token_dtype_for,
 )
 
-__all__ = ["check_same_data", "prepare_run_data", "run_dataset", "run_documents"]
+__all__ = [
+    "check_same_data",
+    "checked_documents",
+    "data_prepared",
+    "prepare_run_data",
+    "run_dataset",
+    "run_documents",
+]
 
 TOKENS = "tokens"  # the run folder's subfolder of tokenized text
 VAL_FRACTION = 0.1  # of --data held out for validation when there is no --val-data
@@ -38,6 +47,15 @@ def _prepared(opts: TrainOptions, out: Path) -> tuple[Path, Path | None] | None:
         return None
     val = out / TOKENS / "val.bin" if opts.val_data is not None else None
     return out / TOKENS / "train.bin", val
+
+
+def data_prepared(opts: TrainOptions, out: Path) -> bool:
+    """Whether the run folder holds the tokenized text it needs (whole: a start that was
+    interrupted while tokenizing left none)."""
+    paths = _prepared(opts, out)
+    if paths is None:
+        return True
+    return (starts_path(paths[0]) if opts.pack else paths[0]).is_file()
 
 
 def prepare_run_data(opts: TrainOptions, out: Path) -> None:
@@ -103,6 +121,22 @@ def run_documents(opts: TrainOptions, out: Path) -> tuple[TokenDataset, Document
     val_source = "--data" if opts.val_data is None else "--val-data"
     dataset = TokenDataset(train.ids, val.ids, bound, what, "--data", val_source)
     return dataset, train, val
+
+
+def checked_documents(opts: TrainOptions, out: Path) -> TokenDataset:
+    """``run_documents``' ids, once each part is known to hold a document with something to
+    predict (two tokens or more): the check before any process starts."""
+    dataset, train, val = run_documents(opts, out)
+    for part, source, name in (
+        (train, dataset.train_source, "training"),
+        (val, dataset.val_source, "validation"),
+    ):
+        if not (np.diff(part.starts) >= 2).any():
+            raise ValueError(
+                f"{source}: its {name} part has no document of 2 tokens or more, so nothing "
+                "to predict; give documents with text"
+            )
+    return dataset
 
 
 def check_same_data(dataset: TokenDataset, pipe: Pipeline) -> None:

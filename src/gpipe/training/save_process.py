@@ -25,7 +25,9 @@ import os
 import signal
 import sys
 import traceback
+import types
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ import torch.multiprocessing as mp
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-__all__ = ["SaveProcess", "state_bytes"]
+__all__ = ["SaveProcess", "shared_memory_room", "state_bytes"]
 
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent thread ends
 _STARTING = 300.0  # seconds a helper may take to start (an interpreter, torch, its group)
@@ -78,6 +80,29 @@ def state_bytes(state: Any) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, Tensor))
 
 
+def shared_memory_room() -> float:
+    """Bytes free in ``/dev/shm``, where the shared copies live (unbounded where it is not
+    a folder of its own); containers often give it 64 MiB."""
+    try:
+        found = os.statvfs("/dev/shm")
+    except OSError:
+        return float("inf")
+    return float(found.f_bavail * found.f_frsize)
+
+
+@contextlib.contextmanager
+def _main_left_behind() -> Iterator[None]:
+    """Start a process without running the starter's main module again: a started process
+    imports ``__main__`` by its path or name unless it has neither, and a user's training
+    script with no ``if __name__ == "__main__"`` guard would train again in the helper."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 class SaveProcess:
     """This rank's helper process and the shared copy of its state. ``start`` is collective
     over ``writers`` (every rank that writes): the first one serves the store through which
@@ -114,10 +139,15 @@ class SaveProcess:
         self._process = context.Process(
             target=_serve, args=(child, peers, lineage), name="gpipe-save", daemon=True
         )
-        self._process.start()
+        with _main_left_behind():
+            self._process.start()
         child.close()
-        self._receive(_STARTING, "starting")
         weakref.finalize(self, _shut_down, self._process, self._conn)
+        try:
+            self._receive(_STARTING, "starting")
+        except BaseException:
+            self.abandon()
+            raise
 
     def submit(self, step: int, state: Any, root: Path, description: dict[str, Any],
                retention: Any) -> None:  # fmt: skip
@@ -153,6 +183,7 @@ class SaveProcess:
         step, self._step = self._step, None
         reply, self._reply = self._reply, None
         if reply is None:
+            _hurry(self._process.pid)  # training waits for it now: idle time is not enough
             reply = self._receive(None, f"writing the checkpoint of step {step}")
         if reply[0] == "failed":
             raise _failure(f"saving the checkpoint of step {step} failed", reply[1])
@@ -208,6 +239,14 @@ def _shared_layout(tensors: list[Tensor]) -> tuple[dict[torch.dtype, Tensor], li
 
 def _views(flats: dict[torch.dtype, Tensor], places: list[_Place]) -> list[Tensor]:
     return [flats[d][at : at + shape.numel()].view(shape) for d, at, shape in places]
+
+
+def _hurry(pid: int) -> None:
+    """Let the helper run as an ordinary process, where the system allows it (leaving
+    ``SCHED_IDLE`` needs a nice limit or privilege): on a machine with no idle CPU it would
+    otherwise never finish while training waits for it."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
 
 
 def _failure(what: str, trace: str) -> RuntimeError:
