@@ -11,6 +11,8 @@ import gpipe.cli.plan_model as plan_model
 from gpipe.cli import main
 from gpipe.planning.memory import format_bytes
 
+from .text_cases import llama_config
+
 SHAPE = ["--stages", "2", "--chunks", "4", "--batch-size", "8", "--device-memory", "1GiB"]
 
 FACTORY = """
@@ -76,12 +78,8 @@ def _check_stage_bytes(seen: dict, out: str, states: int) -> None:
 
 
 def test_a_hugging_face_llama_is_planned_per_split_stage(tmp_path, monkeypatch, capsys):
-    transformers = pytest.importorskip("transformers", reason="--model hf: needs transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-    )  # fmt: skip
-    config.save_pretrained(tmp_path / "llama")
+    pytest.importorskip("transformers", reason="--model hf: needs transformers")
+    llama_config(tmp_path / "llama", 96, 64)
     seen = _spy(monkeypatch)
     assert main(["plan", "--model", f"hf:{tmp_path / 'llama'}", *SHAPE]) == 0
     out = capsys.readouterr().out

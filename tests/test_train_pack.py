@@ -21,7 +21,7 @@ from gpipe.training.documents import Documents, DocumentSampler, read_documents
 from gpipe.training.models.gpt import GPTConfig, build_gpt
 
 from . import packed_cases
-from .text_cases import LINES, word_tokenizer
+from .text_cases import LINES, llama_config, word_tokenizer
 from .workers import run
 
 RUN = [
@@ -56,14 +56,10 @@ def test_a_packed_llama_step_is_the_unsplit_model_on_the_same_documents(corpus, 
     as the run does, through the unsplit model at the run's starting weights; the
     validation loss then falls well below a uniform guess."""
     transformers = pytest.importorskip("transformers", reason="--model hf: needs transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-    )  # fmt: skip
-    config.save_pretrained(tmp_path / "llama")
+    config = llama_config(tmp_path / "llama", 32, 32)
     out = tmp_path / "run"
     assert main([
-        *RUN, "--model", f"hf:{tmp_path / 'llama' / 'config.json'}", "--steps", "12",
+        *RUN, "--model", f"hf:{config}", "--steps", "12",
         "--data", str(corpus / "docs.jsonl"), "--tokenizer", str(corpus / "tokenizer.json"),
         "--out", str(out), "--lr", "3e-2",
     ]) == 0  # fmt: skip

@@ -14,3 +14,16 @@ def word_tokenizer(path):
     tokenizer.train_from_iterator(LINES, trainer)
     tokenizer.save(str(path))
     return path
+
+
+def llama_config(folder, vocab_size: int, max_positions: int):
+    """A 2-layer Llama's config.json saved in ``folder``, for runs that build it from a config;
+    returns the config.json's path."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
+    )  # fmt: skip
+    config.save_pretrained(folder)
+    return folder / "config.json"
