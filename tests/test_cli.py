@@ -20,31 +20,13 @@ from gpipe.training.checkpoints import load_model_weights
 from gpipe.training.models import PRESETS, GPTConfig, build_gpt
 from gpipe.training.options import TrainOptions
 
-from . import workers
-
 TINY = [
     "--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--chunks", "4",
     "--lr", "1e-2", "--warmup", "2", "--eval-every", "5", "--sample-tokens", "16", "--quiet",
 ]  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _runs_on_shared_processes(monkeypatch, request):
-    """`gpipe train` runs its stages on the module's shared processes (real ones, over gloo)
-    rather than starting new ones for every run (however it asks them started); runs that
-    restart keep their own, and so do tests that read what the stages print (the shared
-    processes write to the streams of the test that started them)."""
-    import gpipe.training.launch
-
-    started = gpipe.training.launch.launch
-    own = "capfd" in request.fixturenames
-
-    def launch(fn, nprocs, args=(), *, threads="auto", max_restarts=0, **more):
-        if own or max_restarts or set(more) - {"start_method"}:
-            return started(fn, nprocs, args, threads=threads, max_restarts=max_restarts, **more)
-        return workers.run(fn, nprocs, args, threads=threads)
-
-    monkeypatch.setattr(gpipe.training.launch, "launch", launch)
+pytestmark = pytest.mark.usefixtures("train_on_shared_processes")
 
 
 def _losses(run) -> dict[int, float]:

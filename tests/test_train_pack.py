@@ -24,6 +24,9 @@ from . import packed_cases
 from .text_cases import LINES, llama_config, word_tokenizer
 from .workers import run
 
+# the runs that are not killed share the module's processes (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("train_on_shared_processes")
+
 RUN = [
     "train", "--stages", "2", "--batch-size", "4", "--seq-len", "24", "--chunks", "4",
     "--lr", "1e-2", "--warmup", "2", "--eval-every", "4",
@@ -83,20 +86,22 @@ def test_a_packed_llama_step_is_the_unsplit_model_on_the_same_documents(corpus, 
     assert records[0]["loss"] == pytest.approx(want, rel=1e-5)
 
 
-def test_killed_and_restarted_on_two_replicas_it_goes_on_like_one(corpus, tmp_path, monkeypatch):
-    """The GPT on bytes, one stage (the pipeline's part is the Llama's test above): an
-    uninterrupted run on one replica, and one on two replicas whose rank 1 is killed at
-    step 7 and restarted from the step-4 checkpoint. The replicas pack
-    the same documents into twice the micro-batches, so their token mean is the same loss up
-    to float32 rounding; a sampler resumed at the wrong document would not be."""
+def test_killed_and_restarted_on_two_replicas_it_goes_on_like_one_pipeline(
+    corpus, tmp_path, monkeypatch
+):
+    """The GPT on bytes: an uninterrupted run of one pipeline of 2 stages, and one of two
+    replicas of 1 stage whose rank 1 is killed at step 7 and restarted from the step-4
+    checkpoint. The replicas pack the same documents into twice the micro-batches, so their
+    token mean is the same loss up to float32 rounding; a sampler resumed at the wrong
+    document would not be."""
     common = [*RUN, "--preset", "tiny", "--data", str(corpus / "docs.jsonl"), "--steps", "10",
-              "--save-every", "4", "--batch-size", "8", "--stages", "1"]  # fmt: skip
+              "--save-every", "4", "--batch-size", "8"]  # fmt: skip
     one = tmp_path / "one"
-    assert main([*common, "--out", str(one)]) == 0
+    assert main([*common, "--stages", "2", "--out", str(one)]) == 0
     kill = {"rank": 1, "step": 7, "at": "step", "once": str(tmp_path / "killed")}
     monkeypatch.setenv("GPIPE_TEST_KILL", json.dumps(kill))
     two = tmp_path / "two"
-    more = ["--data-parallel", "2", "--max-restarts", "1"]
+    more = ["--stages", "1", "--data-parallel", "2", "--max-restarts", "1"]
     assert main([*common, *more, "--out", str(two)]) == 0
     assert (tmp_path / "killed").exists()
     got, want = _records(two), _records(one)
