@@ -199,7 +199,8 @@ def quiet_tracer() -> Iterator[None]:
 
 def check_pack(opts: Any, model: Any) -> None:
     """``--pack`` needs documents, a model that knows where they begin, and a named
-    schedule."""
+    schedule; a Hugging Face model is then marked to be traced with ``position_ids``
+    (``TrainModel.packed``), which the run records."""
     if not opts.pack:
         return
     for flag, path in (("--data", opts.data), ("--val-data", opts.val_data)):
