@@ -79,7 +79,7 @@ def _step(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
 def _allreduce_alone(pipe: Pipeline) -> float:
     """Seconds of the replicas' gradient all-reduce run alone, in the same buckets."""
     assert pipe.replicas is not None
-    buckets = next(iter(pipe._buckets.values())).buckets
+    buckets = next(iter(pipe.runner.buckets.values())).buckets
     flats = [torch.cat([p.detach().reshape(-1) for p in b.params]) for b in buckets]
     dist.barrier()
     start = perf_counter()

@@ -6,7 +6,7 @@ into chunks, under a schedule of one stage per process and one of two."""
 import torch
 
 from gpipe import Pipeline
-from gpipe.parallel.forward_only import forward_logprobs
+from gpipe.engine.forward_only import forward_logprobs
 
 from .presplit_cases import VOCAB, microbatches, token_model
 
@@ -29,7 +29,7 @@ def agree() -> int:
     checked = 0
     for schedule, balance in (("1f1b", [4, 4]), ("interleaved", [2, 2, 2, 2])):
         pipe = Pipeline(token_model(), balance, chunks=2, schedule=schedule, checkpoint="always")
-        per_mb = forward_logprobs(pipe, microbatches=given)
+        per_mb = forward_logprobs(pipe.runner, microbatches=given, training=pipe.training)
         whole = pipe.forward_only(x, y)
         assert not any(p.grad is not None for p in pipe.parameters())
         if not pipe.is_last:

@@ -108,7 +108,7 @@ def batch_norm(folder: str) -> dict:
     x = torch.randn(4, 5, 3, dtype=torch.float64)
     if dist.get_rank() < dist.get_world_size() - 1:
         return _report(folder, lambda: pipe.step(x, x))
-    replicas = pipe._runner.replicas
+    replicas = pipe.replicas
     merge = replicas.merge_batch_norm
 
     def late(modules: list[nn.Module], stage: int) -> None:

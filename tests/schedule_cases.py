@@ -146,7 +146,7 @@ def separate_envelopes(k: int) -> int:
                 unet(), balance, chunks=chunks, checkpoint=mode, schedule=schedule,
                 loss_fn=mse_loss, group=dist.new_group(list(range(k))),
             )  # fmt: skip
-            pipe._transport = DistributedTransport(
+            pipe.runner.transport = DistributedTransport(
                 [s % k for s in range(len(balance))], pipe.device, pipe.group,
                 envelope_group=side,
             )  # fmt: skip

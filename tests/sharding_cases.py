@@ -179,7 +179,7 @@ def compositions() -> dict:
     out = {}
     # one unit per layer with parameters: gathered once, reduced once, during the last B
     pipe, messages = _twins(mlp, [4, 4], data, chunks=4, schedule="1f1b", loss_fn=mse_loss)
-    units = len(pipe._runner.sharded.gradients[pipe.stage_index].buckets)
+    units = len(pipe.sharded.gradients[pipe.stage_index].buckets)
     out["1f1b"] = (units, messages.gathers, messages.scatters, pipe.last_step.allreduce_early)
     pipe, messages = _twins(mlp, [4, 4], data, chunks=4, schedule="zero-bubble", loss_fn=mse_loss)
     out["zero-bubble"] = (
@@ -200,7 +200,7 @@ def compositions() -> dict:
     chosen = Sharding(unit=lambda name, module: name in ("0", "5"))
     pipe, messages = _twins(mlp, [4, 4], data, chunks=4, schedule="1f1b", shard=chosen,
                             loss_fn=mse_loss)  # fmt: skip
-    out["chosen"] = (len(pipe._runner.sharded.gradients[pipe.stage_index].buckets),
+    out["chosen"] = (len(pipe.sharded.gradients[pipe.stage_index].buckets),
                      messages.gathers, messages.scatters)  # fmt: skip
     _twins(mlp, [4, 4], data, chunks=4, schedule="gpipe", shard=Sharding(unit=(nn.Linear,)),
            loss_fn=mse_loss)  # fmt: skip

@@ -101,7 +101,7 @@ def test_statistics_sent_between_replicas_merge_exactly():
     them and unpacked in replica order: replicas of 3 and 5 rows give BatchNorm's running
     statistics on all 8, a norm that counted nothing stays empty, and the round trip gives
     back each statistic bit for bit in its own dtype."""
-    from gpipe.parallel.replicas import _packed, _unpacked
+    from gpipe.parallel.replicas import packed_statistics, unpacked_statistics
 
     bn = nn.BatchNorm1d(3).double()
     x = _tilted((8, 3, 2))
@@ -113,12 +113,12 @@ def test_statistics_sent_between_replicas_merge_exactly():
             counted(micro)
         replicas.append([counted, idle])
     mine = replicas[0]
-    for norm, back in zip(mine, _unpacked(_packed(mine), mine), strict=True):
+    for norm, back in zip(mine, unpacked_statistics(packed_statistics(mine), mine), strict=True):
         sent = norm.pending_statistics()
         assert back[:2] == sent[:2]
         for a, b in zip(back[2:], sent[2:], strict=True):
             assert (a is None and b is None) or (torch.equal(a, b) and a.dtype == b.dtype)
-    gathered = [_unpacked(_packed(norms), mine) for norms in replicas]
+    gathered = [unpacked_statistics(packed_statistics(norms), mine) for norms in replicas]
     for i, norm in enumerate(mine):
         norm.replace_statistics([statistics[i] for statistics in gathered])
         norm.commit()

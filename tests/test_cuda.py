@@ -57,4 +57,4 @@ def test_gpipe_copies_between_gpus_on_copy_streams(mode):
         ref = dict(reference.named_parameters())
         for name, p in pipe.named_parameters():
             torch.testing.assert_close(p.grad.cuda(0), ref[name.split(".", 2)[2]].grad)
-    assert set(pipe._run.copies._streams) == {torch.device("cuda", 0), torch.device("cuda", 1)}
+    assert pipe.workers.copies.devices == {torch.device("cuda", 0), torch.device("cuda", 1)}

@@ -5,7 +5,7 @@ model's, for micro-batches of their own lengths and for a mini-batch split into 
 import pytest
 import torch
 
-from gpipe.runtime.logprobs import TokenLogprobs, logits_of, token_logprobs
+from gpipe.engine.logprobs import TokenLogprobs, logits_of, token_logprobs
 
 from . import logprobs_cases
 from .workers import run

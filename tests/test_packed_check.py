@@ -61,8 +61,8 @@ def test_inputs_that_are_not_packed_pass_unread():
 
 def test_pipeline_step_refuses_a_packed_micro_batch_that_does_not_match_before_sending():
     """``Pipeline.step(microbatches=...)`` checks each packed micro-batch as it takes the list
-    (``gpipe.parallel.presplit``), on every rank, before any message."""
-    from gpipe.parallel.presplit import presplit
+    (``gpipe.engine.presplit``), on every rank, before any message."""
+    from gpipe.engine.presplit import presplit
 
     good = pack([torch.arange(1, n + 1) for n in (5, 9, 3, 7)], max_tokens=16, chunks=2)
     (x, y), second = good

@@ -4,8 +4,7 @@ naming the micro-batch (their exactness across processes: test_distributed_sched
 import pytest
 import torch
 
-from gpipe.parallel.presplit import presplit
-from gpipe.pipeline import _given
+from gpipe.engine.presplit import given_microbatches, presplit
 
 
 def _pair(rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,5 +42,5 @@ def test_bad_micro_batches_are_refused_naming_the_one(microbatches, message):
 def test_inputs_and_micro_batches_together_are_refused():
     x, y = _pair(2, 3)
     with pytest.raises(ValueError, match="give inputs and targets, or microbatches="):
-        _given(x, None, [(x, y)])
-    assert _given(x, y, None) is None
+        given_microbatches(x, None, [(x, y)])
+    assert given_microbatches(x, y, None) is None

@@ -190,7 +190,7 @@ def test_a_w_before_its_b_deadlocks():
 
 
 def test_a_v_balance_must_be_two_stages_per_process():
-    from gpipe.parallel.placement import check_stages_per_rank
+    from gpipe.engine.placement import check_stages_per_rank
     from gpipe.planning.memory import _schedule
 
     for schedule in ("zero-bubble-v", "dualpipe-v"):

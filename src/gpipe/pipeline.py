@@ -3,11 +3,12 @@
 Every rank runs the same script. Each holds and initializes only its own partition, runs its
 program of the schedule, and exchanges boundary tensors with its neighbours point-to-point.
 
-``Pipeline`` orchestrates one collaborator per concern: ``RankPlacement`` and
-``build_stages`` (which stages this rank holds, built on its device), ``StepRunner`` (running
-a step), ``Replicas`` (data parallelism), ``Precision`` (autocast and loss scaling). Its layers
-are registered under their names in the whole model, so ``state_dict`` and
-``named_parameters`` read like the original model's.
+``Pipeline`` checks its arguments, builds one collaborator per concern and delegates to them:
+``RankPlacement`` and ``build_stages`` (which stages this rank holds, built on its device),
+``StepRunner`` (running a step, ``self.runner``: ``gpipe.engine``), ``Replicas`` (data
+parallelism), ``Precision`` (autocast and loss scaling). Its layers are registered under their
+names in the whole model, so ``state_dict`` and ``named_parameters`` read like the original
+model's.
 """
 
 from __future__ import annotations
@@ -19,37 +20,40 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpipe.comm.distributed import DistributedTransport
+from gpipe.comm.agreement import on_first_rank
 from gpipe.comm.process_group import (
     backend_for,
     finish_process_group,
     init_process_group,
     rank_device,
 )
-from gpipe.parallel.agreement import on_first_rank
-from gpipe.parallel.clipping import clip_grad_norm_
-from gpipe.parallel.forward_only import forward_logprobs, forward_schedule
-from gpipe.parallel.placement import (
+from gpipe.engine import (
+    IGNORE_INDEX,
     RankPlacement,
+    ScheduleSource,
     StageRecipe,
+    StepResult,
+    StepRunner,
+    StepSchedules,
+    StepTimes,
     build_stages,
+    clip_grad_norm_,
+    forward_logprobs,
+    given_microbatches,
 )
-from gpipe.parallel.presplit import Presplit, presplit
 from gpipe.parallel.replicas import Replicas, check_bucket_bytes
-from gpipe.parallel.schedule_source import ScheduleSource
 from gpipe.parallel.sharding import Sharding, check_shard
-from gpipe.parallel.step import StepResult, StepRunner, StepTimes
 from gpipe.parallel.ties import counted as counted_once
 from gpipe.planning.auto import AutoChoice, agreed_choice, check_auto
 from gpipe.planning.balancing import balance_by_time
 from gpipe.runtime.microbatch import Batch, check_chunks
 from gpipe.runtime.partitions import as_sequential, check_balance, even_balance
 from gpipe.runtime.precision import Precision
-from gpipe.runtime.recompute import check_autocast, check_checkpoint, should_checkpoint
+from gpipe.runtime.recompute import check_autocast, check_checkpoint
 from gpipe.runtime.stage import LossFn
 from gpipe.runtime.timeline import Event, Recorder, merge
-from gpipe.schedules import Schedule, add_recompute, add_skips
-from gpipe.skip.skippable import find_skips
+from gpipe.schedules import Schedule
+from gpipe.skip.skippable import Skip, find_skips
 
 __all__ = [
     "Pipeline",
@@ -157,17 +161,6 @@ def _settings_of(choice: AutoChoice) -> tuple[ScheduleSource, int, list[int]]:
     return ScheduleSource.of(choice.schedule), choice.chunks, choice.balance
 
 
-def _given(inputs: Any, targets: Any, microbatches: Any) -> Presplit | None:
-    """The user's own micro-batches, checked, or None for a mini-batch to split."""
-    if microbatches is None:
-        return None
-    if inputs is not None or targets is not None:
-        raise ValueError(
-            "give inputs and targets, or microbatches=[(inputs, targets), ...], not both"
-        )
-    return presplit(microbatches)
-
-
 def _need_loss_fn(loss_fn: LossFn | None, method: str, return_outputs: bool) -> None:
     if loss_fn is not None:
         return
@@ -250,6 +243,10 @@ class Pipeline(nn.Module):
     a tied embedding and output projection): each stage then holds a copy, and when
     ``step`` returns, every copy's gradient is the sum over all of them, so the optimizer
     keeps them equal (``self.ties`` lists them).
+
+    Steps are run by ``self.runner``, a ``gpipe.engine.StepRunner``: its ``transport``,
+    ``buckets`` and ``tied`` are the step's collaborators; ``self.sharded`` holds the stages
+    sharded over their replicas under ``shard=``, else None.
     """
 
     def __init__(
@@ -277,60 +274,103 @@ class Pipeline(nn.Module):
         memory_budget: float | None = None,
     ) -> None:
         super().__init__()
+        # the configuration, checked before any process group work
         self.checkpoint = check_checkpoint(checkpoint)
         auto = check_auto(schedule, balance, self.checkpoint)
         self.chunks = check_chunks(1 if chunks is None else chunks)
-        self._schedule = ScheduleSource.of("gpipe" if auto else schedule)  # auto: see below
+        source = ScheduleSource.of("gpipe" if auto else schedule)  # auto: chosen below
         _check_step_options(loss_fn, loss_reduction, timeout)
+        self.loss_fn, self.loss_reduction, self.timeout = loss_fn, loss_reduction, float(timeout)
         module = as_sequential(layers)
-        skips = find_skips(module)  # a bad skip is refused before any process group work
+        skips = find_skips(module)  # a bad skip too
         self.device = rank_device(device)
         self.autocast = check_autocast(autocast, self.device)
+        self.deferred_batch_norm = deferred_batch_norm
         buckets, sharding = _check_data_parallel(data_parallel, bucket_bytes, group, shard, module)
+
+        # the processes, and the schedule and cut of the model they agree on
         self.replicas, self.group = _joined(self.device, group, data_parallel, timeout, sharding)
         self.n_ranks, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.auto_choice: AutoChoice | None = None
         if auto:  # the replicas agree with the first pipeline's choice
             self.auto_choice = agreed_choice(
-                module, sample, n_ranks=self.n_ranks, chunks=chunks, checkpoint=self.checkpoint,
-                memory_budget=memory_budget, device=self.device,
+                module,
+                sample,
+                n_ranks=self.n_ranks,
+                chunks=chunks,
+                checkpoint=self.checkpoint,
+                memory_budget=memory_budget,
+                device=self.device,
                 group=None if self.replicas is not None else self.group,
-            )  # fmt: skip
-            self._schedule, self.chunks, balance = _settings_of(self.auto_choice)
-        self.balance = _stage_balance(
-            module, balance, sample, self._schedule.parts(self.n_ranks), self.device, self.group
-        )
-        self._schedule.check(len(self.balance), self.n_ranks, self.chunks)
+            )
+            source, self.chunks, balance = _settings_of(self.auto_choice)
+        parts = source.parts(self.n_ranks)
+        self.balance = _stage_balance(module, balance, sample, parts, self.device, self.group)
+        source.check(len(self.balance), self.n_ranks, self.chunks)
         self.n_stages = len(self.balance)
-        self.deferred_batch_norm = deferred_batch_norm
-        self.schedule_name = self._schedule.name
-        self.loss_fn, self.loss_reduction, self.timeout = loss_fn, loss_reduction, float(timeout)
+        self.schedule_name = source.name
+
+        # this rank's stages, and the engine that runs their steps
+        self.recorder = Recorder(self.rank) if trace else None
+        self.last_step: StepTimes | None = None
+        recipe = StageRecipe(
+            device=self.device,
+            chunks=self.chunks,
+            checkpoint=self.checkpoint,
+            loss_fn=loss_fn,
+            autocast=self.autocast,
+            deferred_batch_norm=deferred_batch_norm,
+            seed=seed,
+            sharding=sharding,
+            replicas=self.replicas,
+        )
+        self._build(module, skips, source, recipe, local_pipes=local_pipes, bucket_bytes=buckets)
+
+    def _build(
+        self,
+        module: nn.Sequential,
+        skips: list[Skip],
+        source: ScheduleSource,
+        recipe: StageRecipe,
+        *,
+        local_pipes: bool,
+        bucket_bytes: float | None,
+    ) -> None:
+        """Build this rank's stages out of ``module`` as ``recipe`` says, register their
+        layers, and the engine that runs their steps (collective over the pipeline)."""
         self.placement = RankPlacement(
-            tuple(self.balance), self.rank, self.n_ranks, self.group, self._schedule.layout()
+            tuple(self.balance), self.rank, self.n_ranks, self.group, source.layout()
         )
         self.stages = self.placement.stages
         self.stage_index = self.stages[0]
-        recipe = StageRecipe(
-            self.device, self.chunks, self.checkpoint, loss_fn, self.autocast,
-            deferred_batch_norm, seed, sharding, self.replicas,
-        )  # fmt: skip
         built = build_stages(module, skips, self.placement, recipe)
-        self.skip_layout, self.ties = built.skip_layout, built.ties
         for name, layer in built.layers.items():
             self.add_module(name, layer)
-        agreeing = [self.group] if self.n_ranks > 1 else []
+        self.skip_layout, self.ties, self.sharded = built.skip_layout, built.ties, built.sharded
+        agreeing = [self.group] if self.n_ranks > 1 else []  # on a step's found-inf flag
         agreeing += [self.replicas.group] if self.replicas is not None else []
-        self.precision = Precision(self.autocast, self.device, agreeing,
-                                   self.timeout, self.stage_index)  # fmt: skip
-        self.recorder = Recorder(self.rank) if trace else None
-        self._runner = StepRunner(
-            self.placement, built, dict(self.named_parameters(remove_duplicate=False)),
-            device=self.device, chunks=self.chunks, loss_reduction=loss_reduction,
-            timeout=self.timeout, local_pipes=local_pipes, replicas=self.replicas,
-            bucket_bytes=buckets, deferred_batch_norm=deferred_batch_norm,
+        self.precision = Precision(
+            self.autocast, self.device, agreeing, self.timeout, self.stage_index
+        )
+        schedules = StepSchedules(
+            source,
+            self.n_ranks,
+            self.placement.stage_to_rank,
+            self.skip_layout.routes,
+            self.checkpoint,
+        )
+        self.runner = StepRunner(
+            self.placement,
+            built,
+            dict(self.named_parameters(remove_duplicate=False)),
+            schedules,
+            recipe,
+            loss_reduction=self.loss_reduction,
+            timeout=self.timeout,
+            local_pipes=local_pipes,
+            bucket_bytes=bucket_bytes,
             recorder=self.recorder,
-        )  # fmt: skip
-        self.last_step: StepTimes | None = None
+        )
 
     # -- where the stages are ---------------------------------------------------------------
     @property
@@ -353,25 +393,10 @@ class Pipeline(nn.Module):
         """The rank in the world of rank ``rank`` of this pipeline's group."""
         return self.placement.global_rank(rank)
 
-    @property
-    def _transport(self) -> DistributedTransport:
-        return self._runner.transport
-
-    @_transport.setter
-    def _transport(self, transport: DistributedTransport) -> None:
-        self._runner.transport = transport
-
     # -- schedules ----------------------------------------------------------------------------
     def schedule_for(self, n_microbatches: int) -> Schedule:
         """The schedule a step with ``n_microbatches`` micro-batches runs."""
-        per_rank = self.n_stages // self.n_ranks
-        schedule = self._schedule.build(self.n_ranks, n_microbatches, per_rank)
-        schedule = add_skips(schedule, self.skip_layout.routes)
-        mode = self.checkpoint if self.training else "never"
-        recomputed = frozenset(
-            i for i in range(n_microbatches) if should_checkpoint(mode, i, n_microbatches)
-        )
-        return add_recompute(schedule, recomputed)
+        return self.runner.schedules.step(n_microbatches, self.training)
 
     # -- steps --------------------------------------------------------------------------------
     def step(
@@ -399,12 +424,17 @@ class Pipeline(nn.Module):
         and ``scaler.update`` as usual.
         """
         _need_loss_fn(self.loss_fn, "step", return_outputs)
-        given = _given(inputs, targets, microbatches)
+        given = given_microbatches(inputs, targets, microbatches)
         scale = self.precision.loss_scale(scaler)
-        answer, self.last_step = self._runner.train(
-            inputs, targets, self.schedule_for, scale=scale, counts=counts,
-            keep_outputs=return_outputs, training=self.training, given=given,
-        )  # fmt: skip
+        answer, self.last_step = self.runner.train(
+            inputs,
+            targets,
+            scale=scale,
+            counts=counts,
+            keep_outputs=return_outputs,
+            training=self.training,
+            given=given,
+        )
         return answer
 
     @torch.no_grad()
@@ -420,22 +450,38 @@ class Pipeline(nn.Module):
         """The mini-batch loss without gradients or kept activations, on every rank (with
         ``return_outputs``, a ``StepResult``; ``microbatches=``, as ``step``'s)."""
         _need_loss_fn(self.loss_fn, "evaluate", return_outputs)
-        return self._runner.evaluate(
-            inputs, targets, self._forward_schedule, counts=counts, keep_outputs=return_outputs,
-            training=self.training, given=_given(inputs, targets, microbatches),
-        )  # fmt: skip
+        return self.runner.evaluate(
+            inputs,
+            targets,
+            counts=counts,
+            keep_outputs=return_outputs,
+            training=self.training,
+            given=given_microbatches(inputs, targets, microbatches),
+        )
 
     @torch.no_grad()
     def forward(self, inputs: Any = None) -> Any:
         """Inference over micro-batches; the output on the last stage, None elsewhere."""
-        return self._runner.forward(inputs, self._forward_schedule, self.training)
+        return self.runner.forward(inputs, self.training)
 
-    def _forward_schedule(self, n_microbatches: int) -> Schedule:
-        return forward_schedule(self, n_microbatches)  # a method: a stored partial would cycle
-
-    def forward_only(self, inputs: Any = None, targets: Any = None, **options: Any) -> Any:
-        """Log-probabilities of ``targets``, forward only: ``parallel.forward_only``."""
-        return forward_logprobs(self, inputs, targets, **options)
+    def forward_only(
+        self,
+        inputs: Any = None,
+        targets: Tensor | None = None,
+        *,
+        microbatches: Sequence[tuple[Any, Tensor]] | None = None,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> Tensor | list[Tensor] | None:
+        """Log-probabilities of ``targets`` from a forward alone, on the last stage (None
+        elsewhere); ``gpipe.engine.forward_only.forward_logprobs`` says what it takes."""
+        return forward_logprobs(
+            self.runner,
+            inputs,
+            targets,
+            training=self.training,
+            microbatches=microbatches,
+            ignore_index=ignore_index,
+        )
 
     def timeline(self) -> list[Event]:
         """What every rank ran in the last ``step``, ``evaluate`` or forward, merged; collective
@@ -474,9 +520,15 @@ class Pipeline(nn.Module):
         named = dict(self.named_parameters())
         counted = counted_once(self.ties, named) if parameters is None else parameters
         return clip_grad_norm_(
-            counted, self.parameters(), max_norm, norm_type, device=self.device,
-            group=self.group, timeout=self.timeout, stage=self.stage_index,
-        )  # fmt: skip
+            counted,
+            self.parameters(),
+            max_norm,
+            norm_type,
+            device=self.device,
+            group=self.group,
+            timeout=self.timeout,
+            stage=self.stage_index,
+        )
 
     def extra_repr(self) -> str:
         where = f"stages={list(self.stages)} of {self.n_stages}, balance={self.balance}"

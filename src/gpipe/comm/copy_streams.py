@@ -41,6 +41,12 @@ class DeviceCopies:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
 
+    @property
+    def devices(self) -> frozenset[torch.device]:
+        """The devices that have a copy stream: those a copy between GPUs has used so far."""
+        with self._lock:
+            return frozenset(self._streams)
+
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         with self._lock:
             stream = self._streams.get(device)

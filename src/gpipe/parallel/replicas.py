@@ -26,7 +26,15 @@ from gpipe.comm.process_group import bounded_wait
 if TYPE_CHECKING:
     from gpipe.runtime.batchnorm import DeferredBatchNorm
 
-__all__ = ["GradientBuckets", "Replicas", "bucket_size", "layout", "shard"]
+__all__ = [
+    "GradientBuckets",
+    "Replicas",
+    "bucket_size",
+    "layout",
+    "packed_statistics",
+    "shard",
+    "unpacked_statistics",
+]
 
 BUCKET_BYTES = 25 * 2**20  # as DDP's default: big enough to amortize a collective's latency
 MIN_BUCKET_BYTES = 2**20  # below this, a collective's latency outweighs what it hides
@@ -153,12 +161,12 @@ class Replicas:
         norms = [m for m in layers if isinstance(m, DeferredBatchNorm)]
         if not norms:
             return
-        local = _packed(norms)
+        local = packed_statistics(norms)
         gathered = [torch.empty_like(local) for _ in range(self.data_parallel)]
         work = dist.all_gather(gathered, local, group=self.group, async_op=True)
         what = "waiting for the other replicas' BatchNorm statistics"
         bounded_wait(work, self.timeout, stage, what, "a replica")
-        per_replica = [_unpacked(flat, norms) for flat in gathered]
+        per_replica = [unpacked_statistics(flat, norms) for flat in gathered]
         for i, norm in enumerate(norms):
             norm.replace_statistics([statistics[i] for statistics in per_replica])
 
@@ -166,7 +174,7 @@ class Replicas:
 _Statistics = tuple[int, int, Tensor | None, Tensor | None]  # as pending_statistics gives them
 
 
-def _packed(norms: Sequence[DeferredBatchNorm]) -> Tensor:
+def packed_statistics(norms: Sequence[DeferredBatchNorm]) -> Tensor:
     """Every norm's pending statistics in one float64 CPU tensor, the same length on every
     replica: per norm its micro-batches, values per channel, mean and sum of squared
     deviations (zeros where it counted nothing). float64 holds the counts (below 2**53) and
@@ -182,9 +190,9 @@ def _packed(norms: Sequence[DeferredBatchNorm]) -> Tensor:
     return torch.cat(parts)
 
 
-def _unpacked(flat: Tensor, norms: Sequence[DeferredBatchNorm]) -> list[_Statistics]:
-    """``_packed``'s statistics back, per norm (float64: ``replace_statistics`` gives them
-    the dtype the norm counts in)."""
+def unpacked_statistics(flat: Tensor, norms: Sequence[DeferredBatchNorm]) -> list[_Statistics]:
+    """``packed_statistics``'s statistics back, per norm (float64: ``replace_statistics``
+    gives them the dtype the norm counts in)."""
     out: list[_Statistics] = []
     offset = 0
     for norm in norms:

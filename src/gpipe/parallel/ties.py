@@ -111,9 +111,12 @@ def _assign(param: nn.Parameter, total: Tensor) -> None:
         _local(param.grad).copy_(total)
     elif isinstance(param, DTensor):
         param.grad = DTensor.from_local(
-            total.clone(), param.device_mesh, param.placements, shape=param.shape,
+            total.clone(),
+            param.device_mesh,
+            param.placements,
+            shape=param.shape,
             stride=param.stride(),
-        )  # fmt: skip
+        )
     else:
         param.grad = total.to(param.device, copy=True)
 

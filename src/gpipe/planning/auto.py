@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpipe.parallel.agreement import on_first_rank
+from gpipe.comm.agreement import on_first_rank
 from gpipe.planning.memory import format_bytes, profile
 from gpipe.planning.suggest import (
     Candidate,
@@ -201,8 +201,15 @@ def agreed_choice(
     def decide() -> AutoChoice:
         if sample is None:
             raise ValueError("schedule='auto' needs sample=, one mini-batch of the model's input")
-        return choose(module, sample, n_ranks=n_ranks, device_bytes=budget, chunks=chunks,
-                      checkpoint=checkpoint, device=device)  # fmt: skip
+        return choose(
+            module,
+            sample,
+            n_ranks=n_ranks,
+            device_bytes=budget,
+            chunks=chunks,
+            checkpoint=checkpoint,
+            device=device,
+        )
 
     choice = on_first_rank(decide, group, "choosing the schedule (schedule='auto')")
     if dist.get_rank() == 0:

@@ -1,6 +1,8 @@
-"""Forward-only passes through a ``Pipeline`` that return per-token log-probabilities of given
-targets: the reference and old-policy passes of RL, or scoring, with the step's micro-batching
-and no activation kept for a backward."""
+"""Forward-only passes that return per-token log-probabilities of given targets.
+
+They serve the reference and old-policy passes of RL, or scoring: the step's micro-batching, and
+no activation kept for a backward; ``logprobs`` computes them on the last stage.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +12,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gpipe.parallel.presplit import Presplit, presplit
-from gpipe.runtime.logprobs import IGNORE_INDEX, TokenLogprobs
-from gpipe.schedules import Schedule, add_skips, forward_only
+from gpipe.engine.logprobs import IGNORE_INDEX, TokenLogprobs
+from gpipe.engine.presplit import Presplit, given_microbatches
+from gpipe.engine.runner import StepRunner
 
-__all__ = ["forward_logprobs", "forward_schedule"]
-
-
-def forward_schedule(pipe: Any, n_microbatches: int) -> Schedule:
-    """The schedule of a forward alone through ``pipe``'s stages (``evaluate``, ``forward``,
-    log-probabilities), skips routed."""
-    schedule = forward_only(
-        pipe.n_stages, n_microbatches, pipe.n_ranks, pipe.placement.stage_to_rank
-    )
-    return add_skips(schedule, pipe.skip_layout.routes)
+__all__ = ["forward_logprobs"]
 
 
 def _check_targets(targets: Any, given: Presplit | None) -> None:
@@ -52,18 +45,19 @@ def _last_targets(targets: Any, given: Presplit | None, sizes: list[int]) -> lis
 
 @torch.no_grad()
 def forward_logprobs(
-    pipe: Any,
+    runner: StepRunner,
     inputs: Any = None,
     targets: Tensor | None = None,
     *,
+    training: bool = False,
     microbatches: Sequence[tuple[Any, Tensor]] | None = None,
     ignore_index: int = IGNORE_INDEX,
 ) -> Tensor | list[Tensor] | None:
-    """``log_softmax(logits).gather(targets)`` of every token, from a forward alone of
-    ``pipe`` (a ``gpipe.Pipeline``; typed loosely so that this module imports nothing above
-    ``parallel``, and ``Pipeline.forward_only`` can call it from a lower layer).
+    """``log_softmax(logits).gather(targets)`` of every token, from a forward alone through
+    ``runner``'s stages (``Pipeline.forward_only`` calls it with its own; ``training``: the
+    modules' mode).
 
-    As ``pipe.evaluate``: ``inputs`` (read on the first stage) split into ``pipe.chunks``
+    As ``Pipeline.evaluate``: ``inputs`` (read on the first stage) split into ``chunks``
     micro-batches and ``targets`` (token ids, ``(rows, ...)``, read on the last stage), or
     your own ``microbatches=[(inputs, targets), ...]``, the same list on every rank. The last
     stage's outputs are its logits (a tensor, a tuple's first, or ``.logits``); each
@@ -73,21 +67,14 @@ def forward_logprobs(
     ``ignore_index``; None on every other rank. Collective: every rank of the pipeline calls
     it.
     """
-    if microbatches is not None and (inputs is not None or targets is not None):
-        raise ValueError(
-            "give inputs and targets, or microbatches=[(inputs, targets), ...], not both"
-        )
-    given = None if microbatches is None else presplit(microbatches)
-    if pipe.is_last:
+    given = given_microbatches(inputs, targets, microbatches)
+    if runner.placement.is_last:
         _check_targets(targets, given)
-    runner = pipe._runner
-    _, sizes, parts = runner._start(inputs, given)
-    m = len(sizes)
-    data = runner._data(parts, build_graph=False)
-    if pipe.is_last:
-        data.outputs = TokenLogprobs(_last_targets(targets, given, sizes), ignore_index)
-    runner._run(forward_schedule(pipe, m), data, pipe.training)
-    if not pipe.is_last:
+
+    def logprobs_for(sizes: list[int]) -> TokenLogprobs:
+        return TokenLogprobs(_last_targets(targets, given, sizes), ignore_index)
+
+    found = runner.forward_each(inputs, training, given=given, outputs_for=logprobs_for)
+    if found is None:
         return None
-    found = [data.outputs[i] for i in range(m)]
     return found if given is not None else torch.cat(found)

@@ -1,6 +1,9 @@
-"""One step of this rank's stages: its share of a mini-batch in, its program of the schedule
-run over the transport, and the loss, outputs and times out, known to every rank that needs
-them; with replicas, gradients summed over them while the last backward still runs."""
+"""The step runner: one step of this rank's stages, from its share of a mini-batch to the loss.
+
+Its program of the schedule runs over the transport, and the loss, outputs and times come out,
+known to every rank that needs them; with replicas, gradients are summed over them while the
+last backward still runs.
+"""
 
 from __future__ import annotations
 
@@ -18,11 +21,12 @@ from gpipe.comm.distributed import DistributedTransport
 from gpipe.comm.named_pipes import open_pipes
 from gpipe.comm.payload import tensors_of, with_tensors
 from gpipe.comm.process_group import bounded_wait
+from gpipe.engine.loss_weights import loss_weights, scatter_targets
+from gpipe.engine.placement import BuiltStages, RankPlacement, StageRecipe
+from gpipe.engine.presplit import Presplit, first_parts, given_targets, later_sizes
+from gpipe.engine.step_schedule import StepSchedules
 from gpipe.errors import StageError
-from gpipe.parallel.loss_weights import loss_weights, scatter_targets
-from gpipe.parallel.placement import BuiltStages, RankPlacement
-from gpipe.parallel.presplit import Presplit, first_parts, given_targets, later_sizes
-from gpipe.parallel.replicas import GradientBuckets, Replicas
+from gpipe.parallel.replicas import GradientBuckets
 from gpipe.parallel.sharding import ShardedGradients
 from gpipe.parallel.ties import TiedGradients
 from gpipe.runtime.batchnorm import commit_deferred_batch_norm
@@ -38,7 +42,8 @@ from gpipe.schedules import Action, Kind, Schedule
 
 __all__ = ["StepResult", "StepRunner", "StepTimes", "connect"]
 
-ScheduleFor = Callable[[int], Schedule]  # the schedule of a step with that many micro-batches
+# where the last stage puts each micro-batch's outputs, made from the micro-batches' rows
+OutputsFor = Callable[[list[int]], dict[int, Any]]
 
 
 class StepResult(NamedTuple):
@@ -115,46 +120,53 @@ class StepRunner:
 
     Building it is collective over the pipeline (the transport's groups and pipes, the ties'
     group, and the tied copies made equal). ``params``: this rank's parameters by their names
-    in the whole model, copies of tied ones included."""
+    in the whole model, copies of tied ones included; ``schedules``: what each kind of step
+    runs; ``recipe``: what the stages were built with (their device, ``chunks``, replicas).
+
+    Its public attributes are the step's collaborators, there to be read (and, in tests, one
+    replaced): ``transport``, ``replicas``, ``buckets`` (each stage's gradient sums over the
+    replicas), ``sharded`` (the stages sharded over them, or None) and ``tied``."""
 
     def __init__(
         self,
         placement: RankPlacement,
         built: BuiltStages,
         params: dict[str, nn.Parameter],
+        schedules: StepSchedules,
+        recipe: StageRecipe,
         *,
-        device: torch.device,
-        chunks: int,
         loss_reduction: str,
         timeout: float,
         local_pipes: bool,
-        replicas: Replicas | None,
         bucket_bytes: float | None,
-        deferred_batch_norm: bool,
         recorder: Recorder | None,
     ) -> None:
         self.placement = placement
         self.stages = built.stages
-        self.device = device
-        self.chunks = chunks
+        self.schedules = schedules
+        self.device = recipe.device
+        self.chunks = recipe.chunks
         self.loss_reduction = loss_reduction
         self.timeout = timeout
-        self.replicas = replicas
-        self.deferred_batch_norm = deferred_batch_norm
+        self.replicas = recipe.replicas
+        self.deferred_batch_norm = recipe.deferred_batch_norm
         self.recorder = recorder
-        self.transport = connect(placement, built.skip_layout.routes, device, timeout, local_pipes)
+        self.transport = connect(
+            placement, built.skip_layout.routes, self.device, timeout, local_pipes
+        )
         # each stage's gradients, summed over replicas: in buckets, or by fully_shard's units
         self.buckets: dict[int, GradientBuckets | ShardedGradients] = {}
         self.sharded = built.sharded
         if self.sharded is not None:
             self.buckets.update(self.sharded.gradients)
-        elif replicas is not None:
-            for stage, runner in self.stages.items():
-                params_ = list(runner.module.parameters())
-                self.buckets[stage] = GradientBuckets(params_, replicas, stage, bucket_bytes)
+        elif self.replicas is not None:
+            for index, stage in self.stages.items():
+                params_ = list(stage.module.parameters())
+                self.buckets[index] = GradientBuckets(params_, self.replicas, index, bucket_bytes)
         self._rows_all = 0  # rows of the step over every replica
-        self.tied = TiedGradients(built.ties, params, placement.stages, placement.rank_of,
-                                  placement.global_rank, timeout)  # fmt: skip
+        self.tied = TiedGradients(
+            built.ties, params, placement.stages, placement.rank_of, placement.global_rank, timeout
+        )
         self.tied.broadcast()  # each rank built its own copy: start them equal
 
     @property
@@ -162,12 +174,11 @@ class StepRunner:
         """This rank's first stage, which its errors name."""
         return self.placement.stages[0]
 
-    # -- the three kinds of step ------------------------------------------------------------
+    # -- the kinds of step ------------------------------------------------------------------
     def train(
         self,
         inputs: Any,
         targets: Any,
-        schedule_for: ScheduleFor,
         *,
         scale: float,
         counts: Any,
@@ -177,11 +188,12 @@ class StepRunner:
     ) -> tuple[Tensor | StepResult, StepTimes]:
         """Forward and backward of one mini-batch (or of the micro-batches ``given``), with the
         loss scaled by ``scale`` on the last stage; returns the loss (a ``StepResult`` with
-        ``keep_outputs``) and the times."""
+        ``keep_outputs``) and the times. ``training``: the modules' mode (in eval mode nothing
+        is re-materialized, and deferred BatchNorm commits nothing)."""
         started = perf_counter()
         rows, sizes, parts = self._start(inputs, given)
         m = len(sizes)
-        schedule = schedule_for(m)
+        schedule = self.schedules.step(m, training)
         data = self._data(
             parts,
             build_graph=True,
@@ -205,7 +217,6 @@ class StepRunner:
         self,
         inputs: Any,
         targets: Any,
-        schedule_for: ScheduleFor,
         *,
         counts: Any,
         keep_outputs: bool,
@@ -218,19 +229,39 @@ class StepRunner:
         data = self._data(parts, build_graph=False, keep_outputs=keep_outputs)
         if self.placement.is_last:
             self._targets(targets, rows, sizes, data, counts=counts, given=given)
-        self._run(schedule_for(m), data, training)
+        self._run(self.schedules.forward(m), data, training)
         loss = self._loss(data, m)
         return self._answer(loss, data, m, keep_outputs)
 
-    def forward(self, inputs: Any, schedule_for: ScheduleFor, training: bool) -> Any:
-        """The outputs of a forward alone, on the last stage; None elsewhere."""
-        _, sizes, parts = self._start(inputs)
+    def forward(self, inputs: Any, training: bool) -> Any:
+        """The outputs of a forward alone, on the last stage, micro-batches gathered in order;
+        None elsewhere."""
+        outputs = self.forward_each(inputs, training)
+        return None if outputs is None else gather_payload(outputs)
+
+    def forward_each(
+        self,
+        inputs: Any,
+        training: bool,
+        *,
+        given: Presplit | None = None,
+        outputs_for: OutputsFor | None = None,
+    ) -> list[Any] | None:
+        """A forward alone of one mini-batch (or of the micro-batches ``given``); on the last
+        stage, each micro-batch's outputs in order, None elsewhere.
+
+        ``outputs_for(sizes)``, called on the last stage with the micro-batches' rows, makes
+        the mapping that each micro-batch's outputs are put in as soon as they are computed:
+        it may keep only what it needs of them (``engine.logprobs.TokenLogprobs``)."""
+        _, sizes, parts = self._start(inputs, given)
         m = len(sizes)
         data = self._data(parts, build_graph=False)
-        self._run(schedule_for(m), data, training)
+        if self.placement.is_last and outputs_for is not None:
+            data.outputs = outputs_for(sizes)
+        self._run(self.schedules.forward(m), data, training)
         if not self.placement.is_last:
             return None
-        return gather_payload([data.outputs[i] for i in range(m)])
+        return [data.outputs[i] for i in range(m)]
 
     # -- in and out ---------------------------------------------------------------------------
     def _start(self, inputs: Any, given: Presplit | None = None) -> tuple[int, list[int], Any]:

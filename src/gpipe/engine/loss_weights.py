@@ -1,5 +1,8 @@
-"""What the last stage needs for each micro-batch's loss: its targets, and its weight in the
-mini-batch loss over every replica's rows (or, with ``counts``, over every replica's counts)."""
+"""What the last stage needs for each micro-batch's loss: its targets and its weight.
+
+The weight is the micro-batch's share of the mini-batch loss over every replica's rows (or,
+with ``counts``, over every replica's counts).
+"""
 
 from __future__ import annotations
 

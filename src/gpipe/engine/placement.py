@@ -1,5 +1,8 @@
-"""Where a pipeline's stages sit on its ranks, and this rank's stages built: their layers made
-real on its device, parameters tied across stages untied into copies, skips between stages."""
+"""Where a pipeline's stages sit on its ranks, and this rank's stages built.
+
+Building makes this rank's layers real on its device, unties parameters shared across stages
+into copies, and routes skips between stages.
+"""
 
 from __future__ import annotations
 

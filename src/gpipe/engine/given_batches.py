@@ -1,9 +1,11 @@
-"""Micro-batches the user splits, for the one-process ``GPipe``: checked once, each of its own
-rows and length, and carried through autograd one by one, since they cannot be joined."""
+"""Micro-batches the user splits for ``GPipe``: checked once, carried through autograd one by one.
+
+Each is of its own rows and length, so they cannot be joined into one batch; ``Pipeline``'s
+counterpart is ``presplit``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -28,11 +30,14 @@ def take_step_data(ctx: Any) -> StepData:
 
 
 class Runs(Protocol):
-    """What runs a phase of a schedule on every device (``GPipe``'s workers)."""
+    """What runs a schedule's phases on every device (``workers.DeviceWorkers``, which
+    imports this module)."""
 
     def run(
         self, schedule: Schedule, phase: str, data: StepData, autocast: AutocastState | None = ...
     ) -> None: ...
+
+    def backward(self, schedule: Schedule, data: StepData) -> None: ...
 
 
 def _form(batch: Batch) -> tuple[Any, ...]:
@@ -87,7 +92,6 @@ class GivenForward(torch.autograd.Function):
         schedule: Schedule,
         data: StepData,
         forms: list[int],
-        after_backward: Callable[[], None],
         phony: Tensor,
         *inputs: Tensor,
     ) -> tuple[Tensor, ...]:
@@ -96,7 +100,7 @@ class GivenForward(torch.autograd.Function):
         forms.extend(_width(data.outputs[i]) for i in range(m))  # for the caller
         outputs = tuple(t.detach() for i in range(m) for t in as_tuple(data.outputs[i]))
         ctx.mark_non_differentiable(*[t for t in outputs if not t.is_floating_point()])
-        ctx.run, ctx.schedule, ctx.data, ctx.after = run, schedule, data, after_backward
+        ctx.run, ctx.schedule, ctx.data = run, schedule, data
         ctx.widths = [len(as_tuple(data.outputs[i])) for i in range(m)]
         data.outputs.clear()
         return outputs
@@ -109,11 +113,10 @@ class GivenForward(torch.autograd.Function):
             grads.append(tuple(grad_outputs[at : at + width]))
             at += width
         data.grad_outputs = grads
-        ctx.run.run(ctx.schedule, "backward", data)
-        ctx.after()
+        ctx.run.backward(ctx.schedule, data)
         n = ctx.schedule.n_microbatches
         input_grads = tuple(g for i in range(n) for g in data.input_grads[i])
-        return (None, None, None, None, None, None, *input_grads)
+        return (None, None, None, None, None, *input_grads)
 
 
 def _width(batch: Batch) -> int:

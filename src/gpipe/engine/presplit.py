@@ -1,6 +1,9 @@
-"""Micro-batches the user splits (``step(microbatches=[(inputs, targets), ...])``): checked
-once, each with its rows, so that a step runs them as given, in order, each of its own
-length and row count, instead of splitting one mini-batch into ``chunks``."""
+"""Micro-batches the user splits for ``Pipeline``: checked once, run as given.
+
+``step(microbatches=[(inputs, targets), ...])`` runs them in order, each of its own length and
+row count, instead of splitting one mini-batch into ``chunks``; ``GPipe``'s counterpart is
+``given_batches``.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +18,14 @@ from gpipe.runtime.microbatch import check_payload, payload_to, scatter_payload,
 from gpipe.runtime.packed_check import check_packed
 from gpipe.runtime.stage import NO_TARGET
 
-__all__ = ["Presplit", "first_parts", "given_targets", "later_sizes", "presplit"]
+__all__ = [
+    "Presplit",
+    "first_parts",
+    "given_microbatches",
+    "given_targets",
+    "later_sizes",
+    "presplit",
+]
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,18 @@ def presplit(microbatches: Any) -> Presplit:
         inputs.append(x)
         sizes.append(rows)
     return Presplit(inputs, targets if targets else None, sizes)
+
+
+def given_microbatches(inputs: Any, targets: Any, microbatches: Any) -> Presplit | None:
+    """The user's own micro-batches, checked (``presplit``), or None for a mini-batch of
+    ``inputs`` to split; refuses both at once."""
+    if microbatches is None:
+        return None
+    if inputs is not None or targets is not None:
+        raise ValueError(
+            "give inputs and targets, or microbatches=[(inputs, targets), ...], not both"
+        )
+    return presplit(microbatches)
 
 
 def given_targets(given: Presplit, device: torch.device) -> list[Any]:

@@ -1,6 +1,8 @@
-"""Per-token log-probabilities of given targets, computed micro-batch by micro-batch on the
-last stage so that no micro-batch's logits outlive it (the reference and old-policy passes of
-RL, and scoring)."""
+"""Per-token log-probabilities of given targets, micro-batch by micro-batch on the last stage.
+
+No micro-batch's logits outlive it (the reference and old-policy passes of RL, and scoring);
+``forward_only`` runs the forward that feeds them.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,119 @@
+"""The schedule of a step, built in this one place for both facades.
+
+What ``schedule=`` names, and the schedule that a training step, an evaluation or a forward
+alone runs for its number of micro-batches, with skips routed and re-materialization placed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpipe.engine.placement import check_stages_per_rank
+from gpipe.runtime.recompute import Layers, should_checkpoint
+from gpipe.schedules import (
+    Placement,
+    Schedule,
+    add_recompute,
+    add_skips,
+    build,
+    forward_only,
+    get_schedule,
+    traits,
+)
+
+__all__ = ["ScheduleSource", "StepSchedules"]
+
+
+@dataclass(frozen=True)
+class ScheduleSource:
+    """What a Pipeline's ``schedule=`` names: a registered schedule, built for each step's
+    number of micro-batches, or one fixed schedule (read from a PyTorch schedule file with
+    ``gpipe.schedules.from_csv``), which fixes the stages' ranks and the micro-batch count."""
+
+    name: str
+    fixed: Schedule | None = None
+
+    @classmethod
+    def of(cls, schedule: str | Schedule) -> ScheduleSource:
+        """Check ``schedule``: a known name (an unknown one is refused with the known ones) or
+        a ``Schedule``."""
+        if isinstance(schedule, Schedule):
+            return cls(schedule.name, schedule)
+        get_schedule(schedule)
+        return cls(schedule)
+
+    def parts(self, n_ranks: int) -> int:
+        """The number of stages to cut the model into when no balance is given."""
+        if self.fixed is not None:
+            return self.fixed.n_stages
+        return n_ranks * (2 if traits(self.name).placement is Placement.V else 1)
+
+    def layout(self) -> Placement | tuple[int, ...]:
+        """Where the stages sit: a registered schedule's placement, or a fixed one's ranks."""
+        return traits(self.name).placement if self.fixed is None else self.fixed.stage_to_rank
+
+    def check(self, n_stages: int, n_ranks: int, chunks: int) -> None:
+        """Refuse stages, processes or micro-batches that the schedule cannot run."""
+        if self.fixed is None:
+            check_stages_per_rank(n_stages, n_ranks, self.name)
+            return
+        fixed = self.fixed
+        for what, given, needed in (
+            ("processes", n_ranks, fixed.n_ranks),
+            ("stages (balance entries)", n_stages, fixed.n_stages),
+            ("micro-batches (chunks)", chunks, fixed.n_microbatches),
+        ):
+            if given != needed:
+                raise ValueError(
+                    f"schedule {fixed.name!r} is for {needed} {what}, the pipeline has {given}"
+                )
+
+    def build(self, n_ranks: int, n_microbatches: int, per_rank: int) -> Schedule:
+        """The schedule of a step of ``n_microbatches`` micro-batches."""
+        if self.fixed is None:
+            return build(self.name, n_ranks, n_microbatches, per_rank)
+        if n_microbatches != self.fixed.n_microbatches:
+            raise ValueError(
+                f"schedule {self.name!r} runs {self.fixed.n_microbatches} micro-batches, but "
+                f"this step has {n_microbatches} (fewer rows than chunks): pass mini-batches "
+                f"of at least {self.fixed.n_microbatches} rows"
+            )
+        return self.fixed
+
+
+@dataclass(frozen=True)
+class StepSchedules:
+    """The schedules a pipeline's steps run: ``source``'s for a training step, forwards alone
+    for an evaluation or inference; both with the skips between stages (``routes``) sent
+    straight from stage to stage.
+
+    ``stage_to_rank`` says which rank (a process, or a device of ``GPipe``) holds each stage;
+    ``checkpoint`` which micro-batches a training step re-materializes."""
+
+    source: ScheduleSource
+    n_ranks: int
+    stage_to_rank: tuple[int, ...]
+    routes: tuple[tuple[int, int], ...]
+    checkpoint: str | Layers
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_to_rank)
+
+    def step(self, n_microbatches: int, training: bool = True) -> Schedule:
+        """The schedule of a training step of ``n_microbatches`` micro-batches; in eval mode
+        (``training=False``) nothing is re-materialized."""
+        per_rank = self.n_stages // self.n_ranks
+        schedule = self.source.build(self.n_ranks, n_microbatches, per_rank)
+        schedule = add_skips(schedule, self.routes)
+        mode = self.checkpoint if training else "never"
+        recomputed = frozenset(
+            i for i in range(n_microbatches) if should_checkpoint(mode, i, n_microbatches)
+        )
+        return add_recompute(schedule, recomputed)
+
+    def forward(self, n_microbatches: int) -> Schedule:
+        """The schedule of a forward alone (an evaluation, inference, log-probabilities) of
+        ``n_microbatches`` micro-batches: nothing kept for a backward."""
+        schedule = forward_only(self.n_stages, n_microbatches, self.n_ranks, self.stage_to_rank)
+        return add_skips(schedule, self.routes)
