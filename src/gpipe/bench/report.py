@@ -171,8 +171,11 @@ def _counterpart_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                         )
                     )
     if not out:
-        out.append(_target("every gpipe schedule / its PyTorch counterpart <= 1.03, M >= 4",
-                           NOT_MEASURED, None))  # fmt: skip
+        out.append(
+            _target(
+                "every gpipe schedule / its PyTorch counterpart <= 1.03, M >= 4", NOT_MEASURED, None
+            )
+        )
     return out
 
 

@@ -96,9 +96,12 @@ def _memory_passes(
 
     def one(name: str) -> list[dict[str, Any]]:
         per_rank = launch(
-            memory_pass, K, (spec, name), threads=options.threads,
+            memory_pass,
+            K,
+            (spec, name),
+            threads=options.threads,
             start_method=options.start_method,
-        )  # fmt: skip
+        )
         peak = max(r["rss_peak"] for r in per_rank.values()) / 2**20
         options.progress(f"{workload}: memory of {name}: peak RSS {peak:.0f} MiB")
         return [per_rank[r] for r in range(K)]

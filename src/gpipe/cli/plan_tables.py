@@ -30,8 +30,10 @@ def _states(result: MemoryPlan) -> str:
 def _table(header: list[str], rows: list[list[str]], left: frozenset[int] = frozenset()) -> None:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
-        cells = [c.ljust(w) if i in left else c.rjust(w)
-                 for i, (c, w) in enumerate(zip(row, widths, strict=True))]  # fmt: skip
+        cells = [
+            c.ljust(w) if i in left else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
         print("  ".join(cells).rstrip())
 
 
@@ -55,11 +57,18 @@ def print_plan(
     )
     replicated, sharded = result.data_parallel > 1, result.shard is not None
     message = "reduce-scatter" if sharded else "all-reduce"
-    header = ["rank", "layers" if starts is None else "stages begin at", "parameters",
-              "weights", "grads+optimizer", "activations",
-              *([message] if replicated else []), "total",
-              *(["held between steps"] if sharded else []),
-              f"fits {format_bytes(memory)}"]  # fmt: skip
+    header = [
+        "rank",
+        "layers" if starts is None else "stages begin at",
+        "parameters",
+        "weights",
+        "grads+optimizer",
+        "activations",
+        *([message] if replicated else []),
+        "total",
+        *(["held between steps"] if sharded else []),
+        f"fits {format_bytes(memory)}",
+    ]
     _table(header, [_plan_row(r, memory, replicated, starts) for r in result.ranks])
     if sharded:
         print(
@@ -103,8 +112,17 @@ def print_suggestions(
     best = shown[0].step_time
     time = "step time" if timed else "relative time"
     shard = ["shard"] if args.data_parallel > 1 else []
-    header = ["stages", "chunks", "schedule", "checkpoint", *shard, time, "bubble",
-              "peak memory", "fits"]  # fmt: skip
+    header = [
+        "stages",
+        "chunks",
+        "schedule",
+        "checkpoint",
+        *shard,
+        time,
+        "bubble",
+        "peak memory",
+        "fits",
+    ]
     rows = [_row(c, best, timed, memory, bool(shard)) for c in shown]
     _table(header, rows, frozenset({2, 3, 4} if shard else {2, 3}))  # names aligned left
     print(f"fastest: {shown[0].options()}")

@@ -148,8 +148,16 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.plot is not None:
         _figure_class()  # fail before simulating, not after
     page = None if args.html is None else _page_settings(args, names[0], costs)
-    rows = compare(names, args.stages, args.chunks, costs, args.virtual_stages, args.data_parallel,
-                   shard, args.reshard_after_forward)  # fmt: skip
+    rows = compare(
+        names,
+        args.stages,
+        args.chunks,
+        costs,
+        args.virtual_stages,
+        args.data_parallel,
+        shard,
+        args.reshard_after_forward,
+    )
     source = args.costs or "default: forward 1, backward 1, weight 1 per stage"
     replicas = f", {args.data_parallel} replicas" if args.data_parallel > 1 else ""
     replicas += f" sharded {shard}" if shard else ""
@@ -177,8 +185,10 @@ def _shard(args: argparse.Namespace) -> str | None:
     """``--shard``, checked against the options it needs and those it cannot go with."""
     shard = None if args.shard == "none" else args.shard
     if shard is not None and args.data_parallel < 2:
-        raise UsageError(f"--shard {shard} splits each stage over its replicas: it needs "
-                         f"--data-parallel 2 or more, got {args.data_parallel}")  # fmt: skip
+        raise UsageError(
+            f"--shard {shard} splits each stage over its replicas: it needs "
+            f"--data-parallel 2 or more, got {args.data_parallel}"
+        )
     if args.reshard_after_forward and shard != "full":
         raise UsageError("--reshard-after-forward frees what --shard full gathers: add it")
     if shard is not None and (args.html is not None or args.schedule_csv is not None):
@@ -202,8 +212,10 @@ def _dump(args: argparse.Namespace, names: list[str]) -> None:
 def _simulate_file(args: argparse.Namespace) -> int:
     """The schedule of a PyTorch schedule file, checked, simulated and drawn."""
     if args.schedule or args.dump_csv or args.html or args.microbatch_tokens:
-        raise UsageError("--schedule-csv simulates the file's schedule alone: drop --schedule, "
-                         "--dump-csv, --html and --microbatch-tokens")  # fmt: skip
+        raise UsageError(
+            "--schedule-csv simulates the file's schedule alone: drop --schedule, "
+            "--dump-csv, --html and --microbatch-tokens"
+        )
     try:
         schedule = from_csv(args.schedule_csv)
     except ValueError as exc:
@@ -232,8 +244,15 @@ def _simulate_file(args: argparse.Namespace) -> int:
 def _page_settings(args: argparse.Namespace, schedule: str, costs: Costs) -> Settings:
     """The page's starting point for this case; refused before simulating if it cannot play it."""
     try:
-        check_settings(args.stages, args.chunks, schedule, args.virtual_stages, "never", costs,
-                       names=PAGE_OPTIONS)  # fmt: skip
+        check_settings(
+            args.stages,
+            args.chunks,
+            schedule,
+            args.virtual_stages,
+            "never",
+            costs,
+            names=PAGE_OPTIONS,
+        )
     except ValueError as exc:
         raise UsageError(f"--html: {exc}") from None
     return Settings(args.stages, args.chunks, schedule, args.virtual_stages, "never", costs)

@@ -164,9 +164,23 @@ def _pickled_exactly(structure: Structure, exact: tuple) -> bytes:
 # The globals a structure may name outright: what a Structure and a TreeSpec pickle to, and
 # builtins that are plain values or containers.
 _PLAIN_BUILTINS = (
-    "bool", "int", "float", "complex", "str", "bytes", "bytearray", "tuple", "list", "dict",
-    "set", "frozenset", "slice", "range", "Ellipsis", "NotImplemented",
-)  # fmt: skip
+    "bool",
+    "int",
+    "float",
+    "complex",
+    "str",
+    "bytes",
+    "bytearray",
+    "tuple",
+    "list",
+    "dict",
+    "set",
+    "frozenset",
+    "slice",
+    "range",
+    "Ellipsis",
+    "NotImplemented",
+)
 _NAMED = frozenset(
     {
         (__name__, "Structure"),

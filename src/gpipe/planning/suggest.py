@@ -297,9 +297,16 @@ class _Config:
         program = build(self.schedule, self.stages, self.chunks, len(cut) // self.stages)
         result = simulate(program, Costs(forward, forward, forward), self.checkpoint)
         return Candidate(
-            self.stages, self.chunks, self.schedule, self.checkpoint, self.virtual_stages,
-            cut, result.makespan, result.bubble, memory,
-        )  # fmt: skip
+            self.stages,
+            self.chunks,
+            self.schedule,
+            self.checkpoint,
+            self.virtual_stages,
+            cut,
+            result.makespan,
+            result.bubble,
+            memory,
+        )
 
 
 def evaluate(
@@ -324,8 +331,17 @@ def evaluate(
     check_checkpoint(checkpoint)
     if len(costs) != len(prof):
         raise ValueError(f"costs have {len(costs)} layers, the profile {len(prof)}")
-    config = _Config(stages, chunks, schedule, checkpoint, virtual_stages, batch_size, optimizer,
-                     data_parallel, shard)  # fmt: skip
+    config = _Config(
+        stages,
+        chunks,
+        schedule,
+        checkpoint,
+        virtual_stages,
+        batch_size,
+        optimizer,
+        data_parallel,
+        shard,
+    )
     cut = _cut(prof, costs, stages * virtual_stages, config.rows, balance)
     return config.timed(costs, cut, config.memory(prof, cut))
 
@@ -363,8 +379,9 @@ def search(
     fitting = []
     least: tuple[float, _Config, tuple[int, ...], MemoryPlan] | None = None
     for stages, chunks, schedule, checkpoint, v in tried:
-        config = _Config(stages, chunks, schedule, checkpoint, v, batch_size, optimizer,
-                         data_parallel)  # fmt: skip
+        config = _Config(
+            stages, chunks, schedule, checkpoint, v, batch_size, optimizer, data_parallel
+        )
         cut = _cut(prof, costs, stages * v, config.rows, balance)
         config, memory = _kept(config, prof, cut, shards, device_bytes)
         if memory.fits(device_bytes):

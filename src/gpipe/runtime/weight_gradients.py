@@ -117,8 +117,12 @@ class WeightGradients:
             return
         # a parameter is served by its layers' outputs only if B reached every one of them
         held = [part.params for part in self._parts]
-        missed = {id(p) for part, ps in zip(self._parts, held, strict=True) if part.grad is None
-                  for p in ps}  # fmt: skip
+        missed = {
+            id(p)
+            for part, ps in zip(self._parts, held, strict=True)
+            if part.grad is None
+            for p in ps
+        }
         covered: set[int] = set()
         for part, ps in zip(self._parts, held, strict=True):
             params = [p for p in ps if p.requires_grad]

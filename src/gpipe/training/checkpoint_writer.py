@@ -177,8 +177,16 @@ class CheckpointWriter:
             return
         self.wait()
         if not self.background:
-            path = save_checkpoint(self.root, step, model, optimizer, extra, description,
-                                   self.group, on_written=on_written)  # fmt: skip
+            path = save_checkpoint(
+                self.root,
+                step,
+                model,
+                optimizer,
+                extra,
+                description,
+                self.group,
+                on_written=on_written,
+            )
             self._retire(path)
             return
         state = saved_state(model, optimizer, extra)
@@ -233,8 +241,10 @@ class CheckpointWriter:
         leaves = torch.utils._pytree.tree_leaves(state)
         size = state_bytes(state)
         cramped = size * int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > shared_memory_room()
-        found = torch.tensor([float(any(isinstance(t, DTensor) for t in leaves)), float(size),
-                              float(cramped)], dtype=torch.float64)  # fmt: skip
+        found = torch.tensor(
+            [float(any(isinstance(t, DTensor) for t in leaves)), float(size), float(cramped)],
+            dtype=torch.float64,
+        )
         if dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._writers)
         sharded, largest, short = bool(found[0]), float(found[1]), bool(found[2])
@@ -262,8 +272,11 @@ class CheckpointWriter:
             return
         problems = verify_checkpoint(path, checksums=False)
         if problems:  # never prune on the strength of a checkpoint that does not verify
-            warnings.warn(f"checkpoint {path} does not verify ({'; '.join(problems)}); "
-                          "older checkpoints kept", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"checkpoint {path} does not verify ({'; '.join(problems)}); "
+                "older checkpoints kept",
+                stacklevel=2,
+            )
             return
         self.removed += prune_checkpoints(self.root, self.retention)
 
@@ -282,8 +295,10 @@ class CheckpointWriter:
             self.last, removed, problems = done
             self.removed += removed
             if problems:
-                warnings.warn(f"checkpoint {self.last} does not verify ({problems}); older "
-                              "checkpoints kept", stacklevel=2)  # fmt: skip
+                warnings.warn(
+                    f"checkpoint {self.last} does not verify ({problems}); older checkpoints kept",
+                    stacklevel=2,
+                )
         if self._thread is not None:
             self._thread.join()
             self._thread, step = None, self._in_flight

@@ -126,9 +126,10 @@ class DocumentSampler:
         lengths = np.diff(documents.starts)
         if not (lengths >= 2).any():
             raise ValueError("DocumentSampler: every document has fewer than 2 tokens")
-        self.documents, self.tokens, self.max_len, self.seed = (
-            documents, tokens_per_step, max_len, seed,
-        )  # fmt: skip
+        self.documents = documents
+        self.tokens = tokens_per_step
+        self.max_len = max_len
+        self.seed = seed
         self.epoch = self.position = self.offset = self.step = 0
         self._order: tuple[int, torch.Tensor] | None = None
 

@@ -149,8 +149,9 @@ class SaveProcess:
             self.abandon()
             raise
 
-    def submit(self, step: int, state: Any, root: Path, description: dict[str, Any],
-               retention: Any) -> None:  # fmt: skip
+    def submit(
+        self, step: int, state: Any, root: Path, description: dict[str, Any], retention: Any
+    ) -> None:
         """Copy ``state`` into the shared buffers and have the helper write it as step
         ``step``'s checkpoint; returns once the copy is made."""
         tensors = [t for t in pytree.tree_leaves(state) if isinstance(t, Tensor)]
@@ -334,8 +335,9 @@ def _write(job: _Job, buffers: list[Tensor], lineage: tuple[int, int]) -> tuple[
     state = pytree.tree_map_only(_Slot, lambda slot: buffers[slot.index], job.skeleton)
     partial = begin_save(root, step, None)
     dcp.save(state, checkpoint_id=partial, no_dist=not dist.is_initialized())
-    path = finish_save(root, step, job.description, None,
-                       on_written=lambda: kill_point("save", step, lineage))  # fmt: skip
+    path = finish_save(
+        root, step, job.description, None, on_written=lambda: kill_point("save", step, lineage)
+    )
     if dist.is_initialized() and dist.get_rank() != 0:
         return str(path), [], None
     problems = verify_checkpoint(path, checksums=False)

@@ -100,8 +100,12 @@ class StageRun:
             sample = sample_tokens(opts, self.model.vocab_size, self.seq_len, None)
             pipe = self._pipeline(layers, None, sample=sample)
             chosen = pipe.auto_choice.chosen  # type: ignore[union-attr]
-            self.opts = replace(opts, schedule=chosen.schedule, chunks=chosen.chunks,
-                                virtual_stages=chosen.virtual_stages)  # fmt: skip
+            self.opts = replace(
+                opts,
+                schedule=chosen.schedule,
+                chunks=chosen.chunks,
+                virtual_stages=chosen.virtual_stages,
+            )
             return pipe
         measured = saved.get("balance")
         cut = choose_balance(
@@ -275,8 +279,14 @@ class StageRun:
         if self.scaler is not None:
             extra["scaler"] = self.scaler.state_dict()
         step = self.step
-        self.writer.save(step, self.pipe, self.optimizer, extra, description,
-                         on_written=lambda: kill_point("save", step))  # fmt: skip
+        self.writer.save(
+            step,
+            self.pipe,
+            self.optimizer,
+            extra,
+            description,
+            on_written=lambda: kill_point("save", step),
+        )
 
     def _prompt(self) -> list[int]:
         """The sample's first ids: ``--prompt``, or where the model's vocabulary cannot say
@@ -290,9 +300,15 @@ class StageRun:
         """The sample text and every rank's peak memory, with the run's losses and speed."""
         opts = self.opts
         sample = generate_text(
-            self.pipe, self._prompt(), opts.sample_tokens, self.seq_len, opts.seed, self.device,
-            self.tokenizer, self.model.inputs,
-        )  # fmt: skip
+            self.pipe,
+            self._prompt(),
+            opts.sample_tokens,
+            self.seq_len,
+            opts.seed,
+            self.device,
+            self.tokenizer,
+            self.model.inputs,
+        )
         memory: list[int] = [0] * self.world
         if self.world > 1:
             dist.all_gather_object(memory, peak_memory(self.device))

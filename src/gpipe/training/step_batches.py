@@ -43,8 +43,17 @@ def packed_inputs(inputs: dict[str, Any]) -> dict[str, Tensor]:
 class WindowBatches:
     """Rows of ``seq_len`` tokens at random places in the token stream (the default)."""
 
-    def __init__(self, dataset: TokenDataset, batch_size: int, seq_len: int, chunks: int,
-                 *, seed: int, replica: int, replicas: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        batch_size: int,
+        seq_len: int,
+        chunks: int,
+        *,
+        seed: int,
+        replica: int,
+        replicas: int,
+    ) -> None:
         self.dataset, self.batch_size, self.seq_len = dataset, batch_size, seq_len
         self.chunks, self.replica, self.replicas = chunks, replica, replicas
         self.sampler = BatchSampler(dataset.train, batch_size, seq_len, seed=seed)
@@ -82,8 +91,18 @@ class PackedBatches:
     near-equal tokens; the loss is a mean over every target token of the step, exactly,
     through ``counts``."""
 
-    def __init__(self, train: Documents, val: Documents, batch_size: int, seq_len: int,
-                 chunks: int, *, seed: int, replica: int, replicas: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        train: Documents,
+        val: Documents,
+        batch_size: int,
+        seq_len: int,
+        chunks: int,
+        *,
+        seed: int,
+        replica: int,
+        replicas: int,
+    ) -> None:
         self.val, self.tokens, self.seq_len = val, batch_size * seq_len, seq_len
         self.chunks, self.replica, self.replicas = chunks, replica, replicas
         self.sampler = DocumentSampler(train, self.tokens, seq_len, seed=seed)
