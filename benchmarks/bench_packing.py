@@ -32,12 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpipe.data import pack
 
 import gpipe
 from benchmarks.common import machine, quick_or_repeats, summary, write_results
 from gpipe import Pipeline, launch
-from gpipe.training.packing import IGNORE_INDEX
+from gpipe.data import IGNORE_INDEX, pack
 
 NAMES = ("padding", "first-fit", "balanced", "equal")
 MAX_TOKENS = 1024

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from gpipe import Pipeline, launch
+from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 from gpipe.training.checkpoint_writer import CheckpointWriter
-from gpipe.training.models.gpt import GPTConfig, build_gpt, lm_loss
 from gpipe.training.retention import Retention
 
 from .common import gpt_model, machine, quick_or_repeats, write_results

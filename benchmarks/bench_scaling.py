@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from gpipe import Pipeline, launch
+from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 from gpipe.planning.simulate import Costs, simulate
 from gpipe.schedules import gpipe
-from gpipe.training.models.gpt import GPTConfig, build_gpt, lm_loss
 
 from .common import gpt_model, machine, write_results
 

@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 
 from gpipe import Pipeline, launch
+from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 from gpipe.parallel.replicas import shard
 from gpipe.planning.memory import plan, profile
 from gpipe.planning.simulate import Costs, simulate
 from gpipe.schedules import gpipe
-from gpipe.training.models.gpt import GPTConfig, build_gpt, lm_loss
 
 from .bench_scaling import _layer_costs, _link, _stage_costs
 from .common import gpt_model, machine, quick_or_repeats, write_results

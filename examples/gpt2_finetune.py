@@ -33,7 +33,7 @@ import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import gpipe
-from gpipe.training.data import BatchSampler, ByteDataset, stdlib_corpus
+from gpipe.data import BatchSampler, ByteDataset, stdlib_corpus
 
 
 def config(seq_len: int) -> GPT2Config:

@@ -28,11 +28,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from gpipe.data import check_packed, counts_of, pack
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import gpipe
-from gpipe.training.data import stdlib_corpus
+from gpipe.data import check_packed, counts_of, pack, stdlib_corpus
 
 
 def config(max_tokens: int) -> LlamaConfig:

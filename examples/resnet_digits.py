@@ -1,6 +1,6 @@
 """A small ResNet trained pipelined: BatchNorm, and residual shortcuts that cross the cut.
 
-The model (``gpipe.training.models.resnet``) is an ``nn.Sequential`` whose residual blocks are
+The model (``gpipe.models.resnet``) is an ``nn.Sequential`` whose residual blocks are
 written as two layers: the first stashes the block's input (``gpipe.skip.stash``), the second
 pops it and adds it back. Cut between them, the shortcut travels straight from one process to
 the other. BatchNorm layers become ``DeferredBatchNorm`` (``deferred_batch_norm=True``): each
@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import gpipe
-from gpipe.training.models.resnet import resnet
+from gpipe.models.resnet import resnet
 
 
 def digits_resnet() -> nn.Sequential:

@@ -8,8 +8,9 @@ in them, and pytest runs them. Left out, because no faithful port can pass them:
 torchgpipe's internals (its pipeline, micro-batch, stream, portal and tracker modules), the
 GPU-only tests, two tests that use ``pytest.warns(None)`` (an error in current pytest), two
 that count torchgpipe's own autograd node names, one DeferredBatchNorm test that breaks on
-current PyTorch, and the one that asserts the old balancing module name raises (gpipe keeps
-it as a working, deprecated alias). Nothing from torchgpipe is committed to this repository.
+current PyTorch, and the one that asserts torchgpipe's retired module ``torchgpipe_balancing``
+raises an error naming its successor (gpipe never had that module). Nothing from torchgpipe is
+committed to this repository.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ DROPPED_IMPORTS = [
     r"from gpipe\.balance\.profile import layerwise_sandbox\n",
 ]
 RESTORED_IMPORTS = {
-    "test_balance.py": "from gpipe.planning.balancing import balance_by_size, balance_by_time\n",
+    "test_balance.py": "from gpipe.balance import balance_by_size, balance_by_time\n",
 }
 
 DESELECTED = [
@@ -57,8 +58,8 @@ DESELECTED = [
     "test_balance.py::test_blockpartition_short_sequence",
     "test_balance.py::test_layerwise_sandbox",
     "test_deferred_batch_norm.py::test_input_requiring_grad",
-    # asserts that the old balancing module raises; gpipe keeps it as a working, deprecated
-    # alias instead (docs/migration.md), so that torchgpipe users' imports go on working
+    # asserts that importing torchgpipe_balancing, a name torchgpipe retired, raises an
+    # error that names torchgpipe.balance; gpipe never had that module (docs/migration.md)
     "test_balance.py::test_deprecated_gpipe_balancing",  # (the name, renamed)
 ]
 

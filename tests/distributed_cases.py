@@ -238,7 +238,7 @@ MEMORY_SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved")
 
 def memory_workload(name: str, device: str = "cpu"):
     """The model, its balance per schedule, a mini-batch and the loss of a memory check."""
-    from gpipe.training.models.gpt import GPTConfig, build_gpt, lm_loss
+    from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 
     generator = torch.Generator().manual_seed(0)
     if name == "mlp":

@@ -12,10 +12,10 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from gpipe.data import counts_of, pack
 
 import gpipe
 from gpipe import Pipeline
+from gpipe.data import counts_of, pack
 
 EXACT = {"rtol": 1e-12, "atol": 1e-13}
 SCHEDULES = ("gpipe", "1f1b", "zero-bubble")  # those of one stage per process
@@ -157,7 +157,7 @@ def gpt_equivalence() -> int:
     head), documents passed between them as an int32 per token beside the hidden states:
     the loss and every gradient of the same documents each alone, under GPipe and 1F1B,
     re-materialized or not."""
-    from gpipe.training.models.gpt import GPTConfig, build_gpt
+    from gpipe.models.gpt import GPTConfig, build_gpt
 
     torch.manual_seed(0)
     config = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=VOCAB)

@@ -6,12 +6,12 @@ tests/test_distributed_schedules.py."""
 import pytest
 import torch
 
+from gpipe.models.gpt import GPTConfig, build_gpt
 from gpipe.planning.auto import VIRTUAL_STAGES, check_auto, choose
 from gpipe.planning.memory import profile
 from gpipe.planning.suggest import LayerCosts, candidates, search
 from gpipe.runtime.recompute import Layers
 from gpipe.schedules import traits
-from gpipe.training.models.gpt import GPTConfig, build_gpt
 
 GPT = GPTConfig(n_layer=6, d_model=64, n_head=2, vocab_size=500, seq_len=32)
 ROWS = 16

@@ -103,7 +103,7 @@ def test_profiling_leaves_the_random_state_untouched():
 
 
 def test_a_model_on_the_meta_device_is_profiled_layer_by_layer():
-    from gpipe.training.models.gpt import GPTConfig, build_gpt
+    from gpipe.models.gpt import GPTConfig, build_gpt
 
     layers = build_gpt(GPTConfig(n_layer=4, d_model=32, n_head=2, seq_len=16), device="meta")
     tokens = torch.randint(0, 256, (2, 16))

@@ -1,6 +1,7 @@
 """What torchgpipe users rely on, in gpipe's GPipe: errors that keep their type, inputs and
 outputs shaped as given, arguments coerced as torchgpipe does, and the pass a layer is in."""
 
+import importlib
 import threading
 import time
 
@@ -10,7 +11,7 @@ from torch import nn
 
 import gpipe
 from gpipe import GPipe
-from gpipe.planning.balancing import balance_by_size, balance_by_time
+from gpipe.balance import balance_by_size, balance_by_time
 
 # Separate CPU "devices": GPipe runs one worker thread per distinct device.
 THREADED = [torch.device("cpu", j) for j in range(4)]
@@ -210,14 +211,14 @@ def test_balancing_refuses_a_model_that_already_has_gradients(profile):
         profile(2, model, torch.randn(4, 2), device="cpu")
 
 
-def test_the_torchgpipe_balancing_module_name_is_a_deprecated_alias_of_gpipe_balance():
-    import importlib
-    import sys
-
-    sys.modules.pop("gpipe_balancing", None)
-    with pytest.warns(DeprecationWarning, match=r"import gpipe\.balance"):
-        old = importlib.import_module("gpipe_balancing")
-    import gpipe.balance
-
-    assert old.balance_by_time is gpipe.balance.balance_by_time
-    assert old.balance_by_size is gpipe.balance.balance_by_size
+@pytest.mark.parametrize(
+    ("name", "home", "names"),
+    [
+        ("gpipe.balance", "gpipe.planning.balancing", ["balance_by_time", "balance_by_size"]),
+        ("gpipe.batchnorm", "gpipe.runtime.batchnorm", ["DeferredBatchNorm"]),
+    ],
+)
+def test_torchgpipe_module_names_are_modules_that_hold_the_very_same_objects(name, home, names):
+    module, source = importlib.import_module(name), importlib.import_module(home)
+    assert module.__name__ == name and module is not source
+    assert all(getattr(module, attr) is getattr(source, attr) for attr in names)

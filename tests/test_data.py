@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from gpipe.training.data import BatchSampler, ByteDataset, decode, encode, load_text, stdlib_corpus
+from gpipe.data import BatchSampler, ByteDataset, decode, encode, load_text, stdlib_corpus
 
 
 def test_stdlib_corpus_is_python_and_the_same_every_time():

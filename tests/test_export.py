@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from gpipe.cli import main
+from gpipe.data import BatchSampler
+from gpipe.models.gpt import lm_loss
 from gpipe.training.checkpoints import save_checkpoint
-from gpipe.training.data import BatchSampler
-from gpipe.training.models.gpt import lm_loss
 from gpipe.training.options import TrainOptions
 from gpipe.training.run_data import run_dataset
 from gpipe.training.trained import checkpoint_at, load_trained
@@ -159,7 +159,7 @@ def test_sample_generates_from_a_factorys_sequential(tmp_path, monkeypatch, caps
 
 
 def test_export_of_a_run_without_a_hugging_face_model_says_what_it_trained(tmp_path, capsys):
-    from gpipe.training.models.gpt import PRESETS, build_gpt
+    from gpipe.models.gpt import PRESETS, build_gpt
 
     config = PRESETS["tiny"]
     gpt = _checkpoint(tmp_path / "gpt", build_gpt(config), {"model": config.to_dict()})

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 from gpipe.planning.memory import OPTIMIZER_STATES, ActivationMeter, plan, profile
-from gpipe.training.models.gpt import GPTConfig, build_gpt, lm_loss
 
 from . import distributed_cases as cases
 from .workers import run

@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from gpipe.runtime.partitions import layer_seed, materialize
-from gpipe.training.models import (
+from gpipe.models import (
     PRESETS,
     Block,
     Embedding,
@@ -21,6 +20,7 @@ from gpipe.training.models import (
     tie_,
     tied_weights,
 )
+from gpipe.runtime.partitions import layer_seed, materialize
 
 TINY = PRESETS["tiny"]
 

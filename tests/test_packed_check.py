@@ -3,8 +3,8 @@ naming the micro-batch; every micro-batch ``gpipe.data.pack`` makes passes."""
 
 import pytest
 import torch
-from gpipe.data import pack
 
+from gpipe.data import pack
 from gpipe.runtime.packed_check import check_packed
 
 LONG_TAIL = [5, 9, 3, 11, 6, 4, 8, 120, 17, 2, 64, 33]

@@ -4,13 +4,13 @@ first-fit's; one clear error for each bad input."""
 
 import itertools
 
-import gpipe.data
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpipe.training.packing import IGNORE_INDEX, _first_fit_rows, counts_of, pack, plan, spread
+import gpipe.data
+from gpipe.data.packing import IGNORE_INDEX, _first_fit_rows, counts_of, pack, plan, spread
 
 # long-tailed lengths: most short, a few up to max_tokens
 _LENGTH = st.one_of(st.integers(1, 32), st.integers(1, 32), st.integers(1, 32), st.integers(1, 128))

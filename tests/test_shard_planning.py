@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from gpipe.cli import main
+from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 from gpipe.planning.memory import plan, profile
 from gpipe.planning.shards import ReplicaStates, ring_seconds
 from gpipe.planning.simulate import Costs, simulate
 from gpipe.schedules import build
-from gpipe.training.models.gpt import GPTConfig, build_gpt, lm_loss
 
 ADAM = 2  # tensors of optimizer state per parameter
 

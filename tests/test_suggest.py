@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from gpipe.cli import main
+from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 from gpipe.planning.balancing import partition
 from gpipe.planning.memory import plan, profile
 from gpipe.planning.simulate import Costs, simulate
@@ -22,7 +23,6 @@ from gpipe.planning.suggest import (
 )
 from gpipe.runtime.partitions import stage_bounds
 from gpipe.schedules import SCHEDULES, get_schedule, traits
-from gpipe.training.models.gpt import GPTConfig, build_gpt, lm_loss
 
 MODEL = ["--n-layer", "6", "--d-model", "64", "--n-head", "2", "--vocab-size", "500",
          "--seq-len", "64", "--batch-size", "16"]  # fmt: skip

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpipe.training.data import BatchSampler, ByteDataset, load_text
+from gpipe.data import BatchSampler, ByteDataset, load_text
 from gpipe.training.tokenizer import ByteTokenizer, check_tokenizer, load_tokenizer
 from gpipe.training.tokens import (
     TokenDataset,

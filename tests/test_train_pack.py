@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gpipe.data import counts_of, pack
 
 from gpipe.cli import main
+from gpipe.data import counts_of, pack
+from gpipe.models.gpt import GPTConfig, build_gpt
 from gpipe.training.documents import Documents, DocumentSampler, read_documents
-from gpipe.training.models.gpt import GPTConfig, build_gpt
 
 from . import packed_cases
 from .text_cases import LINES, llama_config, word_tokenizer

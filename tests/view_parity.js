@@ -1,6 +1,6 @@
 // Runs the page's own schedule.js and simulate.js in node on the cases given as JSON on stdin
 // ({"scripts": [paths], "cases": [...]}) and prints what they compute, for
-// tests/test_view_parity.py to hold against gpipe.schedule and gpipe.simulate.
+// tests/test_view_parity.py to hold against gpipe.schedules and gpipe.planning.simulate.
 "use strict";
 const fs = require("fs");
 

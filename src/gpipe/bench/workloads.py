@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpipe.training.models.gpt import GPTConfig, build_gpt, lm_loss
-from gpipe.training.models.resnet import resnet
+from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
+from gpipe.models.resnet import resnet
 
 __all__ = ["WORKLOADS", "Workload", "get_workload"]
 
@@ -106,7 +106,7 @@ def gpt(n_layer: int, d_model: int, n_head: int, seq_len: int, batch: int) -> Wo
 
 
 def cnn(widths: tuple[int, ...], size: int, batch: int) -> Workload:
-    """A ResNet (``gpipe.training.models.resnet``) on random images; BatchNorm as PyTorch has
+    """A ResNet (``gpipe.models.resnet``) on random images; BatchNorm as PyTorch has
     it, and every cut between blocks, so that every contender can run it."""
     blocks = len(widths)
     if blocks % 4:

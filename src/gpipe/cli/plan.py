@@ -138,7 +138,7 @@ _PLAN_DEFAULTS = {
 
 
 def _config(args: argparse.Namespace, n_layer: int) -> Any:
-    from gpipe.training.models.gpt import GPTConfig
+    from gpipe.models.gpt import GPTConfig
 
     return GPTConfig(
         n_layer=n_layer,
@@ -153,7 +153,7 @@ def _config(args: argparse.Namespace, n_layer: int) -> Any:
 
 def _one_block(args: argparse.Namespace, device: str = "meta") -> tuple[Any, torch.Tensor]:
     """A one-block model on the meta device, and a micro-batch of tokens on ``device``."""
-    from gpipe.training.models.gpt import build_gpt
+    from gpipe.models.gpt import build_gpt
 
     layers = build_gpt(_config(args, 1), device="meta").to(_DTYPES[args.dtype])
     tokens = torch.zeros(min(2, args.batch_size), args.seq_len, dtype=torch.int64, device=device)
@@ -162,7 +162,7 @@ def _one_block(args: argparse.Namespace, device: str = "meta") -> tuple[Any, tor
 
 def _template(args: argparse.Namespace) -> Profile:
     """The profile of a one-block model; deeper models repeat its block (``Profile.repeat``)."""
-    from gpipe.training.models.gpt import lm_loss
+    from gpipe.models.gpt import lm_loss
 
     layers, tokens = _one_block(args)
     return profile(layers, tokens, target=tokens, loss_fn=lm_loss)
@@ -171,7 +171,7 @@ def _template(args: argparse.Namespace) -> Profile:
 def _templates(args: argparse.Namespace) -> tuple[Profile, LayerCosts]:
     """The one-block model's profile, and its costs per layer: FLOPs counted, or (with
     ``--measure``) forward and backward timed on this machine's CPU."""
-    from gpipe.training.models.gpt import lm_loss
+    from gpipe.models.gpt import lm_loss
 
     layers, tokens = _one_block(args)
     prof = profile(layers, tokens, target=tokens, loss_fn=lm_loss)

@@ -42,7 +42,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from gpipe.training.models.gpt import generate
+    from gpipe.models.gpt import generate
     from gpipe.training.tokenizer import IdTokenizer, check_tokenizer, load_tokenizer
     from gpipe.training.trained import checkpoint_at, load_trained, trained_model
 

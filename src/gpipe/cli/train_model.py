@@ -71,7 +71,7 @@ def resolve_model(args: argparse.Namespace, saved: dict[str, Any] | None, out: P
 def _gpt_fields(
     args: argparse.Namespace, saved: dict[str, Any] | None, out: Path
 ) -> dict[str, Any]:
-    from gpipe.training.models.gpt import GPTConfig, config_from_preset
+    from gpipe.models.gpt import GPTConfig, config_from_preset
 
     if args.split_at:
         raise UsageError("--split-at cuts a model given by --model hf:... or MODULE:FUNCTION")

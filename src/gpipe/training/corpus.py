@@ -6,9 +6,9 @@ import hashlib
 
 import torch.distributed as dist
 
+from gpipe.data.text import load_text, stdlib_corpus
 from gpipe.errors import StageError
 from gpipe.pipeline import Pipeline
-from gpipe.training.data import load_text, stdlib_corpus
 
 __all__ = ["check_same_everywhere", "check_same_text", "load_corpus"]
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 from gpipe.splitting import SplitModel, split
-from gpipe.training.models.gpt import GPTConfig, build_gpt, lm_loss
 
 __all__ = [
     "MODEL_FORMS",

@@ -13,12 +13,12 @@ from typing import Any
 
 from torch import Tensor
 
+from gpipe.data.packing import counts_of, pack
+from gpipe.data.text import BatchSampler
 from gpipe.parallel.replicas import shard
 from gpipe.pipeline import Pipeline
 from gpipe.runtime.microbatch import split_sizes
-from gpipe.training.data import BatchSampler
 from gpipe.training.documents import Documents, DocumentSampler
-from gpipe.training.packing import counts_of, pack
 from gpipe.training.tokens import TokenDataset
 
 __all__ = ["PackedBatches", "StepBatch", "WindowBatches", "packed_inputs"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
+from gpipe.models.gpt import tied_weights
 from gpipe.pipeline import Pipeline
-from gpipe.training.models.gpt import tied_weights
 
 __all__ = ["TiedCopies"]
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from gpipe.training.data import load_text, stdlib_corpus
+from gpipe.data.text import load_text, stdlib_corpus
 from gpipe.training.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [

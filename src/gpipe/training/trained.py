@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gpipe.models.gpt import build_gpt
 from gpipe.splitting import split
 from gpipe.training.checkpoints import (
     DESCRIPTION,
@@ -26,7 +27,6 @@ from gpipe.training.checkpoints import (
     verify_checkpoint,
 )
 from gpipe.training.model_sources import TrainModel, call_factory, logits_of, model_from_dict
-from gpipe.training.models.gpt import build_gpt
 
 __all__ = ["TrainedModel", "checkpoint_at", "hf_config_of", "load_trained", "trained_model"]
 

@@ -388,7 +388,7 @@
     return placement === "looped" ? virtualStages : 1;
   }
 
-  // gpipe.schedule.add_recompute: each recomputed micro-batch's forward runs again (R) right
+  // gpipe.schedules.add_recompute: each recomputed micro-batch's forward runs again (R) right
   // before its backward's receives, ahead of the gradient.
   function addRecompute(schedule, recomputed) {
     if (!recomputed.size || !schedule.backward) return schedule;

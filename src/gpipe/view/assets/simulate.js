@@ -16,7 +16,8 @@
     activation_bytes: 0,
   };
 
-  // Costs as gpipe.simulate.Costs holds them; JSON has no infinity, so a null bandwidth is one.
+  // Costs as gpipe.planning.simulate.Costs holds them; JSON has no infinity, so a null
+  // bandwidth is one.
   function costsOf(given) {
     const costs = { ...DEFAULTS, ...given };
     if (costs.bandwidth === null) costs.bandwidth = Infinity;
@@ -65,7 +66,7 @@
     return mode;
   }
 
-  // gpipe.checkpointing.should_checkpoint: except_last spares the last micro-batch.
+  // gpipe.runtime.recompute.should_checkpoint: except_last spares the last micro-batch.
   function shouldCheckpoint(mode, microbatch, nMicrobatches) {
     if (mode === "always") return true;
     if (mode === "except_last") return microbatch < nMicrobatches - 1;
@@ -282,7 +283,7 @@
     };
   }
 
-  // gpipe.simulate.scenario: K ranks; interleaved cuts each rank's costs into v stages.
+  // gpipe.planning.simulate.scenario: K ranks; interleaved cuts each rank's costs into v stages.
   function scenario(name, nRanks, nMicrobatches, given, virtualStages = 2) {
     const costs = costsOf(given);
     const v = api.stagesPerRank(name, virtualStages);

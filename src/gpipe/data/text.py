@@ -15,13 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gpipe.runtime.packed_check import check_packed
-from gpipe.training.packing import counts_of, pack
-
 __all__ = [
-    "pack",
-    "counts_of",
-    "check_packed",
     "stdlib_corpus",
     "load_text",
     "encode",

@@ -1,6 +1,7 @@
-"""Reference models, written as flat lists of layers a pipeline can cut anywhere."""
+"""Reference models, written as flat lists of layers a pipeline can cut anywhere: the GPT
+(``gpt``, its names re-exported here) and a small ResNet (``gpipe.models.resnet.resnet``)."""
 
-from gpipe.training.models.gpt import (
+from gpipe.models.gpt import (
     PRESETS,
     Block,
     Embedding,
