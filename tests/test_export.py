@@ -152,8 +152,12 @@ def test_sample_generates_from_a_factorys_sequential(tmp_path, monkeypatch, caps
         model[1].bias.fill_(-1e4)
         model[1].bias[ord("a")] = 0  # every next byte is "a"
     meta = {"source": "bigram:make", "vocab_size": 256, "seq_len": 8}
-    _checkpoint(tmp_path / "run", model, {"model": meta})
-    assert main(["sample", str(tmp_path / "run"), "--prompt", "b", "--tokens", "4"]) == 0
+    run = _checkpoint(tmp_path / "run", model, {"model": meta}).parent.parent
+    # the checkpoint names code to run: it runs only when the user names it too
+    message = _usage_error(capsys, "sample", run, "--prompt", "b")
+    assert "names code to run, --model bigram:make" in message
+    args = ["sample", str(run), "--model", "bigram:make", "--prompt", "b", "--tokens", "4"]
+    assert main(args) == 0
     assert capsys.readouterr().out == "baaaa\n"
     sys.modules.pop("bigram", None)
 

@@ -36,7 +36,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--model",
         help="the run's --model, checked against what the checkpoint holds (the checkpoint "
-        "says which model it is; this only guards against reading the wrong run)",
+        "says which model it is); needed for a run of a module of your own "
+        "(MODULE:FUNCTION), whose code gpipe runs only when you name it",
     )
     p.set_defaults(command=_sample)
 
@@ -54,7 +55,7 @@ def _sample(args: argparse.Namespace) -> int:
         path = checkpoint_at(args.path)
         if args.model is not None:
             _check_model(args.model, trained_model(path).source, path)
-        trained = load_trained(path)
+        trained = load_trained(path, code=args.model)
         where = args.tokenizer or trained.train.get("tokenizer")
         data = str(trained.train.get("data") or "")
         ids_only = where is None and data.endswith((".bin", ".npy"))  # no text to speak

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import shutil
+import warnings
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -284,7 +285,42 @@ def _saved_run(args: argparse.Namespace) -> dict[str, Any] | None:
     )
     if not (folder / RUN_FILE).is_file() or not whole:
         raise UsageError(f"--resume {folder}: no gpipe run with a complete checkpoint there")
-    return json.loads((folder / RUN_FILE).read_text())
+    return _run_record(folder / RUN_FILE)
+
+
+def _verified_checkpoint(out: Path) -> str:
+    """The newest checkpoint of the run being resumed that verifies whole and safe to open,
+    found before any process starts (each newer one is warned of and skipped), so that a run
+    with none ends in one line naming each checkpoint and why."""
+    from gpipe.training.checkpoints import (
+        DamagedCheckpointWarning,
+        checkpoint_dirs,
+        verify_checkpoint,
+    )
+
+    refused = []
+    for path in reversed(checkpoint_dirs(out / "checkpoints")):
+        problems = verify_checkpoint(path)
+        if not problems:
+            for name, why in refused:
+                skipped = out / "checkpoints" / name
+                warning = f"checkpoint {skipped} is damaged ({why}); skipped for an older one"
+                warnings.warn(warning, DamagedCheckpointWarning, stacklevel=1)
+            return path.name
+        refused.append((path.name, "; ".join(problems)))
+    listed = "; ".join(f"{name}: {why}" for name, why in refused)
+    raise UsageError(f"--resume {out}: no checkpoint there can be opened ({listed})")
+
+
+def _run_record(path: Path) -> dict[str, Any]:
+    """The run recorded in ``path``, checked field by field (a run folder may come from
+    anyone); one line if it is not a record gpipe wrote."""
+    from gpipe.training.run_record import checked_run_record
+
+    try:
+        return checked_run_record(path)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _this_jobs_run(out: Path) -> dict[str, Any] | None:
@@ -292,12 +328,11 @@ def _this_jobs_run(out: Path) -> dict[str, Any] | None:
     a lost process, or to admit or drop a machine) and continues it."""
     from gpipe.training.elastic import job_id
 
-    try:
-        run = json.loads((out / RUN_FILE).read_text())
-    except (OSError, ValueError):
+    if not (out / RUN_FILE).is_file():
         return None
+    run = _run_record(out / RUN_FILE)
     job = job_id()
-    return run if job is not None and isinstance(run, dict) and run.get("job") == job else None
+    return run if job is not None and run.get("job") == job else None
 
 
 def _agree_on_folder(prepare: Any, device: str, timeout: float, restarted: bool) -> bool:
@@ -375,12 +410,14 @@ def _train(args: argparse.Namespace) -> int:
         restarted = _agree_on_folder(prepare, opts.device, opts.timeout, restarted)
     else:
         prepare()
+    resume = args.resume is not None and not restarted
     spec = RunSpec(
         model=model.to_dict(),
         train=asdict(opts),
         out=str(out),
-        resume=args.resume is not None and not restarted,
+        resume=resume,
         restarted=restarted,
+        checkpoint=_verified_checkpoint(out) if resume and not torchrun else None,
     )
     processes = opts.stages * opts.data_parallel
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else processes
@@ -390,7 +427,12 @@ def _train(args: argparse.Namespace) -> int:
 
         if threads is not None:
             torch.set_num_threads(threads)
-        summary = run_stage(spec)
+        from gpipe.training.resuming import NothingToResume
+
+        try:
+            summary = run_stage(spec)
+        except NothingToResume as exc:
+            raise UsageError(f"--resume {out}: {exc}") from None
         finish_process_group()
     else:
         restarts = args.max_restarts or 0

@@ -58,6 +58,12 @@ def resolve_model(args: argparse.Namespace, saved: dict[str, Any] | None, out: P
         held = model_from_dict(saved)
         if args.model is not None and args.model != held.source:
             raise UsageError(f"the run in {out} trains --model {held.source}, not {args.model}")
+        from gpipe.training.trained import check_code_named
+
+        try:
+            check_code_named(held, out / "run.json", args.model)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         return held
     split_at = args.split_at.split(",") if args.split_at else None
     try:

@@ -26,6 +26,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gpipe.training.manifest import Digest, digest, listed_files, verify, write_manifest
+from gpipe.training.run_record import checked_run_record
 
 __all__ = [
     "DESCRIPTION",
@@ -68,8 +69,20 @@ def checkpoint_dirs(root: Path) -> list[Path]:
 def verify_checkpoint(path: Path, *, checksums: bool = True) -> list[str]:
     """What is wrong with the checkpoint at ``path`` (empty if nothing): its manifest must
     be whole and list the data's index and the description, and every file it lists must be
-    there with its size and, with ``checksums``, its SHA-256."""
-    return verify(path, checksums=checksums, required=(".metadata", DESCRIPTION))
+    there with its size. With ``checksums``, every file must also match its SHA-256, the
+    description must be a checkpoint's, and every pickle in the data must read by the
+    allow-lists of ``safe_checkpoints`` (a digest proves a file whole, not harmless: whoever
+    edits a file can edit the manifest too)."""
+    problems = verify(path, checksums=checksums, required=(".metadata", DESCRIPTION))
+    if problems or not checksums:
+        return problems
+    from gpipe.training.safe_checkpoints import refusals
+
+    try:
+        read_description(path)
+    except ValueError as exc:
+        return [str(exc)]
+    return refusals(path)
 
 
 def latest_checkpoint(root: Path, *, checksums: bool = True) -> Path | None:
@@ -103,7 +116,9 @@ def discard_partial(root: Path) -> list[Path]:
 
 
 def read_description(path: Path) -> dict[str, Any]:
-    return json.loads((path / DESCRIPTION).read_text())
+    """The checkpoint's description (``gpipe.json``): its step, model and options; a
+    ValueError naming the file if it is not one gpipe wrote."""
+    return checked_run_record(path / DESCRIPTION, require_step=True)
 
 
 def checkpoint_group(pipe: Any) -> dist.ProcessGroup | None:
@@ -254,23 +269,26 @@ def load_checkpoint(
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """Load this rank's part of the checkpoint at ``path`` into ``model`` and ``optimizer``;
-    returns ``extra`` filled with the saved values. Works for any number of stages."""
-    import torch.distributed.checkpoint as dcp
+    returns ``extra`` filled with the saved values. Works for any number of stages. Every
+    pickle is read by the allow-lists (``safe_checkpoints``)."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    from gpipe.training.safe_checkpoints import load_state
+
     state = saved_state(model, optimizer, extra)
-    dcp.load(state, checkpoint_id=path, process_group=group)
+    load_state(state, path, process_group=group)
     model.load_state_dict(state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"], options=_optimizer_options())
     return {key: state[key] for key in extra}
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
-    """Load the weights of a checkpoint into ``model``, the whole model in one process."""
-    import torch.distributed.checkpoint as dcp
+    """Load the weights of a checkpoint into ``model``, the whole model in one process,
+    through the allow-lists (``safe_checkpoints``)."""
+    from gpipe.training.safe_checkpoints import load_state
 
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+        load_state(state, path, no_dist=True)
     model.load_state_dict(state["model"])

@@ -105,7 +105,7 @@ def open_documents(out: Path, tokenizer: Tokenizer) -> Documents:
     """The documents ``prepare_documents`` wrote, memory-mapped."""
     dtype = np.dtype(token_dtype_for(tokenizer.vocab_size))
     ids = np.memmap(out, dtype=dtype, mode="r")
-    return Documents(ids, np.load(starts_path(out)))
+    return Documents(ids, np.load(starts_path(out), allow_pickle=False))
 
 
 class DocumentSampler:

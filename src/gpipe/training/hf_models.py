@@ -56,7 +56,9 @@ def hf_config(path: str | Path) -> Any:
 
     file = config_file(path)
     try:
-        config = transformers.AutoConfig.from_pretrained(str(file), local_files_only=True)
+        config = transformers.AutoConfig.from_pretrained(
+            str(file), local_files_only=True, trust_remote_code=False
+        )
     except (ValueError, OSError, KeyError, json.JSONDecodeError) as exc:
         raise ValueError(f"--model hf:{path}: not a Hugging Face config ({exc})") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -135,7 +137,7 @@ class LazyWeights:
 
         folder = Path(folder)
         if (folder / _INDEX).is_file():
-            files = json.loads((folder / _INDEX).read_text())["weight_map"]
+            files = _weight_map(folder / _INDEX)
         elif (folder / _WEIGHTS).is_file():
             files = None
         else:
@@ -152,6 +154,24 @@ class LazyWeights:
 
     def keys(self) -> list[str]:
         return list(self._where)
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """A sharded folder's map from tensor name to the safetensors file holding it, each a
+    file of the folder itself."""
+    try:
+        files = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{index}: not a safetensors index ({exc})") from None
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str)
+        and isinstance(v, str)
+        and Path(v).name == v
+        and v.endswith(".safetensors")
+        for k, v in files.items()
+    ):
+        raise ValueError(f"{index}: its weight_map must name .safetensors files of its folder")
+    return files
 
 
 def fill_unsaved_buffers(stages: nn.Module, pipe: nn.Module, reference: nn.Module | None) -> None:

@@ -60,6 +60,11 @@ def _read(folder: Path) -> dict[str, Digest] | str:
     files = held.get("files") if isinstance(held, dict) else None
     if not isinstance(files, dict) or not files or held.get("format") != _FORMAT:
         return f"{MANIFEST} is not a gpipe manifest of format {_FORMAT}"
+    for name, expected in files.items():
+        if Path(name).name != name or name in ("", ".", ".."):  # no "../x", "/x" or "a/b"
+            return f"{MANIFEST} names {name!r}, which is not a file of the checkpoint's folder"
+        if not isinstance(expected, dict):
+            return f"{MANIFEST} describes {name} by a {type(expected).__name__}, not a digest"
     return files
 
 

@@ -76,4 +76,5 @@ class RunSpec:
     out: str
     resume: bool = False  # continue from the newest checkpoint that verifies; one must
     restarted: bool = False  # the job was here before: continue from one if any verifies
+    checkpoint: str | None = None  # the one the launching command verified, for --resume
     extra: dict[str, Any] = field(default_factory=dict)

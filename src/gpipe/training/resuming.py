@@ -11,25 +11,34 @@ import torch.distributed as dist
 
 from gpipe.training.checkpoints import discard_partial, latest_checkpoint
 
-__all__ = ["resume_point", "trim_metrics"]
+__all__ = ["NothingToResume", "resume_point", "trim_metrics"]
 
 
-def resume_point(out: Path, required: bool, restarted: bool) -> Path | None:
+class NothingToResume(FileNotFoundError):
+    """``--resume`` of a run none of whose checkpoints verifies (each was warned of)."""
+
+
+def resume_point(
+    out: Path, required: bool, restarted: bool, verified: str | None = None
+) -> Path | None:
     """The checkpoint to continue from, the same for every rank: rank 0 clears what unfinished
     saves left and takes the newest checkpoint that verifies (warning of each newer one that
-    does not). None for a new run, or a restarted one that has no good checkpoint yet."""
+    does not), unless the launching command has just verified one (``verified``, its name:
+    taken on the first start, not after a restart). None for a new run, or a restarted one
+    that has no good checkpoint yet."""
     if not (required or restarted):
         return None
     root = out / "checkpoints"
-    choice: list[str | None] = [None]
+    choice: list[str | None] = [verified if not restarted else None]
     if dist.get_rank() == 0:
         discard_partial(root)
-        path = latest_checkpoint(root)
-        choice = [None if path is None else path.name]
+        if choice[0] is None:
+            path = latest_checkpoint(root)
+            choice = [None if path is None else path.name]
     dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
         if required and not restarted:
-            raise FileNotFoundError(f"no checkpoint in {root} verifies; nothing to resume from")
+            raise NothingToResume(f"no checkpoint in {root} verifies; nothing to resume from")
         return None
     return root / choice[0]
 

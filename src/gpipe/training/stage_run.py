@@ -58,7 +58,7 @@ class StageRun:
         join_process_group(self.device, opts.timeout)  # before anything else starts one
         self.resumed = spec.resume
         self.restarted = spec.restarted or restart_count() > 0
-        self.checkpoint = resume_point(self.out, spec.resume, self.restarted)
+        self.checkpoint = resume_point(self.out, spec.resume, self.restarted, spec.checkpoint)
         saved = read_description(self.checkpoint) if self.checkpoint else {}
         if saved.get("model", {}).get("split_at") is not None:  # cut where it was cut before
             self.model.split_at = saved["model"]["split_at"]

@@ -134,7 +134,9 @@ class HFTokenizer:
                 "pip install 'gpipe[hf]' (or give the folder's tokenizer.json)"
             ) from None
         try:
-            self._tok: Any = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            self._tok: Any = AutoTokenizer.from_pretrained(
+                str(path), local_files_only=True, trust_remote_code=False
+            )
         except (OSError, ValueError) as exc:
             raise ValueError(
                 f"--tokenizer {path}: no Hugging Face tokenizer in this folder "

@@ -131,7 +131,7 @@ def _read_bin(path: Path, token_dtype: str, flag: str) -> np.ndarray:
 
 def _read_npy(path: Path, flag: str) -> np.ndarray:
     try:
-        array = np.load(path, mmap_mode="r")
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError) as exc:
         raise ValueError(f"{flag} {path}: not a .npy array numpy can map ({exc})") from None
     if array.dtype.kind not in "iu":

@@ -21,30 +21,43 @@ from gpipe.models.gpt import build_gpt
 from gpipe.splitting import split
 from gpipe.training.checkpoints import (
     DESCRIPTION,
-    latest_checkpoint,
+    checkpoint_dirs,
     load_model_weights,
     read_description,
     verify_checkpoint,
 )
 from gpipe.training.model_sources import TrainModel, call_factory, logits_of, model_from_dict
 
-__all__ = ["TrainedModel", "checkpoint_at", "hf_config_of", "load_trained", "trained_model"]
+__all__ = [
+    "TrainedModel",
+    "check_code_named",
+    "checkpoint_at",
+    "hf_config_of",
+    "load_trained",
+    "trained_model",
+]
 
 
 def checkpoint_at(path: str | Path) -> Path:
-    """The checkpoint ``path`` names: the folder itself if it is one (refused if damaged),
-    else the newest checkpoint of the run folder ``path`` that verifies. ValueError if there
-    is none."""
+    """The checkpoint ``path`` names: the folder itself if it is one, else the newest
+    checkpoint of the run folder ``path``. ValueError, naming the file and why, if there is
+    none or it does not verify (damaged, or refused as unsafe to open): an export or a sample
+    is never quietly made of an older checkpoint than the one asked for."""
     folder = Path(path)
     if (folder / DESCRIPTION).is_file():
         problems = verify_checkpoint(folder)
         if problems:
             raise ValueError(f"{folder}: damaged checkpoint ({'; '.join(problems)})")
         return folder
-    found = latest_checkpoint(folder / "checkpoints")
-    if found is None:
+    found = checkpoint_dirs(folder / "checkpoints")
+    if not found:
         raise ValueError(f"{folder}: no gpipe checkpoint there (a run folder or a checkpoint)")
-    return found
+    problems = verify_checkpoint(found[-1])
+    if problems:
+        older = next((p for p in reversed(found[:-1]) if not verify_checkpoint(p)), None)
+        hint = f"; the newest that verifies is {older}: name it" if older else ""
+        raise ValueError(f"{found[-1]}: damaged checkpoint ({'; '.join(problems)}){hint}")
+    return found[-1]
 
 
 def trained_model(checkpoint: Path) -> TrainModel:
@@ -98,11 +111,23 @@ def hf_config_of(model: TrainModel) -> Path:
     )
 
 
-def load_trained(checkpoint: Path) -> TrainedModel:
+def check_code_named(model: TrainModel, where: Path, given: str | None) -> None:
+    """A run of ``--model MODULE:FUNCTION`` names code to import and call; a run folder may
+    come from anyone, so that code runs only when the user names it too (``given``)."""
+    if model.kind == "module" and given != model.source:
+        raise ValueError(
+            f"{where} names code to run, --model {model.source}; gpipe runs a run folder's "
+            f"code only when you name it: pass --model {model.source}"
+        )
+
+
+def load_trained(checkpoint: Path, *, code: str | None = None) -> TrainedModel:
     """The run's model, built on the CPU in float32 and loaded from ``checkpoint``, in
-    evaluation mode."""
+    evaluation mode. A run of a module of the user's own is built only when ``code`` names
+    the same ``MODULE:FUNCTION`` (``check_code_named``)."""
     description = read_description(checkpoint)
     model = model_from_dict(description["model"])
+    check_code_named(model, checkpoint / DESCRIPTION, code)
     train = dict(description.get("train") or {})
     original = _build(model, int(train.get("seed", 0)))
     original.eval()

@@ -1,0 +1,116 @@
+"""The JSON records of a run folder (``run.json``, each checkpoint's ``gpipe.json``), read as
+data of a known shape.
+
+A run folder may come from someone else, so a record is checked against the dataclasses it
+was written from (the GPT's config, ``TrainModel``, ``TrainOptions``) before any of it is
+used: a field of the wrong type or a name gpipe does not know is refused with one line naming
+the file and the field, rather than failing somewhere deep in a spawned process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+__all__ = ["check_fields", "checked_run_record"]
+
+_RECORD_FIELDS: dict[str, Any] = {
+    "model": dict[str, Any],
+    "train": dict[str, Any],
+    "config": dict[str, Any],
+    "job": str | None,
+    "step": int,
+    "stages": int,
+    "data_parallel": int,
+    "balance": list[int],
+}
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether a JSON value has the type ``hint`` (the annotations dataclasses here use)."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if origin is dict:
+        _, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(
+            isinstance(k, str) and _matches(v, item) for k, v in value.items()
+        )
+    return False
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def check_fields(values: Any, types_: dict[str, Any], where: str, *, others: bool = False) -> None:
+    """ValueError unless ``values`` is a JSON object whose keys are among ``types_`` (or,
+    with ``others``, whatever else it holds is left alone) and whose values have those
+    types; ``where`` names it in the message."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{where} is a {type(values).__name__}, expected an object")
+    unknown = sorted(set(values) - set(types_))
+    if unknown and not others:
+        raise ValueError(f"{where} has unknown fields {unknown}")
+    for name, value in values.items():
+        if name in types_ and not _matches(value, types_[name]):
+            raise ValueError(
+                f"{where}.{name} is {value!r} ({type(value).__name__}), "
+                f"expected {_type_name(types_[name])}"
+            )
+
+
+def _dataclass_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def checked_run_record(path: Path, *, require_step: bool = False) -> dict[str, Any]:
+    """The record in the JSON file ``path``, checked: the fields gpipe writes have their
+    types, and its model (the GPT's config, or a ``TrainModel``) and its training options
+    have the fields gpipe knows. Fields of the caller's own (``save_checkpoint``'s
+    ``description`` may hold any) are left alone. ``require_step`` for a checkpoint's
+    description. ValueError naming the file otherwise."""
+    from gpipe.training.model_sources import TrainModel
+    from gpipe.training.models.gpt import GPTConfig
+    from gpipe.training.options import TrainOptions
+
+    try:
+        record = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"{path}: unreadable ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    try:
+        check_fields(record, _RECORD_FIELDS, "the record", others=True)
+        if require_step and "step" not in record:
+            raise ValueError("the record has no step")
+        model = record.get("model", {})
+        if model.get("source", "gpt") == "gpt":
+            gpt = {k: v for k, v in model.items() if k != "source"}
+            check_fields(gpt, _dataclass_types(GPTConfig), "model")
+        else:
+            check_fields(model, _dataclass_types(TrainModel), "model")
+        check_fields(record.get("train", {}), _dataclass_types(TrainOptions), "train")
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a record gpipe wrote: {exc}") from None
+    return record

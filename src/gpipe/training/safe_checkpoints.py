@@ -1,0 +1,213 @@
+"""Reading a checkpoint without running code from it.
+
+``torch.distributed.checkpoint``'s file reader unpickles a checkpoint's ``.metadata`` with
+``pickle.load`` and the values of its state that are not tensors with ``torch.load(...,
+weights_only=False)``. A pickle may name any importable callable and call it, so a folder that
+someone else edited runs their code when it is opened, whatever its manifest says (whoever
+edits a file can edit its digest too). Here every pickle in a checkpoint is read by an
+allow-list instead: the metadata by an unpickler that resolves only the classes DCP's metadata
+is made of, and every stored item (tensors and the rest) by ``torch.load(weights_only=True)``.
+A foreign name is refused before anything it names is called, with ``CheckpointRefused``.
+
+``refusals`` reads a whole checkpoint this way without loading it anywhere, so that a
+checkpoint is judged before a single live tensor is overwritten; ``load_state`` is
+``dcp.load`` through the same reader, for the loads that follow.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, Metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+
+__all__ = [
+    "METADATA_FILE",
+    "METADATA_GLOBALS",
+    "CheckpointRefused",
+    "SafeLoadPlanner",
+    "SafeReader",
+    "load_state",
+    "read_metadata",
+    "refusals",
+]
+
+METADATA_FILE = ".metadata"
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+
+METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {
+        (_DCP_METADATA, "Metadata"),
+        (_DCP_METADATA, "MetadataIndex"),
+        (_DCP_METADATA, "StorageMeta"),
+        (_DCP_METADATA, "TensorProperties"),
+        (_DCP_METADATA, "TensorStorageMetadata"),
+        (_DCP_METADATA, "BytesStorageMetadata"),
+        (_DCP_METADATA, "ChunkStorageMetadata"),
+        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a layout by its name, "torch.strided"
+        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id, the folder it was saved to
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+    }
+)
+"""The globals a checkpoint's ``.metadata`` may name, besides ``torch``'s dtypes: the classes
+PyTorch's checkpoint metadata is made of. This is the one list; a test writes checkpoints of
+every kind gpipe saves and fails if the installed PyTorch names anything outside it."""
+
+
+class CheckpointRefused(ValueError):
+    """A checkpoint (or one of its files) that gpipe will not open: its pickles name code, or
+    its metadata points outside its folder. Treated like a damaged checkpoint."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+def _allowed(module: str, name: str) -> bool:
+    if (module, name) in METADATA_GLOBALS:
+        return True
+    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a ``.metadata`` file, resolving only the globals of ``METADATA_GLOBALS``."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if not _allowed(module, name):
+            raise pickle.UnpicklingError(
+                f"it names {module}.{name}, which is not part of a checkpoint's metadata"
+            )
+        return super().find_class(module, name)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    for line in text.splitlines():  # torch's weights_only message starts with advice
+        if "GLOBAL" in line or "nsupported" in line:
+            return line.strip().rstrip(".")
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def read_metadata(folder: Path, name: str = METADATA_FILE) -> Metadata:
+    """The checkpoint metadata in ``folder``, read by the allow-list and checked: every item
+    it describes lies in a file of ``folder`` itself. CheckpointRefused otherwise."""
+    path = folder / name
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except OSError as exc:
+        raise CheckpointRefused(path, f"unreadable ({exc.strerror or exc})") from None
+    except Exception as exc:  # a pickle fails in many ways; each is a refusal
+        raise CheckpointRefused(path, f"refused: {_first_line(exc)}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointRefused(path, f"holds a {type(metadata).__name__}, not checkpoint metadata")
+    for info in (metadata.storage_data or {}).values():
+        where = getattr(info, "relative_path", None)
+        if not isinstance(where, str) or Path(where).name != where or where in ("", ".", ".."):
+            raise CheckpointRefused(path, f"points at {where!r}, outside the checkpoint's folder")
+    return metadata
+
+
+def _load_item(stream: IO[bytes]) -> Any:
+    """One stored item, by ``torch.load``'s allow-list, onto the meta device (its pickle is
+    what is judged; no tensor's data is kept)."""
+    return torch.load(stream, map_location="meta", weights_only=True)
+
+
+def refusals(folder: Path) -> list[str]:
+    """Why the checkpoint in ``folder`` must not be opened: an empty list if its metadata
+    and every item it stores read by the allow-lists alone. Reads every file once."""
+    try:
+        metadata = read_metadata(folder)
+    except CheckpointRefused as exc:
+        return [f"{METADATA_FILE} {exc.reason}"]
+    problems: list[str] = []
+    by_file: dict[str, list[Any]] = {}
+    for info in metadata.storage_data.values():
+        by_file.setdefault(info.relative_path, []).append(info)
+    for name, items in sorted(by_file.items()):
+        try:
+            with open(folder / name, "rb") as f:
+                for info in sorted(items, key=lambda i: i.offset):
+                    f.seek(info.offset)
+                    _load_item(io.BytesIO(f.read(info.length)))
+        except OSError as exc:
+            problems.append(f"{name} unreadable ({exc.strerror or exc})")
+        except Exception as exc:  # a refused global, or bytes that are no pickle at all
+            problems.append(f"{name} refused: {_first_line(exc)}")
+    return problems
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file-system reader with the metadata read by the allow-list; its tensors are
+    already read with ``weights_only=True``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+        metadata = read_metadata(Path(self.checkpoint_id), name)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with the values that are not tensors read by ``torch.load``'s
+    allow-list (``weights_only=True``) rather than by plain unpickling."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except Exception as exc:
+            raise pickle.UnpicklingError(
+                f"item {read_item.dest_index.fqn} refused: {_first_line(exc)}"
+            ) from None
+        trusted = io.BytesIO()  # the parent unpickles again: give it our own pickle of it
+        torch.save(loaded, trusted)
+        trusted.seek(0)
+        super().load_bytes(read_item, trusted)
+
+
+def load_state(state: dict[str, Any], folder: Path, **how: Any) -> None:
+    """``dcp.load(state, ...)`` from ``folder`` through the allow-lists; ``how`` is passed
+    on (``process_group``, ``no_dist``). CheckpointRefused if a pickle names code.
+
+    Judge the checkpoint with ``refusals`` first where a refusal must leave ``state`` as it
+    was: this refuses an item only when it comes to it, after those before it are loaded."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    read_metadata(folder)  # refused here, before DCP logs its fallbacks
+    try:
+        dcp.load(
+            state,
+            checkpoint_id=folder,
+            storage_reader=SafeReader(folder),
+            planner=SafeLoadPlanner(),
+            **how,
+        )
+    except pickle.UnpicklingError as exc:
+        raise CheckpointRefused(folder, _first_line(exc)) from None
+    except CheckpointException as exc:  # DCP gathers each rank's failure into one
+        for failure in exc.failures.values():
+            cause = getattr(failure, "exc", failure)
+            if isinstance(cause, CheckpointRefused):
+                raise cause from None
+            if isinstance(cause, pickle.UnpicklingError):
+                raise CheckpointRefused(folder, _first_line(cause)) from None
+        raise

@@ -1,0 +1,278 @@
+"""Opening a checkpoint runs no code from it: a run folder edited by someone else, with its
+manifest's digests updated to match, is met with the previous checkpoint (``--resume``, an
+automatic restart) or one line and exit code 2 (``gpipe sample``, ``gpipe export``), and the
+code its pickles name never runs (each attack's payload would create a marker file).
+
+Every run is ``gpipe train`` over real processes and gloo; the allow-list is checked against
+the metadata that the installed PyTorch writes for a plain and a sharded checkpoint.
+"""
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from gpipe.cli import main
+from gpipe.training.checkpoints import (
+    DamagedCheckpointWarning,
+    latest_checkpoint,
+    load_model_weights,
+    verify_checkpoint,
+)
+from gpipe.training.models import GPTConfig, build_gpt
+from gpipe.training.safe_checkpoints import (
+    METADATA_FILE,
+    METADATA_GLOBALS,
+    CheckpointRefused,
+    read_metadata,
+    refusals,
+)
+
+TINY = [
+    "--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--chunks", "2",
+    "--lr", "1e-2", "--warmup", "2", "--eval-every", "3", "--sample-tokens", "4", "--quiet",
+    "--balance", "even", "--timeout", "20", "--threads", "1",
+]  # fmt: skip
+
+pytestmark = pytest.mark.usefixtures("train_on_shared_processes")
+
+
+class _WritesMarker:
+    """A pickle that, when unpickled by plain ``pickle``, creates a file: the attack."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _losses(run) -> dict[int, float]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def _update_manifest(checkpoint) -> None:
+    """What an attacker does after editing files: digests that match them again."""
+    files = {}
+    for path in sorted(checkpoint.iterdir()):
+        if path.is_file() and path.name != "manifest.json":
+            data = path.read_bytes()
+            files[path.name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (checkpoint / "manifest.json").write_text(json.dumps({"format": 1, "files": files}))
+
+
+def _poison_metadata(checkpoint, marker) -> None:
+    (checkpoint / METADATA_FILE).write_bytes(pickle.dumps(_WritesMarker(marker)))
+    _update_manifest(checkpoint)
+
+
+def _poison_data(checkpoint, marker, tmp_path) -> None:
+    """The checkpoint written again whole, with consistent metadata, but its step stored as
+    a pickle that names a callable: the ``.distcp`` file carries the attack."""
+    whole = tmp_path / "whole.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(checkpoint, whole)
+    state = torch.load(whole, weights_only=False)  # the test's own file
+    state["step"] = _WritesMarker(marker)
+    for path in checkpoint.iterdir():
+        if path.name.endswith(".distcp") or path.name == METADATA_FILE:
+            path.unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=checkpoint, no_dist=True)
+    _update_manifest(checkpoint)
+
+
+def _edit_json(path, edit) -> None:
+    record = json.loads(path.read_text())
+    edit(record)
+    path.write_text(json.dumps(record))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """2 stages, 6 steps, checkpoints at 3 and 6."""
+    out = tmp_path_factory.mktemp("safety") / "run"
+    args = ["train", *TINY, "--stages", "2", "--steps", "6", "--save-every", "3"]
+    assert main([*args, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture
+def copy(run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    return out
+
+
+def _step(run, step):
+    return run / "checkpoints" / f"step-{step:06d}"
+
+
+def _one_line_error(capsys, *argv) -> str:
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+class _Recorder(pickle.Unpickler):
+    """Plain unpickling of the suite's own files, noting every global the pickle names."""
+
+    def __init__(self, file, seen):
+        super().__init__(file)
+        self.seen = seen
+
+    def find_class(self, module, name):
+        self.seen.add((module, name))
+        return super().find_class(module, name)
+
+
+def _globals_of(metadata_file) -> set:
+    seen: set = set()
+    with open(metadata_file, "rb") as f:
+        _Recorder(f, seen).load()
+    return seen
+
+
+def _outside_allow_list(seen) -> set:
+    dtypes = {("torch", n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
+    return seen - METADATA_GLOBALS - dtypes
+
+
+def test_the_allow_list_covers_what_pytorch_writes_for_a_plain_and_a_sharded_checkpoint(
+    run, tmp_path
+):
+    """Every global in the metadata the installed PyTorch writes is on the allow-list (a new
+    class in a later PyTorch fails here first), and those checkpoints read and load."""
+    sharded = tmp_path / "sharded"
+    args = ["train", *TINY, "--stages", "1", "--data-parallel", "2", "--shard", "full"]
+    assert main([*args, "--steps", "2", "--save-every", "1", "--out", str(sharded)]) == 0
+    for checkpoint in (_step(run, 3), _step(run, 6), _step(sharded, 1), _step(sharded, 2)):
+        assert _outside_allow_list(_globals_of(checkpoint / METADATA_FILE)) == set()
+        read_metadata(checkpoint)
+        assert refusals(checkpoint) == [] and verify_checkpoint(checkpoint) == []
+    config = GPTConfig.from_dict(json.loads((run / "run.json").read_text())["model"])
+    load_model_weights(_step(sharded, 2), build_gpt(config))
+
+
+def test_a_foreign_global_is_refused_before_it_is_called(tmp_path):
+    checkpoint = tmp_path / "c"
+    checkpoint.mkdir()
+    marker = tmp_path / "ran"
+    (checkpoint / METADATA_FILE).write_bytes(pickle.dumps(_WritesMarker(marker)))
+    with pytest.raises(CheckpointRefused, match=r"names posix\.system"):
+        read_metadata(checkpoint)
+    assert not marker.exists()
+
+
+def test_resume_of_a_poisoned_newest_checkpoint_goes_on_from_the_one_before(copy, run, capsys):
+    marker = copy.parent / "ran"
+    _poison_metadata(_step(copy, 6), marker)
+    warned = re.escape(f"checkpoint {_step(copy, 6)} is damaged (.metadata refused: it names")
+    with pytest.warns(DamagedCheckpointWarning, match=warned):
+        assert main(["train", "--resume", str(copy), "--steps", "6", "--quiet"]) == 0
+    assert not marker.exists()
+    losses = _losses(copy)
+    assert sorted(losses) == list(range(1, 7))
+    reference = _losses(run)
+    for step in (4, 5, 6):  # repeated from step 3, as the original run trained them
+        assert losses[step] == pytest.approx(reference[step], rel=1e-5), step
+
+
+def test_a_distcp_file_whose_pickle_names_a_callable_is_refused(copy, tmp_path, capsys):
+    marker = tmp_path / "ran"
+    _poison_data(_step(copy, 6), marker, tmp_path)
+    (refusal,) = refusals(_step(copy, 6))
+    assert refusal.startswith("__0_0.distcp refused: ") and "posix.system" in refusal
+    err = _one_line_error(capsys, "sample", copy, "--tokens", "2")
+    assert f"{_step(copy, 6)}: damaged checkpoint (__0_0.distcp refused" in err
+    assert f"the newest that verifies is {_step(copy, 3)}" in err
+    with pytest.warns(DamagedCheckpointWarning, match="distcp refused.*skipped for an older"):
+        assert main(["train", "--resume", str(copy), "--steps", "6", "--quiet"]) == 0
+    assert not marker.exists()
+
+
+def test_sample_and_export_stop_with_one_line(copy, capsys):
+    marker = copy.parent / "ran"
+    for step in (3, 6):
+        _poison_metadata(_step(copy, step), marker)
+    for argv in (["sample", copy], ["sample", _step(copy, 3)], ["export", copy, "--hf", "o"]):
+        err = _one_line_error(capsys, *argv)
+        assert "damaged checkpoint (.metadata refused: it names posix.system" in err
+    err = _one_line_error(capsys, "train", "--resume", copy, "--steps", "9")
+    assert "no checkpoint there can be opened (step-000006: .metadata refused" in err
+    assert "step-000003: .metadata refused" in err
+    assert not marker.exists()
+
+
+def test_records_of_unexpected_types_are_refused(copy, capsys):
+    """A ``gpipe.json`` of the wrong types is a damaged checkpoint; a ``run.json`` one is
+    refused in one line."""
+    _edit_json(_step(copy, 6) / "gpipe.json", lambda r: r["model"].update(n_layer="two"))
+    _update_manifest(_step(copy, 6))
+    err = _one_line_error(capsys, "sample", copy)
+    assert "model.n_layer is 'two' (str), expected int" in err
+    with pytest.warns(DamagedCheckpointWarning, match="expected int.*skipped for an older"):
+        assert main(["train", "--resume", str(copy), "--steps", "6", "--quiet"]) == 0
+    capsys.readouterr()
+    _edit_json(copy / "run.json", lambda r: r["train"].update(steps=[1]))
+    err = _one_line_error(capsys, "train", "--resume", copy)
+    assert "run.json: not a record gpipe wrote: train.steps is [1] (list), expected int" in err
+
+
+def test_a_manifest_pointing_outside_the_folder_is_damage(copy, tmp_path):
+    outside = tmp_path / "outside"
+    outside.write_text("x")
+    checkpoint = _step(copy, 6)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"]["../../../outside"] = {"bytes": 1, "sha256": "0"}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.warns(DamagedCheckpointWarning, match="not a file of the checkpoint's folder"):
+        assert latest_checkpoint(copy / "checkpoints") == _step(copy, 3)
+
+
+def test_code_a_run_folder_names_runs_only_when_the_user_names_it(copy, capsys):
+    """A checkpoint that says its model is ``os:abort`` (a module of the user's own, as far as
+    it claims) is not built unless ``--model os:abort`` is given: were it, this test's process
+    would abort."""
+    fields = {"source": "os:abort", "vocab_size": 256, "seq_len": 32}
+    for record in (_step(copy, 6) / "gpipe.json", copy / "run.json"):
+        _edit_json(record, lambda r: r.update(model=fields))
+    _update_manifest(_step(copy, 6))
+    err = _one_line_error(capsys, "sample", copy)
+    assert "names code to run, --model os:abort" in err
+    err = _one_line_error(capsys, "train", "--resume", copy)
+    assert "names code to run, --model os:abort" in err
+
+
+def test_an_automatic_restart_skips_a_poisoned_checkpoint(copy, run, tmp_path):
+    """Resumed from step 3 (its step 6 poisoned), the run loses a process at step 5, before
+    it writes step 6 again: the restart finds the poisoned step 6 newest, warns, and goes on
+    from step 3 with the same losses."""
+    marker = tmp_path / "ran"
+    _poison_metadata(_step(copy, 6), marker)
+    kill = {"rank": 1, "step": 5, "at": "step", "once": str(tmp_path / "killed")}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "GPIPE_TEST_KILL": json.dumps(kill)}
+    command = [sys.executable, "-m", "gpipe.cli", "train", "--resume", str(copy)]
+    command += ["--steps", "6", "--max-restarts", "1", "--quiet"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "killed").exists()
+    assert done.stderr.count(f"checkpoint {_step(copy, 6)} is damaged (.metadata refused") >= 2
+    assert not marker.exists()
+    losses, reference = _losses(copy), _losses(run)
+    for step in range(1, 7):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-5), step
