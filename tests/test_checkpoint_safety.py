@@ -23,13 +23,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from gpipe.cli import main
+from gpipe.models import GPTConfig, build_gpt
 from gpipe.training.checkpoints import (
     DamagedCheckpointWarning,
     latest_checkpoint,
     load_model_weights,
     verify_checkpoint,
 )
-from gpipe.training.models import GPTConfig, build_gpt
 from gpipe.training.safe_checkpoints import (
     METADATA_FILE,
     METADATA_GLOBALS,

@@ -94,6 +94,38 @@ def test_tied_copies_stay_equal_across_stages(trained):
     assert not torch.equal(model[0].token.weight, build_gpt(PRESETS["tiny"])[0].token.weight)
 
 
+def test_train_from_python_is_the_command(trained, tmp_path):
+    """``train(TrainConfig(...))`` runs what ``gpipe train`` with the same flags runs: the
+    same losses, step for step, and the summary returned."""
+    from gpipe.errors import ConfigError
+    from gpipe.training import TrainConfig, train
+    from gpipe.training.config import config_text, read_config_file
+
+    flags = dict(zip(TINY[:-1:2], TINY[1::2], strict=False))
+    config = TrainConfig.from_dict({k[2:]: _typed(v) for k, v in flags.items()})
+    config = TrainConfig(**config.given(), quiet=True, stages=1, steps=20, save_every=10)
+    config.out = str(tmp_path / "run")
+    summary = train(config)
+    assert summary is not None and summary["steps"] == 20
+    assert _losses(tmp_path / "run") == _losses(trained[1])
+    file = tmp_path / "run.toml"
+    file.write_text(config_text(config))
+    assert read_config_file(file) == config
+    with pytest.raises(ConfigError, match="TrainConfig.steps is 'ten' \\(str\\), expected int"):
+        TrainConfig(steps="ten")
+    with pytest.raises(ConfigError, match="--device must be one of cpu, cuda, got 'tpu'"):
+        TrainConfig(device="tpu")
+
+
+def _typed(value: str):
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
 def test_resume_continues_exactly(trained, tmp_path):
     """A run stopped after its step-10 checkpoint, resumed, repeats steps 11-20 exactly."""
     run = tmp_path / "run"
@@ -347,13 +379,13 @@ def test_mixed_precision_trains(tmp_path, precision):
 
 
 def test_the_shape_under_torchrun_follows_the_pinned_dimension():
-    from argparse import Namespace
-
-    from gpipe.cli.train import UsageError, _shape_from_world
+    from gpipe.errors import ConfigError as UsageError
+    from gpipe.training.config import TrainConfig
     from gpipe.training.job import TrainOptions
+    from gpipe.training.run import shape_from_world as _shape_from_world
 
     def given(stages=None, data_parallel=None):
-        return Namespace(stages=stages, data_parallel=data_parallel)
+        return TrainConfig(stages=stages, data_parallel=data_parallel)
 
     opts = TrainOptions(data_parallel=2)
     _shape_from_world(given(), opts, 8)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BalanceError", "MovingDenied", "PipelineError", "StageError"]
+__all__ = ["BalanceError", "ConfigError", "MovingDenied", "PipelineError", "StageError"]
 
 
 class PipelineError(RuntimeError):
@@ -23,3 +23,9 @@ class BalanceError(ValueError):
 
 class MovingDenied(TypeError):
     """Device placement of a pipelined model is fixed by its ``devices``."""
+
+
+class ConfigError(ValueError):
+    """A run's configuration (``TrainConfig``, the flags and config file of ``gpipe train``,
+    or the run it continues) cannot be run; the message names what was given and what is
+    expected, in one line."""

@@ -12,7 +12,7 @@ import sys
 
 from gpipe.cli import bench, export, plan, sample, simulate, train, view
 from gpipe.cli.common import Parser, UsageError
-from gpipe.errors import PipelineError
+from gpipe.errors import ConfigError, PipelineError
 
 __all__ = ["main"]
 
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         return args.command(args)
-    except UsageError as exc:
+    except (UsageError, ConfigError) as exc:
         print(f"gpipe: error: {exc}", file=sys.stderr)
         return 2
     except PipelineError as exc:

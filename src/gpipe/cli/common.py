@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from gpipe.planning.simulate import Costs
-from gpipe.schedules import SCHEDULES, traits
+from gpipe.training.rules import multi_stage_schedules, positive
 
 __all__ = [
     "MICROBATCH_TOKENS_HELP",
@@ -41,12 +41,6 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def positive(name: str, value: Any) -> None:
-    """Refuse ``--name value`` unless it is unset or at least 1."""
-    if value is not None and value < 1:
-        raise UsageError(f"--{name} must be a positive integer, got {value}")
-
-
 def read_costs(path: str, n_stages: int) -> Costs:
     """``--costs FILE``: the cost model in JSON, with one value per stage where it is a list."""
     try:
@@ -56,12 +50,6 @@ def read_costs(path: str, n_stages: int) -> Costs:
     except (OSError, ValueError) as exc:
         raise UsageError(f"--costs {path}: {exc}") from None
     return costs
-
-
-def multi_stage_schedules() -> str:
-    """The registered schedules that place several stages on each rank, as ``--schedule``
-    values for a message or a help text: ``interleaved``, or ``a or b``."""
-    return " or ".join(name for name in SCHEDULES if traits(name).several_stages_per_rank)
 
 
 def microbatch_tokens(args: argparse.Namespace, chunks: str = "--chunks {m}") -> list[float] | None:

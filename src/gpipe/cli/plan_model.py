@@ -14,8 +14,8 @@ from torch import nn
 
 from gpipe.cli.common import UsageError
 from gpipe.cli.plan_shard import plan_options
-from gpipe.cli.train_model import longest_sequence, quiet_tracer
 from gpipe.planning.memory import MemoryPlan, plan, profile
+from gpipe.training.run_model import longest_sequence, quiet_tracer
 
 __all__ = ["GPT_DEFAULTS", "add_model_arguments", "check_split_options", "model_kind", "plan_split"]
 

@@ -14,17 +14,30 @@ __all__ = ["on_first_rank"]
 T = TypeVar("T")
 
 
-def on_first_rank(decide: Callable[[], T], group: dist.ProcessGroup | None, what: str) -> T:
+def on_first_rank(
+    decide: Callable[[], T],
+    group: dist.ProcessGroup | None,
+    what: str,
+    *,
+    passed_on: tuple[type[Exception], ...] = (),
+) -> T:
     """``decide()`` run on rank 0 of ``group`` and its result given to every rank; if it
-    raised, every rank raises ValueError naming ``what`` and the error."""
-    decision: list[object] = [None, None]
+    raised, every rank raises: an exception of one of the ``passed_on`` types (each built
+    from its message alone) as itself, anything else as ValueError naming ``what`` and the
+    error. Bounded by the group's timeout, as every collective is."""
+    decision: list[object] = [None, None, None]
     if dist.get_rank(group) == 0:
         try:
-            decision = [decide(), None]
+            decision = [decide(), None, None]
         except Exception as exc:  # every rank must hear of it, or the others would wait
-            decision = [None, f"{type(exc).__name__}: {exc}"]
+            kind = next((i for i, t in enumerate(passed_on) if isinstance(exc, t)), None)
+            text = str(exc) if kind is not None else f"{type(exc).__name__}: {exc}"
+            decision = [None, kind, text]
     source = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(decision, src=source, group=group)
-    if decision[1] is not None:
-        raise ValueError(f"{what} on rank 0 failed: {decision[1]}")
+    kind, text = decision[1], decision[2]
+    if isinstance(kind, int):
+        raise passed_on[kind](text)
+    if text is not None:
+        raise ValueError(f"{what} on rank 0 failed: {text}")
     return decision[0]  # type: ignore[return-value]

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gpipe.comm.agreement import on_first_rank
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 from gpipe.splitting import SplitModel, split
 
@@ -161,12 +162,14 @@ def _split(model: nn.Module, example: Any, **how: Any) -> SplitModel:
 def _cut_by_first_rank(model: nn.Module, example: Any, parts: int) -> SplitModel:
     """Stages cut by measured time: the first rank measures and the others cut where it did
     (times differ between processes, and every rank must hold the same stages)."""
-    chosen: list[Any] = [None]
-    if dist.get_rank() == 0:
-        stages = _split(model, example, parts=parts, balance="time")
-        chosen[0] = stages.at
-    dist.broadcast_object_list(chosen, src=0)
-    return stages if dist.get_rank() == 0 else _split(model, example, at=chosen[0])
+    measured: list[SplitModel] = []
+
+    def measure() -> list[str]:
+        measured.append(_split(model, example, parts=parts, balance="time"))
+        return list(measured[0].at)
+
+    at = on_first_rank(measure, None, "cutting the model by measured time")
+    return measured[0] if measured else _split(model, example, at=at)
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -7,8 +7,7 @@ import math
 import os
 from pathlib import Path
 
-import torch.distributed as dist
-
+from gpipe.comm.agreement import on_first_rank
 from gpipe.training.checkpoints import discard_partial, latest_checkpoint
 
 __all__ = ["NothingToResume", "resume_point", "trim_metrics"]
@@ -29,18 +28,20 @@ def resume_point(
     if not (required or restarted):
         return None
     root = out / "checkpoints"
-    choice: list[str | None] = [verified if not restarted else None]
-    if dist.get_rank() == 0:
+
+    def choose() -> str | None:
         discard_partial(root)
-        if choice[0] is None:
-            path = latest_checkpoint(root)
-            choice = [None if path is None else path.name]
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
+        if verified is not None and not restarted:
+            return verified
+        path = latest_checkpoint(root)
+        return None if path is None else path.name
+
+    choice = on_first_rank(choose, None, "choosing the checkpoint to continue from")
+    if choice is None:
         if required and not restarted:
             raise NothingToResume(f"no checkpoint in {root} verifies; nothing to resume from")
         return None
-    return root / choice[0]
+    return root / choice
 
 
 def trim_metrics(path: Path, step: int) -> None:

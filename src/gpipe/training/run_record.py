@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_fields", "checked_run_record"]
+__all__ = ["check_fields", "checked_run_record", "dataclass_types"]
 
 _RECORD_FIELDS: dict[str, Any] = {
     "model": dict[str, Any],
@@ -79,7 +79,8 @@ def check_fields(values: Any, types_: dict[str, Any], where: str, *, others: boo
             )
 
 
-def _dataclass_types(cls: type) -> dict[str, Any]:
+def dataclass_types(cls: type) -> dict[str, Any]:
+    """Each field of the dataclass ``cls`` by name, with its type."""
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
@@ -90,8 +91,8 @@ def checked_run_record(path: Path, *, require_step: bool = False) -> dict[str, A
     have the fields gpipe knows. Fields of the caller's own (``save_checkpoint``'s
     ``description`` may hold any) are left alone. ``require_step`` for a checkpoint's
     description. ValueError naming the file otherwise."""
+    from gpipe.models.gpt import GPTConfig
     from gpipe.training.model_sources import TrainModel
-    from gpipe.training.models.gpt import GPTConfig
     from gpipe.training.options import TrainOptions
 
     try:
@@ -107,10 +108,10 @@ def checked_run_record(path: Path, *, require_step: bool = False) -> dict[str, A
         model = record.get("model", {})
         if model.get("source", "gpt") == "gpt":
             gpt = {k: v for k, v in model.items() if k != "source"}
-            check_fields(gpt, _dataclass_types(GPTConfig), "model")
+            check_fields(gpt, dataclass_types(GPTConfig), "model")
         else:
-            check_fields(model, _dataclass_types(TrainModel), "model")
-        check_fields(record.get("train", {}), _dataclass_types(TrainOptions), "train")
+            check_fields(model, dataclass_types(TrainModel), "model")
+        check_fields(record.get("train", {}), dataclass_types(TrainOptions), "train")
     except ValueError as exc:
         raise ValueError(f"{path}: not a record gpipe wrote: {exc}") from None
     return record

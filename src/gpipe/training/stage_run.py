@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gpipe.comm.process_group import rank_device
 from gpipe.pipeline import Pipeline
 from gpipe.planning.auto import AUTO
 from gpipe.splitting import SplitModel
@@ -35,14 +35,6 @@ from gpipe.training.tokenizer import ByteTokenizer, IdTokenizer, load_tokenizer
 __all__ = ["StageRun"]
 
 
-def _rank_device(name: str) -> torch.device:
-    """The device named; on CUDA, the GPU of this process's local rank."""
-    device = torch.device(name)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return device
-
-
 class StageRun:
     """This rank's share of the job, from joining the process group to the run's summary.
 
@@ -54,7 +46,7 @@ class StageRun:
         self.model = model_from_dict(spec.model)
         self.out = Path(spec.out)
         self.seq_len = opts.seq_len or self.model.seq_len
-        self.device = _rank_device(opts.device)
+        self.device = rank_device(opts.device)
         join_process_group(self.device, opts.timeout)  # before anything else starts one
         self.resumed = spec.resume
         self.restarted = spec.restarted or restart_count() > 0

@@ -1,9 +1,8 @@
-"""``gpipe train --model``: the model a run trains, resolved from the flags (or from the run
-it continues) and checked before any process starts."""
+"""The model a run trains (``TrainConfig.model`` and the GPT's shape fields), resolved from
+the configuration or from the run it continues, and checked before any process starts."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import logging
@@ -14,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe.cli.common import UsageError
+from gpipe.errors import ConfigError
+from gpipe.training.config import TrainConfig
 
 __all__ = [
     "GPT_FLAGS",
@@ -36,70 +36,68 @@ GPT_FLAGS = {  # flag -> GPTConfig field
 }
 
 
-def resolve_model(args: argparse.Namespace, saved: dict[str, Any] | None, out: Path) -> Any:
+def resolve_model(config: TrainConfig, saved: dict[str, Any] | None, out: Path) -> Any:
     """The run's ``TrainModel``: from ``--model`` and its flags, or as the run in ``out``
     recorded it (where the flags must agree with it)."""
     from gpipe.training.model_sources import model_from_dict, parse_model
 
     try:
-        kind, target = parse_model(args.model or (saved or {}).get("source", "gpt"))
+        kind, target = parse_model(config.model or (saved or {}).get("source", "gpt"))
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    given = [f"--{f.replace('_', '-')}" for f in GPT_FLAGS if getattr(args, f) is not None]
-    given += ["--untied"] * bool(args.untied) + ["--preset"] * (args.preset is not None)
+        raise ConfigError(str(exc)) from None
+    given = [f"--{f.replace('_', '-')}" for f in GPT_FLAGS if getattr(config, f) is not None]
+    given += ["--untied"] * bool(config.untied) + ["--preset"] * (config.preset is not None)
     if kind != "gpt" and given:
-        raise UsageError(
-            f"{', '.join(given)}: the built-in GPT's flags, but --model {args.model} gives the "
+        raise ConfigError(
+            f"{', '.join(given)}: the built-in GPT's flags, but --model {config.model} gives the "
             "model; set its shape in its own config or factory"
         )
     if kind == "gpt":
-        return model_from_dict({"source": "gpt", **_gpt_fields(args, saved, out)})
+        return model_from_dict({"source": "gpt", **_gpt_fields(config, saved, out)})
     if saved is not None:
         held = model_from_dict(saved)
-        if args.model is not None and args.model != held.source:
-            raise UsageError(f"the run in {out} trains --model {held.source}, not {args.model}")
+        if config.model is not None and config.model != held.source:
+            raise ConfigError(f"the run in {out} trains --model {held.source}, not {config.model}")
         from gpipe.training.trained import check_code_named
 
         try:
-            check_code_named(held, out / "run.json", args.model)
+            check_code_named(held, out / "run.json", config.model)
         except ValueError as exc:
-            raise UsageError(str(exc)) from None
+            raise ConfigError(str(exc)) from None
         return held
-    split_at = args.split_at.split(",") if args.split_at else None
+    split_at = config.split_at.split(",") if config.split_at else None
     try:
         if kind == "hf":
             return _hf_model(target, split_at)
-        return _module_model(target, split_at, args.seq_len)
+        return _module_model(target, split_at, config.seq_len)
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        raise ConfigError(str(exc)) from None
 
 
-def _gpt_fields(
-    args: argparse.Namespace, saved: dict[str, Any] | None, out: Path
-) -> dict[str, Any]:
+def _gpt_fields(config: TrainConfig, saved: dict[str, Any] | None, out: Path) -> dict[str, Any]:
     from gpipe.models.gpt import GPTConfig, config_from_preset
 
-    if args.split_at:
-        raise UsageError("--split-at cuts a model given by --model hf:... or MODULE:FUNCTION")
+    if config.split_at:
+        raise ConfigError("--split-at cuts a model given by --model hf:... or MODULE:FUNCTION")
     overrides = {
-        field_: getattr(args, flag)
+        field_: getattr(config, flag)
         for flag, field_ in GPT_FLAGS.items()
-        if getattr(args, flag) is not None
+        if getattr(config, flag) is not None
     }
-    if args.untied:
+    if config.untied:
         overrides["tied"] = False
     try:
         if saved is None:
-            config = config_from_preset(args.preset or "small", **overrides)
+            config = config_from_preset(config.preset or "small", **overrides)
         else:
             config = GPTConfig.from_dict({k: v for k, v in saved.items() if k != "source"})
     except (ValueError, KeyError, TypeError) as exc:
-        raise UsageError(str(exc).strip("'\"")) from None
+        raise ConfigError(str(exc).strip("'\"")) from None
     differ = {k: v for k, v in overrides.items() if getattr(config, k) != v}
     if differ:
         asked = ", ".join(f"{k}={v}" for k, v in differ.items())
         held = ", ".join(f"{k}={getattr(config, k)}" for k in differ)
-        raise UsageError(f"the checkpoint in {out} holds a model with {held}, not {asked}")
+        raise ConfigError(f"the checkpoint in {out} holds a model with {held}, not {asked}")
     return config.to_dict()
 
 
@@ -211,23 +209,23 @@ def check_pack(opts: Any, model: Any) -> None:
         return
     for flag, path in (("--data", opts.data), ("--val-data", opts.val_data)):
         if (path is not None or flag == "--data") and not str(path).lower().endswith(".jsonl"):
-            raise UsageError(
+            raise ConfigError(
                 f"--pack trains on documents: {flag} must be a JSON lines file (.jsonl, one "
                 f'object with a "text" field per document), got {path}'
             )
     if model.kind == "module":
-        raise UsageError(
+        raise ConfigError(
             f"--pack with --model {model.source}: gpipe cannot know how your model takes "
             "document boundaries; use --model gpt or hf:PATH, or gpipe.data.pack with "
             "Pipeline.step(microbatches=...) in your own loop (docs/varlen.md)"
         )
     if opts.schedule == "auto":
-        raise UsageError(
+        raise ConfigError(
             "--pack with --schedule auto: auto times micro-batches of one shape, and packed "
             "ones differ; name a schedule (gpipe plan --suggest can help choose)"
         )
     if opts.chunks is not None and opts.batch_size < opts.chunks * opts.data_parallel:
-        raise UsageError(
+        raise ConfigError(
             f"--pack: --batch-size {opts.batch_size} rows' worth of tokens cannot fill --chunks "
             f"{opts.chunks} x --data-parallel {opts.data_parallel} micro-batches; raise "
             "--batch-size or lower --chunks"
@@ -245,7 +243,7 @@ def _check_packed_masks(source: str) -> None:
     except ImportError:
         import transformers
 
-        raise UsageError(
+        raise ConfigError(
             f"--pack with --model {source}: transformers {transformers.__version__} does not "
             "build document masks from position_ids, so packed documents would attend to "
             "each other; upgrade transformers"

@@ -1,0 +1,195 @@
+"""What a run asks for: ``TrainConfig``, the flags of ``gpipe train`` as a typed dataclass, and
+its TOML form (``--config`` reads it, ``--print-config`` writes it).
+
+A field left ``None`` means "the default, or the run's own when it is resumed": a resumed run
+keeps what it was started with unless the configuration says otherwise. ``resolve_options``
+turns a configuration (and the run it continues) into the ``TrainOptions`` every rank runs
+with; the rules those options must satisfy are ``check_options``'s (``training/rules.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpipe.errors import ConfigError
+from gpipe.training.run_record import check_fields, dataclass_types
+
+__all__ = [
+    "CHOICES",
+    "TrainConfig",
+    "config_text",
+    "config_values",
+    "read_config_file",
+]
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "shard": ("none", "optimizer", "gradients", "full"),
+    "device": ("cpu", "cuda"),
+    "precision": ("fp32", "bf16", "fp16"),
+    "save_writer": ("auto", "process", "thread"),
+    "token_dtype": ("uint16", "uint32"),
+}
+
+
+@dataclass
+class TrainConfig:
+    """A run of ``gpipe train``, field for flag (``--batch-size`` is ``batch_size``);
+    ``gpipe.training.train(config)`` runs it as the command would. ``None``: the default, or
+    the resumed run's own."""
+
+    # the model
+    model: str | None = None  # gpt, hf:PATH or MODULE:FUNCTION (default gpt)
+    split_at: str | None = None  # NAME,... where a traced model's stages begin
+    preset: str | None = None  # the GPT's named size (default small)
+    n_layer: int | None = None
+    d_model: int | None = None
+    n_head: int | None = None
+    d_ff: int | None = None
+    context: int | None = None  # the GPT's longest sequence
+    dropout: float | None = None
+    untied: bool = False  # separate embedding and LM-head weights
+    # the pipeline
+    stages: int | None = None
+    data_parallel: int | None = None
+    shard: str | None = None
+    chunks: int | None = None
+    checkpoint: str | None = None  # re-materialization: always, except_last, never
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    balance: str | None = None
+    device: str | None = None
+    precision: str | None = None
+    threads: int | None = None  # intra-op threads per process on CPU
+    # training
+    steps: int | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None
+    lr: float | None = None
+    warmup: int | None = None
+    eval_every: int | None = None
+    save_every: int | None = None
+    keep: int | None = None
+    keep_every: int | None = None
+    sync_save: bool = False
+    save_writer: str | None = None
+    data: str | None = None
+    val_data: str | None = None
+    tokenizer: str | None = None
+    token_dtype: str | None = None
+    pack: bool = False
+    seed: int | None = None
+    timeout: float | None = None
+    max_restarts: int | None = None
+    prompt: str | None = None
+    sample_tokens: int | None = None
+    # the run folder
+    out: str = "runs/gpt"
+    resume: str | None = None  # continue the run in this folder
+    force: bool = False  # replace what is in the run folder
+    quiet: bool = False  # plain log lines, no progress bar
+    trace: bool = False  # write the last step's timeline into the run folder
+
+    def __post_init__(self) -> None:
+        try:
+            check_fields(dataclasses.asdict(self), dataclass_types(TrainConfig), "TrainConfig")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], where: str = "TrainConfig") -> TrainConfig:
+        """A configuration from ``values`` (keys with dashes or underscores); an unknown key
+        is named, with the nearest known one."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        fields_: dict[str, Any] = {}
+        for raw, value in values.items():
+            key = raw.replace("-", "_")
+            if key not in known:
+                close = difflib.get_close_matches(key.replace("_", "-"), _flags(known), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ConfigError(
+                    f"{where}: unknown key {raw!r}{hint}; the keys are gpipe train's flags "
+                    "without the dashes (gpipe train --print-config lists them)"
+                )
+            fields_[key] = value
+        try:
+            return cls(**fields_)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+    def given(self) -> dict[str, Any]:
+        """The fields set to something other than their default."""
+        defaults = TrainConfig()
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(defaults, f.name)
+        }
+
+
+def _flags(names: list[str]) -> list[str]:
+    return [name.replace("_", "-") for name in names]
+
+
+def read_config_file(path: str | Path) -> TrainConfig:
+    """The configuration a TOML file holds (``batch-size = 16``; ``batch_size`` is taken
+    too); ConfigError naming the file and the key for anything else."""
+    try:
+        table = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"--config {path}: {exc}") from None
+    types = dataclass_types(TrainConfig)
+    for raw, value in table.items():
+        key = raw.replace("-", "_")
+        if key in types:
+            try:
+                check_fields({key: value}, types, "")
+            except ValueError:
+                raise ConfigError(
+                    f"--config {path}: {raw} must be {_expected(types[key])}, got {value!r}"
+                ) from None
+    return TrainConfig.from_dict(table, where=f"--config {path}")
+
+
+def _expected(hint: Any) -> str:
+    text = str(hint)
+    if "bool" in text:
+        return "true or false"
+    if "int" in text:
+        return "an integer"
+    if "float" in text:
+        return "a number"
+    return "a string"
+
+
+def config_values(config: TrainConfig) -> dict[str, Any]:
+    """Every field of ``config`` that is set, by its flag's name (``batch-size``), as the
+    run folder records it; ``force`` is an instruction, not part of a run."""
+    return {
+        field.name.replace("_", "-"): getattr(config, field.name)
+        for field in dataclasses.fields(config)
+        if getattr(config, field.name) is not None and field.name != "force"
+    }
+
+
+def config_text(config: TrainConfig) -> str:
+    """``config`` as a TOML file that ``--config`` reads back (``config_values``' keys)."""
+    return "".join(f"{key} = {_toml(value)}\n" for key, value in config_values(config).items())
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))  # a JSON string is a TOML basic string

@@ -1,0 +1,168 @@
+"""The rules a run's options must satisfy, checked before any process starts: counts that
+must be positive, a schedule's micro-batch rules, a cut the model allows, shards with
+replicas to shard over. Each broken rule is one ``ConfigError`` naming the flag, what was
+given and what is expected."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gpipe.errors import ConfigError
+from gpipe.runtime.recompute import check_checkpoint
+from gpipe.schedules import SCHEDULES, traits
+from gpipe.training.options import TrainOptions
+from gpipe.training.run_model import model_layer_count
+
+__all__ = ["check_options", "multi_stage_schedules", "positive"]
+
+
+def positive(name: str, value: Any) -> None:
+    """Refuse ``--name value`` unless it is unset or at least 1."""
+    if value is not None and value < 1:
+        raise ConfigError(f"--{name} must be a positive integer, got {value}")
+
+
+def multi_stage_schedules() -> str:
+    """The registered schedules that place several stages on each rank, as ``--schedule``
+    values for a message: ``interleaved``, or ``a or b``."""
+    return " or ".join(name for name in SCHEDULES if traits(name).several_stages_per_rank)
+
+
+def check_options(model: Any, opts: TrainOptions) -> None:
+    """ConfigError for the first rule ``opts`` breaks for ``model`` (a ``TrainModel``)."""
+    for name in (
+        "stages",
+        "data_parallel",
+        "chunks",
+        "steps",
+        "batch_size",
+        "seq_len",
+        "eval_every",
+        "virtual_stages",
+    ):
+        positive(name.replace("_", "-"), getattr(opts, name))
+    if opts.warmup < 0 or opts.save_every < 0 or opts.keep_every < 0:
+        raise ConfigError("--warmup, --save-every and --keep-every must not be negative")
+    if opts.sync_save and opts.save_writer != "auto":
+        raise ConfigError(
+            f"--save-writer {opts.save_writer} (given, or the run's own) says what writes in "
+            "the background, but --sync-save writes with training stopped: give one of them"
+        )
+    if opts.keep < 1:
+        raise ConfigError(
+            f"--keep must be at least 1 (the newest good checkpoint), got {opts.keep}"
+        )
+    layers = model_layer_count(model)
+    if opts.batch_size < opts.data_parallel:
+        raise ConfigError(
+            f"--batch-size {opts.batch_size} cannot give each of --data-parallel "
+            f"{opts.data_parallel} replicas a row"
+        )
+    if layers is not None and opts.stages > layers:
+        raise ConfigError(
+            f"--stages {opts.stages} is more than the model's {layers} layers "
+            f"({layers - 2} blocks, embedding and head); at most {layers} stages"
+        )
+    if opts.seq_len is not None and opts.seq_len > model.seq_len:
+        more = "raise --context" if model.kind == "gpt" else "its config says so"
+        raise ConfigError(
+            f"--seq-len {opts.seq_len} is above the model's maximum of {model.seq_len} ({more})"
+        )
+    _check_shard(opts)
+    if model.kind == "hf" and opts.balance not in ("time", "params"):
+        raise ConfigError(
+            f"--balance {opts.balance}: a Hugging Face model is cut by tracing, by parameters "
+            "(time and params both mean that on the meta device) or at --split-at NAME,..."
+        )
+    if opts.schedule == "auto":
+        _check_auto(opts, model)
+    else:
+        _check_schedule(opts, layers)
+    try:
+        check_checkpoint(opts.checkpoint)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but this machine has no CUDA device")
+
+
+def _check_shard(opts: Any) -> None:
+    """``--shard``: only ``full`` exists, and only with replicas to shard over."""
+    if opts.shard == "none":
+        return
+    from torch import nn
+
+    from gpipe.parallel.sharding import check_shard
+
+    try:
+        check_shard(opts.shard, opts.data_parallel, nn.Sequential())
+    except ValueError as exc:
+        raise ConfigError(
+            f"--shard {opts.shard} (with --data-parallel {opts.data_parallel}): {exc}"
+        ) from None
+
+
+def _check_auto(opts: Any, model: Any) -> None:
+    """``--schedule auto`` chooses the stages per process and the cut itself."""
+    if model.kind == "hf" or model.split_at:
+        raise ConfigError(
+            f"--schedule auto cuts an nn.Sequential between its layers; --model {model.source} "
+            "is split by tracing: pass --schedule and --chunks"
+        )
+    if opts.virtual_stages > 1:
+        raise ConfigError(
+            f"--virtual-stages {opts.virtual_stages}: --schedule auto chooses the stages per "
+            "process; leave it out"
+        )
+    if opts.balance != "time":
+        raise ConfigError(
+            f"--balance {opts.balance}: --schedule auto chooses the cut by time; leave it out"
+        )
+    share = opts.batch_size // opts.data_parallel
+    if opts.chunks is not None and opts.chunks > share:
+        raise ConfigError(
+            f"--chunks {opts.chunks} is more than each replica's {share} rows of --batch-size"
+        )
+
+
+def _check_schedule(opts: Any, layers: int | None) -> None:
+    """A named schedule: its stages per process and micro-batch rules, and the cut."""
+    from gpipe.training.job import parse_balance
+
+    try:
+        schedule = traits(opts.schedule)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if opts.virtual_stages > 1 and not schedule.several_stages_per_rank:
+        raise ConfigError(
+            f"--virtual-stages {opts.virtual_stages} needs --schedule {multi_stage_schedules()}, "
+            f"not {opts.schedule}"
+        )
+    if schedule.microbatches_per_round and (
+        opts.chunks % opts.stages or opts.batch_size // opts.data_parallel < opts.chunks
+    ):
+        raise ConfigError(
+            f"--schedule {opts.schedule} needs --chunks a multiple of --stages ({opts.stages}) and "
+            f"each replica's share of --batch-size at least --chunks, got --chunks "
+            f"{opts.chunks} and --batch-size {opts.batch_size} over {opts.data_parallel} "
+            "replica(s)"
+        )
+    if not schedule.runs(opts.stages, opts.chunks, opts.virtual_stages):
+        fewest = schedule.fewest_microbatches(opts.stages, opts.virtual_stages)
+        raise ConfigError(
+            f"--schedule {opts.schedule} needs --chunks of at least {fewest} for --stages "
+            f"{opts.stages}, got {opts.chunks}"
+        )
+    if layers is not None and opts.parts > layers:
+        raise ConfigError(
+            f"--stages {opts.stages} x --virtual-stages {opts.virtual_stages} is more than the "
+            f"model's {layers} layers ({layers - 2} blocks, embedding and head)"
+        )
+    if layers is None:
+        return  # a split model: the ranks cut it where --split-at or the balance says
+    try:
+        parse_balance(opts.balance, opts.parts, layers)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
