@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from gpipe import Pipeline, launch
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
-from gpipe.training.checkpoint_writer import CheckpointWriter
-from gpipe.training.retention import Retention
+from gpipe.training.checkpoints.retention import Retention
+from gpipe.training.checkpoints.writer import CheckpointWriter
 
 from .common import gpt_model, machine, quick_or_repeats, write_results
 

@@ -182,7 +182,7 @@ def bad_inputs() -> dict:
 
 def different_text() -> str:
     """Stage 1 reads other training text than stage 0: the job must refuse to start."""
-    from gpipe.training.corpus import check_same_text as _check_same_text
+    from gpipe.training.data.corpus import check_same_text as _check_same_text
 
     pipe = Pipeline(mlp(), BALANCES[2], loss_fn=mse_loss)
     return _error(lambda: _check_same_text(b"same" if pipe.is_first else b"other", pipe))

@@ -8,8 +8,8 @@ import torch
 from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline
-from gpipe.training.checkpoint_writer import CheckpointWriter
-from gpipe.training.retention import Retention
+from gpipe.training.checkpoints.retention import Retention
+from gpipe.training.checkpoints.writer import CheckpointWriter
 
 from .models import batch, mlp
 

@@ -267,8 +267,12 @@ def checkpoints(root: str) -> dict:
     K = 1 sharded, with the losses the run itself goes on with."""
     from pathlib import Path
 
-    from gpipe.training.checkpoint_writer import CheckpointWriter
-    from gpipe.training.checkpoints import latest_checkpoint, load_checkpoint, verify_checkpoint
+    from gpipe.training.checkpoints.format import (
+        latest_checkpoint,
+        load_checkpoint,
+        verify_checkpoint,
+    )
+    from gpipe.training.checkpoints.writer import CheckpointWriter
 
     init_process_group(torch.device("cpu"))
     options = dict(chunks=4, schedule="1f1b", loss_fn=mse_loss, timeout=20)

@@ -24,13 +24,13 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from gpipe.cli import main
 from gpipe.models import GPTConfig, build_gpt
-from gpipe.training.checkpoints import (
+from gpipe.training.checkpoints.format import (
     DamagedCheckpointWarning,
     latest_checkpoint,
     load_model_weights,
     verify_checkpoint,
 )
-from gpipe.training.safe_checkpoints import (
+from gpipe.training.checkpoints.safe_reading import (
     METADATA_FILE,
     METADATA_GLOBALS,
     CheckpointRefused,

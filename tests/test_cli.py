@@ -17,7 +17,7 @@ from gpipe.models import PRESETS, GPTConfig, build_gpt
 from gpipe.planning.balancing import balance_by_params
 from gpipe.schedules import SCHEDULES
 from gpipe.training.balance_choice import held_choice
-from gpipe.training.checkpoints import load_model_weights
+from gpipe.training.checkpoints.format import load_model_weights
 from gpipe.training.options import TrainOptions
 
 TINY = [

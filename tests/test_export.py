@@ -18,10 +18,10 @@ from torch import nn
 from gpipe.cli import main
 from gpipe.data import BatchSampler
 from gpipe.models.gpt import lm_loss
-from gpipe.training.checkpoints import save_checkpoint
+from gpipe.training.checkpoints.format import save_checkpoint
+from gpipe.training.data.run_data import run_dataset
+from gpipe.training.models.trained import checkpoint_at, load_trained
 from gpipe.training.options import TrainOptions
-from gpipe.training.run_data import run_dataset
-from gpipe.training.trained import checkpoint_at, load_trained
 
 from .text_cases import LINES, word_tokenizer
 
@@ -201,7 +201,7 @@ def test_export_refuses_no_checkpoint_a_damaged_one_and_a_full_folder(run, tmp_p
 def test_a_tokenizer_folder_gives_its_tokenizer_files_only(tmp_path):
     from tokenizers import Tokenizer
 
-    from gpipe.training.hf_export import tokenizer_files
+    from gpipe.training.hf.export import tokenizer_files
 
     raw = Tokenizer.from_file(str(word_tokenizer(tmp_path / "t.json")))
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")

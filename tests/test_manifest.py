@@ -5,7 +5,13 @@ import json
 
 import pytest
 
-from gpipe.training.manifest import MANIFEST, digest, listed_files, verify, write_manifest
+from gpipe.training.checkpoints.manifest import (
+    MANIFEST,
+    digest,
+    listed_files,
+    verify,
+    write_manifest,
+)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 
 from gpipe.cli import main
-from gpipe.training.checkpoints import verify_checkpoint
+from gpipe.training.checkpoints.format import verify_checkpoint
 
 RUN = [
     "--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--chunks", "4", "--lr", "1e-2",

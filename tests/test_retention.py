@@ -4,9 +4,9 @@ lost; the background writer saves the state as it was at ``save``, one save at a
 import pytest
 import torch
 
-from gpipe.training.checkpoint_writer import CheckpointWriter
-from gpipe.training.checkpoints import checkpoint_dirs, load_model_weights, verify_checkpoint
-from gpipe.training.retention import Retention, prune_checkpoints
+from gpipe.training.checkpoints.format import checkpoint_dirs, load_model_weights, verify_checkpoint
+from gpipe.training.checkpoints.retention import Retention, prune_checkpoints
+from gpipe.training.checkpoints.writer import CheckpointWriter
 
 # one process, no process group: torch.distributed.checkpoint says it saves as one process
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

@@ -1,6 +1,7 @@
-"""Checkpoints written by a helper process of each rank (``gpipe.training.save_process``):
-the state as it was at ``save``, retention as the thread's, and a rank lost after writing
-its files leaves a ``.partial`` folder that is never loaded, its helper gone with it.
+"""Checkpoints written by a helper process of each rank
+(``gpipe.training.checkpoints.save_process``): the state as it was at ``save``, retention
+as the thread's, and a rank lost after writing its files leaves a ``.partial`` folder that is
+never loaded, its helper gone with it.
 
 Real processes over gloo, with processes of their own (a rank is killed): ``gpipe.launch``.
 """
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from gpipe import LaunchError, launch
-from gpipe.training.checkpoints import checkpoint_dirs, load_model_weights, verify_checkpoint
+from gpipe.training.checkpoints.format import checkpoint_dirs, load_model_weights, verify_checkpoint
 
 from .models import mlp
 from .save_process_cases import saves

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from gpipe.training.checkpoints import (
+from gpipe.training.checkpoints.format import (
     DamagedCheckpointWarning,
     checkpoint_dirs,
     discard_partial,

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpipe.data import BatchSampler, ByteDataset, load_text
-from gpipe.training.tokenizer import ByteTokenizer, check_tokenizer, load_tokenizer
-from gpipe.training.tokens import (
+from gpipe.training.data.tokenizer import ByteTokenizer, check_tokenizer, load_tokenizer
+from gpipe.training.data.tokens import (
     TokenDataset,
     check_vocabulary,
     check_windows,
@@ -201,7 +201,7 @@ def test_unknown_and_empty_files_are_refused(tmp_path):
 
 
 def test_check_vocabulary_scans_for_the_largest_id(tmp_path, monkeypatch):
-    monkeypatch.setattr("gpipe.training.tokens._SCAN", 64)  # several chunks
+    monkeypatch.setattr("gpipe.training.data.tokens._SCAN", 64)  # several chunks
     ids = np.arange(1000, dtype=np.uint16) % 300
     ids[917] = 4321
     ids.tofile(tmp_path / "t.bin")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from gpipe.cli import main
 from gpipe.data import counts_of, pack
 from gpipe.models.gpt import GPTConfig, build_gpt
-from gpipe.training.documents import Documents, DocumentSampler, read_documents
+from gpipe.training.data.documents import Documents, DocumentSampler, read_documents
 
 from . import packed_cases
 from .text_cases import LINES, llama_config, word_tokenizer
@@ -69,8 +69,8 @@ def test_a_packed_llama_step_is_the_unsplit_model_on_the_same_documents(corpus, 
     records = _records(out)
     assert records[-1]["val_loss"] < 0.5 * math.log(32), records
 
-    from gpipe.training.documents import open_documents
-    from gpipe.training.tokenizer import load_tokenizer
+    from gpipe.training.data.documents import open_documents
+    from gpipe.training.data.tokenizer import load_tokenizer
 
     whole = open_documents(out / "tokens" / "train.bin", load_tokenizer(corpus / "tokenizer.json"))
     train, _ = whole.split(0.1)

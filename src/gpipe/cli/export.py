@@ -28,8 +28,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from gpipe.training.hf_export import export_hf
-    from gpipe.training.trained import checkpoint_at
+    from gpipe.training.hf.export import export_hf
+    from gpipe.training.models.trained import checkpoint_at
 
     try:
         checkpoint = checkpoint_at(args.path)

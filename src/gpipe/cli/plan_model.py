@@ -15,7 +15,7 @@ from torch import nn
 from gpipe.cli.common import UsageError
 from gpipe.cli.plan_shard import plan_options
 from gpipe.planning.memory import MemoryPlan, plan, profile
-from gpipe.training.run_model import longest_sequence, quiet_tracer
+from gpipe.training.models.resolve import longest_sequence, quiet_tracer
 
 __all__ = ["GPT_DEFAULTS", "add_model_arguments", "check_split_options", "model_kind", "plan_split"]
 
@@ -66,7 +66,7 @@ def model_kind(args: argparse.Namespace) -> str:
     """``--model``'s kind (``gpt``, ``hf`` or ``module``), its flags checked: the GPT's shape
     flags only with the GPT, whose defaults (and vocabulary, from ``--tokenizer``) are filled
     in here; ``--split-at`` only with a model that ``gpipe.split`` cuts."""
-    from gpipe.training.model_sources import parse_model
+    from gpipe.training.models.sources import parse_model
 
     try:
         kind, _ = parse_model(args.model)
@@ -98,7 +98,7 @@ def model_kind(args: argparse.Namespace) -> str:
 
 
 def _tokenizer(args: argparse.Namespace) -> Any:
-    from gpipe.training.tokenizer import load_tokenizer
+    from gpipe.training.data.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(args.tokenizer)
@@ -107,7 +107,7 @@ def _tokenizer(args: argparse.Namespace) -> Any:
 
 
 def _check_tokenizer(tokenizer: Any, vocab_size: int) -> None:
-    from gpipe.training.tokenizer import check_tokenizer
+    from gpipe.training.data.tokenizer import check_tokenizer
 
     try:
         check_tokenizer(tokenizer, vocab_size)
@@ -140,7 +140,7 @@ def plan_split(args: argparse.Namespace, dtype: torch.dtype) -> tuple[MemoryPlan
     ``--virtual-stages`` stages, and where each stage begins. The model is built on the meta
     device in ``dtype`` and its stages profiled there on ``--seq-len`` tokens (by default the
     model's longest sequence)."""
-    from gpipe.training.model_sources import model_loss
+    from gpipe.training.models.sources import model_loss
 
     tokenizer = None if args.tokenizer is None else _tokenizer(args)
     model = _build(args).to(device="meta", dtype=dtype)
@@ -164,12 +164,12 @@ def plan_split(args: argparse.Namespace, dtype: torch.dtype) -> tuple[MemoryPlan
 def _build(args: argparse.Namespace) -> nn.Module:
     """The model ``--model`` names, parameters on meta for ``hf:`` (a factory's module is
     built as its factory builds it, then moved)."""
-    from gpipe.training.model_sources import call_factory, parse_model
+    from gpipe.training.models.sources import call_factory, parse_model
 
     kind, target = parse_model(args.model)
     try:
         if kind == "hf":
-            from gpipe.training.hf_models import build_hf_meta
+            from gpipe.training.hf.models import build_hf_meta
 
             return build_hf_meta(target)
         return call_factory(target, 0)
@@ -202,7 +202,7 @@ def _split(model: nn.Module, args: argparse.Namespace, parts: int) -> Any:
 
 def _vocab_size(model: nn.Module, source: str) -> int:
     """The model's vocabulary: its config's, or the width of its logits (on meta)."""
-    from gpipe.training.model_sources import logits_of
+    from gpipe.training.models.sources import logits_of
 
     found = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(found, int):

@@ -44,8 +44,8 @@ def add_parser(sub: Any) -> None:
 
 def _sample(args: argparse.Namespace) -> int:
     from gpipe.models.gpt import generate
-    from gpipe.training.tokenizer import IdTokenizer, check_tokenizer, load_tokenizer
-    from gpipe.training.trained import checkpoint_at, load_trained, trained_model
+    from gpipe.training.data.tokenizer import IdTokenizer, check_tokenizer, load_tokenizer
+    from gpipe.training.models.trained import checkpoint_at, load_trained, trained_model
 
     positive("tokens", args.tokens)
     positive("top-k", args.top_k)
@@ -89,7 +89,7 @@ def _sample(args: argparse.Namespace) -> int:
 def _check_model(given: str, held: str, path: Path) -> None:
     """``--model`` must name the model the checkpoint holds (a Hugging Face config by its
     file or its folder alike)."""
-    from gpipe.training.model_sources import parse_model
+    from gpipe.training.models.sources import parse_model
 
     try:
         kind, target = parse_model(given)

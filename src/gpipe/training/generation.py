@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gpipe.pipeline import Pipeline
-from gpipe.training.model_sources import logits_of
-from gpipe.training.tokenizer import ByteTokenizer, Tokenizer
+from gpipe.training.data.tokenizer import ByteTokenizer, Tokenizer
+from gpipe.training.models.sources import logits_of
 
 __all__ = ["generate_text"]
 

@@ -12,8 +12,8 @@ import torch
 from gpipe.errors import ConfigError
 from gpipe.runtime.recompute import check_checkpoint
 from gpipe.schedules import SCHEDULES, traits
+from gpipe.training.models.resolve import model_layer_count
 from gpipe.training.options import TrainOptions
-from gpipe.training.run_model import model_layer_count
 
 __all__ = ["check_options", "multi_stage_schedules", "positive"]
 

@@ -20,9 +20,9 @@ import torch
 
 from gpipe.errors import ConfigError
 from gpipe.training.config import TrainConfig, config_values
+from gpipe.training.models.resolve import GPT_FLAGS, check_pack, resolve_model, starting_weights
 from gpipe.training.options import RunSpec, TrainOptions
 from gpipe.training.rules import check_options
-from gpipe.training.run_model import GPT_FLAGS, check_pack, resolve_model, starting_weights
 
 __all__ = ["RUN_FILE", "ResolvedRun", "resolve", "shape_from_world", "train", "under_torchrun"]
 
@@ -62,9 +62,9 @@ def _check_data(opts: Any, model: Any, out: Path) -> None:
     """The data against the model, before any process starts: the tokenizer's vocabulary,
     the token ids, one window of each part. Text a tokenizer must turn into ids is checked
     once it is, in the run folder."""
-    from gpipe.training.run_data import checked_documents, data_prepared, run_dataset
-    from gpipe.training.tokenizer import check_tokenizer, load_tokenizer
-    from gpipe.training.tokens import check_vocabulary, check_windows
+    from gpipe.training.data.run_data import checked_documents, data_prepared, run_dataset
+    from gpipe.training.data.tokenizer import check_tokenizer, load_tokenizer
+    from gpipe.training.data.tokens import check_vocabulary, check_windows
 
     try:
         if opts.tokenizer is not None:
@@ -83,7 +83,7 @@ def _check_data(opts: Any, model: Any, out: Path) -> None:
 
 def _prepare_data(opts: Any, model: Any, out: Path) -> None:
     """Tokenize text data once into the run folder, then check it as any data is."""
-    from gpipe.training.run_data import prepare_run_data
+    from gpipe.training.data.run_data import prepare_run_data
 
     try:
         prepare_run_data(opts, out)
@@ -110,7 +110,7 @@ def _prepare_folder(out: Path, resume: bool, force: bool, run: dict[str, Any]) -
 def _saved_run(config: TrainConfig) -> dict[str, Any] | None:
     if config.resume is None:
         return None
-    from gpipe.training.checkpoints import checkpoint_dirs, verify_checkpoint
+    from gpipe.training.checkpoints.format import checkpoint_dirs, verify_checkpoint
 
     folder = Path(config.resume)
     # Sizes only here; the processes check every file's SHA-256 before they load one.
@@ -126,7 +126,7 @@ def _verified_checkpoint(out: Path) -> str:
     """The newest checkpoint of the run being resumed that verifies whole and safe to open,
     found before any process starts (each newer one is warned of and skipped), so that a run
     with none ends in one line naming each checkpoint and why."""
-    from gpipe.training.checkpoints import (
+    from gpipe.training.checkpoints.format import (
         DamagedCheckpointWarning,
         checkpoint_dirs,
         verify_checkpoint,
@@ -290,7 +290,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     threads = (config.threads or threads_per_process(local)) if opts.device == "cpu" else None
     if torchrun:
         from gpipe.pipeline import finish_process_group
-        from gpipe.training.resuming import NothingToResume
+        from gpipe.training.checkpoints.resuming import NothingToResume
 
         if threads is not None:
             torch.set_num_threads(threads)

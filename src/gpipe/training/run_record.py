@@ -92,7 +92,7 @@ def checked_run_record(path: Path, *, require_step: bool = False) -> dict[str, A
     ``description`` may hold any) are left alone. ``require_step`` for a checkpoint's
     description. ValueError naming the file otherwise."""
     from gpipe.models.gpt import GPTConfig
-    from gpipe.training.model_sources import TrainModel
+    from gpipe.training.models.sources import TrainModel
     from gpipe.training.options import TrainOptions
 
     try:

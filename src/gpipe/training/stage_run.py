@@ -16,21 +16,21 @@ from gpipe.pipeline import Pipeline
 from gpipe.planning.auto import AUTO
 from gpipe.splitting import SplitModel
 from gpipe.training.balance_choice import choose_balance, held_choice, sample_tokens
-from gpipe.training.checkpoint_writer import CheckpointWriter
-from gpipe.training.checkpoints import load_checkpoint, read_description
+from gpipe.training.checkpoints.format import load_checkpoint, read_description
+from gpipe.training.checkpoints.resuming import resume_point, trim_metrics
+from gpipe.training.checkpoints.retention import Retention
+from gpipe.training.checkpoints.writer import CheckpointWriter
+from gpipe.training.data.run_data import check_same_data, run_dataset, run_documents
+from gpipe.training.data.step_batches import PackedBatches, WindowBatches
+from gpipe.training.data.tokenizer import ByteTokenizer, IdTokenizer, load_tokenizer
 from gpipe.training.elastic import join_process_group, kill_point, restart_count
 from gpipe.training.generation import generate_text
-from gpipe.training.model_sources import model_from_dict, model_loss
+from gpipe.training.models.sources import model_from_dict, model_loss
+from gpipe.training.models.tied_copies import TiedCopies
 from gpipe.training.optimization import build_optimizer, learning_rate
 from gpipe.training.options import PRECISIONS, RunSpec, TrainOptions
 from gpipe.training.reporting import Reporter, peak_memory
-from gpipe.training.resuming import resume_point, trim_metrics
-from gpipe.training.retention import Retention
-from gpipe.training.run_data import check_same_data, run_dataset, run_documents
-from gpipe.training.step_batches import PackedBatches, WindowBatches
-from gpipe.training.tied_copies import TiedCopies
 from gpipe.training.timelines import write_timeline
-from gpipe.training.tokenizer import ByteTokenizer, IdTokenizer, load_tokenizer
 
 __all__ = ["StageRun"]
 

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpipe.training.tokenizer import ByteTokenizer, Tokenizer
-from gpipe.training.tokens import document_chunks, token_dtype_for
+from gpipe.training.data.tokenizer import ByteTokenizer, Tokenizer
+from gpipe.training.data.tokens import document_chunks, token_dtype_for
 
 __all__ = [
     "Documents",

@@ -7,7 +7,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpipe.training.checkpoints import checkpoint_dirs, verify_checkpoint
+from gpipe.training.checkpoints.format import checkpoint_dirs, verify_checkpoint
 
 __all__ = ["Retention", "prune_checkpoints"]
 

@@ -19,14 +19,14 @@ from torch import Tensor, nn
 
 from gpipe.models.gpt import build_gpt
 from gpipe.splitting import split
-from gpipe.training.checkpoints import (
+from gpipe.training.checkpoints.format import (
     DESCRIPTION,
     checkpoint_dirs,
     load_model_weights,
     read_description,
     verify_checkpoint,
 )
-from gpipe.training.model_sources import TrainModel, call_factory, logits_of, model_from_dict
+from gpipe.training.models.sources import TrainModel, call_factory, logits_of, model_from_dict
 
 __all__ = [
     "TrainedModel",
@@ -145,7 +145,7 @@ def _build(model: TrainModel, seed: int) -> nn.Module:
     if model.kind == "gpt":
         return build_gpt(model.config)
     if model.kind == "hf":
-        from gpipe.training.hf_models import build_hf_zeros
+        from gpipe.training.hf.models import build_hf_zeros
 
         return build_hf_zeros(hf_config_of(model))
     return call_factory(model.source, seed)

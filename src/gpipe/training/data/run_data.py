@@ -9,17 +9,16 @@ from pathlib import Path
 import numpy as np
 
 from gpipe.pipeline import Pipeline
-from gpipe.training.corpus import check_same_everywhere
-from gpipe.training.documents import (
+from gpipe.training.data.corpus import check_same_everywhere
+from gpipe.training.data.documents import (
     Documents,
     open_documents,
     prepare_documents,
     read_documents,
     starts_path,
 )
-from gpipe.training.options import TrainOptions
-from gpipe.training.tokenizer import load_tokenizer
-from gpipe.training.tokens import (
+from gpipe.training.data.tokenizer import load_tokenizer
+from gpipe.training.data.tokens import (
     TokenDataset,
     fingerprint,
     needs_preparing,
@@ -27,6 +26,7 @@ from gpipe.training.tokens import (
     prepare_tokens,
     token_dtype_for,
 )
+from gpipe.training.options import TrainOptions
 
 __all__ = [
     "check_same_data",

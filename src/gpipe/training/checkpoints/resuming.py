@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from gpipe.comm.agreement import on_first_rank
-from gpipe.training.checkpoints import discard_partial, latest_checkpoint
+from gpipe.training.checkpoints.format import discard_partial, latest_checkpoint
 
 __all__ = ["NothingToResume", "resume_point", "trim_metrics"]
 

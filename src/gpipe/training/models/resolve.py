@@ -39,7 +39,7 @@ GPT_FLAGS = {  # flag -> GPTConfig field
 def resolve_model(config: TrainConfig, saved: dict[str, Any] | None, out: Path) -> Any:
     """The run's ``TrainModel``: from ``--model`` and its flags, or as the run in ``out``
     recorded it (where the flags must agree with it)."""
-    from gpipe.training.model_sources import model_from_dict, parse_model
+    from gpipe.training.models.sources import model_from_dict, parse_model
 
     try:
         kind, target = parse_model(config.model or (saved or {}).get("source", "gpt"))
@@ -58,7 +58,7 @@ def resolve_model(config: TrainConfig, saved: dict[str, Any] | None, out: Path) 
         held = model_from_dict(saved)
         if config.model is not None and config.model != held.source:
             raise ConfigError(f"the run in {out} trains --model {held.source}, not {config.model}")
-        from gpipe.training.trained import check_code_named
+        from gpipe.training.models.trained import check_code_named
 
         try:
             check_code_named(held, out / "run.json", config.model)
@@ -102,8 +102,8 @@ def _gpt_fields(config: TrainConfig, saved: dict[str, Any] | None, out: Path) ->
 
 
 def _hf_model(target: str, split_at: list[str] | None) -> Any:
-    from gpipe.training.hf_models import config_file, hf_config
-    from gpipe.training.model_sources import TrainModel
+    from gpipe.training.hf.models import config_file, hf_config
+    from gpipe.training.models.sources import TrainModel
 
     config = hf_config(target)
     folder = config_file(target).parent
@@ -125,7 +125,7 @@ def _module_model(target: str, split_at: list[str] | None, seq_len: int | None) 
     """A factory's model, built once here to learn its vocabulary (the logits' width, on the
     meta device) and its longest sequence (``max_seq_len``, ``seq_len`` or its config's
     ``max_position_embeddings``; else ``--seq-len``)."""
-    from gpipe.training.model_sources import TrainModel, call_factory, logits_of
+    from gpipe.training.models.sources import TrainModel, call_factory, logits_of
 
     model = call_factory(target, 0)
     longest = longest_sequence(model) or seq_len
@@ -183,7 +183,7 @@ def starting_weights(model: Any, seed: int) -> None:
     every rank reads its own stage's from them."""
     if model.kind != "hf" or model.weights is None or Path(model.weights).is_dir():
         return
-    from gpipe.training.hf_models import write_initial_weights
+    from gpipe.training.hf.models import write_initial_weights
 
     write_initial_weights(model.hf_config, Path(model.weights), seed)
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from gpipe.training.manifest import Digest, digest, listed_files, verify, write_manifest
+from gpipe.training.checkpoints.manifest import Digest, digest, listed_files, verify, write_manifest
 from gpipe.training.run_record import checked_run_record
 
 __all__ = [
@@ -76,7 +76,7 @@ def verify_checkpoint(path: Path, *, checksums: bool = True) -> list[str]:
     problems = verify(path, checksums=checksums, required=(".metadata", DESCRIPTION))
     if problems or not checksums:
         return problems
-    from gpipe.training.safe_checkpoints import refusals
+    from gpipe.training.checkpoints.safe_reading import refusals
 
     try:
         read_description(path)
@@ -273,7 +273,7 @@ def load_checkpoint(
     pickle is read by the allow-lists (``safe_checkpoints``)."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    from gpipe.training.safe_checkpoints import load_state
+    from gpipe.training.checkpoints.safe_reading import load_state
 
     state = saved_state(model, optimizer, extra)
     load_state(state, path, process_group=group)
@@ -285,7 +285,7 @@ def load_checkpoint(
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """Load the weights of a checkpoint into ``model``, the whole model in one process,
     through the allow-lists (``safe_checkpoints``)."""
-    from gpipe.training.safe_checkpoints import load_state
+    from gpipe.training.checkpoints.safe_reading import load_state
 
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is

@@ -327,9 +327,9 @@ def _write(job: _Job, buffers: list[Tensor], lineage: tuple[int, int]) -> tuple[
     """One checkpoint, whole: the state's files, then what completes it."""
     import torch.distributed.checkpoint as dcp
 
-    from gpipe.training.checkpoints import begin_save, finish_save, verify_checkpoint
+    from gpipe.training.checkpoints.format import begin_save, finish_save, verify_checkpoint
+    from gpipe.training.checkpoints.retention import prune_checkpoints
     from gpipe.training.elastic import kill_point
-    from gpipe.training.retention import prune_checkpoints
 
     root, step = Path(job.root), job.step
     state = pytree.tree_map_only(_Slot, lambda slot: buffers[slot.index], job.skeleton)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpipe.training.trained import hf_config_of, load_trained, trained_model
+from gpipe.training.models.trained import hf_config_of, load_trained, trained_model
 
 __all__ = ["Exported", "export_hf", "tokenizer_files"]
 

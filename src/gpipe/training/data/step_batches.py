@@ -18,8 +18,8 @@ from gpipe.data.text import BatchSampler
 from gpipe.parallel.replicas import shard
 from gpipe.pipeline import Pipeline
 from gpipe.runtime.microbatch import split_sizes
-from gpipe.training.documents import Documents, DocumentSampler
-from gpipe.training.tokens import TokenDataset
+from gpipe.training.data.documents import Documents, DocumentSampler
+from gpipe.training.data.tokens import TokenDataset
 
 __all__ = ["PackedBatches", "StepBatch", "WindowBatches", "packed_inputs"]
 

@@ -5,7 +5,7 @@ device it is on) and returns. Then, out of the training thread's way, the copy i
 and the checkpoint completed as ``save_checkpoint`` does (description, digests, manifest
 last, rename into place), checked, and what the retention policy no longer keeps removed:
 
-- by a helper process of the rank (``gpipe.training.save_process``) where the state is
+- by a helper process of the rank (``gpipe.training.checkpoints.save_process``) where the state is
   large (``PROCESS_BYTES`` or more on some rank): it shares no Python lock with training;
 - else by a thread at the lowest CPU priority, through
   ``torch.distributed.checkpoint.async_save``, its collectives on a process group of their
@@ -34,7 +34,7 @@ import torch.utils._pytree
 from torch import nn
 from torch.optim import Optimizer
 
-from gpipe.training.checkpoints import (
+from gpipe.training.checkpoints.format import (
     begin_save,
     checkpoint_group,
     finish_save,
@@ -42,8 +42,8 @@ from gpipe.training.checkpoints import (
     saved_state,
     verify_checkpoint,
 )
-from gpipe.training.retention import Retention, prune_checkpoints
-from gpipe.training.save_process import SaveProcess, shared_memory_room, state_bytes
+from gpipe.training.checkpoints.retention import Retention, prune_checkpoints
+from gpipe.training.checkpoints.save_process import SaveProcess, shared_memory_room, state_bytes
 
 if TYPE_CHECKING:
     from gpipe.pipeline import Pipeline

@@ -105,7 +105,7 @@ class TrainModel:
         if self.kind == "gpt":
             return build_gpt(self.config, device="meta", init_seed=seed)
         if self.kind == "hf":
-            from gpipe.training.hf_models import build_hf_meta
+            from gpipe.training.hf.models import build_hf_meta
 
             model = build_hf_meta(self.hf_config or "")
         else:
@@ -145,7 +145,7 @@ class TrainModel:
         with real weights needs nothing."""
         if not isinstance(stages, SplitModel) or self.weights is None:
             return
-        from gpipe.training.hf_models import LazyWeights, fill_unsaved_buffers
+        from gpipe.training.hf.models import LazyWeights, fill_unsaved_buffers
 
         stages.load_original_state_dict(LazyWeights(self.weights), module=pipe)
         fill_unsaved_buffers(stages, pipe, getattr(self, "_reference", None))

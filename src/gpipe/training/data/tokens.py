@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from gpipe.data.text import load_text, stdlib_corpus
-from gpipe.training.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from gpipe.training.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "TokenDataset",
