@@ -17,7 +17,7 @@ def add_parser(sub: Any) -> None:
         "export",
         help="write a run's model as a Hugging Face folder",
         description="Write the model of a run trained with --model hf:... (its newest "
-        "checkpoint that verifies, or the checkpoint named) as a Hugging Face folder: "
+        "checkpoint, which must verify, or the checkpoint named) as a Hugging Face folder: "
         "config.json, safetensors weights and the run's tokenizer, which "
         "AutoModelForCausalLM.from_pretrained loads.",
     )
