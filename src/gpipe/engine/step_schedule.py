@@ -19,6 +19,7 @@ from gpipe.schedules import (
     forward_only,
     get_schedule,
     traits,
+    validate,
 )
 
 __all__ = ["ScheduleSource", "StepSchedules"]
@@ -36,9 +37,10 @@ class ScheduleSource:
     @classmethod
     def of(cls, schedule: str | Schedule) -> ScheduleSource:
         """Check ``schedule``: a known name (an unknown one is refused with the known ones) or
-        a ``Schedule``."""
+        a ``Schedule``, validated here, once (a ScheduleError names the rank, the step and the
+        action where it cannot run)."""
         if isinstance(schedule, Schedule):
-            return cls(schedule.name, schedule)
+            return cls(schedule.name, validate(schedule))
         get_schedule(schedule)
         return cls(schedule)
 
@@ -88,13 +90,29 @@ class StepSchedules:
     straight from stage to stage.
 
     ``stage_to_rank`` says which rank (a process, or a device of ``GPipe``) holds each stage;
-    ``checkpoint`` which micro-batches a training step re-materializes."""
+    ``checkpoint`` which micro-batches a training step re-materializes.
+
+    A fixed schedule (``ScheduleSource.fixed``, validated by ``ScheduleSource.of``) runs one
+    number of micro-batches, so the training and evaluation steps it runs are known here: those
+    that the skips or re-materialization change are validated here, once, since skips added to
+    a hand-built order may not fit it. The registered generators' schedules are not validated
+    as they run (that takes seconds for large ones): the tests validate them, skips added, over
+    many sizes. No step validates."""
 
     source: ScheduleSource
     n_ranks: int
     stage_to_rank: tuple[int, ...]
     routes: tuple[tuple[int, int], ...]
     checkpoint: str | Layers
+
+    def __post_init__(self) -> None:
+        fixed = self.source.fixed
+        if fixed is None:
+            return
+        for training in (True, False):
+            schedule = self.step(fixed.n_microbatches, training)
+            if schedule is not fixed:
+                validate(schedule)
 
     @property
     def n_stages(self) -> int:

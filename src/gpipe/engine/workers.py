@@ -8,6 +8,7 @@ that a failure stops every stage at the same cycle.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +47,20 @@ def _clock_cycle(schedule: Schedule) -> Callable[[Action], tuple[int, int]]:
     return key
 
 
+@functools.lru_cache(maxsize=64)
+def _device_programs(
+    schedule: Schedule, phase: str, devices: tuple[torch.device, ...]
+) -> dict[torch.device, tuple[Action, ...]]:
+    """Each device's actions of one phase of ``schedule`` (``devices[s]`` holds stage ``s``),
+    in clock-cycle order (which cannot deadlock). Worked out once per schedule: the order
+    comes from the validator's ``execution_order``, too slow to run at every step."""
+    programs: dict[torch.device, list[Action]] = {d: [] for d in dict.fromkeys(devices)}
+    for action in sorted(execution_order(schedule), key=_clock_cycle(schedule)):
+        if (action.kind in FORWARD_KINDS) == (phase == "forward"):
+            programs[devices[action.stage]].append(action)
+    return {device: tuple(program) for device, program in programs.items()}
+
+
 class DeviceWorkers:
     """The in-process machinery of one ``GPipe``: its stages, one worker thread per distinct
     device, and the schedules its steps run.
@@ -71,7 +86,6 @@ class DeviceWorkers:
         self.tied = tied
         self.on_action = on_action
         self.copies = DeviceCopies()
-        self._groups = list(dict.fromkeys(self.devices))  # one worker per distinct device
         self._pools: dict[torch.device, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
 
@@ -141,11 +155,11 @@ class DeviceWorkers:
         ``autocast``: the caller's settings, which the worker threads take on too."""
         transport = InProcessTransport(self.devices, self.timeout, self.copies)
         stages = dict(enumerate(self.stages))
-        programs = self._programs(schedule, phase)
+        programs = _device_programs(schedule, phase, tuple(self.devices))
         inline = self.devices[-1]
         grad_mode = torch.is_grad_enabled()
 
-        def work(program: list[Action]) -> None:
+        def work(program: Sequence[Action]) -> None:
             try:
                 mixed = autocast.restore() if autocast is not None else contextlib.nullcontext()
                 with torch.set_grad_enabled(grad_mode), mixed:
@@ -177,14 +191,6 @@ class DeviceWorkers:
             # The first failure is the cause; the others only stopped because of it.
             real = [e for e in errors if type(e) is not PipelineError] or errors
             raise real[0]
-
-    def _programs(self, schedule: Schedule, phase: str) -> dict[torch.device, list[Action]]:
-        """Each device's actions of one phase, in clock-cycle order (which cannot deadlock)."""
-        programs: dict[torch.device, list[Action]] = {d: [] for d in self._groups}
-        for action in sorted(execution_order(schedule), key=_clock_cycle(schedule)):
-            if (action.kind in FORWARD_KINDS) == (phase == "forward"):
-                programs[self.devices[action.stage]].append(action)
-        return programs
 
     def _pool(self, device: torch.device) -> ThreadPoolExecutor:
         with self._lock:

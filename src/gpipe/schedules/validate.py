@@ -1,4 +1,8 @@
-"""The validator: every action there once, in an order that cannot deadlock."""
+"""The validator: every action there once, in an order that cannot deadlock.
+
+Its errors name where a program goes wrong: the rank, the step (the action's position in that
+rank's program, from 0) and the action.
+"""
 
 from __future__ import annotations
 
@@ -69,22 +73,30 @@ def _expected_actions(schedule: Schedule) -> set[Action]:
 def _check_fifo(schedule: Schedule) -> None:
     """Point-to-point transports deliver in order: sends and receives must agree on it."""
     sent: dict[tuple[int, int, Kind], list[int]] = {}
-    received: dict[tuple[int, int, Kind], list[int]] = {}
-    for program in schedule.programs:
-        for a in program:
+    received: dict[tuple[int, int, Kind], list[tuple[int, int, Action]]] = {}
+    for rank, program in enumerate(schedule.programs):
+        for step, a in enumerate(program):
             other = a.other_stage
             if a.kind in RECV_OF:
                 assert other is not None
                 sent.setdefault((a.stage, other, RECV_OF[a.kind]), []).append(a.microbatch)
             elif a.kind in RECV_KINDS:
                 assert other is not None
-                received.setdefault((other, a.stage, a.kind), []).append(a.microbatch)
-    for key, order in received.items():
-        if sent.get(key) != order:
+                received.setdefault((other, a.stage, a.kind), []).append((rank, step, a))
+    for key, receives in received.items():
+        order = [a.microbatch for _, _, a in receives]
+        sent_order = sent.get(key, [])
+        if sent_order != order:
             src, dst, kind = key
+            first = next(
+                (i for i, mb in enumerate(order) if i >= len(sent_order) or sent_order[i] != mb),
+                len(order) - 1,
+            )
+            rank, step, action = receives[first]
             raise ScheduleError(
-                f"stage {dst} receives {kind.value} from stage {src} in micro-batch order "
-                f"{order}, but they are sent in order {sent.get(key)}"
+                f"rank {rank}, step {step}: {action}: stage {dst} receives {kind.value} from "
+                f"stage {src} in micro-batch order {order}, but they are sent in order "
+                f"{sent.get(key)}"
             )
 
 
@@ -100,30 +112,34 @@ def execution_order(schedule: Schedule) -> list[Action]:
         raise ScheduleError(
             f"stage_to_rank has {len(rank_of)} entries for {schedule.n_stages} stages"
         )
-    seen: set[Action] = set()
+    seen: dict[Action, tuple[int, int]] = {}  # each action's rank and step
     for rank, program in enumerate(schedule.programs):
-        for a in program:
+        for step, a in enumerate(program):
+            where = f"rank {rank}, step {step}: action {a}"
             if (
                 not (0 <= a.stage < schedule.n_stages)
                 or not (0 <= a.microbatch < schedule.n_microbatches)
                 or not (a.other_stage is None or 0 <= a.other_stage < schedule.n_stages)
             ):
-                raise ScheduleError(f"rank {rank}: action {a} is out of range")
+                raise ScheduleError(f"{where} is out of range")
             if rank_of[a.stage] != rank:
                 raise ScheduleError(
-                    f"rank {rank}: action {a} belongs to stage {a.stage}, held by rank "
-                    f"{rank_of[a.stage]}"
+                    f"{where} belongs to stage {a.stage}, held by rank {rank_of[a.stage]}"
                 )
             if a in seen:
-                raise ScheduleError(f"rank {rank}: action {a} appears twice")
-            seen.add(a)
+                first_rank, first_step = seen[a]
+                raise ScheduleError(
+                    f"{where} appears twice (first at rank {first_rank}, step {first_step})"
+                )
+            seen[a] = (rank, step)
     expected = _expected_actions(schedule)
-    missing = sorted(expected - seen, key=lambda a: (a.stage, a.microbatch, a.kind.value))
+    missing = sorted(expected - seen.keys(), key=lambda a: (a.stage, a.microbatch, a.kind.value))
     if missing:
         raise ScheduleError(f"schedule lacks actions: {' '.join(map(str, missing[:8]))}")
-    extra = sorted(seen - expected, key=lambda a: (a.stage, a.microbatch, a.kind.value))
+    extra = sorted(seen.keys() - expected, key=lambda a: seen[a])
     if extra:
-        raise ScheduleError(f"schedule has unexpected actions: {' '.join(map(str, extra[:8]))}")
+        listed = ", ".join(f"rank {seen[a][0]}, step {seen[a][1]}: {a}" for a in extra[:8])
+        raise ScheduleError(f"schedule has unexpected actions: {listed}")
     _check_fifo(schedule)
 
     queues = [deque(p) for p in schedule.programs]
@@ -139,7 +155,7 @@ def execution_order(schedule: Schedule) -> list[Action]:
                 progressed = True
         if not progressed:
             blocked = ", ".join(
-                f"rank {r} waits at {q[0]} (needs "
+                f"rank {r}, step {len(schedule.programs[r]) - len(q)} waits at {q[0]} (needs "
                 + " ".join(str(n) for n in _requirements(q[0], schedule) if n not in done)
                 + ")"
                 for r, q in enumerate(queues)
@@ -155,6 +171,7 @@ def execution_order(schedule: Schedule) -> list[Action]:
 
 
 def validate(schedule: Schedule) -> Schedule:
-    """Check that ``schedule`` is complete, ordered consistently and free of deadlock."""
+    """Check that ``schedule`` is complete, ordered consistently and free of deadlock; return
+    it. A ScheduleError names the rank, the step and the action where it is not."""
     execution_order(schedule)
     return schedule
