@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,9 @@ from gpipe.pipeline import Pipeline
 from gpipe.runtime.partitions import stage_bounds
 from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import SCHEDULES, traits
+
+if TYPE_CHECKING:
+    import torchgpipe
 
 __all__ = ["STAGES_PER_PROCESS", "Contender", "Runner", "contenders"]
 
@@ -62,7 +66,7 @@ class Contender:
 
 def _layers(model: nn.Sequential, balance: tuple[int, ...], stage: int) -> nn.Sequential:
     start, stop = stage_bounds(list(balance))[stage]
-    return model[start:stop]
+    return cast(nn.Sequential, model[start:stop])  # a slice is a Sequential; torch types it Module
 
 
 def _per_stage(model: nn.Sequential, balance: tuple[int, ...]) -> list[tuple[int, nn.Module]]:
@@ -170,8 +174,11 @@ def _one_process(library: str) -> Callable[..., Runner]:
     """``gpipe.GPipe`` or ``torchgpipe.GPipe``: both partitions on the CPU in this process."""
 
     def build(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
+        wrapper: type[GPipe | torchgpipe.GPipe]
         if library == "torchgpipe":
-            from torchgpipe import GPipe as wrapper
+            import torchgpipe
+
+            wrapper = torchgpipe.GPipe
         else:
             wrapper = GPipe
         pipe = wrapper(

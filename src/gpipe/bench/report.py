@@ -94,7 +94,7 @@ def figures(
                 "over_counterpart": None,
                 "over_counterpart_per_cycle": None,
             }
-            if row["counterpart"] is not None:
+            if c.counterpart is not None and c.counterpart in cycles:
                 other = cycles[c.counterpart]["wall"]
                 row["over_counterpart"] = seconds / med[c.counterpart]
                 row["over_counterpart_per_cycle"] = summary(

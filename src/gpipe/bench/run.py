@@ -65,7 +65,10 @@ def machine() -> dict[str, Any]:
     memory = None
     with contextlib.suppress(ValueError, OSError):
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    versions: dict[str, str | None] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
     try:
         from importlib.metadata import version
 

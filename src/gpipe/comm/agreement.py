@@ -5,7 +5,7 @@ inputs would not. A failure there is raised on every rank, so none waits for the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch.distributed as dist
 
@@ -35,9 +35,9 @@ def on_first_rank(
             decision = [None, kind, text]
     source = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(decision, src=source, group=group)
-    kind, text = decision[1], decision[2]
-    if isinstance(kind, int):
-        raise passed_on[kind](text)
-    if text is not None:
-        raise ValueError(f"{what} on rank 0 failed: {text}")
-    return decision[0]  # type: ignore[return-value]
+    passed, message = decision[1], decision[2]
+    if isinstance(passed, int):
+        raise passed_on[passed](message)
+    if message is not None:
+        raise ValueError(f"{what} on rank 0 failed: {message}")
+    return cast(T, decision[0])  # what decide() returned on rank 0, unpickled

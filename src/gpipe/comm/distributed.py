@@ -157,6 +157,7 @@ class DistributedTransport:
         """``tag=None``: the tensors of separate envelopes, in one stream per pair of
         processes, as NCCL delivers them whatever the tag."""
         work = dist.isend(tensor, dst=peer, group=group, tag=0 if tag is None else tag)
+        assert work is not None  # None only where this process is not in the group
         self._pending.append((work, tensor, sent))
 
     def _reap(self) -> None:

@@ -235,7 +235,8 @@ class Pipes:
 
 def _bytes_of(t: Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, to read into or write from."""
-    return memoryview(t.detach().view(-1).view(torch.uint8).numpy())
+    array = t.detach().view(-1).view(torch.uint8).numpy()
+    return memoryview(array)  # type: ignore[arg-type]  # numpy declares __buffer__ from 3.12 on
 
 
 def _close_all(fds: Iterable[int]) -> None:

@@ -157,7 +157,7 @@ def _pickled(structure: Structure) -> bytes:
 
 
 @functools.lru_cache(maxsize=256)
-def _pickled_exactly(structure: Structure, exact: tuple) -> bytes:
+def _pickled_exactly(structure: Structure, exact: tuple[tuple[type, str | None], ...]) -> bytes:
     return pickle.dumps(structure)
 
 
@@ -254,7 +254,11 @@ def _unpickled(data: bytes) -> Structure:
 
 def _register_nodes(spec: pytree.TreeSpec) -> None:
     """Register the dataclasses a received structure uses, as the sender had them."""
-    if dataclasses.is_dataclass(spec.type) and spec.type not in pytree.SUPPORTED_NODES:
+    if (
+        isinstance(spec.type, type)
+        and dataclasses.is_dataclass(spec.type)
+        and spec.type not in pytree.SUPPORTED_NODES
+    ):
         pytree.register_dataclass(spec.type)
     children = spec.children() if hasattr(spec, "children") else spec.children_specs
     for child in children:

@@ -59,8 +59,9 @@ def _receives(program: tuple[Action, ...]) -> dict[_Channel, int]:
     counts: dict[_Channel, int] = {}
     for a in program:
         if a.kind in RECV_KINDS:
+            assert a.other_stage is not None  # a receive names its source
             key = (a.other_stage, a.stage, a.kind)
-            counts[key] = counts.get(key, 0) + 1  # type: ignore[index]
+            counts[key] = counts.get(key, 0) + 1
     return counts
 
 
@@ -129,8 +130,12 @@ class ReceiveAhead:
             order: deque[_Channel] = deque()
             for a in program:
                 dst = a.other_stage
-                if a.kind in SEND_KINDS and self._channels.stage_to_rank[dst] == rank:  # type: ignore[index]
-                    order.append((a.stage, dst, RECV_OF[a.kind]))  # type: ignore[arg-type]
+                if (
+                    a.kind in SEND_KINDS
+                    and dst is not None
+                    and self._channels.stage_to_rank[dst] == rank
+                ):
+                    order.append((a.stage, dst, RECV_OF[a.kind]))
             self._sends_from[self._channels.global_rank(peer)] = order
         for (peer, _), inbox in self._inboxes.items():
             for arrived in inbox.ready:
@@ -156,6 +161,7 @@ class ReceiveAhead:
     def _post(self, key: tuple[int, int], inbox: _Inbox) -> None:
         buffer = torch.empty(inbox.capacity, dtype=torch.uint8)
         work = dist.irecv(buffer, src=key[0], group=self._envelope_group, tag=key[1])
+        assert work is not None  # None only where this process is not in the group
         inbox.posted = (work, buffer)
         inbox.to_post -= 1
 
@@ -243,6 +249,7 @@ class ReceiveAhead:
                 continue
             buffer = torch.empty(t.shape, dtype=t.dtype, device=self._device)
             work = dist.irecv(buffer, src=peer, group=self._group, tag=0)
+            assert work is not None  # None only where this process is not in the group
             self._wait(work, dst, src, microbatch, kind)
             out.append(buffer.requires_grad_(t.requires_grad))
         return tuple(out)

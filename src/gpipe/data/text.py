@@ -56,7 +56,7 @@ def stdlib_corpus(max_bytes: int = 8_000_000, *, include_tests: bool = False) ->
 def _files(root: Path, skip: Callable[[str], bool]) -> list[Path]:
     """Files under ``root``, sorted, leaving out those and never entering folders whose name
     ``skip`` accepts (pruned, not filtered: site-packages can dwarf the standard library)."""
-    found = []
+    found: list[Path] = []
     for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if not skip(d)]
         found.extend(Path(folder, f) for f in files if not skip(f))

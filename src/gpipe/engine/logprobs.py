@@ -50,7 +50,7 @@ def token_logprobs(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_I
     return torch.where(kept, picked, torch.zeros_like(picked))
 
 
-class TokenLogprobs(dict):
+class TokenLogprobs(dict[int, Tensor]):
     """Where the last stage puts each micro-batch's outputs (``StepData.outputs``): it keeps
     only their log-probabilities of ``targets[microbatch]``, so that the logits of one
     micro-batch are freed as soon as the next one runs."""

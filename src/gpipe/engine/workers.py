@@ -101,7 +101,9 @@ class DeviceWorkers:
             return gather([data.outputs[i] for i in range(schedule.n_microbatches)])
         phony = torch.empty(0, device=self.devices[0], requires_grad=True)
         shape: list[Batch] = []
-        outputs = PipelinedForward.apply(self, schedule, data, shape, phony, *as_tuple(batch))
+        outputs = PipelinedForward.apply(  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+            self, schedule, data, shape, phony, *as_tuple(batch)
+        )
         return like(shape[0], outputs)
 
     def forward_each(self, microbatches: list[Batch], training: bool) -> list[Batch]:
@@ -114,7 +116,9 @@ class DeviceWorkers:
         phony = torch.empty(0, device=self.devices[0], requires_grad=True)
         inputs = [t for batch in microbatches for t in as_tuple(batch)]
         forms: list[int] = []
-        outputs = GivenForward.apply(self, schedule, data, forms, phony, *inputs)
+        outputs = GivenForward.apply(  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+            self, schedule, data, forms, phony, *inputs
+        )
         return given_outputs(forms, outputs)
 
     def _step(self, microbatches: list[Batch], training: bool) -> tuple[Schedule, StepData]:

@@ -3,12 +3,13 @@ skip connection (``gpipe.skip``), so a pipeline may cut inside a block."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 
-from gpipe.skip import Namespace, pop, skippable, stash
+from gpipe.skip import Namespace, Skippable, pop, skippable, stash
 
 __all__ = ["BlockIn", "BlockOut", "resnet"]
 
@@ -27,7 +28,7 @@ class BlockIn(nn.Module):
         super().__init__()
         self.body = nn.Sequential(conv_bn(c_in, c_out, stride), nn.ReLU())
 
-    def forward(self, x: Tensor):  # type: ignore[override]
+    def forward(self, x: Tensor) -> Generator[object, None, Tensor]:
         yield stash("shortcut", x)
         return self.body(x)
 
@@ -45,7 +46,7 @@ class BlockOut(nn.Module):
             else nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
         )
 
-    def forward(self, x: Tensor):  # type: ignore[override]
+    def forward(self, x: Tensor) -> Generator[object, Tensor, Tensor]:
         shortcut = yield pop("shortcut")
         return torch.relu(self.body(x) + self.project(shortcut))
 
@@ -61,10 +62,10 @@ def resnet(
     for c_out in widths:
         stride = 1 if c_out == c_in else 2
         scope = Namespace()  # each block's shortcut is its own
-        layers += [
-            BlockIn(c_in, c_out, stride).isolate(scope),
-            BlockOut(c_in, c_out, stride).isolate(scope),
-        ]
+        # @skippable made both Skippable; mypy keeps the type a class decorator is given
+        block_in = cast(Skippable, BlockIn(c_in, c_out, stride))
+        block_out = cast(Skippable, BlockOut(c_in, c_out, stride))
+        layers += [block_in.isolate(scope), block_out.isolate(scope)]
         c_in = c_out
     layers.append(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, classes)))
     return nn.Sequential(*layers)

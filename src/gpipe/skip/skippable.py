@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, cast
 
 from torch import Tensor, nn
 
@@ -130,10 +130,9 @@ class Skippable(nn.Module):
         return f"@skippable({super().__repr__()})"
 
 
-M = TypeVar("M", bound=type[nn.Module])
-
-
-def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[M], M]:
+def skippable(
+    stash: Iterable[str] = (), pop: Iterable[str] = ()
+) -> Callable[[type[nn.Module]], type[Skippable]]:
     """Class decorator: the module stashes the names in ``stash`` and pops those in ``pop``.
 
     The decorated class is a subclass of the original with the same name, so its state dict
@@ -141,7 +140,7 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[M
     """
     stashable, poppable = frozenset(_names(stash, "stash")), frozenset(_names(pop, "pop"))
 
-    def decorate(cls: M) -> M:
+    def decorate(cls: type[nn.Module]) -> type[Skippable]:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise TypeError(f"@skippable decorates an nn.Module class, got {cls!r}")
         namespace = {
@@ -151,7 +150,7 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[M
             "__qualname__": cls.__qualname__,
             "__doc__": cls.__doc__,
         }
-        return type(cls.__name__, (Skippable, cls), namespace)  # type: ignore[return-value]
+        return cast(type[Skippable], type(cls.__name__, (Skippable, cls), namespace))
 
     return decorate
 
