@@ -11,8 +11,10 @@ layers on the meta device and materializes each one separately, in its own proce
 Tied embedding and head: the first and last layer usually live in different processes, so
 they cannot share one Parameter. Instead each holds a copy that starts equal (both draw it
 from a generator seeded by ``init_seed``, whatever the global RNG) and whose gradients are
-summed before every optimizer step (``sync_tied_grads_`` in one process, an all-reduce
-between first and last stage otherwise), so the copies stay equal as one weight would.
+summed before every optimizer step by ``gpipe.parallel.ties``, the pipeline's one mechanism
+for tied weights: ``sync_tied_grads_`` in one process, and across stages ``TiedGradients``
+over the ties that ``tied_weights`` declares (``declared_ties``), so the copies stay equal as
+one weight would.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from gpipe.parallel.ties import sum_local
 
 __all__ = [
     "GPTConfig",
@@ -338,17 +342,10 @@ def tie_(embedding: Embedding, head: Head) -> None:
 
 
 def sync_tied_grads_(embedding: Embedding, head: Head) -> None:
-    """Set both copies' gradients to their sum, as one shared weight would receive; call
-    after backward and before the optimizer step (single process)."""
-    a, b = embedding.token.weight, head.proj.weight
-    if a.grad is None or b.grad is None:
-        only = a.grad if b.grad is None else b.grad
-        if only is not None:
-            a.grad, b.grad = only.clone(), only.clone()
-        return
-    total = a.grad + b.grad
-    a.grad.copy_(total)
-    b.grad.copy_(total)
+    """Set both copies' gradients to their sum, as one shared weight would receive (a copy
+    without a gradient gets the other's); call after backward and before the optimizer step
+    (single process)."""
+    sum_local([[embedding.token.weight, head.proj.weight]])
 
 
 def count_parameters(config: GPTConfig, *, tied_once: bool = True) -> int:

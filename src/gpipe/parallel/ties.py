@@ -1,17 +1,19 @@
 """Parameters that layers of different stages share, such as a tied embedding and output
 projection: one parameter in effect, a copy on each stage.
 
-A model ties a weight by using one ``nn.Parameter`` object in several layers. Once its
-layers are cut into stages on different devices or processes, one object cannot serve them
-all, so each stage that uses it gets a copy (``untie``). After the backward, every copy's
-gradient is set to the sum over all copies (``sum_local`` in one process,
-``TiedGradients`` across processes), the gradient the one shared parameter would have had,
-so the optimizer moves every copy alike and they stay equal.
+A model ties a weight by using one ``nn.Parameter`` object in several layers (``find_ties``).
+Once its layers are cut into stages on different devices or processes, one object cannot
+serve them all, so each stage that uses it gets a copy (``untie``). A model may instead hold
+separate Parameters that start equal and declare them tied by name (``declared_ties``), as
+the reference GPT does its embedding and head. Either way, after the backward every copy's
+gradient is set to the sum over all copies (``sum_local`` in one process, ``TiedGradients``
+across processes, each wait bounded by the pipeline's timeout), the gradient the one shared
+parameter would have had, so the optimizer moves every copy alike and they stay equal.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,14 +24,23 @@ from torch.distributed.tensor import DTensor
 from gpipe.comm.process_group import bounded_wait
 from gpipe.runtime.partitions import stage_bounds
 
-__all__ = ["Tie", "TiedGradients", "counted", "find_ties", "sum_local", "untie"]
+__all__ = [
+    "Tie",
+    "TiedGradients",
+    "counted",
+    "declared_ties",
+    "find_ties",
+    "sum_local",
+    "untie",
+]
 
 
 @dataclass(frozen=True)
 class Tie:
     """One parameter shared across stages: for each stage that uses it, the names (in the
     whole ``nn.Sequential``) under which that stage's layers hold it, stages in order; and
-    its shape, for the ranks that sum it without holding a copy."""
+    its shape, for the ranks that sum it without holding a copy. The names of one stage are
+    one Parameter where the model shares it, several where it declares them tied."""
 
     copies: tuple[tuple[int, tuple[str, ...]], ...]
     shape: tuple[int, ...] = ()
@@ -59,6 +70,27 @@ def find_ties(module: nn.Sequential, balance: Sequence[int]) -> list[Tie]:
         for key, by_stage in owners.items()
         if len(by_stage) > 1
     ]
+
+
+def declared_ties(
+    module: nn.Sequential, balance: Sequence[int], names: Iterable[Sequence[str]]
+) -> list[Tie]:
+    """The ties a model declares by name rather than by sharing one Parameter: each entry of
+    ``names`` names (in the whole ``nn.Sequential``, as ``"5.proj.weight"``) separate
+    Parameters that start equal and are to stay equal, such as the reference GPT's embedding
+    and head (``gpipe.models.gpt.tied_weights``). Their copies may lie on one stage."""
+    bounds = stage_bounds(balance)
+    index = {name: i for i, (name, _) in enumerate(module.named_children())}
+    ties = []
+    for tied in names:
+        by_stage: dict[int, list[str]] = {}
+        for name in tied:
+            layer = index[name.partition(".")[0]]
+            stage = next(s for s, (start, stop) in enumerate(bounds) if start <= layer < stop)
+            by_stage.setdefault(stage, []).append(name)
+        copies = tuple((stage, tuple(by_stage[stage])) for stage in sorted(by_stage))
+        ties.append(Tie(copies, tuple(module.get_parameter(tied[0]).shape)))
+    return ties
 
 
 def _set(module: nn.Module, name: str, value: nn.Parameter) -> None:
@@ -133,9 +165,20 @@ def sum_local(copies: Sequence[Sequence[nn.Parameter]]) -> None:
 
 
 def counted(ties: Sequence[Tie], params: dict[str, nn.Parameter]) -> list[nn.Parameter]:
-    """``params`` with each tie counted once: its first stage's copy (for gradient norms)."""
-    extra = {name for tie in ties for _, names in tie.copies[1:] for name in names}
+    """``params`` with each tie counted once: its first copy (for gradient norms)."""
+    extra: set[str] = set()
+    for tie in ties:
+        (_, first), *later = tie.copies
+        extra.update(name for _, names in later for name in names)
+        kept = params.get(first[0])  # the first stage's other names: the same Parameter,
+        extra.update(n for n in first[1:] if params.get(n) is not kept)  # unless declared
     return [p for name, p in params.items() if name not in extra]
+
+
+def _held(tie: Tie, params: dict[str, nn.Parameter], stages: Sequence[int]) -> list[nn.Parameter]:
+    """The distinct copies of ``tie`` that ``stages`` hold, in the order of the tie's names."""
+    held = [params[n] for s, names in tie.copies if s in stages for n in names if n in params]
+    return list({id(p): p for p in held}.values())
 
 
 class TiedGradients:
@@ -171,7 +214,7 @@ class TiedGradients:
         if dist.get_rank() in holders:
             group = dist.new_group(holders, use_local_synchronization=True)
         for i, tie in enumerate(ties):
-            mine = [params[tie.name(s)] for s in tie.stages if s in stages]
+            mine = _held(tie, params, stages)
             source = global_rank(rank_of(tie.stages[0]))
             if i in spread and group is not None:
                 self._entries.append((mine, group, source, tie.shape))

@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gpipe.comm.process_group import rank_device
+from gpipe.models.gpt import tied_weights
+from gpipe.parallel.ties import Tie, TiedGradients, counted, declared_ties
 from gpipe.pipeline import Pipeline
 from gpipe.planning.auto import AUTO
 from gpipe.splitting import SplitModel
@@ -26,7 +28,6 @@ from gpipe.training.data.tokenizer import ByteTokenizer, IdTokenizer, load_token
 from gpipe.training.elastic import join_process_group, kill_point, restart_count
 from gpipe.training.generation import generate_text
 from gpipe.training.models.sources import model_from_dict, model_loss
-from gpipe.training.models.tied_copies import TiedCopies
 from gpipe.training.optimization import build_optimizer, learning_rate
 from gpipe.training.options import PRECISIONS, RunSpec, TrainOptions
 from gpipe.training.reporting import Reporter, peak_memory
@@ -61,7 +62,7 @@ class StageRun:
         self.replica = self.pipe.replicas.replica if self.pipe.replicas is not None else 0
         self.world, self.me = dist.get_world_size(), dist.get_rank()
         self.root = self.me == 0
-        self.tied = TiedCopies(self.pipe, layers)
+        self.ties, self.tied = self._tied_copies(layers)
         self.optimizer = build_optimizer(self.pipe, opts)
         # float16 needs its loss scaled; bfloat16 has float32's range and needs none
         fp16 = opts.precision == "fp16"
@@ -222,12 +223,25 @@ class StageRun:
             "bubble": bubble,
         }
 
+    def _tied_copies(self, layers: nn.Sequential) -> tuple[list[Tie], TiedGradients]:
+        """The GPT's tied embedding and head: copies that start equal, whose gradients are
+        summed before every optimizer step (over the ranks that hold them, within the
+        pipeline's timeout), so that they stay equal."""
+        pipe = self.pipe
+        names = [(f"{e}.{a}", f"{h}.{b}") for e, a, h, b in tied_weights(layers)]
+        ties = declared_ties(layers, pipe.balance, names)
+        params = dict(pipe.named_parameters())
+        tied = TiedGradients(
+            ties, params, pipe.stages, pipe.rank_of, pipe.global_rank, pipe.timeout
+        )
+        return ties, tied
+
     def _apply_gradients(self) -> torch.Tensor:
         """Sum the tied copies' gradients, clip, and step; returns the gradient norm."""
-        self.tied.sync_grads()
+        self.tied.sum()
         norm = self.pipe.clip_grad_norm_(
             self.opts.grad_clip,
-            parameters=self.tied.counted(self.pipe),
+            parameters=counted(self.ties, dict(self.pipe.named_parameters())),
             scaler=self.scaler,
             optimizer=self.optimizer,
         )

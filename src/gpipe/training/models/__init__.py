@@ -1,6 +1,7 @@
 """The model a run trains (``--model``): the built-in GPT, a Hugging Face causal LM or a module
-of the user's own, resolved and checked before any process starts, its tied copies kept
-equal across stages, and loaded whole from a checkpoint for sampling and export."""
+of the user's own, resolved and checked before any process starts, and loaded whole from a
+checkpoint for sampling and export. (The GPT's tied copies are kept equal across stages by
+``gpipe.parallel.ties``.)"""
 
 from gpipe.training.models.resolve import (
     GPT_FLAGS,
@@ -18,9 +19,6 @@ from gpipe.training.models.sources import (
     model_from_dict,
     parse_model,
 )
-from gpipe.training.models.tied_copies import (
-    TiedCopies,
-)
 from gpipe.training.models.trained import (
     TrainedModel,
     check_code_named,
@@ -33,7 +31,6 @@ from gpipe.training.models.trained import (
 __all__ = [
     "GPT_FLAGS",
     "MODEL_FORMS",
-    "TiedCopies",
     "TrainModel",
     "TrainedModel",
     "check_code_named",
