@@ -103,16 +103,17 @@ def chunks_advice(
     micro-batch). None when the rule holds or one process leaves no bubble."""
     if stages < 2 or chunks >= RULE_OF_THUMB * stages:
         return None
-    options = {"virtual_stages": virtual_stages, "checkpoint": checkpoint}
-    now = bubble(schedule, stages, chunks, **options)
+    now = bubble(schedule, stages, chunks, virtual_stages=virtual_stages, checkpoint=checkpoint)
     head = (
         f"note: --chunks {chunks} is below {RULE_OF_THUMB} x --stages {stages}, the GPipe "
         f"paper's rule of thumb: {schedule}'s predicted bubble is {now:.1%}"
     )
     if now < TARGET_BUBBLE:
         return f"{head}, already under {TARGET_BUBBLE:.0%}"
-    needed = chunks_for_bubble(schedule, stages, **options)
-    then = bubble(schedule, stages, needed, **options)
+    needed = chunks_for_bubble(
+        schedule, stages, virtual_stages=virtual_stages, checkpoint=checkpoint
+    )
+    then = bubble(schedule, stages, needed, virtual_stages=virtual_stages, checkpoint=checkpoint)
     rows_needed = needed * data_parallel
     short = batch_size is not None and batch_size < rows_needed
     rows = f" (and --batch-size {rows_needed})" if short else ""

@@ -78,7 +78,9 @@ def partition(costs: Sequence[float], parts: int) -> list[int]:
         target = prefix[start] + (prefix[n] - prefix[start]) / left
         even = (n - start) / left  # layers per part, for ties in cost
 
-        def unevenness(e: int, start: int = start, target: float = target, even: float = even):
+        def unevenness(
+            e: int, start: int = start, target: float = target, even: float = even
+        ) -> tuple[float, float]:
             return abs(prefix[e] - target), abs(e - start - even)
 
         end = min(range(first, last + 1), key=unevenness)

@@ -36,7 +36,7 @@ def split_costs(schedule: Schedule, costs: Costs) -> Costs:
     if per_rank == 1 and schedule.stage_to_rank == tuple(range(schedule.n_ranks)):
         return costs
     rank_of = schedule.stage_to_rank
-    split = {}
+    split: dict[str, Any] = {}  # replace()'s keywords, named at run time
     for field in PER_STAGE_FIELDS:
         values = costs.per_stage(field, schedule.n_ranks)
         split[field] = [values[rank_of[s]] / per_rank for s in range(schedule.n_stages)]

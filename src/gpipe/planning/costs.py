@@ -67,7 +67,7 @@ def _check_skip_bytes(value: Any) -> tuple[tuple[Route, float], ...]:
                 f"Costs.skip_bytes keys are (source, destination) stages with source < "
                 f"destination, or 'source->destination', got {key!r}"
             )
-        routes[route] = _check_amount(f"skip_bytes[{key!r}]", nbytes)  # type: ignore[index]
+        routes[route] = _check_amount(f"skip_bytes[{key!r}]", nbytes)
     return tuple(sorted(routes.items()))
 
 

@@ -90,7 +90,7 @@ class StagePlan:
 class MemoryPlan:
     balance: tuple[int, ...]
     schedule: str
-    checkpoint: str
+    checkpoint: str | Layers
     chunks: int
     optimizer: str
     ranks: tuple[StagePlan, ...]

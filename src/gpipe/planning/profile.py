@@ -30,7 +30,13 @@ class _FusedAttention(TorchFunctionMode):
     choose it (it keeps inputs, output and log-sum-exp), the unfused formula with its T x T
     weights otherwise (with dropout, for one). Meta tensors alone always take the latter."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Iterable[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and args and args[0].is_meta:
             q, k, v, *rest = args
@@ -44,7 +50,7 @@ class _FusedAttention(TorchFunctionMode):
                 fused = torch._fused_sdp_choice(
                     probe, probe, probe, dropout_p=dropout, is_causal=causal
                 )
-                if fused == int(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                if fused == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value:
                     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                         q, k, v, dropout, causal, scale=options.get("scale")
                     )[0]

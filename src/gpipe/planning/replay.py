@@ -154,7 +154,8 @@ def _skip_in(schedule: Schedule, costs: Costs) -> list[float]:
     """What each stage holds per micro-batch of the skips copied to it from another rank."""
     n_stages, rank_of = schedule.n_stages, schedule.stage_to_rank
     skip_in = [0.0] * n_stages
-    for (src, dst), nbytes in dict(costs.skip_bytes).items():
+    routes: dict[tuple[int, int], float] = dict(costs.skip_bytes)
+    for (src, dst), nbytes in routes.items():
         if dst >= n_stages:
             raise ValueError(
                 f"Costs.skip_bytes has route {src}->{dst}, but the schedule has {n_stages} stages"
@@ -260,18 +261,20 @@ class _Skips:
         self._rank_of, self._costs = schedule.stage_to_rank, costs
         self._bytes = dict(costs.skip_bytes)
         # (forward?, destination, source, micro-batch) -> arrival, or the rank waiting
-        self._arrival: dict[tuple[bool, int | None, int, int], float] = {}
-        self._waiting: dict[tuple[bool, int | None, int, int], int] = {}
+        self._arrival: dict[tuple[bool, int, int, int], float] = {}
+        self._waiting: dict[tuple[bool, int, int, int], int] = {}
 
     def send(self, a: Action, t: float) -> int | None:
         """Post ``a``'s message at ``t``; returns the rank that was waiting for it, if any."""
+        assert a.peer is not None  # a skip action names the stage at its other end
         key = (a.kind is _SEND_SKIP, a.peer, a.stage, a.microbatch)
-        self._arrival[key] = t + self._delay(a.stage, a.peer)  # type: ignore[arg-type]
+        self._arrival[key] = t + self._delay(a.stage, a.peer)
         return self._waiting.pop(key, None)
 
     def arrival(self, a: Action, rank: int) -> float | None:
         """When the message receive ``a`` waits for arrives; None, with ``rank`` noted as
         waiting for it, if it is not sent yet."""
+        assert a.peer is not None  # a skip action names the stage at its other end
         key = (a.kind is _RECV_SKIP, a.stage, a.peer, a.microbatch)
         at = self._arrival.get(key)
         if at is None:

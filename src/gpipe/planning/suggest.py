@@ -401,7 +401,7 @@ def _kept(
     device_bytes: float,
 ) -> tuple[_Config, MemoryPlan]:
     """``config`` with the first of ``shards`` under which it fits, or the smallest."""
-    planned = []
+    planned: list[tuple[float, int, _Config, MemoryPlan]] = []
     for shard in shards:
         sharded = replace(config, shard=shard)
         memory = sharded.memory(prof, cut)

@@ -136,7 +136,8 @@ class DeferredBatchNorm(_BatchNorm):
         return output
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, chunks={self.chunks}"
+        base = super().extra_repr()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        return f"{base}, chunks={self.chunks}"
 
     @classmethod
     def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int = 1) -> nn.Module:

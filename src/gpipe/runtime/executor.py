@@ -69,7 +69,7 @@ def _forward(
             raise PipelineError("stage 0 was given no inputs")
         inputs = data.inputs[mb]
     else:
-        inputs = held.pop(Action(s, Kind.RECV_F, mb))  # type: ignore[assignment]
+        inputs = held.pop(Action(s, Kind.RECV_F, mb))
     skips = _received(held, s, Kind.RECV_SKIP, mb, stage.ports.imports)
     target = data.targets[mb] if last and data.targets is not None else None
     weight = data.loss_weights[mb] if last and data.loss_weights is not None else 1.0
@@ -101,7 +101,7 @@ def _backward(
     if s == data.n_stages - 1:
         grads = data.grad_outputs[mb] if data.grad_outputs is not None else None
     else:
-        grads = held.pop(Action(s, Kind.RECV_B, mb))  # type: ignore[assignment]
+        grads = held.pop(Action(s, Kind.RECV_B, mb))
     skip_grads = _received(held, s, Kind.RECV_SKIP_B, mb, stage.ports.exports)
     run = stage.backward_input if split else stage.backward
     input_grads, sent = run(mb, grads, skip_grads)

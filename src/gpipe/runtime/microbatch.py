@@ -10,9 +10,10 @@ another length) is given whole to every micro-batch.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 import torch.utils._pytree as pytree
@@ -86,11 +87,12 @@ def check_batch(value: object, name: str = "input", *, batched: bool = True) -> 
 def check_chunks(chunks: object) -> int:
     """``chunks`` as an int: any integer type, or an integral float such as ``42.0``, is taken,
     as torchgpipe takes them."""
-    try:
-        value = operator.index(chunks)  # type: ignore[arg-type]
-    except TypeError:
-        integral = isinstance(chunks, float) and chunks.is_integer()
-        value = int(chunks) if integral else 0  # type: ignore[arg-type]
+    value = 0  # refused below unless chunks is a positive integer
+    if isinstance(chunks, float) and chunks.is_integer():
+        value = int(chunks)
+    elif isinstance(chunks, SupportsIndex):
+        with contextlib.suppress(TypeError):  # a tensor of floats has __index__, and refuses
+            value = operator.index(chunks)
     if isinstance(chunks, bool) or value <= 0:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     return value
@@ -186,7 +188,7 @@ def gather_payload(microbatches: Sequence[Any]) -> Any:
         return first
     flat = [payload.flatten(mb) for mb in microbatches]
     spec = flat[0][1]
-    joined = []
+    joined: list[object] = []
     for column in zip(*(leaves for leaves, _ in flat), strict=True):
         head = column[0]
         if isinstance(head, Tensor):

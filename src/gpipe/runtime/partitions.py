@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ __all__ = [
 ]
 
 
-def as_sequential(layers: nn.Sequential | Iterable[nn.Module]) -> nn.Sequential:
+def as_sequential(layers: nn.Module | Iterable[nn.Module]) -> nn.Sequential:
     """An ``nn.Sequential`` of the layers, checked to share no module between two layers
     (a parameter they may share: ``gpipe.parallel.ties``)."""
     if isinstance(layers, nn.Sequential):
@@ -37,7 +37,9 @@ def as_sequential(layers: nn.Sequential | Iterable[nn.Module]) -> nn.Sequential:
             raise TypeError(f"layers must all be nn.Module, got {bad}")
         module = nn.Sequential(*items)
     owner: dict[int, str] = {}
-    for name, child in module._modules.items():
+    # torch types these as modules, but register_module(name, None) leaves a None
+    children: Mapping[str, nn.Module | None] = module._modules
+    for name, child in children.items():
         if child is None:
             continue
         if id(child) in owner:

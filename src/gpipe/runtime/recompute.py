@@ -56,7 +56,8 @@ class Layers:
         """Whether layer ``index`` of the model (named ``name``) is recomputed."""
         if self.every is not None:
             return index % self.every == 0
-        return bool(self.select(name, layer))  # type: ignore[misc]
+        assert self.select is not None  # __post_init__ took exactly one of them
+        return bool(self.select(name, layer))
 
     def __str__(self) -> str:
         return f"Layers(every={self.every})" if self.every else "Layers(select=...)"

@@ -15,7 +15,7 @@ import functools
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils.checkpoint
@@ -79,7 +79,7 @@ def _recomputed_call(layer: nn.Module, x: Any) -> Any:
     layer's hooks run as usual around it (and its recomputation, in the backward, runs the
     forward alone, without them)."""
     forward = layer.forward
-    layer.forward = functools.partial(  # type: ignore[method-assign]
+    layer.forward = functools.partial(
         torch.utils.checkpoint.checkpoint, forward, use_reentrant=False
     )
     try:
@@ -179,7 +179,8 @@ class Stage:
         if not self.recomputed_layers or not torch.is_grad_enabled():
             return self.module(inputs)
         x: Any = inputs
-        for position, layer in enumerate(self.module):
+        layers = cast(nn.Sequential, self.module)  # recomputed layers are a Sequential's children
+        for position, layer in enumerate(layers):
             again = position in self.recomputed_layers
             x = _recomputed_call(layer, x) if again else layer(x)
         return x
@@ -313,7 +314,11 @@ class Stage:
         if roots and wanted:
             edges = saved.weights.edges  # W's starting points: B collects their gradients
             got = torch.autograd.grad(
-                roots, [*wanted, *edges], grads, retain_graph=True, allow_unused=True
+                roots,
+                [*wanted, *edges],  # type: ignore[arg-type]  # torch takes tensors and edges mixed; its stub does not
+                grads,
+                retain_graph=True,
+                allow_unused=True,
             )
             found = {id(t): g for t, g in zip(wanted, got[: len(wanted)], strict=True)}
             saved.weights.take(got[len(wanted) :])

@@ -9,7 +9,6 @@ and K) is on rank K - 1, with no message between them. Each rank's two stages ar
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 
 from gpipe.schedules.ir import Kind, Schedule, check_sizes, programs_of
 
@@ -74,9 +73,10 @@ class _Chunks:
         """The W put off longest."""
         self.weight(self.put_off.pop(0))
 
-    def weights_left(self, chunk: int) -> Iterator[None]:
+    def weights_left(self, chunk: int) -> None:
+        """The W of every B of the chunk whose W has not run."""
         while self.weights[chunk] < self.backwards[chunk]:
-            yield self.weight(chunk)
+            self.weight(chunk)
 
 
 def _v_schedule(name: str, n_stages: int, n_microbatches: int, orders: list[Order]) -> Schedule:
@@ -128,8 +128,8 @@ def zero_bubble_v(n_stages: int, n_microbatches: int, n_ranks: int | None = None
         for _ in range(k - rank):
             c.backward(0)
             c.weight(0)
-        list(c.weights_left(1))
-        list(c.weights_left(0))
+        c.weights_left(1)
+        c.weights_left(0)
         orders.append([a for a in c.order if a[2] < n_microbatches])
     return _v_schedule("zero-bubble-v", n_stages, n_microbatches, orders)
 

@@ -40,7 +40,7 @@ def _requirements(action: Action, schedule: Schedule) -> list[Action]:
 
 
 def _expected_actions(schedule: Schedule) -> set[Action]:
-    expected = set()
+    expected: set[Action] = set()
     for s in range(schedule.n_stages):
         kinds = [Kind.FORWARD]
         if s > 0:
@@ -59,12 +59,12 @@ def _expected_actions(schedule: Schedule) -> set[Action]:
         if schedule.backward:
             expected.update(Action(s, Kind.RECOMPUTE, i) for i in schedule.recomputed)
     for src, dst in schedule.skips:
-        kinds = [(src, Kind.SEND_SKIP, dst), (dst, Kind.RECV_SKIP, src)]
+        ends = [(src, Kind.SEND_SKIP, dst), (dst, Kind.RECV_SKIP, src)]
         if schedule.backward:
-            kinds += [(dst, Kind.SEND_SKIP_B, src), (src, Kind.RECV_SKIP_B, dst)]
+            ends += [(dst, Kind.SEND_SKIP_B, src), (src, Kind.RECV_SKIP_B, dst)]
         expected.update(
             Action(stage, kind, i, peer)
-            for stage, kind, peer in kinds
+            for stage, kind, peer in ends
             for i in range(schedule.n_microbatches)
         )
     return expected
