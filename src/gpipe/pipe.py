@@ -10,7 +10,7 @@ included. Public API and behaviour follow torchgpipe's ``GPipe`` (and PyTorch's 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +23,7 @@ from gpipe.parallel.ties import find_ties, untie
 from gpipe.runtime.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
 from gpipe.runtime.microbatch import as_tuple, check_batch, check_chunks, like
 from gpipe.runtime.partitions import as_sequential, check_balance, split_sequential
-from gpipe.runtime.recompute import check_checkpoint, recomputed_layers
+from gpipe.runtime.recompute import Layers, check_checkpoint, recomputed_layers
 from gpipe.runtime.stage import Stage
 from gpipe.runtime.timeline import Event, Recorder
 from gpipe.skip.layout import SkipLayout
@@ -74,7 +74,7 @@ class GPipe(nn.Module):
         *,
         devices: Iterable[Device] | None = None,
         chunks: int = 1,
-        checkpoint: str = "except_last",
+        checkpoint: str | Layers = "except_last",
         deferred_batch_norm: bool = False,
         timeout: float = 60.0,
         trace: bool = False,
@@ -106,8 +106,9 @@ class GPipe(nn.Module):
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
         parts = split_sequential(module, self.balance)
-        self.partitions = nn.ModuleList(
-            [nn.Module.to(p, d) for p, d in zip(parts, self.devices, strict=True)]
+        self.partitions = cast(  # a ModuleList of Sequentials, typed as torchgpipe types it
+            list[nn.Sequential],
+            nn.ModuleList([nn.Module.to(p, d) for p, d in zip(parts, self.devices, strict=True)]),
         )
         self.skip_layout = SkipLayout(skips, self.balance)
         recomputed = recomputed_layers(checkpoint, module, self.balance)

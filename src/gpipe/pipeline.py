@@ -298,7 +298,7 @@ class Pipeline(nn.Module):
                 sample,
                 n_ranks=self.n_ranks,
                 chunks=chunks,
-                checkpoint=self.checkpoint,
+                checkpoint=str(self.checkpoint),  # a mode's name: check_auto refuses Layers
                 memory_budget=memory_budget,
                 device=self.device,
                 group=None if self.replicas is not None else self.group,

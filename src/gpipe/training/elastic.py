@@ -64,6 +64,7 @@ def join_process_group(device: torch.device, timeout: float) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     host, wait = os.environ["MASTER_ADDR"], datetime.timedelta(seconds=max(timeout, 60.0))
     agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=wait)
+    store: dist.Store
     if rank == 0:
         nonce = uuid.uuid4().hex
         store = dist.TCPStore(host, 0, world, is_master=True, timeout=wait, wait_for_workers=False)

@@ -132,7 +132,7 @@ def _verified_checkpoint(out: Path) -> str:
         verify_checkpoint,
     )
 
-    refused = []
+    refused: list[tuple[str, str]] = []
     for path in reversed(checkpoint_dirs(out / "checkpoints")):
         problems = verify_checkpoint(path)
         if not problems:
@@ -236,7 +236,8 @@ def _resolved_config(config: TrainConfig, model: Any, opts: TrainOptions) -> Tra
     values |= {k: v for k, v in asdict(opts).items() if k in names}
     for name in ("out", "resume", "threads", "max_restarts", "force"):
         values[name] = getattr(config, name)
-    return TrainConfig(**{k: (v if v != "" else None) for k, v in values.items()})
+    given: dict[str, Any] = {k: (v if v != "" else None) for k, v in values.items()}
+    return TrainConfig(**given)
 
 
 def train(config: TrainConfig) -> dict[str, Any] | None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from gpipe.comm.process_group import rank_device
 from gpipe.models.gpt import tied_weights
@@ -202,7 +202,7 @@ class StageRun:
         batch = self.batches.next(pipe)
         tick = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = pipe.step(**batch.args, scaler=self.scaler)
+        loss = cast(Tensor, pipe.step(**batch.args, scaler=self.scaler))  # not return_outputs
         norm = self._apply_gradients()
         seconds = time.perf_counter() - tick
         self.step += 1
@@ -266,7 +266,8 @@ class StageRun:
         opts, pipe = self.opts, self.pipe
         pipe.eval()
         batches = self.batches.validation(pipe, opts.eval_batches, opts.seed + 1)
-        losses = [float(pipe.evaluate(**batch.args)) for batch in batches]
+        # without return_outputs, evaluate gives the loss alone
+        losses = [float(cast(Tensor, pipe.evaluate(**batch.args))) for batch in batches]
         pipe.train()
         return sum(losses) / len(losses)
 

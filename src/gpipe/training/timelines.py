@@ -35,7 +35,8 @@ def write_timeline(out: Path, events: list[Event], pipe: Pipeline, n_microbatche
         "analytic": analytic_bubble(pipe.n_ranks, n_microbatches),
     }
     (out / "bubble.json").write_text(json.dumps(bubbles, indent=1) + "\n")
-    write_page(out / "view.html", measured=Measured(schedule, events, pipe.checkpoint))
+    measured = Measured(schedule, events, str(pipe.checkpoint))  # a run names a mode
+    write_page(out / "view.html", measured=measured)
     try:
         plot_gantt(events, out / "timeline.png", predicted=predicted, title=schedule.name)
     except ImportError as exc:

@@ -160,9 +160,10 @@ class SafeReader(FileSystemReader):
         rank = kwargs.get("rank")
         name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
         metadata = read_metadata(Path(self.checkpoint_id), name)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage: StorageMeta | None = getattr(metadata, "storage_meta", None)
+        if storage is None:
+            storage = metadata.storage_meta = StorageMeta()
+        storage.load_id = self.load_id
         return metadata
 
 

@@ -25,6 +25,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -92,10 +93,11 @@ def _write(staged: dict[str, Any], partial: Path, group: dist.ProcessGroup | Non
         staged,
         checkpoint_id=partial,
         process_group=group,
-        async_stager=_AlreadyStaged(),  # type: ignore[arg-type]
+        async_stager=_AlreadyStaged(),  # type: ignore[arg-type]  # torch's protocol: a private field
         no_dist=not dist.is_initialized(),
     )
-    getattr(pending, "upload_completion", pending).result()  # newer torch: a response
+    done = pending if isinstance(pending, Future) else pending.upload_completion  # newer torch
+    done.result()
 
 
 def _lowest_priority() -> None:
@@ -205,6 +207,7 @@ class CheckpointWriter:
         # may change the state as soon as this returns
         stager = DefaultStager(StagingOptions(False, False, False, False))
         staged = stager.stage(state)
+        assert not isinstance(staged, Future)  # staging is synchronous: the state itself
         stager.close()
 
         # Python hands its lock between threads every 5 ms by default: the training thread,

@@ -56,7 +56,7 @@ class ByteTokenizer:
 
     name = "bytes"
     vocab_size = 256
-    eos_id = None
+    eos_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

@@ -12,9 +12,12 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from gpipe.training.models.trained import hf_config_of, load_trained, trained_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["Exported", "export_hf", "tokenizer_files"]
 
@@ -65,7 +68,7 @@ def export_hf(checkpoint: Path, out: Path, *, force: bool = False) -> Exported:
     tokenizer = (
         tokenizer_files(trained.train["tokenizer"]) if trained.train.get("tokenizer") else {}
     )
-    original = trained.original
+    original = cast("PreTrainedModel", trained.original)  # an hf: model, as checked above
     original.config.use_cache = _recorded_use_cache(hf_config_of(model))
     partial = out.with_name(f".{out.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -92,7 +95,7 @@ def tokenizer_files(path: str | Path) -> dict[str, Path]:
     }
 
 
-def _save_quietly(model: Any, folder: Path) -> None:
+def _save_quietly(model: PreTrainedModel, folder: Path) -> None:
     """``save_pretrained`` without its progress bar."""
     from transformers.utils import logging
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -77,16 +77,16 @@ def _parameters_on_meta() -> Iterator[None]:
     that no checkpoint holds (a rotary embedding's frequencies) are computed as usual."""
     register = nn.Module.register_parameter
 
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and not param.is_meta:
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
+        register(self, name, param)
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]  # for the build only
     try:
         yield
     finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        nn.Module.register_parameter = register  # type: ignore[method-assign]  # put back
 
 
 def build_hf_meta(path: str | Path) -> nn.Module:
@@ -128,7 +128,7 @@ def write_initial_weights(path: str | Path, out: Path, seed: int) -> Path:
     return out
 
 
-class LazyWeights:
+class LazyWeights(Mapping[str, Tensor]):
     """The tensors of a Hugging Face folder's safetensors by name, each read only when asked
     for: a rank reads its own stage's weights and nothing else."""
 
@@ -152,8 +152,11 @@ class LazyWeights:
     def __getitem__(self, key: str) -> Tensor:
         return self._open[self._where[key]].get_tensor(key)
 
-    def keys(self) -> list[str]:
-        return list(self._where)
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 def _weight_map(index: Path) -> dict[str, str]:

@@ -88,17 +88,17 @@ def _gpt_fields(config: TrainConfig, saved: dict[str, Any] | None, out: Path) ->
         overrides["tied"] = False
     try:
         if saved is None:
-            config = config_from_preset(config.preset or "small", **overrides)
+            gpt = config_from_preset(config.preset or "small", **overrides)
         else:
-            config = GPTConfig.from_dict({k: v for k, v in saved.items() if k != "source"})
+            gpt = GPTConfig.from_dict({k: v for k, v in saved.items() if k != "source"})
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(str(exc).strip("'\"")) from None
-    differ = {k: v for k, v in overrides.items() if getattr(config, k) != v}
+    differ = {k: v for k, v in overrides.items() if getattr(gpt, k) != v}
     if differ:
         asked = ", ".join(f"{k}={v}" for k, v in differ.items())
-        held = ", ".join(f"{k}={getattr(config, k)}" for k in differ)
+        held = ", ".join(f"{k}={getattr(gpt, k)}" for k in differ)
         raise ConfigError(f"the checkpoint in {out} holds a model with {held}, not {asked}")
-    return config.to_dict()
+    return gpt.to_dict()
 
 
 def _hf_model(target: str, split_at: list[str] | None) -> Any:
