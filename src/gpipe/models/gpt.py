@@ -23,7 +23,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -200,15 +200,14 @@ class Embedding(nn.Module):
             _normal_(self.position, _STD)
 
     def forward(self, tokens: Tensor | Mapping[str, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
-        packed = isinstance(tokens, Mapping)
-        ids = tokens["input_ids"] if packed else tokens
+        ids = tokens["input_ids"] if isinstance(tokens, Mapping) else tokens
         length = ids.shape[-1]
         if length > self.seq_len:
             raise ValueError(
                 f"Embedding: input has {length} tokens (shape {list(ids.shape)}), "
                 f"more than the model's seq_len {self.seq_len}"
             )
-        if not packed:
+        if not isinstance(tokens, Mapping):
             return self.dropout(self.token(ids) + self.position[:length])
         positions = tokens["position_ids"]
         x = self.dropout(self.token(ids) + self.position[positions])
@@ -353,7 +352,7 @@ def count_parameters(config: GPTConfig, *, tied_once: bool = True) -> int:
     model = build_gpt(config, device="meta")
     total = sum(p.numel() for p in model.parameters())
     if config.tied and tied_once:
-        total -= model[-1].proj.weight.numel()
+        total -= cast(Head, model[-1]).proj.weight.numel()
     return total
 
 

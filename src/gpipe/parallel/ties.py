@@ -138,7 +138,7 @@ def _sum(grads: Sequence[Tensor | None], like: Tensor) -> Tensor:
     return total
 
 
-def _assign(param: nn.Parameter, total: Tensor) -> None:
+def _assign(param: Tensor, total: Tensor) -> None:
     if param.grad is not None:
         _local(param.grad).copy_(total)
     elif isinstance(param, DTensor):
@@ -153,7 +153,7 @@ def _assign(param: nn.Parameter, total: Tensor) -> None:
         param.grad = total.to(param.device, copy=True)
 
 
-def sum_local(copies: Sequence[Sequence[nn.Parameter]]) -> None:
+def sum_local(copies: Sequence[Sequence[Tensor]]) -> None:
     """Set each copy's gradient to the sum over every copy of its parameter, all of them
     in this process (``copies``: for each tie, its copies)."""
     for params in copies:

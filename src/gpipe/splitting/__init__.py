@@ -12,9 +12,9 @@ from __future__ import annotations
 import inspect
 import statistics
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx._pytree as fx_pytree
@@ -31,7 +31,7 @@ from gpipe.splitting.cuts import (
     module_starts,
     resolve,
 )
-from gpipe.splitting.stages import ATTR, SplitStage, plan_stages
+from gpipe.splitting.stages import ATTR, SplitStage, part_module, plan_stages
 from gpipe.splitting.tracing import TraceError, check_one_row, trace
 
 __all__ = ["CutError", "SplitModel", "SplitStage", "TraceError", "split"]
@@ -57,15 +57,15 @@ class SplitModel(nn.Sequential):
         self._canonical = {alias: name for name, names in aliases.items() for alias in names}
 
     def stages(self) -> list[SplitStage]:
-        return list(self)  # type: ignore[arg-type]
+        return cast(list[SplitStage], list(self))  # its layers; torch iterates them as Modules
 
-    def _apply(self, fn: Any, recurse: bool = True) -> SplitModel:
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> SplitModel:
         """As ``nn.Module._apply``, keeping a parameter that several stages hold one
         parameter (moving from meta, ``to_empty`` would give each stage its own)."""
         shared: dict[int, list[str]] = {}
         for name, param in self.named_parameters(remove_duplicate=False):
             shared.setdefault(id(param), []).append(name)
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         for names in shared.values():
             first = self.get_parameter(names[0])
             for name in names[1:]:
@@ -179,7 +179,7 @@ def _cut(
     stage_of = assign_stages(traced.graph, starts)
     root = split_module(
         traced,
-        None,
+        traced,  # root_m: unused by torch
         lambda node: stage_of[node],
         keep_original_order=True,
         keep_original_node_name=True,
@@ -210,7 +210,7 @@ def _cut(
         held.append(attrs)
     _place_unused(model, traced.graph, starts, held, first)
     stages = [
-        SplitStage(plan, root.get_submodule(call.target), attrs, namespace, device, model.training)
+        SplitStage(plan, part_module(root, call), attrs, namespace, device, model.training)
         for plan, call, attrs in zip(plans, calls, held, strict=True)
     ]
     return SplitModel(stages, aliases, [name for name, _ in cuts])
@@ -339,7 +339,7 @@ def split(
     arg_names = list(bound.arguments)[: len(args)]
     example_inputs = fx_pytree.tree_flatten_spec((args, kwargs), in_spec)
     spec = (in_spec, out_spec, arg_names, example_inputs)
-    names = _canonical_names(model)
+    canonical = _canonical_names(model)
     if parts is not None:
         options = candidates(model, traced.graph)
         if parts - 1 > len(options):
@@ -351,9 +351,9 @@ def split(
         if parts == 1:
             at = []
         else:
-            fine = _cut(model, traced, options, spec, names)
+            fine = _cut(model, traced, options, spec, canonical)
             costs = _stage_costs(fine, balance, args, kwargs)
             counts = partition(costs, parts)
             positions = [sum(counts[:i]) for i in range(1, parts)]
             at = [options[p - 1] for p in positions]
-    return _cut(model, traced, list(at or []), spec, names)
+    return _cut(model, traced, list(at or []), spec, canonical)

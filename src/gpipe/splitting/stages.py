@@ -21,7 +21,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx._pytree as fx_pytree
@@ -31,7 +31,7 @@ from torch import Tensor, fx, nn
 from gpipe.skip import Namespace, pop, stash
 from gpipe.skip.skippable import Skippable
 
-__all__ = ["SplitStage", "StagePlan", "plan_stages"]
+__all__ = ["SplitStage", "StagePlan", "part_module", "plan_stages"]
 
 VALUE, ATTR = "value", "attr"
 
@@ -71,6 +71,12 @@ def _kind(value: Any) -> str:
     if isinstance(value, torch.SymBool | bool):
         return "bool"
     return "other"
+
+
+def part_module(root: fx.GraphModule, call: fx.Node) -> fx.GraphModule:
+    """The part of ``split_module``'s ``root`` that its ``call_module`` node ``call`` runs (a
+    graph module, named by a string)."""
+    return cast(fx.GraphModule, root.get_submodule(str(call.target)))
 
 
 def _outputs_of(graph: fx.Graph) -> list[Any]:
@@ -136,7 +142,7 @@ def _stage_outputs(
     kinds: dict[str, str] = {n.name: _kind(traced_values.get(n.name)) for n in placeholders}
     produces: list[list[str]] = []
     for i, call in enumerate(calls):
-        submod = root.get_submodule(call.target)
+        submod = part_module(root, call)
         outputs = _outputs_of(submod.graph)
         multiple = isinstance(
             next(n for n in submod.graph.nodes if n.op == "output").args[0], (tuple, list)
@@ -145,7 +151,7 @@ def _stage_outputs(
         if multiple:
             for user in call.users:
                 if user.target is operator.getitem:
-                    keys[user.args[1]] = user.name
+                    keys[cast(int, user.args[1])] = user.name  # the output's position
         for key, out in zip(keys, outputs, strict=True):
             if key:
                 producer[key] = i

@@ -54,7 +54,7 @@ def _check_rows(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.size(0) == 1:
             where = (
                 "example_args" + pytree.keystr(path[1:])
-                if path[0].idx == 0
+                if path[0] == pytree.SequenceKey(0)
                 else ("example_kwargs" + pytree.keystr(path[1:]))
             )
             raise ValueError(
