@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -181,7 +181,7 @@ def _own_parameters(module: nn.Module, wrapped: set[int]) -> Iterator[nn.Paramet
 
 def _shard_stage(stage: Stage, mesh: Any, sharding: Sharding) -> FSDPModule:
     """Wrap ``stage``'s units, then its partition as the root; returns the root."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     options: dict[str, Any] = {
         "mesh": mesh,
@@ -202,15 +202,16 @@ def _shard_stage(stage: Stage, mesh: Any, sharding: Sharding) -> FSDPModule:
                 f"shard: {what}{where} cannot be wrapped by fully_shard: {exc}"
             ) from exc
         wrapped.add(id(module))
+    # fully_shard turned each unit into an FSDPModule in place; torch types them as before
     root: FSDPModule = stage.module  # type: ignore[assignment]
-    _prefetch_in_order([root, *(module for name, module in units if name)])  # type: ignore[misc]
+    _prefetch_in_order([root, *(module for name, module in units if name)])  # type: ignore[list-item]
     # the root's lazy set-up now, not at its first forward: a stage that recomputes some
     # layers calls them one by one, and the root's own forward never runs
-    fully_shard.state(root)._lazy_init()
+    fully_shard.state(root)._lazy_init()  # type: ignore[attr-defined]  # @contract adds .state
     root.set_gradient_divide_factor(1.0)  # the replicas' gradients are summed
     root.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
-    for module in root.modules():
-        if module is not root and hasattr(module, "set_gradient_divide_factor"):
+    for module in stage.module.modules():
+        if module is not stage.module and isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return root
@@ -245,7 +246,7 @@ class ShardedGradients:
 
         self.root = root
         self.stage = stage
-        self._state = fully_shard.state(root)
+        self._state = fully_shard.state(root)  # type: ignore[attr-defined]  # @contract adds .state
         self.buckets = [g for s in self._states() if (g := s._fsdp_param_group) is not None]
         self._armed = self._reduced = False
         self._early = 0  # units reduced during the last backward
@@ -344,6 +345,6 @@ class ShardedStages:
         from torch.distributed.fsdp import FSDPModule
 
         for gradients in self.gradients.values():
-            for module in gradients.root.modules():
+            for module in cast(nn.Module, gradients.root).modules():  # an FSDPModule is one
                 if isinstance(module, FSDPModule):
                     module.reshard()
