@@ -12,7 +12,7 @@ float32), one process per stage, one thread each, schedule 1F1B, M micro-batches
   the yardstick of the bubble.
 
 Packed rows keep documents apart by their ``position_ids``, which restart per document
-(tests/test_packed_split.py checks this is exact against the documents alone). Each cycle runs
+(tests/data/test_packed_split.py checks this is exact against the documents alone). Each cycle runs
 one step of each contender, in an order rotated from cycle to cycle; a step's time is the
 slower rank's, its tokens/s counts real tokens (never padding), and its bubble is the
 ranks' idle share of the step (``Pipeline.last_step``, as ``gpipe train`` reports it).

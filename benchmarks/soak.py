@@ -6,7 +6,7 @@ It reports the steps done, the restarts, the loss curve against the uninterrupte
 every worker process's resident memory over time and the disk the checkpoints use over
 time, and judges them: every kill recovered, the same loss at every step, each process's
 memory flat after warm-up (within 5 %), the checkpoints on disk bounded by ``--keep``, every
-restart continued from a finished checkpoint. tests/test_restart.py runs a short one.
+restart continued from a finished checkpoint. tests/training/test_restart.py runs a short one.
 
     python -m benchmarks.soak                          # 3,000 steps, a kill every 300-500
     python -m benchmarks.soak --steps 600 --every 150  # a shorter one

@@ -10,7 +10,7 @@ tokens, and ``Pipeline.step(microbatches=...)`` runs them as given.
 Packed rows keep their documents apart by their ``position_ids``, which restart at 0 with
 each document: with no ``attention_mask``, transformers builds a block-diagonal causal mask
 from them (SDPA and eager attention), so a packed row trains exactly like its documents each
-alone (tests/test_packed_split.py). ``gpipe.split`` traces the model with ``input_ids`` and
+alone (tests/data/test_packed_split.py). ``gpipe.split`` traces the model with ``input_ids`` and
 ``position_ids``; the first stage builds the mask and the rotary tables, and the second
 receives them with the hidden states. Each micro-batch's loss is a mean over its tokens,
 weighed by ``counts_of``, so the step's loss is the mean over all the step's tokens.

@@ -1,4 +1,4 @@
-"""What each process runs in tests/test_distributed.py (importable by name in new processes).
+"""What each process runs in tests/test_pipeline.py (importable by name in new processes).
 
 Every function runs on every rank under gpipe.launch and returns what the test checks.
 Assertions inside fail the launch with the rank's message.
@@ -15,7 +15,7 @@ from torch.nn.functional import mse_loss
 from gpipe import Pipeline, StageError
 from gpipe.pipeline import init_process_group
 
-from .models import BALANCES, SPLITS, batch, bn_model, mlp
+from .small_models import BALANCES, SPLITS, batch, bn_model, mlp
 
 MODES = ["never", "always", "except_last"]
 
@@ -253,7 +253,7 @@ def memory_workload(name: str, device: str = "cpu"):
         y = torch.randn(64, 64, generator=generator)
         return model, x, y, mse_loss
     if name == "unet":  # skips cross the cut of every balance below
-        from .models import N_OUT, unet
+        from .small_models import N_OUT, unet
 
         with torch.device(device):
             model = unet(torch.float32, width=64)
@@ -440,7 +440,7 @@ def data_parallel_bad_inputs() -> dict:
 def autocast() -> int:
     """Pipeline(autocast=torch.bfloat16) against the plain model under the same autocast,
     micro-batch by micro-batch: every schedule and checkpoint mode."""
-    from .models import INTERLEAVED_MLP
+    from .small_models import INTERLEAVED_MLP
 
     cases = 0
     for schedule in ("gpipe", "1f1b", "zero-bubble", "interleaved"):
@@ -520,7 +520,7 @@ def layer_checkpoint() -> int:
     """checkpoint=Layers(...) under every schedule: the gradients of un-pipelined training."""
     from gpipe.runtime.recompute import Layers
 
-    from .models import INTERLEAVED_MLP
+    from .small_models import INTERLEAVED_MLP
 
     cases = 0
     for schedule in ("gpipe", "1f1b", "zero-bubble", "interleaved"):
@@ -558,7 +558,7 @@ def measured_layer_memory(name: str) -> dict:
 def two_ties() -> dict:
     """Two ties over different sets of ranks ({0, 2} and {1, 2}): built without waiting
     forever, and each copy's gradient is its shared weight's."""
-    from .models import token_loss, tokens, two_ties
+    from .small_models import token_loss, tokens, two_ties
 
     exact = {"rtol": 1e-12, "atol": 1e-14}
     reference = two_ties()
@@ -578,7 +578,7 @@ def two_ties() -> dict:
 def tied_weights(balance: list[int], schedule: str = "gpipe") -> dict:
     """A weight used by the first and the last stage: each copy's gradient is the shared
     weight's, the copies stay equal through optimizer steps, and clipping counts it once."""
-    from .models import tied, token_loss, tokens
+    from .small_models import tied, token_loss, tokens
 
     exact = {"rtol": 1e-12, "atol": 1e-14}
     reference = tied()

@@ -1,4 +1,4 @@
-"""What each process runs in tests/test_distributed.py's silent-peer tests: a peer that stops
+"""What each process runs in tests/test_pipeline.py's silent-peer tests: a peer that stops
 answering in one wait of a step (a collective, or a send's completion) ends the step on every
 other rank in a StageError naming its stage, within the pipeline's timeout.
 
@@ -23,7 +23,7 @@ from torch.nn.functional import mse_loss
 from gpipe import Pipeline
 from gpipe.pipeline import init_process_group
 
-from .models import BALANCES, batch, bn_model, mlp
+from .small_models import BALANCES, batch, bn_model, mlp
 
 TIMEOUT = 1.0  # Pipeline(timeout=): the seconds each wait may take
 PATIENCE = 10.0  # the silent peer waits at most this long for the others' errors

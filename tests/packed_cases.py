@@ -1,5 +1,5 @@
 """What each process runs for packed sequences through a split Hugging Face Llama, in
-tests/test_packed_split.py: documents packed several to a row by ``gpipe.data.pack``, their
+tests/data/test_packed_split.py: documents packed several to a row by ``gpipe.data.pack``, their
 ``position_ids`` restarting per document, train exactly like the same documents each alone.
 
 Transformers builds the document mask from ``position_ids`` that restart (its

@@ -1,5 +1,5 @@
 """What each process runs for micro-batches the user splits (``step(microbatches=...)``), in
-tests/test_distributed_schedules.py: sequences of 7, 31, 12 and 64 tokens, each micro-batch
+tests/engine/test_distributed_schedules.py: sequences of 7, 31, 12 and 64 tokens, each micro-batch
 its own length and rows, through every schedule, against the whole model on the same ones."""
 
 import torch

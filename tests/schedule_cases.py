@@ -1,4 +1,4 @@
-"""What each process runs in tests/test_distributed_schedules.py (importable by name)."""
+"""What each process runs in tests/engine/test_distributed_schedules.py (importable by name)."""
 
 import os
 
@@ -9,7 +9,7 @@ from torch.nn.functional import mse_loss
 from gpipe import Pipeline
 
 from .distributed_cases import MODES, _check_step
-from .models import (
+from .small_models import (
     BALANCES,
     SPLITS,
     UNET_BALANCES,

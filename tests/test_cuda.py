@@ -12,7 +12,7 @@ from torch.nn.functional import mse_loss
 from gpipe import GPipe, launch
 
 from . import distributed_cases as cases
-from .models import batch, mlp
+from .small_models import batch, mlp
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device and GPIPE_TEST_CUDA=1")

@@ -1,4 +1,5 @@
-"""The package's layout holds: imports flow one way between its folders, without cycles.
+"""The package's layout holds: imports flow one way between its folders, without cycles, and
+the tests mirror its packages.
 
 Layers, from the bottom: schedules, skip and errors (plain data and user decorators); comm
 (moving tensors); runtime (a stage's work); parallel (replicas, ties); engine (a step); planning and
@@ -135,3 +136,35 @@ def test_the_api_reference_renders_every_library_module():
             continue
         missing.append(module)
     assert not missing, f"add these to a page under {reference}: {missing}"
+
+
+TESTS = SRC.parent / "tests"
+# At the top of tests/, beside the helpers that several folders share: the tests of the
+# package's top-level modules (the facades GPipe and Pipeline, their promise, torchgpipe's
+# names) and of the library as a whole (its layout, public API, README, examples and design
+# map).
+TOP_LEVEL_TESTS = {
+    "test_compat.py",
+    "test_cuda.py",
+    "test_design_map.py",
+    "test_examples.py",
+    "test_layout.py",
+    "test_pipe.py",
+    "test_pipeline.py",
+    "test_public_api.py",
+    "test_readme.py",
+    "test_transparency.py",
+}
+
+
+def test_the_tests_mirror_the_packages():
+    """A folder of tests per package of src/gpipe (tests/comm for gpipe.comm, ...), each a
+    package of its own, and no other test module at the top."""
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == packages, f"missing: {packages - folders}, foreign: {folders - packages}"
+    assert not [f for f in folders if not (TESTS / f / "__init__.py").is_file()]
+    top = {p.name for p in TESTS.glob("test_*.py")}
+    assert top <= TOP_LEVEL_TESTS, (
+        f"move into the folder of the package they test: {top - TOP_LEVEL_TESTS}"
+    )

@@ -6,7 +6,7 @@ from torch import nn
 
 from gpipe import BalanceError, GPipe, MovingDenied
 
-from .models import batch, mlp
+from .small_models import batch, mlp
 
 
 def _pipe(**kwargs):

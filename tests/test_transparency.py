@@ -1,6 +1,6 @@
 """The promise: a pipelined step gives the outputs and gradients of an un-pipelined one.
 
-Here in one process (GPipe); tests/test_distributed.py checks the same across processes.
+Here in one process (GPipe); tests/test_pipeline.py checks the same across processes.
 """
 
 import copy
@@ -14,7 +14,7 @@ from gpipe import GPipe
 from gpipe.comm.transport import InProcessTransport
 from gpipe.runtime.recompute import Layers
 
-from .models import BALANCES, SPLITS, UNET_BALANCES, batch, mlp, unet, unet_batch
+from .small_models import BALANCES, SPLITS, UNET_BALANCES, batch, mlp, unet, unet_batch
 
 MODES = ["never", "always", "except_last"]
 

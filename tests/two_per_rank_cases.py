@@ -1,5 +1,5 @@
 """What each process runs for the schedules that place two stages on every process (the V
-schedules and the looped ones), in tests/test_distributed_schedules.py."""
+schedules and the looped ones), in tests/engine/test_distributed_schedules.py."""
 
 import copy
 
@@ -12,8 +12,8 @@ from gpipe.errors import StageError
 from gpipe.runtime.recompute import Layers
 
 from .distributed_cases import MODES, _check_step, _replicated_step_is_exact, tied_weights
-from .models import UNET_INTERLEAVED, batch, mlp, unet, unet_batch
 from .schedule_cases import EXACT, _check_unet_step
+from .small_models import UNET_INTERLEAVED, batch, mlp, unet, unet_batch
 
 TWO_PER_RANK = ["zero-bubble-v", "dualpipe-v", "interleaved-zero-bubble", "looped-bfs"]
 # two stages per process over mlp()'s eight layers

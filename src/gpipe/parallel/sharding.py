@@ -239,7 +239,8 @@ class ShardedGradients:
     ``fully_shard`` has no public call that reduces a unit at a moment of the caller's choosing
     (after the last W) or forgets a failed step, so this class alone drives its private state:
     each unit's parameter group (``_fsdp_param_group``, ``_unsharded_param``) and the root's
-    end-of-backward callback. tests/test_sharding.py pins that behaviour against PyTorch's."""
+    end-of-backward callback. tests/parallel/test_sharding.py pins that behaviour against
+    PyTorch's."""
 
     def __init__(self, root: FSDPModule, stage: int) -> None:
         from torch.distributed.fsdp import fully_shard

@@ -1,0 +1,92 @@
+"""A hand-built ``Schedule`` given to ``Pipeline`` is validated once, at construction: a
+broken one is refused there, before any process joins, with the validator's error naming the
+rank, the step and the action; a valid one is accepted and runs as given."""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+from torch.nn.functional import mse_loss
+
+from gpipe import Pipeline
+from gpipe.engine import ScheduleSource, StepSchedules
+from gpipe.schedules import Action, Kind, Schedule, ScheduleError, gpipe
+
+from ..small_models import batch, mlp
+from ..workers import run
+
+
+def _by_hand(*programs: str, microbatches: int = 2) -> Schedule:
+    """A schedule written as each rank's actions, printed as ``gpipe`` prints them
+    (``1SEND_F0``); stage s on rank s."""
+    parsed = tuple(
+        tuple(
+            Action(int(stage), Kind(kind), int(mb))
+            for stage, kind, mb in re.findall(r"(\d+)([A-Z_]+)(\d+)", program)
+        )
+        for program in programs
+    )
+    return Schedule("by hand", len(programs), microbatches, parsed, tuple(range(len(programs))))
+
+
+# the last stage runs each micro-batch's backward right after its forward
+ONE_F_ONE_B = (
+    "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+    "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1",
+)
+
+
+def test_a_broken_hand_built_schedule_is_refused_at_construction_naming_rank_step_action():
+    rank1 = "1B0 1RECV_F0 1F0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1"  # a backward first
+    broken = _by_hand(ONE_F_ONE_B[0], rank1)
+    # refused before any process group is joined: this process has none
+    with pytest.raises(ScheduleError, match=r"rank 1, step 0 waits at 1B0 \(needs 1F0\)"):
+        Pipeline(mlp(), [4, 4], chunks=2, schedule=broken, loss_fn=mse_loss)
+
+
+def test_an_action_run_twice_is_refused_at_construction_naming_rank_step_action():
+    good = gpipe(2, 2)
+    twice = dataclasses.replace(
+        good, programs=((*good.programs[0], Action(0, Kind.FORWARD, 1)), good.programs[1])
+    )
+    with pytest.raises(ScheduleError, match=r"rank 0, step 8: action 0F1 appears twice"):
+        Pipeline(mlp(), [4, 4], chunks=2, schedule=twice, loss_fn=mse_loss)
+
+
+def test_skips_that_do_not_fit_a_hand_built_order_are_refused_when_the_steps_are_built():
+    """Stage 1 forwards micro-batch 1 before 0, which is valid alone; a skip from stage 0 to
+    stage 2 would reach stage 2 in another order than it is sent in."""
+    hand = _by_hand(
+        "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B1 0B1 0RECV_B0 0B0",
+        "1RECV_F0 1RECV_F1 1F1 1SEND_F1 1F0 1SEND_F0 1RECV_B1 1B1 1SEND_B1 1RECV_B0 1B0 1SEND_B0",
+        "2RECV_F1 2F1 2RECV_F0 2F0 2B1 2SEND_B1 2B0 2SEND_B0",
+    )
+    source = ScheduleSource.of(hand)  # valid without skips
+    StepSchedules(source, 3, (0, 1, 2), (), "never")
+    with pytest.raises(ScheduleError, match=r"rank 2, step 1: 2RECV_SKIP1@0: .* order"):
+        StepSchedules(source, 3, (0, 1, 2), ((0, 2),), "never")
+
+
+def hand_built_step() -> dict:
+    """A Pipeline over the valid hand-built schedule: it runs as given, and computes what
+    un-pipelined training computes."""
+    schedule = _by_hand(*ONE_F_ONE_B)
+    pipe = Pipeline(
+        mlp(), [4, 4], chunks=2, checkpoint="never", schedule=schedule, loss_fn=mse_loss
+    )
+    x, y = batch(4)
+    reference = mlp()
+    ref_loss = mse_loss(reference(x), y)
+    ref_loss.backward()
+    exact = {"rtol": 1e-12, "atol": 1e-14}
+    torch.testing.assert_close(pipe.step(x, y), ref_loss, **exact)
+    ref_params = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **exact)
+    return {"name": pipe.schedule_name, "runs": pipe.schedule_for(2) == schedule}
+
+
+def test_a_valid_hand_built_schedule_is_accepted_and_runs_as_given():
+    results = run(hand_built_step, 2)
+    assert results == {r: {"name": "by hand", "runs": True} for r in range(2)}

@@ -1,0 +1,48 @@
+"""Models we did not write: Hugging Face's GPT-2 and BERT, split and trained pipelined."""
+
+import copy
+
+import pytest
+import torch
+
+import gpipe
+
+pytest.importorskip("transformers", reason="the test extra installs transformers")
+
+from ..workers import run
+from . import hf_cases as cases
+
+
+def test_gpt2_split_and_trained_through_pipeline_equals_its_own_step():
+    results = run(cases.gpt2, 2)
+    assert results[0] == results[1] == 16
+
+
+def test_bert_split_and_trained_through_pipeline_equals_its_own_step():
+    results = run(cases.bert, 2)
+    assert results[0] == results[1] == 16
+
+
+def test_gpt2_names_and_tied_head():
+    model = cases.gpt2_model()
+    split = gpipe.split(copy.deepcopy(model), (), cases.text_batch(4, 8, seed=0), parts=2)
+    # the head is the embedding: both stages hold it, under the embedding's name
+    assert split.split_names("lm_head.weight") == [
+        "0.transformer.wte.weight",
+        "1.transformer.wte.weight",
+    ]
+    assert sorted(split.original_state_dict()) == sorted(model.state_dict())
+
+
+def test_gpt2_on_meta_loaded_by_original_names():
+    from transformers import GPT2LMHeadModel
+
+    reference = cases.gpt2_model()
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(reference.config).double()
+    batch = cases.text_batch(4, 8, seed=0)
+    split = gpipe.split(model, (), {k: v.to("meta") for k, v in batch.items()}, parts=2)
+    split.to_empty(device="cpu")
+    split.load_original_state_dict(reference.state_dict())
+    got, want = split(batch), reference(**batch)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)

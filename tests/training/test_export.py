@@ -1,0 +1,214 @@
+"""`gpipe export --hf` and `gpipe sample` on a run's checkpoint: the exported folder loads with
+`from_pretrained` and computes what the run computed (its logits, its last validation loss),
+with the run's tokenizer beside it; `gpipe sample` generates from any run's model; and each
+bad input is one line and exit code 2.
+
+One tiny run (a 2-layer Llama on text through a tokenizer.json, 2 stages) serves every test;
+checkpoints of runs that need no training are written directly.
+"""
+
+import json
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe.cli import main
+from gpipe.data import BatchSampler
+from gpipe.models.gpt import lm_loss
+from gpipe.training.checkpoints.format import save_checkpoint
+from gpipe.training.data.run_data import run_dataset
+from gpipe.training.models.trained import checkpoint_at, load_trained
+from gpipe.training.options import TrainOptions
+
+from ..text_cases import LINES, word_tokenizer
+
+transformers = pytest.importorskip(
+    "transformers", reason="gpipe export --hf and --model hf: need Hugging Face transformers"
+)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Two steps of a 2-layer Llama on 2 stages, evaluated at the last; text tokenized by a
+    tokenizer.json."""
+    folder = tmp_path_factory.mktemp("export")
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+    )  # fmt: skip
+    config.save_pretrained(folder / "llama")
+    (folder / "text.txt").write_text("\n".join(LINES * 40))
+    out = folder / "run"
+    code = main([
+        "train", "--model", f"hf:{folder / 'llama' / 'config.json'}",
+        "--data", str(folder / "text.txt"), "--tokenizer", str(word_tokenizer(folder / "t.json")),
+        "--stages", "2", "--steps", "2", "--seq-len", "16", "--batch-size", "4", "--chunks", "2",
+        "--eval-every", "2", "--sample-tokens", "2", "--threads", "1", "--quiet", "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf") / "llama"
+    assert main(["export", str(run), "--hf", str(out)]) == 0
+    return out
+
+
+def _usage_error(capsys, *argv) -> str:
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("gpipe: error: ")
+    return err
+
+
+def test_the_folder_is_save_pretrained_layout_with_the_runs_tokenizer(exported):
+    names = {p.name for p in exported.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert not [p for p in exported.parent.iterdir() if p.name.startswith(".")]  # no leftovers
+    config = json.loads((exported / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["use_cache"] is True
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    assert (
+        tokenizer("the dog sat")["input_ids"]
+        == tokenizer.backend_tokenizer.encode("the dog sat").ids
+    )
+
+
+def test_from_pretrained_computes_the_logits_of_the_checkpoint(run, exported):
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    trained = load_trained(checkpoint_at(run))
+    initial = transformers.AutoModelForCausalLM.from_pretrained(run / "initial")
+    ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert torch.equal(logits, trained.logits(ids))
+        assert not torch.allclose(logits, initial.eval()(ids).logits)  # trained, not as drawn
+
+
+def test_from_pretrained_computes_the_runs_last_validation_loss(run, exported):
+    """The loss of the run's evaluation (StageRun.evaluate: the first ``eval_batches``
+    batches of the held-out tokens, drawn from ``seed + 1``) through the exported model."""
+    train = json.loads((run / "run.json").read_text())["train"]
+    opts = TrainOptions(**train)
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    val = BatchSampler(
+        run_dataset(opts, run).val, opts.batch_size, opts.seq_len, seed=opts.seed + 1
+    )
+    losses = []
+    with torch.no_grad():
+        for _ in range(opts.eval_batches):
+            x, y = val.next()
+            losses.append(float(lm_loss(model(x).logits, y)))
+    assert sum(losses) / len(losses) == pytest.approx(last["val_loss"], rel=1e-6, abs=1e-6)
+
+
+def test_sample_draws_again_the_runs_own_sample_with_its_tokenizer(run, capsys):
+    """The run ends with a sample of its prompt, seed and tokenizer; `gpipe sample` with the
+    same reads the same weights and draws the same words."""
+    assert main(["sample", str(run), "--prompt", "def ", "--tokens", "2"]) == 0
+    assert capsys.readouterr().out == (run / "sample.txt").read_text() + "\n"
+    assert main(["sample", str(run), "--prompt", "the cat", "--tokens", "6"]) == 0
+    words = capsys.readouterr().out.split()
+    assert words[:2] == ["the", "cat"] and len(words) > 2  # special tokens decode to nothing
+    assert set(words) <= {w for line in LINES for w in line.split()} | {"[UNK]", "<|endoftext|>"}
+
+
+def test_sample_checks_model_against_the_run(run, capsys):
+    llama = json.loads((run / "run.json").read_text())["model"]["hf_config"]
+    folder = llama.removesuffix("/config.json")
+    assert main(["sample", str(run), "--model", f"hf:{folder}", "--tokens", "1"]) == 0
+    message = _usage_error(capsys, "sample", run, "--model", "gpt")
+    assert f"--model gpt: the checkpoint {run}/checkpoints/step-000002 holds --model hf:" in message
+
+
+def _checkpoint(root, model: nn.Module, description: dict):
+    """A checkpoint of ``model`` with ``description``, as a run of it would write."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = {"seed": 0, "seq_len": 8, "tokenizer": None}
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        return save_checkpoint(
+            root / "checkpoints", 1, model, optimizer, {}, {"train": train, **description}
+        )
+
+
+def test_sample_generates_from_a_factorys_sequential(tmp_path, monkeypatch, capsys):
+    (tmp_path / "bigram.py").write_text(
+        "from torch import nn\n\n"
+        "def make():\n"
+        "    return nn.Sequential(nn.Embedding(256, 16), nn.Linear(16, 256))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "bigram", raising=False)
+    model = nn.Sequential(nn.Embedding(256, 16), nn.Linear(16, 256))
+    with torch.no_grad():
+        model[1].bias.fill_(-1e4)
+        model[1].bias[ord("a")] = 0  # every next byte is "a"
+    meta = {"source": "bigram:make", "vocab_size": 256, "seq_len": 8}
+    run = _checkpoint(tmp_path / "run", model, {"model": meta}).parent.parent
+    # the checkpoint names code to run: it runs only when the user names it too
+    message = _usage_error(capsys, "sample", run, "--prompt", "b")
+    assert "names code to run, --model bigram:make" in message
+    args = ["sample", str(run), "--model", "bigram:make", "--prompt", "b", "--tokens", "4"]
+    assert main(args) == 0
+    assert capsys.readouterr().out == "baaaa\n"
+    sys.modules.pop("bigram", None)
+
+
+def test_export_of_a_run_without_a_hugging_face_model_says_what_it_trained(tmp_path, capsys):
+    from gpipe.models.gpt import PRESETS, build_gpt
+
+    config = PRESETS["tiny"]
+    gpt = _checkpoint(tmp_path / "gpt", build_gpt(config), {"model": config.to_dict()})
+    message = _usage_error(capsys, "export", gpt, "--hf", tmp_path / "out")
+    assert "the run trains the built-in GPT (--model gpt), not a Hugging Face model" in message
+    own = {"source": "mine:build", "vocab_size": 4, "seq_len": 8}
+    path = _checkpoint(tmp_path / "own", nn.Linear(2, 2), {"model": own})
+    message = _usage_error(capsys, "export", path.parent.parent, "--hf", tmp_path / "out")
+    assert "--model mine:build, a module of your own" in message
+    assert "nothing to export to Hugging Face" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_no_checkpoint_a_damaged_one_and_a_full_folder(run, tmp_path, capsys):
+    import shutil
+
+    message = _usage_error(capsys, "export", tmp_path, "--hf", tmp_path / "out")
+    assert f"{tmp_path}: no gpipe checkpoint there" in message
+    damaged = tmp_path / "step-000002"
+    shutil.copytree(checkpoint_at(run), damaged)
+    data = next(damaged.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:100])
+    message = _usage_error(capsys, "export", damaged, "--hf", tmp_path / "out")
+    assert f"{damaged}: damaged checkpoint (" in message
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    message = _usage_error(capsys, "export", run, "--hf", tmp_path / "full")
+    assert "exists and is not empty; pass --force to replace it" in message
+    assert main(["export", str(run), "--hf", str(tmp_path / "full"), "--force"]) == 0
+    assert "model.safetensors" in {p.name for p in (tmp_path / "full").iterdir()}
+    assert not (tmp_path / "full" / "notes.txt").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_tokenizer_folder_gives_its_tokenizer_files_only(tmp_path):
+    from tokenizers import Tokenizer
+
+    from gpipe.training.hf.export import tokenizer_files
+
+    raw = Tokenizer.from_file(str(word_tokenizer(tmp_path / "t.json")))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
+    fast.save_pretrained(tmp_path / "model")
+    for other in ("config.json", "model.safetensors", "generation_config.json"):
+        (tmp_path / "model" / other).write_text("{}")
+    names = set(tokenizer_files(tmp_path / "model"))
+    assert "tokenizer.json" in names and "tokenizer_config.json" in names
+    assert not names & {"config.json", "model.safetensors", "generation_config.json"}
+    assert tokenizer_files(tmp_path / "t.json") == {"tokenizer.json": tmp_path / "t.json"}
