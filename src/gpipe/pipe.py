@@ -96,7 +96,10 @@ class GPipe(nn.Module):
                 f"(devices: {len(all_devices)}, partitions: {len(self.balance)})"
             )
         if deferred_batch_norm:
-            module = convert_deferred_batch_norm(module, chunks, auto_commit=False)  # type: ignore[assignment]
+            # a Sequential is converted in place, and stays one
+            module = cast(
+                nn.Sequential, convert_deferred_batch_norm(module, chunks, auto_commit=False)
+            )
         self.devices = all_devices[: len(self.balance)]
         # a parameter that layers of several partitions share: a copy on each, gradients
         # summed after the backward (so the copies stay equal)

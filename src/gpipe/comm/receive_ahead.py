@@ -199,7 +199,8 @@ class ReceiveAhead:
             if inbox.posted is None:
                 inbox.to_post = max(inbox.to_post, 1)
                 self._post(key, inbox)
-            work, buffer = inbox.posted  # type: ignore[misc]
+            assert inbox.posted is not None  # posted just above if it was not
+            work, buffer = inbox.posted
             self._wait(work, dst, src, microbatch, kind)
             inbox.posted = None
             words = envelope.header_words(buffer)

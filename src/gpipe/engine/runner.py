@@ -53,7 +53,7 @@ class StepResult(NamedTuple):
 
     loss: Tensor
     outputs: Batch | None
-    losses: list[Tensor] | None
+    losses: list[Tensor | None] | None
 
 
 @dataclass(frozen=True)
@@ -358,7 +358,7 @@ class StepRunner:
             (data.losses[i] / data.loss_weights[i]).detach() if data.loss_weights[i] else None
             for i in range(m)
         ]
-        return StepResult(loss, outputs, losses)  # type: ignore[arg-type]
+        return StepResult(loss, outputs, losses)
 
     def _broadcast(self, value: Tensor, src_rank: int, what: str) -> Tensor:
         """Broadcast from ``src_rank``; losing it ends in StageError rather than a hang."""
@@ -383,13 +383,14 @@ class StepRunner:
         self.transport.begin(schedule.programs, self.placement.rank)
         arm, launch = _gradient_points(program) if self.buckets else (set(), set())
 
-        resharded = self.sharded is not None and self.sharded.sharding.reshard_after_forward
+        reshards = self.sharded is not None and self.sharded.sharding.reshard_after_forward
+        resharded = self.sharded if reshards else None
 
         def before(action: Action) -> None:
             if action in arm:
                 self.buckets[action.stage].arm()
-            elif resharded and action.kind is Kind.WEIGHT:  # a forward since B freed them
-                self.sharded.gradients[action.stage].before_weight()  # type: ignore[union-attr]
+            elif resharded is not None and action.kind is Kind.WEIGHT:
+                resharded.gradients[action.stage].before_weight()  # a forward since B freed them
 
         def timed(action: Action, start: float, end: float) -> None:
             nonlocal busy

@@ -53,17 +53,16 @@ def bucket_size(stage_bytes: float, bucket_bytes: float | None = None) -> float:
 
 
 def check_bucket_bytes(bucket_bytes: object) -> float | None:
-    ok = bucket_bytes is None or (
+    if bucket_bytes is None or (
         isinstance(bucket_bytes, (int, float))
         and not isinstance(bucket_bytes, bool)
         and bucket_bytes > 0
+    ):
+        return bucket_bytes
+    raise ValueError(
+        f"bucket_bytes must be a positive number of bytes or None (a quarter of each "
+        f"stage's gradients, between 1 MiB and 25 MiB), got {bucket_bytes!r}"
     )
-    if not ok:
-        raise ValueError(
-            f"bucket_bytes must be a positive number of bytes or None (a quarter of each "
-            f"stage's gradients, between 1 MiB and 25 MiB), got {bucket_bytes!r}"
-        )
-    return bucket_bytes  # type: ignore[return-value]
 
 
 def layout(world: int, data_parallel: int) -> tuple[list[list[int]], list[list[int]]]:

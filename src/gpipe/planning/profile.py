@@ -293,8 +293,9 @@ class Profile:
         def spread(values: tuple[int, ...]) -> tuple[int, ...]:
             return values[:layer] + (values[layer],) * times + values[layer + 1 :]
 
-        runs = tuple(run.repeat(layer, times) for run in self.runs)
-        return Profile(spread(self.params), spread(self.param_bytes), self.rows, runs)  # type: ignore[arg-type]
+        small, large = self.runs
+        runs = (small.repeat(layer, times), large.repeat(layer, times))
+        return Profile(spread(self.params), spread(self.param_bytes), self.rows, runs)
 
     def batch_bytes(self, start: int, stop: int, rows: int) -> float:
         """Bytes of the mini-batch of ``rows`` that layers [start, stop) read or keep."""
@@ -318,17 +319,18 @@ def profile(
     if rows < 1:
         raise ValueError("sample must have at least one row")
     half = max(1, rows // 2)
-    runs = tuple(
-        _profile_run(
+
+    def run(r: int) -> _Run:
+        return _profile_run(
             module,
             _first_rows(sample, r),
             None if target is None else _first_rows(target, r),
             loss_fn,
         )
-        for r in (half, rows)
-    )
+
+    runs = (run(half), run(rows))
     params = tuple(sum(p.numel() for p in layer.parameters()) for layer in module)
     param_bytes = tuple(
         sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in module
     )
-    return Profile(params, param_bytes, (half, rows), runs)  # type: ignore[arg-type]
+    return Profile(params, param_bytes, (half, rows), runs)

@@ -99,8 +99,8 @@ class SplitModel(nn.Sequential):
     def _held_stages(self, module: nn.Module | None) -> list[SplitStage]:
         if module is None:
             return self.stages()
-        mine = {id(stage) for stage in self}
-        return [m for m in module.modules() if id(m) in mine]  # type: ignore[misc]
+        mine = {id(stage): stage for stage in self.stages()}
+        return [mine[id(m)] for m in module.modules() if id(m) in mine]
 
     def original_state_dict(self, module: nn.Module | None = None) -> dict[str, Tensor]:
         """A state dict with the original model's names (every alias of a tied weight),

@@ -258,9 +258,9 @@ def other_mode(graph: fx.GraphModule, traced_training: bool) -> fx.GraphModule:
         new = flipped.node_copy(node, lambda n: env[n])
         position = _MODE_FLAGS.get(node.target) if node.op == "call_function" else None
         flag = new.args[position] if position is not None and len(new.args) > position else None
-        if flag is traced_training:
+        if position is not None and flag is traced_training:
             args = list(new.args)
-            args[position] = not traced_training  # type: ignore[index]
+            args[position] = not traced_training
             new.args = tuple(args)
         env[node] = new
     return fx.GraphModule(graph, flipped)

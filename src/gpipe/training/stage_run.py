@@ -92,7 +92,8 @@ class StageRun:
         if opts.schedule == AUTO:
             sample = sample_tokens(opts, self.model.vocab_size, self.seq_len, None)
             pipe = self._pipeline(layers, None, sample=sample)
-            chosen = pipe.auto_choice.chosen  # type: ignore[union-attr]
+            assert pipe.auto_choice is not None  # schedule="auto" makes one
+            chosen = pipe.auto_choice.chosen
             self.opts = replace(
                 opts,
                 schedule=chosen.schedule,
