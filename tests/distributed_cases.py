@@ -182,10 +182,14 @@ def bad_inputs() -> dict:
 
 def different_text() -> str:
     """Stage 1 reads other training text than stage 0: the job must refuse to start."""
-    from gpipe.training.data.corpus import check_same_text as _check_same_text
+    import numpy as np
+
+    from gpipe.training.data import TokenDataset, check_same_data
 
     pipe = Pipeline(mlp(), BALANCES[2], loss_fn=mse_loss)
-    return _error(lambda: _check_same_text(b"same" if pipe.is_first else b"other", pipe))
+    text = np.frombuffer(b"same" if pipe.is_first else b"other", dtype=np.uint8)
+    dataset = TokenDataset(text, text, 256, "the text")
+    return _error(lambda: check_same_data(dataset, pipe))
 
 
 def equivalence_cuda() -> str:

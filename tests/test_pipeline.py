@@ -128,7 +128,7 @@ def test_without_a_process_group_the_error_says_how_to_get_one(monkeypatch):
 def test_stages_reading_different_text_refuse_to_train():
     errors = run(cases.different_text, 2)
     assert errors[0] == errors[1]
-    assert errors[0].startswith("StageError: stage 1: reads different training text")
+    assert errors[0].startswith("StageError: stage 1: reads different training data")
 
 
 def test_balance_none_is_measured_on_the_first_rank_and_shared():

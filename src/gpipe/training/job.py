@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from gpipe.training.balance_choice import BALANCE_MODES, parse_balance
-from gpipe.training.data.corpus import load_corpus
 from gpipe.training.optimization import learning_rate
 from gpipe.training.options import PRECISIONS, RunSpec, TrainOptions
 from gpipe.training.stage_run import StageRun
@@ -23,7 +22,6 @@ __all__ = [
     "RunSpec",
     "TrainOptions",
     "learning_rate",
-    "load_corpus",
     "parse_balance",
     "run_stage",
 ]

@@ -1,11 +1,6 @@
 """A run's data: the text or token files it reads, its tokenizer, documents for packing, and
 the batches of each step, the same on every rank of a replica."""
 
-from gpipe.training.data.corpus import (
-    check_same_everywhere,
-    check_same_text,
-    load_corpus,
-)
 from gpipe.training.data.documents import (
     Documents,
     DocumentSampler,
@@ -16,6 +11,7 @@ from gpipe.training.data.documents import (
 )
 from gpipe.training.data.run_data import (
     check_same_data,
+    check_same_everywhere,
     checked_documents,
     data_prepared,
     prepare_run_data,
@@ -66,7 +62,6 @@ __all__ = [
     "WindowBatches",
     "check_same_data",
     "check_same_everywhere",
-    "check_same_text",
     "check_tokenizer",
     "check_vocabulary",
     "check_windows",
@@ -74,7 +69,6 @@ __all__ = [
     "data_prepared",
     "document_chunks",
     "fingerprint",
-    "load_corpus",
     "load_tokenizer",
     "needs_preparing",
     "open_dataset",

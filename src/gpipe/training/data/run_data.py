@@ -7,9 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch.distributed as dist
 
+from gpipe.errors import StageError
 from gpipe.pipeline import Pipeline
-from gpipe.training.data.corpus import check_same_everywhere
 from gpipe.training.data.documents import (
     Documents,
     open_documents,
@@ -30,6 +31,7 @@ from gpipe.training.options import TrainOptions
 
 __all__ = [
     "check_same_data",
+    "check_same_everywhere",
     "checked_documents",
     "data_prepared",
     "prepare_run_data",
@@ -148,3 +150,16 @@ def check_same_data(dataset: TokenDataset, pipe: Pipeline) -> None:
         "reads different training data than stage 0 (another Python's standard library, "
         "another copy of --data?); pass the same --data on every machine",
     )
+
+
+def check_same_everywhere(digest: str, pipe: Pipeline, problem: str) -> None:
+    """Raise ``problem`` as the error of the first stage whose ``digest`` differs from stage
+    0's; collective over the world."""
+    if dist.get_world_size() == 1:
+        return
+    digests: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    replicas = pipe.replicas.data_parallel if pipe.replicas is not None else 1
+    for rank, found in enumerate(digests):
+        if found != digests[0]:
+            raise StageError(rank // replicas, problem)  # rank = position x D + replica
