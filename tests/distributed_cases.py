@@ -4,8 +4,10 @@ Every function runs on every rank under gpipe.launch and returns what the test c
 Assertions inside fail the launch with the rank's message.
 """
 
+import functools
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,36 +46,42 @@ def _check_step(pipe, x, y, dtype=torch.float64, **tol):
     return reference
 
 
-def equivalence(k: int) -> dict:
-    """Every split and checkpoint mode against un-pipelined training; returns what the
-    test compares across K: parameter names and meta-device initialization."""
-    exact = {"rtol": 1e-12, "atol": 1e-14}
-    cases = 0
-    for rows, chunks in SPLITS:
-        for mode in MODES:
-            pipe = Pipeline(mlp(), BALANCES[k], chunks=chunks, checkpoint=mode, loss_fn=mse_loss)
-            _check_step(pipe, *batch(rows), **exact)
-            cases += 1
-    # float32 within 1e-5 relative
+EXACT = {"rtol": 1e-12, "atol": 1e-14}
+
+
+def _split(rows: int, chunks: int, mode: str, k: int) -> None:
+    pipe = Pipeline(mlp(), BALANCES[k], chunks=chunks, checkpoint=mode, loss_fn=mse_loss)
+    _check_step(pipe, *batch(rows), **EXACT)
+
+
+def _float32(k: int) -> None:
+    """float32 within 1e-5 relative."""
     pipe = Pipeline(mlp(torch.float32), BALANCES[k], chunks=4, loss_fn=mse_loss)
     _check_step(pipe, *batch(10, torch.float32), dtype=torch.float32, rtol=1e-5, atol=1e-6)
-    # shapes change between steps and the last micro-batch is short: (B, T, features)
+
+
+def _changing_shapes(k: int) -> None:
+    """Shapes change between steps and the last micro-batch is short: (B, T, features)."""
     pipe = Pipeline(mlp(), BALANCES[k], chunks=4, checkpoint="always", loss_fn=mse_loss)
     for rows, length in [(8, 3), (7, 5), (2, 1)]:
         x, y = batch(rows * length)
         pipe.zero_grad()
-        _check_step(pipe, x.view(rows, length, -1), y.view(rows, length, -1), **exact)
-        cases += 1
-    # clipping by the global norm of all stages, as clip_grad_norm_ on the whole model
+        _check_step(pipe, x.view(rows, length, -1), y.view(rows, length, -1), **EXACT)
+
+
+def _clipping(k: int) -> None:
+    """Clipping by the global norm of all stages, as clip_grad_norm_ on the whole model."""
     pipe = Pipeline(mlp(), BALANCES[k], chunks=4, loss_fn=mse_loss)
-    reference = _check_step(pipe, *batch(12), **exact)
+    reference = _check_step(pipe, *batch(12), **EXACT)
     ref_norm = nn.utils.clip_grad_norm_(reference.parameters(), 1e-3)
-    torch.testing.assert_close(pipe.clip_grad_norm_(1e-3).double(), ref_norm.double(), **exact)
+    torch.testing.assert_close(pipe.clip_grad_norm_(1e-3).double(), ref_norm.double(), **EXACT)
     ref_params = dict(reference.named_parameters())
     for name, p in pipe.named_parameters():
-        torch.testing.assert_close(p.grad, ref_params[name].grad, **exact)
-    cases += 1
-    # dropout: recomputation replays the masks of the first forward
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **EXACT)
+
+
+def _dropout_replayed(k: int) -> None:
+    """Recomputation replays the dropout masks of the first forward."""
     grads = {}
     for mode in MODES:
         pipe = Pipeline(mlp(dropout=0.5), BALANCES[k], chunks=4, checkpoint=mode, loss_fn=mse_loss)
@@ -82,13 +90,39 @@ def equivalence(k: int) -> dict:
         grads[mode] = [p.grad for p in pipe.parameters()]
     for mode in ("always", "except_last"):
         assert all(torch.equal(a, b) for a, b in zip(grads["never"], grads[mode], strict=True))
-    # meta-device build: this rank allocates and initializes only its own layers
+
+
+# Pipeline against un-pipelined training, case by case: every split and checkpoint mode, then
+# float32, shapes that change between steps, clipping, and dropout under recomputation.
+EQUIVALENCE: dict[str, Callable[[int], None]] = {
+    **{
+        f"rows={rows}-chunks={chunks}-{mode}": functools.partial(_split, rows, chunks, mode)
+        for rows, chunks in SPLITS
+        for mode in MODES
+    },
+    "float32": _float32,
+    "changing-shapes": _changing_shapes,
+    "clipping": _clipping,
+    "dropout-replayed": _dropout_replayed,
+}
+
+
+def equivalence(k: int, case: str) -> str:
+    """The case of EQUIVALENCE named ``case`` at K = k (a mismatch fails the rank); returns
+    its name."""
+    EQUIVALENCE[case](k)
+    return case
+
+
+def meta_initialization(k: int) -> dict:
+    """A pipeline built on the meta device: this rank allocates and initializes only its own
+    layers; returns its parameters' names and weights, which the test compares across K."""
     with torch.device("meta"):
         model = mlp()
     pipe = Pipeline(model, BALANCES[k], seed=5, loss_fn=mse_loss)
     assert not any(p.is_meta for p in pipe.parameters())
     state = {name: t.clone() for name, t in pipe.state_dict().items()}
-    return {"cases": cases, "state": state, "names": [n for n, _ in pipe.named_parameters()]}
+    return {"state": state, "names": [n for n, _ in pipe.named_parameters()]}
 
 
 class _Exit(nn.Module):

@@ -15,29 +15,31 @@ from .small_models import BALANCES
 from .workers import run
 
 
-@pytest.fixture(scope="module")
-def results():
-    """One launch per K runs every equivalence case; K = 1..4."""
-    return {k: run(cases.equivalence, k, (k,), threads=1) for k in sorted(BALANCES)}
-
-
+@pytest.mark.parametrize("case", cases.EQUIVALENCE)
 @pytest.mark.parametrize("k", sorted(BALANCES))
-def test_every_split_and_mode_matches_unpipelined(results, k):
-    assert all(r["cases"] == 22 for r in results[k].values())
+def test_every_split_and_mode_matches_unpipelined(k, case):
+    """K = 1..4, each case (distributed_cases.EQUIVALENCE) on the module's shared processes."""
+    assert run(cases.equivalence, k, (k, case), threads=1) == dict.fromkeys(range(k), case)
 
 
-def test_parameter_names_are_those_of_the_full_sequential(results):
-    assert [results[2][rank]["names"] for rank in range(2)] == [
+@pytest.fixture(scope="module")
+def built_on_meta():
+    """The pipeline of each K = 1..4 built on the meta device: each rank's parameters."""
+    return {k: run(cases.meta_initialization, k, (k,), threads=1) for k in sorted(BALANCES)}
+
+
+def test_parameter_names_are_those_of_the_full_sequential(built_on_meta):
+    assert [built_on_meta[2][rank]["names"] for rank in range(2)] == [
         ["0.weight", "0.bias", "2.weight", "2.bias"],
         ["5.weight", "5.bias", "6.weight", "6.bias", "7.weight", "7.bias"],
     ]
 
 
-def test_meta_initialization_does_not_depend_on_k(results):
+def test_meta_initialization_does_not_depend_on_k(built_on_meta):
     def merged(k):
         state = {}
         for rank in range(k):
-            state.update(results[k][rank]["state"])
+            state.update(built_on_meta[k][rank]["state"])
         return state
 
     one = merged(1)
