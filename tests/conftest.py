@@ -36,3 +36,17 @@ def train_on_shared_processes(monkeypatch, request):
         return workers.run(fn, nprocs, args, threads=threads)
 
     monkeypatch.setattr(gpipe.training.launch, "launch", launch)
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    """A world of this one process (gloo, an in-memory store), for the collaborators that need
+    torch.distributed but no peer: a transport or a step runner whose stages all sit here."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if started:
+        dist.destroy_process_group()

@@ -1,18 +1,33 @@
 """Every transport keeps the whole ``Transport`` contract: each member the protocol declares
-is there, with the same parameters, so a facade may use any transport through it."""
+is there, with the same parameters, so a facade may use any transport through it; and each
+carries what the protocol says a transport carries (a tensor, a tuple whose items are tensors
+or None, any payload), keeping its form and each tensor's ``requires_grad``, with the step's
+info words read off the first message.
 
+The transports are found, not listed: every class of ``gpipe.comm`` that has a method the
+protocol declares is one, except the two pieces ``DistributedTransport`` is built of."""
+
+import importlib
 import inspect
+import pkgutil
 
 import pytest
 import torch
-import torch.distributed as dist
 
+import gpipe.comm
 from gpipe.comm.distributed import DistributedTransport
 from gpipe.comm.transport import InProcessTransport, Transport
 from gpipe.errors import StageError
 from gpipe.schedules import Kind
 
-TRANSPORTS = [InProcessTransport, DistributedTransport]
+from ..workers import run
+from . import transport_cases as cases
+
+# Classes of gpipe.comm with methods of the protocol's names that are no transports themselves.
+PARTS = {
+    "gpipe.comm.receive_ahead.ReceiveAhead": "the receiving side of DistributedTransport",
+    "gpipe.comm.named_pipes.Pipes": "the pipes DistributedTransport writes messages to",
+}
 
 
 def _declared() -> set[str]:
@@ -21,9 +36,31 @@ def _declared() -> set[str]:
     return {n for n in methods if not n.startswith("_")} | set(Transport.__annotations__)
 
 
+def _transports() -> list[type]:
+    """Every class defined in a module of gpipe.comm with a method the protocol declares."""
+    methods = {n for n in _declared() if inspect.isfunction(getattr(Transport, n, None))}
+    found = {}
+    for info in pkgutil.iter_modules(gpipe.comm.__path__, "gpipe.comm."):
+        module = importlib.import_module(info.name)
+        for cls in vars(module).values():
+            if not inspect.isclass(cls) or cls.__module__ != module.__name__ or cls is Transport:
+                continue
+            name = f"{cls.__module__}.{cls.__qualname__}"
+            if methods & set(vars(cls)) and name not in PARTS:
+                found[name] = cls
+    return [found[name] for name in sorted(found)]
+
+
+TRANSPORTS = _transports()
+
+
 def test_the_protocol_declares_what_the_facades_use():
     wanted = {"info", "channels", "use_pipes", "begin", "peek", "send", "recv", "flush"}
     assert _declared() >= wanted
+
+
+def test_the_transports_found_are_the_two_the_facades_use():
+    assert {InProcessTransport, DistributedTransport} <= set(TRANSPORTS)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS, ids=lambda c: c.__name__)
@@ -46,15 +83,38 @@ def test_an_in_process_transport_is_a_transport():
     assert isinstance(InProcessTransport([torch.device("cpu")] * 2), Transport)
 
 
-def test_a_distributed_transport_is_a_transport():
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        assert isinstance(DistributedTransport([0, 0], torch.device("cpu")), Transport)
-    finally:
-        if started:
-            dist.destroy_process_group()
+def test_a_distributed_transport_is_a_transport(one_process_group):
+    assert isinstance(DistributedTransport([0, 0], torch.device("cpu")), Transport)
+
+
+# A distributed transport peeks only across processes: the first stage of a later rank reads
+# the step's size off what the rank before it sends, never off a stage of its own process.
+@pytest.mark.parametrize(
+    ("make", "peek"),
+    [
+        (lambda: InProcessTransport([cases.CPU] * 2, timeout=10), True),
+        (lambda: DistributedTransport([0, 0], cases.CPU, timeout=10), False),
+    ],
+    ids=["InProcessTransport", "DistributedTransport-one-process"],
+)
+def test_both_stages_in_one_process_carry_every_kind_of_message_both_ways(
+    make, peek, one_process_group
+):
+    transport = make()
+    transport.begin(cases.PROGRAMS, 0)
+    cases.first_stage_sends(transport)
+    answered = cases.last_stage_answers(transport, peek)
+    sent = [cases.described(m) for m in cases.messages()]
+    assert answered == {"info": cases.INFO, "received": sent}
+    assert cases.first_stage_receives(transport) == sent
+
+
+@pytest.mark.parametrize("pipes", [False, True], ids=["gloo", "pipes"])
+def test_two_processes_carry_every_kind_of_message_both_ways(pipes):
+    results = run(cases.exchange, 2, (pipes,))
+    sent = results[0]["sent"]
+    assert results[1] == {"info": cases.INFO, "received": sent}
+    assert results[0]["back"] == sent
 
 
 def test_in_process_peek_reads_the_info_of_the_first_message_and_leaves_it():

@@ -1,0 +1,111 @@
+"""Step runners built by hand, as ``Pipeline`` builds its own: for tests/engine/test_runner.py,
+in its process (all stages on one rank) and on each of two processes (importable by name)."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.functional import mse_loss
+
+from gpipe.comm.process_group import init_process_group
+from gpipe.engine import (
+    RankPlacement,
+    ScheduleSource,
+    StageRecipe,
+    StepRunner,
+    StepSchedules,
+    build_stages,
+)
+from gpipe.runtime.timeline import Recorder
+
+from ..small_models import batch, mlp
+
+CPU = torch.device("cpu")
+CHUNKS = 4
+EXACT = {"rtol": 1e-12, "atol": 1e-14}
+
+
+def runner(
+    model: nn.Sequential,
+    balance: tuple[int, ...],
+    schedule: str,
+    *,
+    rank: int = 0,
+    n_ranks: int = 1,
+    local_pipes: bool = False,
+    recorder: Recorder | None = None,
+) -> StepRunner:
+    """This rank's step runner of ``model`` cut by ``balance``, under ``schedule``."""
+    source = ScheduleSource.of(schedule)
+    placement = RankPlacement(balance, rank, n_ranks, None, source.layout())
+    recipe = StageRecipe(
+        device=CPU,
+        chunks=CHUNKS,
+        checkpoint="never",
+        loss_fn=mse_loss,
+        autocast=None,
+        deferred_batch_norm=False,
+        seed=0,
+    )
+    built = build_stages(model, [], placement, recipe)
+    params = {
+        f"{name}.{key}": p
+        for name, layer in built.layers.items()
+        for key, p in layer.named_parameters(remove_duplicate=False)
+    }
+    schedules = StepSchedules(
+        source, n_ranks, placement.stage_to_rank, built.skip_layout.routes, "never"
+    )
+    return StepRunner(
+        placement,
+        built,
+        params,
+        schedules,
+        recipe,
+        loss_reduction="mean",
+        timeout=10,
+        local_pipes=local_pipes,
+        bucket_bytes=None,
+        recorder=recorder,
+    )
+
+
+def reference(x, y) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The un-pipelined step: its loss and each parameter's gradient, by name."""
+    model = mlp()
+    loss = mse_loss(model(x), y)
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def check_grads(step_runner: StepRunner, expected: dict[str, torch.Tensor]) -> None:
+    for stage in step_runner.stages.values():
+        for name, p in stage.module.named_parameters():
+            torch.testing.assert_close(p.grad, expected[name], **EXACT)
+
+
+def two_ranks(local_pipes: bool) -> dict:
+    """A step of the model cut in two, a stage on each of two processes: the loss every rank
+    knows, the step's size the second rank read off its first message, and the outputs and
+    losses on the last."""
+    init_process_group(CPU)
+    rank = dist.get_rank()
+    step_runner = runner(mlp(), (4, 4), "1f1b", rank=rank, n_ranks=2, local_pipes=local_pipes)
+    x, y = batch(10)
+    expected_loss, expected_grads = reference(x, y)
+    loss, times = step_runner.train(
+        x if rank == 0 else None,
+        y if rank == 1 else None,
+        scale=1.0,
+        counts=None,
+        keep_outputs=True,
+        training=True,
+    )
+    torch.testing.assert_close(loss.loss, expected_loss.double(), **EXACT)
+    check_grads(step_runner, expected_grads)
+    assert 0 < times.busy <= times.total
+    if rank == 1:
+        torch.testing.assert_close(loss.outputs, mlp()(x).detach(), **EXACT)
+        assert len(loss.losses) == CHUNKS
+    else:
+        assert loss.outputs is None and loss.losses is None
+    return {"loss": loss.loss.item(), "info": tuple(step_runner.transport.info)}
