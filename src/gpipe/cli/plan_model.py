@@ -7,7 +7,7 @@ device, cut by ``gpipe.split`` into the stages, and each stage profiled whole.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,6 +16,9 @@ from gpipe.cli.common import UsageError
 from gpipe.cli.plan_shard import plan_options
 from gpipe.planning.memory import MemoryPlan, plan, profile
 from gpipe.training.models.resolve import longest_sequence, quiet_tracer
+
+if TYPE_CHECKING:
+    from gpipe.training.data.tokenizer import Tokenizer
 
 __all__ = ["GPT_DEFAULTS", "add_model_arguments", "check_split_options", "model_kind", "plan_split"]
 
@@ -106,7 +109,7 @@ def _tokenizer(args: argparse.Namespace) -> Any:
         raise UsageError(str(exc)) from None
 
 
-def _check_tokenizer(tokenizer: Any, vocab_size: int) -> None:
+def _check_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> None:
     from gpipe.training.data.tokenizer import check_tokenizer
 
     try:

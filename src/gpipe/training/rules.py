@@ -5,7 +5,7 @@ given and what is expected."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,6 +14,9 @@ from gpipe.runtime.recompute import check_checkpoint
 from gpipe.schedules import SCHEDULES, traits
 from gpipe.training.models.resolve import model_layer_count
 from gpipe.training.options import TrainOptions
+
+if TYPE_CHECKING:
+    from gpipe.training.models.sources import TrainModel
 
 __all__ = ["check_options", "multi_stage_schedules", "positive"]
 
@@ -30,8 +33,8 @@ def multi_stage_schedules() -> str:
     return " or ".join(name for name in SCHEDULES if traits(name).several_stages_per_rank)
 
 
-def check_options(model: Any, opts: TrainOptions) -> None:
-    """ConfigError for the first rule ``opts`` breaks for ``model`` (a ``TrainModel``)."""
+def check_options(model: TrainModel, opts: TrainOptions) -> None:
+    """ConfigError for the first rule ``opts`` breaks for ``model``."""
     for name in (
         "stages",
         "data_parallel",
@@ -88,7 +91,7 @@ def check_options(model: Any, opts: TrainOptions) -> None:
         raise ConfigError("--device cuda, but this machine has no CUDA device")
 
 
-def _check_shard(opts: Any) -> None:
+def _check_shard(opts: TrainOptions) -> None:
     """``--shard``: only ``full`` exists, and only with replicas to shard over."""
     if opts.shard == "none":
         return
@@ -104,7 +107,7 @@ def _check_shard(opts: Any) -> None:
         ) from None
 
 
-def _check_auto(opts: Any, model: Any) -> None:
+def _check_auto(opts: TrainOptions, model: TrainModel) -> None:
     """``--schedule auto`` chooses the stages per process and the cut itself."""
     if model.kind == "hf" or model.split_at:
         raise ConfigError(
@@ -127,10 +130,11 @@ def _check_auto(opts: Any, model: Any) -> None:
         )
 
 
-def _check_schedule(opts: Any, layers: int | None) -> None:
+def _check_schedule(opts: TrainOptions, layers: int | None) -> None:
     """A named schedule: its stages per process and micro-batch rules, and the cut."""
     from gpipe.training.job import parse_balance
 
+    assert opts.chunks is not None  # None only under --schedule auto
     try:
         schedule = traits(opts.schedule)
     except ValueError as exc:

@@ -12,9 +12,10 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +24,9 @@ from gpipe.training.config import TrainConfig, config_values
 from gpipe.training.models.resolve import GPT_FLAGS, check_pack, resolve_model, starting_weights
 from gpipe.training.options import RunSpec, TrainOptions
 from gpipe.training.rules import check_options
+
+if TYPE_CHECKING:
+    from gpipe.training.models.sources import TrainModel
 
 __all__ = ["RUN_FILE", "ResolvedRun", "resolve", "shape_from_world", "train", "under_torchrun"]
 
@@ -34,7 +38,7 @@ def under_torchrun() -> bool:
     return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def _train_options(config: TrainConfig, saved: dict[str, Any] | None) -> Any:
+def _train_options(config: TrainConfig, saved: dict[str, Any] | None) -> TrainOptions:
     from gpipe.training.job import TrainOptions
 
     values = dict(saved or {})
@@ -58,7 +62,7 @@ def _train_options(config: TrainConfig, saved: dict[str, Any] | None) -> Any:
     return TrainOptions(**values)
 
 
-def _check_data(opts: Any, model: Any, out: Path) -> None:
+def _check_data(opts: TrainOptions, model: TrainModel, out: Path) -> None:
     """The data against the model, before any process starts: the tokenizer's vocabulary,
     the token ids, one window of each part. Text a tokenizer must turn into ids is checked
     once it is, in the run folder."""
@@ -81,7 +85,7 @@ def _check_data(opts: Any, model: Any, out: Path) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def _prepare_data(opts: Any, model: Any, out: Path) -> None:
+def _prepare_data(opts: TrainOptions, model: TrainModel, out: Path) -> None:
     """Tokenize text data once into the run folder, then check it as any data is."""
     from gpipe.training.data.run_data import prepare_run_data
 
@@ -169,7 +173,9 @@ def _this_jobs_run(out: Path) -> dict[str, Any] | None:
     return run if job is not None and run.get("job") == job else None
 
 
-def _agree_on_folder(prepare: Any, device: str, timeout: float, restarted: bool) -> bool:
+def _agree_on_folder(
+    prepare: Callable[[], None], device: str, timeout: float, restarted: bool
+) -> bool:
     """Under torchrun, rank 0 prepares the run folder and every rank learns the outcome (a
     ConfigError there is every rank's), and whether rank 0 found the job restarted (a rank
     that read the folder after rank 0 had written it could think so wrongly); returns that."""
@@ -192,7 +198,7 @@ class ResolvedRun:
     folder, and the configuration with every field filled in."""
 
     config: TrainConfig
-    model: Any  # TrainModel
+    model: TrainModel
     options: TrainOptions
     out: Path
     held: dict[str, Any] | None  # the run this torchrun job started, when it is restarted
@@ -224,7 +230,7 @@ def resolve(config: TrainConfig) -> ResolvedRun:
     return ResolvedRun(_resolved_config(config, model, opts), model, opts, out, held)
 
 
-def _resolved_config(config: TrainConfig, model: Any, opts: TrainOptions) -> TrainConfig:
+def _resolved_config(config: TrainConfig, model: TrainModel, opts: TrainOptions) -> TrainConfig:
     """``config`` with every field as the run will use it: the model's shape and the options
     resolved, defaults filled in."""
     values: dict[str, Any] = {"model": model.source, "split_at": ",".join(model.split_at or [])}
@@ -317,7 +323,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     return summary
 
 
-def shape_from_world(config: TrainConfig, opts: Any, world: int) -> None:
+def shape_from_world(config: TrainConfig, opts: TrainOptions, world: int) -> None:
     """Stages and replicas from the processes torchrun started: ``--stages K`` keeps the
     pipeline's depth and the replicas follow (D = world / K), so a machine admitted or lost
     under ``--nnodes 1:2`` adds or drops replicas; otherwise D stays (``--data-parallel``,
@@ -345,10 +351,11 @@ def shape_from_world(config: TrainConfig, opts: Any, world: int) -> None:
     opts.stages = world // opts.data_parallel
 
 
-def _advise(opts: Any) -> None:
+def _advise(opts: TrainOptions) -> None:
     """One line if the run has fewer micro-batches than the GPipe paper's rule of thumb."""
     from gpipe.planning.advice import chunks_advice
 
+    assert opts.chunks is not None  # None only under --schedule auto
     line = chunks_advice(
         opts.schedule,
         opts.stages,

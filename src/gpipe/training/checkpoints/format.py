@@ -19,7 +19,7 @@ import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
@@ -27,6 +27,9 @@ from torch.optim import Optimizer
 
 from gpipe.training.checkpoints.manifest import Digest, digest, listed_files, verify, write_manifest
 from gpipe.training.run_record import checked_run_record
+
+if TYPE_CHECKING:
+    from gpipe.pipeline import Pipeline
 
 __all__ = [
     "DESCRIPTION",
@@ -121,7 +124,7 @@ def read_description(path: Path) -> dict[str, Any]:
     return checked_run_record(path / DESCRIPTION, require_step=True)
 
 
-def checkpoint_group(pipe: Any) -> dist.ProcessGroup | None:
+def checkpoint_group(pipe: Pipeline | None) -> dist.ProcessGroup | None:
     """The group that saves ``pipe``'s checkpoints: its pipeline's (the first replica's
     writes for all); with sharded replicas the whole world (None), since every rank holds a
     different shard, and one ``.metadata`` must list them all."""

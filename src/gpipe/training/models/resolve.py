@@ -8,13 +8,17 @@ import io
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from gpipe.errors import ConfigError
 from gpipe.training.config import TrainConfig
+
+if TYPE_CHECKING:
+    from gpipe.training.models.sources import TrainModel
+    from gpipe.training.options import TrainOptions
 
 __all__ = [
     "GPT_FLAGS",
@@ -36,7 +40,7 @@ GPT_FLAGS = {  # flag -> GPTConfig field
 }
 
 
-def resolve_model(config: TrainConfig, saved: dict[str, Any] | None, out: Path) -> Any:
+def resolve_model(config: TrainConfig, saved: dict[str, Any] | None, out: Path) -> TrainModel:
     """The run's ``TrainModel``: from ``--model`` and its flags, or as the run in ``out``
     recorded it (where the flags must agree with it)."""
     from gpipe.training.models.sources import model_from_dict, parse_model
@@ -101,7 +105,7 @@ def _gpt_fields(config: TrainConfig, saved: dict[str, Any] | None, out: Path) ->
     return gpt.to_dict()
 
 
-def _hf_model(target: str, split_at: list[str] | None) -> Any:
+def _hf_model(target: str, split_at: list[str] | None) -> TrainModel:
     from gpipe.training.hf.models import config_file, hf_config
     from gpipe.training.models.sources import TrainModel
 
@@ -121,7 +125,7 @@ def _hf_model(target: str, split_at: list[str] | None) -> Any:
 _INDEX = "model.safetensors.index.json"
 
 
-def _module_model(target: str, split_at: list[str] | None, seq_len: int | None) -> Any:
+def _module_model(target: str, split_at: list[str] | None, seq_len: int | None) -> TrainModel:
     """A factory's model, built once here to learn its vocabulary (the logits' width, on the
     meta device) and its longest sequence (``max_seq_len``, ``seq_len`` or its config's
     ``max_position_embeddings``; else ``--seq-len``)."""
@@ -171,13 +175,13 @@ def longest_sequence(model: nn.Module) -> int | None:
     return int(found) if isinstance(found, int) else None
 
 
-def model_layer_count(model: Any) -> int | None:
+def model_layer_count(model: TrainModel) -> int | None:
     """Layers the pipeline cuts between (``--stages`` can be at most that), where known
     before the ranks trace the model: the GPT's blocks, embedding and head."""
     return model.config.n_layer + 2 if model.kind == "gpt" else None
 
 
-def starting_weights(model: Any, seed: int) -> None:
+def starting_weights(model: TrainModel, seed: int) -> None:
     """A Hugging Face model built from a config alone starts from random weights drawn
     once, by the process that prepares the run folder, and saved there (``model.weights``):
     every rank reads its own stage's from them."""
@@ -185,6 +189,7 @@ def starting_weights(model: Any, seed: int) -> None:
         return
     from gpipe.training.hf.models import write_initial_weights
 
+    assert model.hf_config is not None  # an hf: model names the config it is built from
     write_initial_weights(model.hf_config, Path(model.weights), seed)
 
 
@@ -201,7 +206,7 @@ def quiet_tracer() -> Iterator[None]:
         torch_log.setLevel(level)
 
 
-def check_pack(opts: Any, model: Any) -> None:
+def check_pack(opts: TrainOptions, model: TrainModel) -> None:
     """``--pack`` needs documents, a model that knows where they begin, and a named
     schedule; a Hugging Face model is then marked to be traced with ``position_ids``
     (``TrainModel.packed``), which the run records."""
