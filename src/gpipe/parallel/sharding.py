@@ -203,8 +203,8 @@ def _shard_stage(stage: Stage, mesh: Any, sharding: Sharding) -> FSDPModule:
             ) from exc
         wrapped.add(id(module))
     # fully_shard turned each unit into an FSDPModule in place; torch types them as before
-    root: FSDPModule = stage.module  # type: ignore[assignment]
-    _prefetch_in_order([root, *(module for name, module in units if name)])  # type: ignore[list-item]
+    root: FSDPModule = stage.module  # type: ignore[assignment]  # made one in place
+    _prefetch_in_order([root, *(m for n, m in units if n)])  # type: ignore[list-item]  # so were these
     # the root's lazy set-up now, not at its first forward: a stage that recomputes some
     # layers calls them one by one, and the root's own forward never runs
     fully_shard.state(root)._lazy_init()  # type: ignore[attr-defined]  # @contract adds .state
