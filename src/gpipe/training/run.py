@@ -138,7 +138,7 @@ def _verified_checkpoint(out: Path) -> str:
 
     refused: list[tuple[str, str]] = []
     for path in reversed(checkpoint_dirs(out / "checkpoints")):
-        problems = verify_checkpoint(path)
+        problems = verify_checkpoint(path, run=True)
         if not problems:
             for name, why in refused:
                 skipped = out / "checkpoints" / name

@@ -18,7 +18,7 @@ from gpipe.pipeline import Pipeline
 from gpipe.planning.auto import AUTO
 from gpipe.splitting import SplitModel
 from gpipe.training.balance_choice import choose_balance, held_choice, sample_tokens
-from gpipe.training.checkpoints.format import load_checkpoint, read_description
+from gpipe.training.checkpoints.format import load_checkpoint, read_run_record
 from gpipe.training.checkpoints.resuming import resume_point, trim_metrics
 from gpipe.training.checkpoints.retention import Retention
 from gpipe.training.checkpoints.writer import CheckpointWriter
@@ -52,7 +52,7 @@ class StageRun:
         self.resumed = spec.resume
         self.restarted = spec.restarted or restart_count() > 0
         self.checkpoint = resume_point(self.out, spec.resume, self.restarted, spec.checkpoint)
-        saved = read_description(self.checkpoint) if self.checkpoint else {}
+        saved = read_run_record(self.checkpoint) if self.checkpoint else {}
         if saved.get("model", {}).get("split_at") is not None:  # cut where it was cut before
             self.model.split_at = saved["model"]["split_at"]
         torch.manual_seed(opts.seed)

@@ -43,6 +43,7 @@ __all__ = [
     "load_checkpoint",
     "load_model_weights",
     "read_description",
+    "read_run_record",
     "save_checkpoint",
     "saved_state",
     "verify_checkpoint",
@@ -69,30 +70,31 @@ def checkpoint_dirs(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
 
 
-def verify_checkpoint(path: Path, *, checksums: bool = True) -> list[str]:
+def verify_checkpoint(path: Path, *, checksums: bool = True, run: bool = False) -> list[str]:
     """What is wrong with the checkpoint at ``path`` (empty if nothing): its manifest must
     be whole and list the data's index and the description, and every file it lists must be
     there with its size. With ``checksums``, every file must also match its SHA-256, the
-    description must be a checkpoint's, and every pickle in the data must read by the
-    allow-lists of ``safe_checkpoints`` (a digest proves a file whole, not harmless: whoever
-    edits a file can edit the manifest too)."""
+    description must be a JSON object with the step (with ``run``, the record of a ``gpipe
+    train`` run, field by field), and every pickle in the data must read by the allow-lists
+    of ``safe_reading`` (a digest proves a file whole, not harmless: whoever edits a file
+    can edit the manifest too)."""
     problems = verify(path, checksums=checksums, required=(".metadata", DESCRIPTION))
     if problems or not checksums:
         return problems
     from gpipe.training.checkpoints.safe_reading import refusals
 
     try:
-        read_description(path)
+        read_run_record(path) if run else read_description(path)
     except ValueError as exc:
         return [str(exc)]
     return refusals(path)
 
 
-def latest_checkpoint(root: Path, *, checksums: bool = True) -> Path | None:
-    """The newest checkpoint under ``root`` that verifies; each newer one that does not is
-    named in a DamagedCheckpointWarning. None if none verifies."""
+def latest_checkpoint(root: Path, *, checksums: bool = True, run: bool = False) -> Path | None:
+    """The newest checkpoint under ``root`` that verifies (``verify_checkpoint``); each
+    newer one that does not is named in a DamagedCheckpointWarning. None if none verifies."""
     for path in reversed(checkpoint_dirs(root)):
-        problems = verify_checkpoint(path, checksums=checksums)
+        problems = verify_checkpoint(path, checksums=checksums, run=run)
         if not problems:
             return path
         warnings.warn(
@@ -119,8 +121,24 @@ def discard_partial(root: Path) -> list[Path]:
 
 
 def read_description(path: Path) -> dict[str, Any]:
-    """The checkpoint's description (``gpipe.json``): its step, model and options; a
-    ValueError naming the file if it is not one gpipe wrote."""
+    """The checkpoint's description (``gpipe.json``): what ``save_checkpoint`` was given and
+    the step; a ValueError naming the file if it is not a JSON object with an integer step."""
+    file = path / DESCRIPTION
+    try:
+        description = json.loads(file.read_text())
+    except OSError as exc:
+        raise ValueError(f"{file}: unreadable ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise ValueError(f"{file}: not JSON ({exc})") from None
+    step = description.get("step") if isinstance(description, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise ValueError(f"{file}: not a checkpoint's description (no integer step)")
+    return description
+
+
+def read_run_record(path: Path) -> dict[str, Any]:
+    """The description of a checkpoint of a ``gpipe train`` run: its step, model and
+    options, checked field by field (``run_record``); a ValueError naming the file."""
     return checked_run_record(path / DESCRIPTION, require_step=True)
 
 

@@ -33,7 +33,7 @@ def resume_point(
         discard_partial(root)
         if verified is not None and not restarted:
             return verified
-        path = latest_checkpoint(root)
+        path = latest_checkpoint(root, run=True)
         return None if path is None else path.name
 
     choice = on_first_rank(choose, None, "choosing the checkpoint to continue from")

@@ -23,7 +23,7 @@ from gpipe.training.checkpoints.format import (
     DESCRIPTION,
     checkpoint_dirs,
     load_model_weights,
-    read_description,
+    read_run_record,
     verify_checkpoint,
 )
 from gpipe.training.models.sources import TrainModel, call_factory, logits_of, model_from_dict
@@ -45,16 +45,16 @@ def checkpoint_at(path: str | Path) -> Path:
     is never quietly made of an older checkpoint than the one asked for."""
     folder = Path(path)
     if (folder / DESCRIPTION).is_file():
-        problems = verify_checkpoint(folder)
+        problems = verify_checkpoint(folder, run=True)
         if problems:
             raise ValueError(f"{folder}: damaged checkpoint ({'; '.join(problems)})")
         return folder
     found = checkpoint_dirs(folder / "checkpoints")
     if not found:
         raise ValueError(f"{folder}: no gpipe checkpoint there (a run folder or a checkpoint)")
-    problems = verify_checkpoint(found[-1])
+    problems = verify_checkpoint(found[-1], run=True)
     if problems:
-        older = next((p for p in reversed(found[:-1]) if not verify_checkpoint(p)), None)
+        older = next((p for p in reversed(found[:-1]) if not verify_checkpoint(p, run=True)), None)
         hint = f"; the newest that verifies is {older}: name it" if older else ""
         raise ValueError(f"{found[-1]}: damaged checkpoint ({'; '.join(problems)}){hint}")
     return found[-1]
@@ -62,7 +62,7 @@ def checkpoint_at(path: str | Path) -> Path:
 
 def trained_model(checkpoint: Path) -> TrainModel:
     """The model the checkpoint's run trains, as it recorded it (with its cuts)."""
-    return model_from_dict(read_description(checkpoint)["model"])
+    return model_from_dict(read_run_record(checkpoint)["model"])
 
 
 @dataclass
@@ -83,7 +83,7 @@ class TrainedModel:
 
     @property
     def step(self) -> int:
-        return int(read_description(self.checkpoint)["step"])
+        return int(read_run_record(self.checkpoint)["step"])
 
     @property
     def seq_len(self) -> int:
@@ -125,7 +125,7 @@ def load_trained(checkpoint: Path, *, code: str | None = None) -> TrainedModel:
     """The run's model, built on the CPU in float32 and loaded from ``checkpoint``, in
     evaluation mode. A run of a module of the user's own is built only when ``code`` names
     the same ``MODULE:FUNCTION`` (``check_code_named``)."""
-    description = read_description(checkpoint)
+    description = read_run_record(checkpoint)
     model = model_from_dict(description["model"])
     check_code_named(model, checkpoint / DESCRIPTION, code)
     train = dict(description.get("train") or {})
