@@ -20,22 +20,14 @@ def _shared_processes_last_one_module():
 
 
 @pytest.fixture
-def train_on_shared_processes(monkeypatch, request):
+def train_on_shared_processes(request):
     """`gpipe train` runs its stages on the module's shared processes (real ones, over gloo)
     rather than starting new ones for every run (however it asks them started); runs that
     restart keep their own, and so do tests that read what the stages print (the shared
-    processes write to the streams of the test that started them)."""
-    import gpipe.training.launch
-
-    started = gpipe.training.launch.launch
-    own = "capfd" in request.fixturenames
-
-    def launch(fn, nprocs, args=(), *, threads="auto", max_restarts=0, **more):
-        if own or max_restarts or set(more) - {"start_method"}:
-            return started(fn, nprocs, args, threads=threads, max_restarts=max_restarts, **more)
-        return workers.run(fn, nprocs, args, threads=threads)
-
-    monkeypatch.setattr(gpipe.training.launch, "launch", launch)
+    processes write to the streams of the test that started them). A module's own fixtures,
+    set up before any test's, run theirs in ``workers.training_on_shared_processes()``."""
+    with workers.training_on_shared_processes(own="capfd" in request.fixturenames):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,13 @@ import secrets
 import signal
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 import torch
 
+import gpipe.training.launch
 from gpipe import LaunchError, launch
 from gpipe.training.launch import threads_per_process
 
@@ -130,6 +131,25 @@ def run(
     except LaunchError:
         del _pools[nprocs]
         raise
+
+
+@contextlib.contextmanager
+def training_on_shared_processes(own: bool = False) -> Iterator[None]:
+    """Inside it, `gpipe train` runs its stages on the shared processes (``run``) rather than
+    starting new ones for every run (however it asks them started); runs that restart keep
+    their own, and so do all with ``own``."""
+    started = gpipe.training.launch.launch
+
+    def launch(fn, nprocs, args=(), *, threads="auto", max_restarts=0, **more):
+        if own or max_restarts or set(more) - {"start_method"}:
+            return started(fn, nprocs, args, threads=threads, max_restarts=max_restarts, **more)
+        return run(fn, nprocs, args, threads=threads)
+
+    gpipe.training.launch.launch = launch
+    try:
+        yield
+    finally:
+        gpipe.training.launch.launch = started
 
 
 @atexit.register

@@ -20,6 +20,8 @@ from gpipe.training.balance_choice import held_choice
 from gpipe.training.checkpoints.format import load_model_weights
 from gpipe.training.options import TrainOptions
 
+from ..workers import training_on_shared_processes
+
 TINY = [
     "--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--chunks", "4",
     "--lr", "1e-2", "--warmup", "2", "--eval-every", "5", "--sample-tokens", "16", "--quiet",
@@ -44,8 +46,9 @@ def trained(tmp_path_factory):
     runs = {}
     for stages in (1, 2):
         out = tmp_path_factory.mktemp(f"run{stages}")
-        code = main(["train", *TINY, "--stages", str(stages), "--steps", "20",
-                     "--save-every", "10", "--out", str(out), "--force"])  # fmt: skip
+        with training_on_shared_processes():
+            code = main(["train", *TINY, "--stages", str(stages), "--steps", "20",
+                         "--save-every", "10", "--out", str(out), "--force"])  # fmt: skip
         assert code == 0
         runs[stages] = out
     return runs

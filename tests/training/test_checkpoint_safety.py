@@ -38,6 +38,8 @@ from gpipe.training.checkpoints.safe_reading import (
     refusals,
 )
 
+from ..workers import training_on_shared_processes
+
 TINY = [
     "--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--chunks", "2",
     "--lr", "1e-2", "--warmup", "2", "--eval-every", "3", "--sample-tokens", "4", "--quiet",
@@ -106,7 +108,8 @@ def run(tmp_path_factory):
     """2 stages, 6 steps, checkpoints at 3 and 6."""
     out = tmp_path_factory.mktemp("safety") / "run"
     args = ["train", *TINY, "--stages", "2", "--steps", "6", "--save-every", "3"]
-    assert main([*args, "--out", str(out)]) == 0
+    with training_on_shared_processes():
+        assert main([*args, "--out", str(out)]) == 0
     return out
 
 

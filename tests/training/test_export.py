@@ -24,6 +24,7 @@ from gpipe.training.models.trained import checkpoint_at, load_trained
 from gpipe.training.options import TrainOptions
 
 from ..text_cases import LINES, word_tokenizer
+from ..workers import training_on_shared_processes
 
 transformers = pytest.importorskip(
     "transformers", reason="gpipe export --hf and --model hf: need Hugging Face transformers"
@@ -42,13 +43,14 @@ def run(tmp_path_factory):
     config.save_pretrained(folder / "llama")
     (folder / "text.txt").write_text("\n".join(LINES * 40))
     out = folder / "run"
-    code = main([
+    args = [
         "train", "--model", f"hf:{folder / 'llama' / 'config.json'}",
         "--data", str(folder / "text.txt"), "--tokenizer", str(word_tokenizer(folder / "t.json")),
         "--stages", "2", "--steps", "2", "--seq-len", "16", "--batch-size", "4", "--chunks", "2",
         "--eval-every", "2", "--sample-tokens", "2", "--threads", "1", "--quiet", "--out", str(out),
-    ])  # fmt: skip
-    assert code == 0
+    ]  # fmt: skip
+    with training_on_shared_processes():
+        assert main(args) == 0
     return out
 
 

@@ -16,6 +16,8 @@ import pytest
 
 from gpipe.cli import main
 
+from ..workers import training_on_shared_processes
+
 transformers = pytest.importorskip("transformers", reason="--model hf: needs transformers")
 
 VOCAB = 96
@@ -63,7 +65,8 @@ def _hf(inputs, out, *more):
 def reference(inputs, tmp_path_factory):
     """The uninterrupted run: 12 steps, a checkpoint every 4."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    assert _hf(inputs, out, "--steps", "12", "--save-every", "4") == 0
+    with training_on_shared_processes():
+        assert _hf(inputs, out, "--steps", "12", "--save-every", "4") == 0
     return out
 
 
