@@ -1,5 +1,5 @@
 // gpipe's schedule generators (gpipe/schedule.py) in JavaScript, action for action, so that the
-// page can compute schedules offline. tests/test_view_parity.py holds them to the Python ones.
+// page can compute schedules offline. tests/view/test_view_parity.py holds them to the Python ones.
 (function (root) {
   "use strict";
   const api = root.gpipeView || (root.gpipeView = {});

@@ -1,5 +1,5 @@
 // gpipe's simulator (gpipe/simulate.py) in JavaScript: the same cost model, the same walk
-// through the ranks' programs, the same times, bubble and memory; tests/test_view_parity.py
+// through the ranks' programs, the same times, bubble and memory; tests/view/test_view_parity.py
 // holds it to the Python one. It also keeps what the page draws: the span of every action,
 // messages included, and each rank's activation bytes over time.
 (function (root) {
