@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_fields", "checked_run_record", "dataclass_types"]
+__all__ = ["check_fields", "checked_run_record", "dataclass_types", "read_json"]
 
 _RECORD_FIELDS: dict[str, Any] = {
     "model": dict[str, Any],
@@ -85,6 +85,17 @@ def dataclass_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def read_json(path: Path) -> Any:
+    """The JSON value in the file ``path``; a ValueError naming the file if it cannot be read
+    or is not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"{path}: unreadable ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+
+
 def checked_run_record(path: Path, *, require_step: bool = False) -> dict[str, Any]:
     """The record in the JSON file ``path``, checked: the fields gpipe writes have their
     types, and its model (the GPT's config, or a ``TrainModel``) and its training options
@@ -95,12 +106,7 @@ def checked_run_record(path: Path, *, require_step: bool = False) -> dict[str, A
     from gpipe.training.models.sources import TrainModel
     from gpipe.training.options import TrainOptions
 
-    try:
-        record = json.loads(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"{path}: unreadable ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from None
+    record = read_json(path)
     try:
         check_fields(record, _RECORD_FIELDS, "the record", others=True)
         if require_step and "step" not in record:

@@ -26,7 +26,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gpipe.training.checkpoints.manifest import Digest, digest, listed_files, verify, write_manifest
-from gpipe.training.run_record import checked_run_record
+from gpipe.training.run_record import checked_run_record, read_json
 
 if TYPE_CHECKING:
     from gpipe.pipeline import Pipeline
@@ -124,12 +124,7 @@ def read_description(path: Path) -> dict[str, Any]:
     """The checkpoint's description (``gpipe.json``): what ``save_checkpoint`` was given and
     the step; a ValueError naming the file if it is not a JSON object with an integer step."""
     file = path / DESCRIPTION
-    try:
-        description = json.loads(file.read_text())
-    except OSError as exc:
-        raise ValueError(f"{file}: unreadable ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise ValueError(f"{file}: not JSON ({exc})") from None
+    description = read_json(file)
     step = description.get("step") if isinstance(description, dict) else None
     if not isinstance(step, int) or isinstance(step, bool):
         raise ValueError(f"{file}: not a checkpoint's description (no integer step)")
