@@ -42,6 +42,26 @@ def bert_model():
     return BertForSequenceClassification(config).double()
 
 
+def llama_model():
+    """A Llama with tied embeddings: cut by its own pipeline plan."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+        use_cache=False,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).double()
+
+
 def text_batch(rows: int, length: int, seed: int, classes: int | None = None) -> dict:
     """Token ids with right padding that differs from row to row."""
     g = torch.Generator().manual_seed(seed)
@@ -91,7 +111,9 @@ def _train(build, example, batches, counts_of) -> int:
 
 
 def _cut_of(model) -> str:
-    return "transformer.h.1" if hasattr(model, "transformer") else "bert.encoder.layer.2"
+    if hasattr(model, "transformer"):
+        return "transformer.h.1"
+    return "model.layers.3" if hasattr(model, "model") else "bert.encoder.layer.2"
 
 
 def gpt2() -> int:
@@ -103,6 +125,17 @@ def gpt2() -> int:
         return (batch["labels"][:, 1:] != -100).sum(1)
 
     return _train(gpt2_model, text_batch(4, 8, seed=0), batches, counts)
+
+
+def llama() -> int:
+    """Llama cut by its pipeline plan: each stage runs the model's own modules and code,
+    the padding mask passed from stage to stage."""
+    batches = [text_batch(7, 10, seed=1), text_batch(5, 6, seed=2)]
+
+    def counts(batch):
+        return (batch["labels"][:, 1:] != -100).sum(1)
+
+    return _train(llama_model, text_batch(4, 8, seed=0), batches, counts)
 
 
 def bert() -> int:

@@ -18,6 +18,11 @@ def test_gpt2_split_and_trained_through_pipeline_equals_its_own_step():
     assert results[0] == results[1] == 16
 
 
+def test_llama_cut_by_its_plan_and_trained_through_pipeline_equals_its_own_step():
+    results = run(cases.llama, 2)
+    assert results[0] == results[1] == 16
+
+
 def test_bert_split_and_trained_through_pipeline_equals_its_own_step():
     results = run(cases.bert, 2)
     assert results[0] == results[1] == 16

@@ -200,6 +200,9 @@ def test_bad_input_is_one_line_before_any_process_starts(inputs, factory, tmp_pa
     message = _refused(capsys, [*RUN, "--model", llama, *data, "--n-layer", "3"])
     assert "--n-layer" in message
 
+    message = _refused(capsys, [*RUN, "--model", llama, *data, "--stages", "9"])
+    assert "--stages 9 is more than the model's 2 decoder layers" in message
+
     (tmp_path / "docs.jsonl").write_text('{"text": "a cat"}\n{"text": "a dog"}\n')
     jsonl = ["--data", str(tmp_path / "docs.jsonl"), "--pack", "--out", str(tmp_path / "run")]
     message = _refused(capsys, [*RUN, "--model", f"{factory}:tiny", *jsonl])

@@ -1,4 +1,9 @@
-"""``gpipe.split``: cut any model into pipeline stages by tracing it.
+"""``gpipe.split``: cut any model into pipeline stages, by its own pipeline plan or by
+tracing it.
+
+A Hugging Face model that declares a pipeline plan (``base_model_pp_plan``) is cut by it
+(``hf_plan``): each stage keeps the model's own modules and runs the model's own code.
+Any other model is traced:
 
 ``torch.export`` traces the model into one graph (every input dimension dynamic),
 ``torch.fx``'s ``split_module`` cuts the graph where the named submodules begin, and each
@@ -14,7 +19,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.fx._pytree as fx_pytree
@@ -31,12 +36,21 @@ from gpipe.splitting.cuts import (
     module_starts,
     resolve,
 )
+from gpipe.splitting.hf_plan import (
+    PlanError,
+    PlanLayout,
+    PlanStage,
+    declares_plan,
+    plan_bounds,
+    plan_layout,
+)
 from gpipe.splitting.stages import ATTR, SplitStage, part_module, plan_stages
 from gpipe.splitting.tracing import TraceError, check_one_row, trace
 
-__all__ = ["CutError", "SplitModel", "SplitStage", "TraceError", "split"]
+__all__ = ["CutError", "PlanError", "PlanStage", "SplitModel", "SplitStage", "TraceError", "split"]
 
 BALANCES = ("parameters", "time")
+PLANS = ("auto", "hf", None)
 
 
 class SplitModel(nn.Sequential):
@@ -49,15 +63,15 @@ class SplitModel(nn.Sequential):
     """
 
     def __init__(
-        self, stages: Sequence[SplitStage], aliases: Mapping[str, Sequence[str]], at: list[str]
+        self, stages: Sequence[nn.Module], aliases: Mapping[str, Sequence[str]], at: list[str]
     ) -> None:
         super().__init__(*stages)
         self.at = at  # where stages begin, by module name
-        self._aliases = {name: list(names) for name, names in aliases.items()}
-        self._canonical = {alias: name for name, names in aliases.items() for alias in names}
+        # every name of a tensor the original model holds under several, to all of them
+        self._names = {alias: list(names) for names in aliases.values() for alias in names}
 
-    def stages(self) -> list[SplitStage]:
-        return cast(list[SplitStage], list(self))  # its layers; torch iterates them as Modules
+    def stages(self) -> list[nn.Module]:
+        return list(self)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> SplitModel:
         """As ``nn.Module._apply``, keeping a parameter that several stages hold one
@@ -74,41 +88,41 @@ class SplitModel(nn.Sequential):
         return self
 
     def original_name(self, name: str) -> str:
-        """The original model's name of the split model's parameter or buffer ``name``."""
+        """The original model's name of the split model's parameter or buffer ``name`` (of
+        a tensor it holds under several, the first, as ``named_parameters`` gives it)."""
         index, _, rest = name.partition(".")
         if not index.isdigit() or int(index) >= len(self) or not rest:
             raise KeyError(f"{name!r} is not a name of this split model ('<stage>.<name>')")
         stage = self[int(index)]
         if rest not in dict(stage.named_parameters()) and rest not in dict(stage.named_buffers()):
             raise KeyError(f"stage {index} holds no {rest!r}")
-        return rest
+        return self._names.get(rest, [rest])[0]  # a shared tensor's first name
 
     def split_names(self, original: str) -> list[str]:
         """The split model's names for the original model's ``original`` (several where
         stages share it)."""
-        canonical = self._canonical.get(original, original)
+        names = self._names.get(original, [original])
         found = []
         for index, stage in enumerate(self):
             held = {*dict(stage.named_parameters()), *dict(stage.named_buffers())}
-            if canonical in held:
-                found.append(f"{index}.{canonical}")
+            found += [f"{index}.{name}" for name in names if name in held][:1]
         if not found:
             raise KeyError(f"no stage holds {original!r}")
         return found
 
-    def _held_stages(self, module: nn.Module | None) -> list[SplitStage]:
+    def _held_stages(self, module: nn.Module | None) -> list[tuple[int, nn.Module]]:
+        mine = {id(stage): (index, stage) for index, stage in enumerate(self)}
         if module is None:
-            return self.stages()
-        mine = {id(stage): stage for stage in self.stages()}
+            return list(mine.values())
         return [mine[id(m)] for m in module.modules() if id(m) in mine]
 
     def original_state_dict(self, module: nn.Module | None = None) -> dict[str, Tensor]:
         """A state dict with the original model's names (every alias of a tied weight),
         of the stages held by ``module`` (a ``Pipeline`` holds only its own; default: all)."""
         out: dict[str, Tensor] = {}
-        for stage in self._held_stages(module):
+        for _, stage in self._held_stages(module):
             for name, value in stage.state_dict().items():
-                for alias in self._aliases.get(name, [name]):
+                for alias in self._names.get(name, [name]):
                     out.setdefault(alias, value)
         return out
 
@@ -120,23 +134,22 @@ class SplitModel(nn.Sequential):
         of a ``Pipeline`` loads its own stage from a lazily read checkpoint. Returns the
         indices of the stages loaded."""
         loaded = []
-        for stage in self._held_stages(module):
+        for index, stage in self._held_stages(module):
             wanted = stage.state_dict(keep_vars=True)
             values = {}
             missing = []
             for name in wanted:
-                key = next((a for a in self._aliases.get(name, [name]) if a in state_dict), None)
+                key = next((a for a in self._names.get(name, [name]) if a in state_dict), None)
                 if key is None:
                     missing.append(name)
                 else:
                     values[name] = state_dict[key]
             if missing:
                 raise KeyError(
-                    f"the state dict lacks {len(missing)} of stage {stage.plan.index}'s "
-                    f"entries: {missing[:5]}"
+                    f"the state dict lacks {len(missing)} of stage {index}'s entries: {missing[:5]}"
                 )
             stage.load_state_dict(values, assign=any(t.is_meta for t in wanted.values()))
-            loaded.append(stage.plan.index)
+            loaded.append(index)
         return loaded
 
 
@@ -292,22 +305,30 @@ def split(
     parts: int | None = None,
     balance: str = "parameters",
     check: bool = True,
+    plan: str | None = "auto",
 ) -> SplitModel:
-    """Cut ``model`` into pipeline stages by tracing it on the example inputs.
+    """Cut ``model`` into pipeline stages: by its own pipeline plan, or by tracing it on the
+    example inputs.
 
     Args:
-        model: any ``nn.Module`` that ``torch.export`` can trace, on a device or on meta.
+        model: any ``nn.Module`` that ``torch.export`` can trace, or a Hugging Face causal LM
+            that declares a pipeline plan; on a device or on meta.
         example_args: positional inputs as ``model(*example_args, **example_kwargs)`` takes
-            them (a lone tensor is taken as one argument), at least 2 rows.
+            them (a lone tensor is taken as one argument), at least 2 rows. A model cut by
+            its plan needs none (``balance="time"`` runs it on them where given).
         example_kwargs: keyword inputs, the same way.
         at: qualified names of submodules where stages begin (``["layers.4", "layers.8"]``
-            gives three stages).
+            gives three stages; by plan, decoder layers such as ``"model.layers.4"``).
         parts: instead of ``at``, the number of stages, cut between the model's blocks (the
-            children of its ``ModuleList`` and ``Sequential`` containers) where the
-            ``balance`` is most even: ``"parameters"`` (their count) or ``"time"`` (the
-            measured forward time on the examples).
+            children of its ``ModuleList`` and ``Sequential`` containers; by plan, its
+            decoder layers) where the ``balance`` is most even: ``"parameters"`` (their
+            count) or ``"time"`` (the measured forward time on the examples).
         check: make sure the traced graph computes what the model does for a 1-row input
             (a model that branches on a size being 1 would not); skipped on meta.
+        plan: ``"hf"`` cuts a Hugging Face model by its ``base_model_pp_plan`` (each stage
+            keeps the model's own modules, attention implementation and cache classes);
+            ``None`` traces; ``"auto"`` (default) uses the plan where the model declares
+            one and traces otherwise.
 
     The first stage takes what the model takes: a tensor, a tuple of positional arguments,
     or a dict of arguments by name; the last returns what the model returns.
@@ -323,10 +344,64 @@ def split(
         at = names
     if balance not in BALANCES:
         raise ValueError(f"balance must be one of {list(BALANCES)}, got {balance!r}")
+    if plan not in PLANS:
+        raise ValueError(f"plan must be 'hf', None or 'auto', got {plan!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     kwargs = dict(example_kwargs or {})
+    if plan == "hf" or (plan == "auto" and declares_plan(model)):
+        try:
+            layout = plan_layout(model)
+        except PlanError:
+            if plan == "hf" or not (args or kwargs):
+                raise
+        else:  # a plan that does not fit the model falls back to tracing under "auto"
+            return _split_by_plan(model, layout, args, kwargs, at=at, parts=parts, balance=balance)
+    if not args and not kwargs:
+        raise ValueError(
+            f"split traces {type(model).__name__} on example inputs, and none were given "
+            "(only a Hugging Face model that declares a pipeline plan is cut without them)"
+        )
+    return _split_by_tracing(model, args, kwargs, at=at, parts=parts, balance=balance, check=check)
+
+
+def _split_by_plan(
+    model: nn.Module,
+    layout: PlanLayout,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    at: list[str] | None,
+    parts: int | None,
+    balance: str,
+) -> SplitModel:
+    """``split`` by the model's pipeline plan."""
+    example = dict(kwargs)
+    if args:
+        example.update(inspect.signature(model.forward).bind_partial(*args).arguments)
+    if not example and balance == "time":
+        vocab = int(getattr(model.config, "vocab_size", 2))
+        example = {"input_ids": torch.randint(vocab, (2, 16), device=_device_of(model))}
+    bounds = plan_bounds(model, layout, at=at, parts=parts, balance=balance, example=example)
+    stages = [PlanStage(model, layout, index, bounds) for index in range(len(bounds) - 1)]
+    for stage in stages:
+        stage.train(model.training)
+    _, aliases, _ = _canonical_names(model)
+    return SplitModel(stages, aliases, [layout.layer_name(b) for b in bounds[1:-1]])
+
+
+def _split_by_tracing(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    at: list[str] | None,
+    parts: int | None,
+    balance: str,
+    check: bool,
+) -> SplitModel:
+    """``split`` by tracing the model on its examples."""
     exported = trace(model, args, kwargs)
     traced = exported.module()
     drop_checks(traced.graph)

@@ -64,9 +64,13 @@ def check_options(model: TrainModel, opts: TrainOptions) -> None:
             f"{opts.data_parallel} replicas a row"
         )
     if layers is not None and opts.stages > layers:
+        which = (
+            f"{layers} layers ({layers - 2} blocks, embedding and head)"
+            if model.kind == "gpt"
+            else f"{layers} decoder layers (a stage holds one at least)"
+        )
         raise ConfigError(
-            f"--stages {opts.stages} is more than the model's {layers} layers "
-            f"({layers - 2} blocks, embedding and head); at most {layers} stages"
+            f"--stages {opts.stages} is more than the model's {which}; at most {layers} stages"
         )
     if opts.seq_len is not None and opts.seq_len > model.seq_len:
         more = "raise --context" if model.kind == "gpt" else "its config says so"

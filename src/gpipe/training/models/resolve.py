@@ -177,8 +177,18 @@ def longest_sequence(model: nn.Module) -> int | None:
 
 def model_layer_count(model: TrainModel) -> int | None:
     """Layers the pipeline cuts between (``--stages`` can be at most that), where known
-    before the ranks trace the model: the GPT's blocks, embedding and head."""
-    return model.config.n_layer + 2 if model.kind == "gpt" else None
+    before the ranks build the model: the GPT's blocks, embedding and head; a Hugging Face
+    model's decoder layers where it declares a pipeline plan (a stage holds one at least)."""
+    if model.kind == "gpt":
+        return model.config.n_layer + 2
+    if model.kind == "hf" and model.hf_config is not None:
+        from gpipe.training.hf.models import hf_config
+
+        config = hf_config(model.hf_config)
+        if getattr(config, "base_model_pp_plan", None):
+            layers = getattr(config, "num_hidden_layers", None)
+            return int(layers) if isinstance(layers, int) else None
+    return None
 
 
 def starting_weights(model: TrainModel, seed: int) -> None:

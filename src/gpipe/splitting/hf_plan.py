@@ -1,0 +1,379 @@
+"""Cut a Hugging Face causal LM by its own pipeline plan (``base_model_pp_plan``).
+
+A model class that declares a plan names, in order, the modules of its base model that a
+pipeline runs: the embedding (and maybe a dropout), the list of decoder layers, the final
+norm. Here each stage keeps the model's *real* modules — a contiguous slice of the decoder
+layers, the embedding on the first stage, the final norm and the output head on the last —
+and runs the model's own ``forward``, so its attention implementation (sdpa, eager, flash),
+its masks, rotary tables and cache classes work as they do unsplit.
+
+Each stage holds a *shell* of the model: a copy of its small parts (config, rotary
+embedding, the containers) around the real modules it keeps, with a stand-in for each
+module it does not: a decoder layer of another stage passes the hidden states through
+(the one just before the stage's first layer hands over the hidden states received from
+the stage before), a norm of a later stage is an identity, an embedding or a head of
+another stage refuses to run. A stage other than the last runs the base model and sends
+its hidden states, with the model's other arguments (``attention_mask``,
+``position_ids`` ...), to the next; the last runs the whole causal LM and returns what the
+model returns. Token embeddings tied to the output head stay one ``nn.Parameter``, which
+the pipeline treats as any tie across stages.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gpipe.planning.balancing import partition
+
+__all__ = [
+    "HEAD_ONLY",
+    "PlanError",
+    "PlanLayout",
+    "PlanStage",
+    "declares_plan",
+    "plan_bounds",
+    "plan_layout",
+]
+
+HEAD_ONLY = ("labels", "logits_to_keep")  # arguments only the causal LM's head takes
+
+
+class PlanError(ValueError):
+    """A model that cannot be cut by its pipeline plan, with what to do instead."""
+
+
+def declares_plan(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face model whose config declares a pipeline plan."""
+    plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None)
+    return isinstance(plan, Mapping) and len(plan) > 0
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """Where the plan's parts lie in a model: names are the model's own."""
+
+    base: str  # the base model's name in the causal LM ("model", "transformer" ...)
+    before: tuple[str, ...]  # the plan's modules before the layers (embedding, dropout)
+    layers: str  # the list of decoder layers
+    after: tuple[str, ...]  # the plan's modules after the layers (the final norm)
+    head: str  # the output head, in the causal LM
+    n_layers: int
+
+    def layer_name(self, index: int) -> str:
+        return f"{self.base}.{self.layers}.{index}"
+
+
+def _child_name(parent: nn.Module, child: nn.Module) -> str | None:
+    return next((name for name, m in parent.named_children() if m is child), None)
+
+
+def plan_layout(model: nn.Module) -> PlanLayout:
+    """The layout of ``model``'s plan, checked: one list of decoder layers, a base model and
+    an output head; every parameter of the model inside one of them."""
+    name = type(model).__name__
+    if not declares_plan(model):
+        raise PlanError(
+            f"{name} declares no pipeline plan (config.base_model_pp_plan); pass plan=None "
+            "to cut it by tracing"
+        )
+    config: Any = getattr(model, "config", None)
+    plan = list(config.base_model_pp_plan)
+    base = getattr(model, "base_model", None)
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = output_embeddings() if callable(output_embeddings) else None
+    base_name = _child_name(model, base) if isinstance(base, nn.Module) else None
+    head_name = _child_name(model, head) if isinstance(head, nn.Module) else None
+    if base_name is None or head_name is None:
+        raise PlanError(
+            f"{name} is not a causal LM with a base model and an output head; give the "
+            "model with its head (AutoModelForCausalLM), or pass plan=None to trace it"
+        )
+    assert isinstance(base, nn.Module)
+    missing = [entry for entry in plan if not isinstance(getattr(base, entry, None), nn.Module)]
+    lists = [entry for entry in plan if isinstance(getattr(base, entry, None), nn.ModuleList)]
+    if missing or len(lists) != 1:
+        raise PlanError(
+            f"{name}'s pipeline plan {plan} does not match its modules (missing: {missing}, "
+            f"layer lists: {lists}); pass plan=None to trace it"
+        )
+    at = plan.index(lists[0])
+    layout = PlanLayout(
+        base=base_name,
+        before=tuple(plan[:at]),
+        layers=lists[0],
+        after=tuple(plan[at + 1 :]),
+        head=head_name,
+        n_layers=len(getattr(base, lists[0])),
+    )
+    outside = _parameters_outside(model, layout)
+    if outside:
+        raise PlanError(
+            f"{name} holds parameters outside its pipeline plan ({', '.join(outside[:3])}); "
+            "pass plan=None to cut it by tracing"
+        )
+    return layout
+
+
+def _parameters_outside(model: nn.Module, layout: PlanLayout) -> list[str]:
+    inside = [f"{layout.base}.{entry}" for entry in (*layout.before, layout.layers)]
+    inside += [f"{layout.base}.{entry}" for entry in layout.after] + [layout.head]
+    return [
+        name
+        for name, _ in model.named_parameters()
+        if not any(name == p or name.startswith(p + ".") for p in inside)
+    ]
+
+
+def _layers(base: nn.Module, layout: PlanLayout) -> nn.ModuleList:
+    layers = base.get_submodule(layout.layers)
+    assert isinstance(layers, nn.ModuleList)  # plan_layout found it so
+    return layers
+
+
+class _StandIn(nn.Module):
+    """In a stage's shell, a decoder layer another stage holds: it keeps the layer's plain
+    attributes (``attention_type``, ``layer_idx`` ...) for the model's loop to read, and
+    returns the hidden states it is given, or, for the layer just before the stage's first,
+    the hidden states the stage received."""
+
+    def __init__(self, layer: nn.Module, hands_over: bool) -> None:
+        super().__init__()
+        for key, value in vars(layer).items():
+            plain = not isinstance(value, (nn.Module, Tensor))
+            if plain and not key.startswith("_") and key != "training":
+                setattr(self, key, value)
+        self.hands_over = hands_over
+        self.received: Tensor | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        if self.hands_over:
+            assert self.received is not None, "a stage sets what it received before running"
+            return self.received
+        return args[0] if args else kwargs["hidden_states"]
+
+
+class _NotHeld(nn.Module):
+    """In a stage's shell, an embedding or head another stage holds."""
+
+    def __init__(self, name: str, index: int) -> None:
+        super().__init__()
+        self.what = f"stage {index} does not hold {name}; another stage runs it"
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(self.what)
+
+
+class PlanStage(nn.Module):
+    """One stage of a Hugging Face causal LM cut by its pipeline plan: the model's own modules
+    for its layers ``[start, stop)`` under their original names, run by the model's own
+    ``forward``. It takes the model's arguments (the first stage: a tensor of token ids, a
+    tuple of positional arguments or a dict by name) or the stage before's payload, and
+    returns the next stage's payload (a dict) or, on the last, what the model returns."""
+
+    shell: nn.Module  # the model's copy around this stage's modules (not a submodule)
+    arg_names: list[str]  # the model's positional arguments
+
+    def __init__(
+        self, model: nn.Module, layout: PlanLayout, index: int, bounds: Sequence[int]
+    ) -> None:
+        super().__init__()
+        self.index, self.n_stages = index, len(bounds) - 1
+        self.start, self.stop = bounds[index], bounds[index + 1]
+        self.layout = layout
+        shell, self._hand_over = self._shell(model)
+        self.__dict__["shell"] = shell  # not registered: its children are the stage's
+        for name, child in shell.named_children():
+            self.add_module(name, child)
+        forward = inspect.signature(type(model).forward)
+        self.__dict__["arg_names"] = [
+            n
+            for n, p in forward.parameters.items()
+            if n != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.n_stages - 1
+
+    def _shell(self, model: nn.Module) -> tuple[nn.Module, _StandIn | None]:
+        """A copy of ``model`` around the modules this stage keeps: one ``deepcopy`` whose
+        memo maps each module of the plan to itself (kept) or to its stand-in."""
+        layout = self.layout
+        base = model.get_submodule(layout.base)
+        memo: dict[int, Any] = {}
+        layers = _layers(base, layout)
+        hand_over = None
+        for i, layer in enumerate(layers):
+            if self.start <= i < self.stop:
+                memo[id(layer)] = layer
+            else:
+                stand_in = _StandIn(layer, hands_over=i == self.start - 1)
+                hand_over = stand_in if stand_in.hands_over else hand_over
+                memo[id(layer)] = stand_in
+        for entry in layout.before:
+            module = base.get_submodule(entry)
+            if self.is_first:
+                memo[id(module)] = module
+            elif any(True for _ in module.parameters()):
+                memo[id(module)] = _NotHeld(f"{layout.base}.{entry}", self.index)
+        for entry in layout.after:
+            module = base.get_submodule(entry)
+            memo[id(module)] = module if self.is_last else nn.Identity()
+        head = model.get_submodule(layout.head)
+        memo[id(head)] = head if self.is_last else _NotHeld(layout.head, self.index)
+        return copy.deepcopy(model, memo), hand_over
+
+    def _arguments(self, x: Any) -> dict[str, Any]:
+        """The first stage: the model's arguments by name."""
+        if isinstance(x, Tensor):
+            return {"input_ids": x}
+        if isinstance(x, Mapping):
+            return dict(x)
+        if isinstance(x, (tuple, list)):
+            if len(x) > len(self.arg_names):
+                raise TypeError(
+                    f"the model takes at most {len(self.arg_names)} positional arguments "
+                    f"({self.arg_names}), got {len(x)}"
+                )
+            return dict(zip(self.arg_names, x, strict=False))
+        raise TypeError(
+            "a split model takes a tensor of token ids, a tuple of positional arguments or a "
+            f"dict of arguments by name, got {type(x).__name__}"
+        )
+
+    def forward(self, x: Any) -> Any:
+        shell = self.shell
+        shell.training = self.training
+        if self.is_first:
+            kwargs = self._arguments(x)
+        else:
+            if not isinstance(x, Mapping) or "hidden_states" not in x:
+                raise RuntimeError(
+                    f"plan stage {self.index} expected the hidden states of the stage before "
+                    f"it, got {type(x).__name__}"
+                )
+            kwargs = dict(x)
+            received = kwargs.pop("hidden_states")
+            # the base model embeds nothing here: what it starts from is replaced, at the
+            # layer before this stage's first, by the hidden states received
+            kwargs["inputs_embeds"] = torch.zeros_like(received)
+            assert self._hand_over is not None
+            self._hand_over.received = received
+        kwargs.setdefault("use_cache", False)
+        try:
+            if self.is_last:
+                return shell(**kwargs)
+            body = {k: v for k, v in kwargs.items() if k not in HEAD_ONLY}
+            hidden = shell.get_submodule(self.layout.base)(**body).last_hidden_state
+        finally:
+            if self._hand_over is not None:
+                self._hand_over.received = None
+        passed_on = {
+            k: v for k, v in kwargs.items() if k not in ("input_ids", "inputs_embeds", "use_cache")
+        }
+        return {"hidden_states": hidden, **passed_on}
+
+    def extra_repr(self) -> str:
+        return f"stage={self.index} of {self.n_stages}, layers=[{self.start}, {self.stop})"
+
+
+def layer_costs(model: nn.Module, layout: PlanLayout, balance: str, example: Any) -> list[float]:
+    """Each decoder layer's cost, the first's with the modules before the layers and the
+    last's with those after and the head: parameter count, or measured forward time."""
+    base = model.get_submodule(layout.base)
+    layers = list(_layers(base, layout))
+    before = [base.get_submodule(e) for e in layout.before]
+    after = [base.get_submodule(e) for e in layout.after] + [model.get_submodule(layout.head)]
+    if balance == "parameters":
+
+        def size(modules: Sequence[nn.Module]) -> float:
+            return float(sum(p.numel() for m in modules for p in m.parameters()))
+
+        costs = [size([layer]) for layer in layers]
+        costs[0] += size(before)
+        costs[-1] += size(after)
+        return costs
+    groups = [before, *[[layer] for layer in layers], after]
+    times = _measured(model, groups, example)
+    costs = times[1:-1]
+    costs[0] += times[0]
+    costs[-1] += times[-1]
+    return costs
+
+
+def _measured(model: nn.Module, groups: Sequence[Sequence[nn.Module]], example: Any) -> list[float]:
+    """Each group of modules' forward time per run of ``model``, over three runs after one
+    to warm up."""
+    if any(p.is_meta for p in model.parameters()):
+        raise PlanError("balance='time' runs the model: split a model that is not on meta")
+    totals = [0.0] * len(groups)
+    began: dict[int, float] = {}
+    handles = []
+    for index, group in enumerate(groups):
+        for module in group:
+
+            def before(*_: Any, key: int = id(module)) -> None:
+                began[key] = time.perf_counter()
+
+            def after(*_: Any, key: int = id(module), into: int = index) -> None:
+                totals[into] += time.perf_counter() - began[key]
+
+            handles.append(module.register_forward_pre_hook(before))
+            handles.append(module.register_forward_hook(after))
+    runs = 3
+    try:
+        with torch.no_grad():
+            for run in range(runs + 1):
+                if run == 1:
+                    totals[:] = [0.0] * len(groups)
+                model(**example, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [total / runs for total in totals]
+
+
+def plan_bounds(
+    model: nn.Module,
+    layout: PlanLayout,
+    *,
+    at: Sequence[str] | None,
+    parts: int | None,
+    balance: str,
+    example: Mapping[str, Any],
+) -> list[int]:
+    """Where each stage's layers begin and the last ends: at the layers named by ``at``, or
+    ``parts`` stages balanced by ``balance``."""
+    n = layout.n_layers
+    if at is not None:
+        names = {layout.layer_name(i): i for i in range(1, n)}
+        unknown = [name for name in at if name not in names]
+        if unknown:
+            raise PlanError(
+                f"at={list(at)}: {unknown} are not decoder layers a stage can begin at; "
+                f"{type(model).__name__}'s are {layout.layer_name(1)} to {layout.layer_name(n - 1)}"
+            )
+        starts = [names[name] for name in at]
+        if starts != sorted(set(starts)):
+            raise PlanError(f"at={list(at)}: the layers must be named once each, in order")
+        return [0, *starts, n]
+    assert parts is not None
+    if parts > n:
+        raise PlanError(
+            f"parts={parts} but {type(model).__name__} has {n} decoder layers, so at most {n} "
+            "stages (each stage holds at least one layer)"
+        )
+    counts = partition(layer_costs(model, layout, balance, example), parts)
+    return [sum(counts[:i]) for i in range(parts + 1)]
