@@ -19,9 +19,11 @@ from torch.utils.data import DataLoader, RandomSampler
 
 import gpipe
 from gpipe.splitting import SplitModel
+from gpipe.splitting.hf_plan import HEAD_ONLY, declares_plan
 
 __all__ = [
-    "STAGE_INPUTS",
+    "TARGETS",
+    "TRACED_INPUTS",
     "PipelinedModel",
     "ReplicaAccelerator",
     "check_unsaved_buffers",
@@ -29,18 +31,22 @@ __all__ = [
     "split_model",
 ]
 
-# The model's inputs the first stage takes: its graph is traced on these.
-STAGE_INPUTS = ("input_ids", "attention_mask")
+# The model's inputs a traced first stage takes: its graph is traced on these.
+TRACED_INPUTS = ("input_ids", "attention_mask")
+TARGETS = ("labels", "shift_labels")  # a batch's targets, never the first stage's inputs
 
 
-def split_model(model: nn.Module, parts: int) -> SplitModel:
-    """``model`` cut into ``parts`` stages: traced on ``input_ids`` and ``attention_mask``,
-    on the meta device when the model's parameters are there, so nothing is allocated."""
+def split_model(model: nn.Module, parts: int) -> tuple[SplitModel, tuple[str, ...] | None]:
+    """``model`` cut into ``parts`` stages, and the inputs its first stage takes (None: any
+    the model's forward names). By the model's own pipeline plan where it declares one (its
+    real modules in each stage); otherwise traced on ``input_ids`` and ``attention_mask``,
+    on the meta device when the model's parameters are there."""
+    if declares_plan(model):
+        return gpipe.split(model, parts=parts, plan="hf"), None
     device = next(model.parameters()).device
     ids = torch.zeros(2, 8, dtype=torch.long, device=device)
-    return gpipe.split(
-        model, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, parts=parts
-    )
+    example = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    return gpipe.split(model, (), example, parts=parts, plan=None), TRACED_INPUTS
 
 
 class PipelinedModel(nn.Module):
@@ -54,21 +60,28 @@ class PipelinedModel(nn.Module):
     signature, so the ``Trainer`` keeps the dataset columns the model takes.
     """
 
-    def __init__(self, original: nn.Module, pipeline: gpipe.Pipeline, split: SplitModel):
+    def __init__(
+        self,
+        original: nn.Module,
+        pipeline: gpipe.Pipeline,
+        split: SplitModel,
+        takes: tuple[str, ...] | None = None,
+    ) -> None:
         super().__init__()
         self.pipeline = pipeline
         self._held = (original, split)  # not submodules: their other stages are not ours
         self.config = getattr(original, "config", None)
         self.generation_config = getattr(original, "generation_config", None)
         self.main_input_name = getattr(original, "main_input_name", "input_ids")
+        signature = inspect.signature(original.forward)
+        self._names = set(signature.parameters) - set(HEAD_ONLY) - set(TARGETS)
+        self._takes = takes
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            bound = inspect.signature(run).bind(*args, **kwargs)
-            inputs = {k: v for k, v in bound.arguments.items() if k in STAGE_INPUTS}
-            return self.pipeline(inputs)
+            return self.pipeline(self.inputs_of(signature.bind(*args, **kwargs).arguments))
 
         # the Trainer keeps the dataset columns that the model's forward names
-        run.__signature__ = inspect.signature(original.forward)  # type: ignore[attr-defined]
+        run.__signature__ = signature  # type: ignore[attr-defined]
         self.forward = run
 
     @property
@@ -78,6 +91,23 @@ class PipelinedModel(nn.Module):
     @property
     def split(self) -> SplitModel:
         return self._held[1]
+
+    def inputs_of(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """The first stage's inputs in a batch: the model's arguments it holds (keys the
+        model's forward does not name are left out, as the model would ignore them)."""
+        given = {k: v for k, v in batch.items() if k in self._names and v is not None}
+        if "input_ids" not in given:
+            raise ValueError(f"the model's input_ids are missing from the batch ({sorted(batch)})")
+        if self._takes is None:
+            return given
+        extra = sorted(set(given) - set(self._takes))
+        if extra:
+            raise ValueError(
+                f"a model cut by tracing takes {list(self._takes)}; this batch also has "
+                f"{extra} (a model that declares a pipeline plan takes any of its arguments)"
+            )
+        given.setdefault("attention_mask", torch.ones_like(given["input_ids"]))
+        return given
 
     def activation_checkpointing_enable(self, **options: Any) -> None:
         """Nothing to do: under ``gradient_checkpointing`` the pipeline was built to

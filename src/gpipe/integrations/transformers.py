@@ -24,7 +24,6 @@ Where the ``Trainer`` would reach the whole model, the pipeline stands in:
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -46,7 +45,7 @@ from gpipe.integrations.hf_options import (
     stages_of,
 )
 from gpipe.integrations.hf_stage import (
-    STAGE_INPUTS,
+    TARGETS,
     PipelinedModel,
     ReplicaAccelerator,
     check_unsaved_buffers,
@@ -60,7 +59,6 @@ from gpipe.training.hf import LazyWeights, fill_unsaved_buffers
 __all__ = ["PipelineTrainer", "PipelinedModel", "pipelined", "refused_options"]
 
 Weights = str | os.PathLike[str] | Mapping[str, Tensor]
-_TARGETS = ("labels", "shift_labels")  # a batch's targets, never the first stage's inputs
 _SCHEDULER = "scheduler.pt"  # as the Trainer names it
 
 
@@ -127,7 +125,7 @@ class _Pipelined:
                 "Face folder, or a mapping by the model's names) for each rank to read its "
                 "stage from"
             )
-        split = split_model(original, stages_of(data_parallel))
+        split, takes = split_model(original, stages_of(data_parallel))
         self.pipeline = gpipe.Pipeline(
             split,
             chunks=chunks,
@@ -146,9 +144,8 @@ class _Pipelined:
         check_unsaved_buffers(split, self.pipeline, original)
         fill_unsaved_buffers(split, self.pipeline, original)
         release_other_stages(original, split, self.pipeline)
-        self.model = self.model_wrapped = PipelinedModel(original, self.pipeline, split)
+        self.model = self.model_wrapped = PipelinedModel(original, self.pipeline, split, takes)
         self.callback_handler.model = self.model
-        self._forward_names = set(inspect.signature(original.forward).parameters)
         # The Trainer builds its Accelerator in one method, with no hook for the class:
         # re-classing it keeps every setting the Trainer chose.
         self.accelerator.__class__ = ReplicaAccelerator
@@ -176,32 +173,14 @@ class _Pipelined:
         )
         return summed / self._divisor
 
-    def _stage_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        """The first stage's inputs of a ``Trainer`` batch; refuses model inputs it cannot
-        take (keys the model's forward does not name are left out, as the model ignores
-        them)."""
-        extra = [
-            k
-            for k, v in inputs.items()
-            if v is not None and k in self._forward_names and k not in STAGE_INPUTS + _TARGETS
-        ]
-        if extra or inputs.get("input_ids") is None:
-            raise ValueError(
-                f"PipelineTrainer gives the model {list(STAGE_INPUTS)} (input_ids at least); "
-                f"this batch has {sorted(inputs)}"
-            )
-        taken = {k: inputs[k] for k in STAGE_INPUTS if inputs.get(k) is not None}
-        taken.setdefault("attention_mask", torch.ones_like(taken["input_ids"]))
-        return taken
-
     def _labelled(self, inputs: Mapping[str, Any]) -> tuple[dict[str, Any], Tensor]:
-        if all(inputs.get(k) is None for k in _TARGETS):
+        if all(inputs.get(k) is None for k in TARGETS):
             raise ValueError(
                 "PipelineTrainer trains causal language models on batches with labels; this "
                 f"batch has {sorted(inputs)} (a collator such as "
                 "DataCollatorForLanguageModeling(mlm=False) sets them)"
             )
-        return self._stage_inputs(inputs), _targets(inputs)
+        return self.model.inputs_of(inputs), _targets(inputs)
 
     def _replicas(self) -> int:
         return self.pipeline.replicas.data_parallel if self.pipeline.replicas else 1
@@ -255,8 +234,8 @@ class _Pipelined:
         every replica's batch), and unless ``prediction_loss_only`` its logits and labels:
         the same on every rank of the pipeline."""
         model.eval()
-        if all(inputs.get(k) is None for k in _TARGETS):  # predictions without a loss
-            outputs = self.pipeline(self._stage_inputs(inputs))
+        if all(inputs.get(k) is None for k in TARGETS):  # predictions without a loss
+            outputs = self.pipeline(self.model.inputs_of(inputs))
             logits = logits_of(outputs) if outputs is not None else None
             return None, None if prediction_loss_only else self._from_last_stage(logits), None
         stage_inputs, targets = self._labelled(inputs)
