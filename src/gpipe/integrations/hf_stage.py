@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ __all__ = [
     "PipelinedModel",
     "ReplicaAccelerator",
     "check_unsaved_buffers",
+    "on_every_rank",
     "release_other_stages",
     "split_model",
 ]
@@ -172,6 +173,25 @@ class ReplicaAccelerator(Accelerator):
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Tensor:
         return self.pipe.clip_grad_norm_(float(max_norm), float(norm_type))
+
+
+def on_every_rank(work: Callable[[], None], what: str) -> None:
+    """Run ``work`` on every rank, where it may fail on some (each reads its own stage's
+    weights): a failure anywhere is raised on every rank, so that none waits for the
+    others in the first step. Collective over the world."""
+    try:
+        work()
+        failed = None
+    except (ValueError, KeyError, OSError, RuntimeError) as exc:
+        failed = f"{type(exc).__name__}: {exc}"
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, failed)
+    if failed is not None:
+        raise ValueError(f"{what}: {failed}")
+    others = [(rank, text) for rank, text in enumerate(found) if text is not None]
+    if others:
+        rank, text = others[0]
+        raise ValueError(f"{what} failed on rank {rank}: {text}")
 
 
 def check_unsaved_buffers(split: SplitModel, pipe: nn.Module, original: nn.Module) -> None:

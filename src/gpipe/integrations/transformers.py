@@ -49,6 +49,7 @@ from gpipe.integrations.hf_stage import (
     PipelinedModel,
     ReplicaAccelerator,
     check_unsaved_buffers,
+    on_every_rank,
     release_other_stages,
     split_model,
 )
@@ -125,6 +126,14 @@ class _Pipelined:
                 "Face folder, or a mapping by the model's names) for each rank to read its "
                 "stage from"
             )
+        if callable(getattr(original, "tie_weights", None)):
+            original.tie_weights()  # as from_pretrained does; a model built on meta is not yet
+        # The stages run the model class's own forward: a forward a trainer set on the
+        # instance (TRL's fused LM head) would run the whole model, and the model's own
+        # activation checkpointing is the pipeline's to do (checkpoint= below).
+        vars(original).pop("forward", None)
+        if getattr(original, "is_gradient_checkpointing", False):
+            original.gradient_checkpointing_disable()
         split, takes = split_model(original, stages_of(data_parallel))
         self.pipeline = gpipe.Pipeline(
             split,
@@ -138,11 +147,15 @@ class _Pipelined:
             autocast=torch.bfloat16 if self.args.bf16 else None,
             timeout=float(self.args.ddp_timeout),
         )
-        if weights is not None:
-            found = weights if isinstance(weights, Mapping) else LazyWeights(Path(weights))
-            split.load_original_state_dict(found, module=self.pipeline)
-        check_unsaved_buffers(split, self.pipeline, original)
-        fill_unsaved_buffers(split, self.pipeline, original)
+
+        def load() -> None:
+            if weights is not None:
+                found = weights if isinstance(weights, Mapping) else LazyWeights(Path(weights))
+                split.load_original_state_dict(found, module=self.pipeline)
+            check_unsaved_buffers(split, self.pipeline, original)
+            fill_unsaved_buffers(split, self.pipeline, original)
+
+        on_every_rank(load, "reading this rank's stage")
         release_other_stages(original, split, self.pipeline)
         self.model = self.model_wrapped = PipelinedModel(original, self.pipeline, split, takes)
         self.callback_handler.model = self.model
@@ -325,9 +338,11 @@ class _Pipelined:
         self.lr_scheduler.load_state_dict(scheduler)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        self.split.load_original_state_dict(
-            LazyWeights(resume_from_checkpoint), module=self.pipeline
-        )
+        def load() -> None:
+            weights = LazyWeights(resume_from_checkpoint)
+            self.split.load_original_state_dict(weights, module=self.pipeline)
+
+        on_every_rank(load, f"reading this rank's stage from {resume_from_checkpoint}")
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """The pipeline places its stage; the whole model (perhaps on meta) stays put."""
