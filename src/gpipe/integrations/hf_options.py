@@ -113,14 +113,26 @@ def check_own(chunks: object, schedule: object, data_parallel: object) -> None:
         raise TypeError(f"schedule must be a schedule's name, got {type(schedule).__name__}")
 
 
-def stages_of(data_parallel: int) -> int:
-    """K, the stages of each of the ``data_parallel`` pipelines over this world."""
+def stages_of(args: Any, data_parallel: int) -> int:
+    """K, the stages of each of the ``data_parallel`` pipelines over this world, which the
+    ``Trainer`` (its ``args``) must see whole."""
     if not dist.is_initialized():
         raise ValueError(
             "PipelineTrainer runs one stage per process and found no process group: launch "
             "the script with torchrun --nproc-per-node K*D (K stages, D=data_parallel)"
         )
     world = dist.get_world_size()
+    if args.world_size != world:
+        raise ValueError(
+            f"torchrun started {world} processes but the TrainingArguments see "
+            f"{args.world_size}: on a machine without GPUs pass use_cpu=True, as the plain "
+            "Trainer needs it to run on several processes"
+        )
+    if args.device.type == "cuda" and "gloo" not in str(dist.get_backend()):
+        raise ValueError(
+            f"the process group's backend is {dist.get_backend()!r}: the pipeline also moves "
+            "small CPU tensors between processes; pass ddp_backend='cpu:gloo,cuda:nccl'"
+        )
     if world % data_parallel:
         raise ValueError(
             f"the world size {world} is not K x D for data_parallel D={data_parallel}: launch "

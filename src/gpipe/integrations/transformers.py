@@ -105,7 +105,7 @@ class _Pipelined:
             training_args, kwargs, kwargs.get("model", args[0] if args else None)
         )
         if training_args is not None:  # it joined torchrun's process group: check it first
-            stages_of(data_parallel)
+            stages_of(training_args, data_parallel)
         super().__init__(*args, **kwargs)
         self._window: list[tuple[dict[str, Any], Tensor]] = []
         self._divisor = 1.0
@@ -134,7 +134,7 @@ class _Pipelined:
         vars(original).pop("forward", None)
         if getattr(original, "is_gradient_checkpointing", False):
             original.gradient_checkpointing_disable()
-        split, takes = split_model(original, stages_of(data_parallel))
+        split, takes = split_model(original, stages_of(self.args, data_parallel))
         self.pipeline = gpipe.Pipeline(
             split,
             chunks=chunks,
