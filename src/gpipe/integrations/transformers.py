@@ -109,6 +109,7 @@ class _Pipelined:
         super().__init__(*args, **kwargs)
         self._window: list[tuple[dict[str, Any], Tensor]] = []
         self._divisor = 1.0
+        self._stage_losses: list[Tensor] = []  # the last stage's, in the latest step
         self._cut(chunks, schedule, data_parallel, weights)
 
     # -- the cut ------------------------------------------------------------------------------
@@ -184,7 +185,9 @@ class _Pipelined:
             ignore_index=IGNORE_INDEX,
             reduction="sum",
         )
-        return summed / self._divisor
+        share = summed / self._divisor
+        self._stage_losses.append(share.detach())
+        return share
 
     def _labelled(self, inputs: Mapping[str, Any]) -> tuple[dict[str, Any], Tensor]:
         if all(inputs.get(k) is None for k in TARGETS):
@@ -222,6 +225,7 @@ class _Pipelined:
         window, self._window = self._window, []
         counted = sum(int((t != IGNORE_INDEX).sum()) for _, t in window)
         self._divisor = self._window_divisor(counted, num_items_in_batch)
+        self._stage_losses = []
         chunks = self.pipeline.chunks
         microbatches = [
             pair
@@ -243,9 +247,10 @@ class _Pipelined:
         prediction_loss_only: bool,
         ignore_keys: list[str] | None = None,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """The batch's loss, the mean over its tokens as the plain ``Trainer`` has it (over
-        every replica's batch), and unless ``prediction_loss_only`` its logits and labels:
-        the same on every rank of the pipeline."""
+        """The batch's loss as a plain ``Trainer`` process reports it (its tokens' summed loss
+        over every replica's tokens, times the replicas), and unless
+        ``prediction_loss_only`` its logits and labels: the same on every rank of a
+        pipeline."""
         model.eval()
         if all(inputs.get(k) is None for k in TARGETS):  # predictions without a loss
             outputs = self.pipeline(self.model.inputs_of(inputs))
@@ -253,25 +258,35 @@ class _Pipelined:
             return None, None if prediction_loss_only else self._from_last_stage(logits), None
         stage_inputs, targets = self._labelled(inputs)
         self._divisor = self._eval_divisor(targets)
-        result = self.pipeline.evaluate(stage_inputs, targets, return_outputs=True)
-        assert isinstance(result, StepResult)
-        loss = result.loss.detach().float().to(self.args.device)
+        self._stage_losses = []
+        result = self.pipeline.evaluate(
+            stage_inputs, targets, return_outputs=not prediction_loss_only
+        )
+        # this replica's own share, as each process of a plain Trainer reports its own
+        mine = torch.zeros((), dtype=torch.float64, device=self.pipeline.device)
+        if self.pipeline.is_last:
+            mine += sum(float(x) for x in self._stage_losses)
+        loss = self._from_last_stage(mine).float() * self._eval_scale()
         if prediction_loss_only:
             return loss, None, None
+        assert isinstance(result, StepResult)
         logits = logits_of(result.outputs) if result.outputs is not None else None
         return loss, self._from_last_stage(logits), inputs.get("labels")
 
     def _eval_divisor(self, targets: Tensor) -> float:
         """The tokens an evaluation batch's summed loss is divided by, as the plain
-        ``Trainer`` counts them (over the replicas unless told not to)."""
+        ``Trainer`` counts them: over every replica's batch, unless
+        ``average_tokens_across_devices`` is off (then this replica's own)."""
         count = torch.tensor([float((targets != IGNORE_INDEX).sum())], dtype=torch.float64)
         replicas = self.pipeline.replicas
-        if self.args.average_tokens_across_devices:
-            if replicas is not None:
-                dist.all_reduce(count, group=replicas.group)
-        else:
-            count *= self._replicas()
+        if self.args.average_tokens_across_devices and replicas is not None:
+            dist.all_reduce(count, group=replicas.group)
         return float(count.clamp(min=1))
+
+    def _eval_scale(self) -> int:
+        """A plain Trainer multiplies a loss divided by every process's tokens by the
+        processes, so that their mean is the loss of them all."""
+        return self._replicas() if self.args.average_tokens_across_devices else 1
 
     def _from_last_stage(self, tensor: Tensor | None) -> Tensor:
         """The last stage's ``tensor`` on every rank of this pipeline."""
