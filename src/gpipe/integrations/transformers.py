@@ -89,6 +89,7 @@ class _Pipelined:
     lr_scheduler: Any
     processing_class: Any
     current_gradient_accumulation_steps: int
+    model_accepts_loss_kwargs: bool
 
     def __init__(
         self,
@@ -108,7 +109,6 @@ class _Pipelined:
             stages_of(training_args, data_parallel)
         super().__init__(*args, **kwargs)
         self._window: list[tuple[dict[str, Any], Tensor]] = []
-        self._divisor = 1.0
         self._stage_losses: list[Tensor] = []  # the last stage's, in the latest step
         self._cut(chunks, schedule, data_parallel, weights)
 
@@ -176,16 +176,18 @@ class _Pipelined:
         return self.model.split
 
     # -- steps --------------------------------------------------------------------------------
-    def _stage_loss(self, outputs: Any, targets: Tensor) -> Tensor:
-        """A micro-batch's summed causal-LM loss over the step's divisor (last stage)."""
+    def _stage_loss(self, outputs: Any, targets: tuple[Tensor, Tensor]) -> Tensor:
+        """A micro-batch's causal-LM loss (last stage): each row's summed token losses times
+        its row's scale, the share of the step's loss that the ``Trainer`` gives it."""
+        labels, scale = targets
         logits = logits_of(outputs).float()
-        summed = F.cross_entropy(
+        per_token = F.cross_entropy(
             logits.reshape(-1, logits.size(-1)),
-            targets.reshape(-1).to(logits.device),
+            labels.reshape(-1).to(logits.device),
             ignore_index=IGNORE_INDEX,
-            reduction="sum",
+            reduction="none",
         )
-        share = summed / self._divisor
+        share = (per_token.view(labels.size(0), -1).sum(1) * scale.to(logits.device)).sum()
         self._stage_losses.append(share.detach())
         return share
 
@@ -201,16 +203,24 @@ class _Pipelined:
     def _replicas(self) -> int:
         return self.pipeline.replicas.data_parallel if self.pipeline.replicas else 1
 
-    def _window_divisor(self, counted: int, num_items_in_batch: Any) -> float:
-        """What the window's summed loss is divided by, as the plain ``Trainer`` has the
-        model divide it: the tokens it counted over the window (and the replicas, unless
-        ``average_tokens_across_devices`` is off), or without a count, each batch's tokens
-        times the batches of the window (a mean per batch, averaged over the window)."""
-        if num_items_in_batch is None:
-            batches = self.current_gradient_accumulation_steps
-            return float(max(counted, 1) * batches * self._replicas())
-        per_replica = not self.args.average_tokens_across_devices
-        return float(num_items_in_batch) * (self._replicas() if per_replica else 1)
+    def _window_targets(self, window: list[Tensor], num_items_in_batch: Any) -> list[Any]:
+        """Each batch's targets with each row's scale, so that the window's loss is the plain
+        ``Trainer``'s: the summed token losses over the tokens it counted over the window
+        (and the replicas, unless ``average_tokens_across_devices`` is off); without a
+        count, each batch's mean over its tokens, averaged over the batches of the window
+        and the replicas (as DDP averages the processes' gradients)."""
+        replicas = self._replicas()
+        if num_items_in_batch is not None:
+            per_replica = not self.args.average_tokens_across_devices
+            tokens = float(num_items_in_batch) * (replicas if per_replica else 1)
+            divisors = [tokens] * len(window)
+        else:
+            batches = self.current_gradient_accumulation_steps * replicas
+            divisors = [max(int((t != IGNORE_INDEX).sum()), 1) * batches for t in window]
+        return [
+            (t, torch.full((t.size(0),), 1.0 / d, device=t.device))
+            for t, d in zip(window, divisors, strict=True)
+        ]
 
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
@@ -223,16 +233,16 @@ class _Pipelined:
         if not self.accelerator.sync_gradients:
             return zero
         window, self._window = self._window, []
-        counted = sum(int((t != IGNORE_INDEX).sum()) for _, t in window)
-        self._divisor = self._window_divisor(counted, num_items_in_batch)
+        targets = self._window_targets([t for _, t in window], num_items_in_batch)
         self._stage_losses = []
         chunks = self.pipeline.chunks
         microbatches = [
-            pair
-            for stage_inputs, targets in window
-            for pair in zip(
+            (x, (labels, scale))
+            for (stage_inputs, _), (batch_labels, batch_scale) in zip(window, targets, strict=True)
+            for x, labels, scale in zip(
                 scatter_payload(stage_inputs, chunks),
-                targets.split(split_sizes(targets.size(0), chunks)),
+                batch_labels.split(split_sizes(batch_labels.size(0), chunks)),
+                batch_scale.split(split_sizes(batch_scale.size(0), chunks)),
                 strict=True,
             )
         ]
@@ -256,11 +266,11 @@ class _Pipelined:
             outputs = self.pipeline(self.model.inputs_of(inputs))
             logits = logits_of(outputs) if outputs is not None else None
             return None, None if prediction_loss_only else self._from_last_stage(logits), None
-        stage_inputs, targets = self._labelled(inputs)
-        self._divisor = self._eval_divisor(targets)
+        stage_inputs, labels = self._labelled(inputs)
+        scale = torch.full((labels.size(0),), 1.0 / self._eval_tokens(labels), device=labels.device)
         self._stage_losses = []
         result = self.pipeline.evaluate(
-            stage_inputs, targets, return_outputs=not prediction_loss_only
+            stage_inputs, (labels, scale), return_outputs=not prediction_loss_only
         )
         # this replica's own share, as each process of a plain Trainer reports its own
         mine = torch.zeros((), dtype=torch.float64, device=self.pipeline.device)
@@ -273,20 +283,23 @@ class _Pipelined:
         logits = logits_of(result.outputs) if result.outputs is not None else None
         return loss, self._from_last_stage(logits), inputs.get("labels")
 
-    def _eval_divisor(self, targets: Tensor) -> float:
+    def _over_replicas(self) -> bool:
+        """Whether a plain ``Trainer`` divides an evaluation batch's loss by the tokens of
+        every process's batch (and multiplies it by the processes), or takes each one's
+        own mean: only where the model takes the count and the tokens are averaged."""
+        return bool(self.model_accepts_loss_kwargs and self.args.average_tokens_across_devices)
+
+    def _eval_tokens(self, targets: Tensor) -> float:
         """The tokens an evaluation batch's summed loss is divided by, as the plain
-        ``Trainer`` counts them: over every replica's batch, unless
-        ``average_tokens_across_devices`` is off (then this replica's own)."""
+        ``Trainer`` counts them: over every replica's batch, or this replica's own."""
         count = torch.tensor([float((targets != IGNORE_INDEX).sum())], dtype=torch.float64)
         replicas = self.pipeline.replicas
-        if self.args.average_tokens_across_devices and replicas is not None:
+        if self._over_replicas() and replicas is not None:
             dist.all_reduce(count, group=replicas.group)
         return float(count.clamp(min=1))
 
     def _eval_scale(self) -> int:
-        """A plain Trainer multiplies a loss divided by every process's tokens by the
-        processes, so that their mean is the loss of them all."""
-        return self._replicas() if self.args.average_tokens_across_devices else 1
+        return self._replicas() if self._over_replicas() else 1
 
     def _from_last_stage(self, tensor: Tensor | None) -> Tensor:
         """The last stage's ``tensor`` on every rank of this pipeline."""
