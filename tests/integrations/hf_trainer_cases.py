@@ -13,6 +13,7 @@ import torch
 
 STEPS = 20
 SAVE_AT = 10
+REPLICA_STEPS = 10
 
 
 def model(seed: int = 0) -> Any:
@@ -113,6 +114,16 @@ def pipelined_run(out: str) -> dict[str, Any]:
     from_meta.train()
     found["from_meta"] = losses(from_meta)
     return found
+
+
+def replicas_run(out: str) -> list[float]:
+    """Two replicas of a one-stage pipeline (K = 1, D = 2), each on half of the data."""
+    from gpipe.integrations.transformers import PipelineTrainer
+
+    inputs = trainer_inputs(out, max_steps=REPLICA_STEPS, save_strategy="no")
+    trainer = PipelineTrainer(**inputs, chunks=2, data_parallel=2)
+    trainer.train()
+    return losses(trainer)
 
 
 def world_not_k_times_d(out: str) -> str:

@@ -93,6 +93,24 @@ def test_a_model_built_on_meta_reads_its_stage_from_a_folder(pipelined_run):
     assert found[0]["from_meta"] == pytest.approx(found[0]["losses"][:3], rel=1e-6)
 
 
+def test_replicas_share_the_global_batch_as_one_process_does(tmp_path):
+    """D = 2 replicas of per_device_train_batch_size 4 train as the plain Trainer in one
+    process on batches of 8: the data sharded over the replicas, tokens counted over both."""
+    found = workers.run(cases.replicas_run, 2, (str(tmp_path / "replicas"),))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        more = {"max_steps": cases.REPLICA_STEPS, "save_strategy": "no"}
+        trainer = Trainer(
+            **cases.trainer_inputs(tmp_path / "plain", **more, per_device_train_batch_size=8)
+        )
+        trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+    assert found[0] == found[1]
+    assert found[0] == pytest.approx(cases.losses(trainer), rel=1e-5)
+
+
 def test_sft_trainer_pipelined_fine_tunes(tmp_path):
     losses = workers.run(cases.sft_run, 2, (str(tmp_path),))[0]
     print(f"SFT losses {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
