@@ -3,20 +3,23 @@ the same work done by hand, ``Pipeline.step`` on the same model and micro-batche
 clipping and the optimizer's step.
 
 Two processes (K = 2, one thread each) hold one ``PipelineTrainer`` on a Llama (cut by its
-plan). The by-hand contender runs on that trainer's own pipeline, with its own AdamW over
-the same parameters, the same batch split into the same micro-batches. A callback
+plan) and, for the by-hand contender, a ``Pipeline`` over the same Llama (seeded alike, cut
+the same way) with its own AdamW, fed one batch of the same size in the same micro-batches
+with the same loss. A callback
 interleaves them: each cycle runs one step of each, the by-hand one before the trainer's in
 even cycles and after it in odd ones. A trainer step is the time from one step's end to the
 next's, less the by-hand step run between them (so it includes what the Trainer does
 around ``training_step``: fetching and collating the batch, callbacks, logging, the
 scheduler); every time is the slower rank's. The ratio is taken per cycle.
 
-    python -m benchmarks.bench_hf_trainer            # 21 cycles, ~2 minutes on 2 cores
-    python -m benchmarks.bench_hf_trainer --quick    # a tiny model, to check that it runs
+    python -m benchmarks.bench_hf_trainer                          # 31 cycles, ~3 minutes
+    python -m benchmarks.bench_hf_trainer --model tiny --repeats 61  # the fixed cost per step
+    python -m benchmarks.bench_hf_trainer --quick                  # to check that it runs
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 from time import perf_counter
@@ -24,18 +27,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+import gpipe
 from gpipe import launch
 
-from .common import machine, quick_or_repeats, summary, write_results
+from .common import machine, summary, write_results
 
 WARMUP = 3
 
 
-def _sizes(quick: bool) -> dict[str, int]:
-    if quick:
-        return {"hidden": 32, "layers": 2, "seq": 16, "batch": 8, "chunks": 2}
-    return {"hidden": 256, "layers": 4, "seq": 128, "batch": 16, "chunks": 4}
+MODELS = {
+    # steps of about a second on 2 cores: what the Trainer adds, against real work
+    "llama": {"hidden": 256, "layers": 4, "seq": 128, "batch": 16, "chunks": 4},
+    # steps of tens of milliseconds: the Trainer's fixed cost per step, laid bare
+    "tiny": {"hidden": 32, "layers": 2, "seq": 16, "batch": 8, "chunks": 2},
+}
 
 
 def _rows(n: int, seq: int, vocab: int) -> list[dict[str, torch.Tensor]]:
@@ -78,20 +85,21 @@ def _measure(sizes: dict[str, int], cycles: int, out: str) -> dict[str, Any]:
         model=LlamaForCausalLM(config), args=args, train_dataset=data, data_collator=_collate,
         chunks=sizes["chunks"],
     )  # fmt: skip
-    pipe = trainer.pipeline
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
+    # by hand: the same model (seeded alike) cut the same way, the same micro-batches
+    torch.manual_seed(0)
+    split = gpipe.split(LlamaForCausalLM(config), parts=2)
     batch = _collate(data[: sizes["batch"]])
+    tokens = batch["input_ids"][:, 1:].numel()
+
+    def loss_fn(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
+        logits = outputs.logits.float()
+        summed = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return summed / tokens
+
+    pipe = gpipe.Pipeline(split, chunks=sizes["chunks"], loss_fn=loss_fn, loss_reduction="sum")
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    targets = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
-    chunks = sizes["chunks"]
-    microbatches = list(
-        zip(
-            [dict(zip(inputs, parts, strict=True)) for parts in zip(
-                *(v.chunk(chunks) for v in inputs.values()), strict=True)],
-            targets.chunk(chunks),
-            strict=True,
-        )
-    )  # fmt: skip
+    targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
 
     hand: list[float] = []  # each by-hand step, the slower rank's
     ends: list[float] = []  # when each trainer step ended, here
@@ -102,7 +110,7 @@ def _measure(sizes: dict[str, int], cycles: int, out: str) -> dict[str, Any]:
         began = perf_counter()
         dist.barrier()
         start = perf_counter()
-        pipe.step(microbatches=microbatches)
+        pipe.step(inputs, targets)
         pipe.clip_grad_norm_(1.0)
         optimizer.step()
         optimizer.zero_grad()
@@ -126,8 +134,14 @@ def _measure(sizes: dict[str, int], cycles: int, out: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    args = quick_or_repeats(__doc__, 21)
-    sizes = _sizes(args.quick)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama")
+    parser.add_argument("--repeats", type=int, default=31, help="cycles (after 3 to warm up)")
+    parser.add_argument("--quick", action="store_true", help="the tiny model, 3 cycles")
+    args = parser.parse_args()
+    if args.quick:
+        args.model, args.repeats = "tiny", 3
+    sizes = MODELS[args.model]
     with tempfile.TemporaryDirectory() as out:
         found = launch(_measure, 2, (sizes, args.repeats, out), threads=1)
     per_rank = [found[0], found[1]]
@@ -136,6 +150,7 @@ def main() -> None:
     ratios = [t / h for t, h in zip(trainer, by_hand, strict=True)]
     result = {
         "machine": machine(),
+        "model": args.model,
         "sizes": sizes,
         "cycles": args.repeats,
         "trainer_s": summary(trainer),
@@ -153,7 +168,8 @@ def main() -> None:
         f"ratio per cycle           median {statistics.median(ratios):.3f} "
         f"(min {min(ratios):.3f}, max {max(ratios):.3f})"
     )
-    path = write_results("hf-trainer-quick" if args.quick else "hf-trainer", result)
+    name = "hf-trainer-quick" if args.quick else f"hf-trainer-{args.model}"
+    path = write_results(name, result)
     print(f"written to {path}")
 
 
