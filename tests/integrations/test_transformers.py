@@ -154,6 +154,8 @@ def test_trainer_arguments_it_cannot_take(tmp_path):
         PipelineTrainer(model=model, args=args, optimizers=(optimizer, None))
     with pytest.raises(ValueError, match="cannot take model_init="):
         PipelineTrainer(model=None, args=args, model_init=cases.model)
+    with pytest.raises(ValueError, match="pipelines Hugging Face models .* got a Linear"):
+        PipelineTrainer(model=torch.nn.Linear(2, 2), args=args)
     with pytest.raises(ValueError, match="chunks must be a positive integer, got 0"):
         PipelineTrainer(model=model, args=args, chunks=0)
     with pytest.raises(ValueError, match="launch the script with torchrun --nproc-per-node K\\*D"):

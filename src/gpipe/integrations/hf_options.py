@@ -100,6 +100,11 @@ def check_trainer_arguments(args: Any, kwargs: Mapping[str, Any], model: Any) ->
             "PipelineTrainer needs the model itself (built the same way on every rank, or "
             f"with its parameters on the meta device and weights=), got {model!r}"
         )
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise ValueError(
+            "PipelineTrainer pipelines Hugging Face models (a PreTrainedModel, such as "
+            f"AutoModelForCausalLM gives), got a {type(model).__name__}"
+        )
     if getattr(model, "peft_config", None) is not None:
         raise ValueError("PipelineTrainer cannot pipeline a PEFT model: pass the base model")
 
