@@ -224,6 +224,14 @@ def test_sample_reads_a_run_or_a_checkpoint(trained, capsys):
     assert main(["sample", str(run / "checkpoints" / "step-000010"), "--tokens", "5"]) == 0
 
 
+def test_help_says_train_a_model(capsys):
+    """Not only the GPT: --model takes a Hugging Face model or your own."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["--help"])
+    assert stopped.value.code == 0
+    assert re.search(r"^\s+train\s+train a model, pipelined", capsys.readouterr().out, re.M)
+
+
 def _usage_error(capsys, *argv) -> str:
     assert main(list(argv)) == 2
     err = capsys.readouterr().err.strip()
