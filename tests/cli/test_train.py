@@ -306,7 +306,7 @@ def test_report_to_is_refused_before_any_process_starts(capsys, tmp_path, monkey
         "'tensorboard,mlflow'"
     ) in _usage_error(capsys, "train", "--report-to", "tensorboard,mlflow", *out)
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not installed
-    assert "--report-to wandb needs the wandb package: pip install 'gpipe[wandb]'" in (
+    assert "--report-to wandb needs the wandb package: pip install 'gpipe-parallel[wandb]'" in (
         _usage_error(capsys, "train", "--report-to", "wandb", *out)
     )
     assert not (tmp_path / "new").exists()

@@ -53,7 +53,8 @@ def check_report_to(value: str) -> None:
         package, extra = TRACKERS[name]
         if importlib.util.find_spec(package) is None:
             raise ConfigError(
-                f"--report-to {name} needs the {package} package: pip install 'gpipe[{extra}]'"
+                f"--report-to {name} needs the {package} package: "
+                f"pip install 'gpipe-parallel[{extra}]'"
             )
 
 

@@ -35,7 +35,7 @@ def _transformers() -> Any:
         import transformers
     except ImportError:
         raise ValueError(
-            "--model hf: needs Hugging Face transformers: pip install 'gpipe[hf]'"
+            "--model hf: needs Hugging Face transformers: pip install 'gpipe-parallel[hf]'"
         ) from None
     return transformers
 
