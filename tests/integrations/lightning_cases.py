@@ -114,3 +114,52 @@ def train(strategy: Any, devices: int, checkpoint: Path) -> dict[str, Any]:
 def pipelined(checkpoint: Path) -> dict[str, Any]:
     """What each of two processes runs: the same training, a stage each."""
     return train(PipelineStrategy(chunks=4, balance=[5, 3]), 2, checkpoint)
+
+
+class TwoNetworks(Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Sequential(torch.nn.Identity())
+
+
+class ParameterOutside(Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+
+class NoLoss(Regression):
+    loss_fn = None  # type: ignore[assignment]
+
+
+class Manual(Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class DictBatches(Regression):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch["pair"], batch_idx)
+
+
+class NetworkUncalled(Regression):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return sum(p.sum() for p in self.parameters())
+
+
+def fit_on_one_process(module: L.LightningModule, *, batches: Any = None, **trainer: Any) -> None:
+    """Fit ``module`` for a step with PipelineStrategy in this process (a pipeline of one
+    stage)."""
+    strategy = trainer.pop("strategy", PipelineStrategy(chunks=2))
+    L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer,
+    ).fit(module, batches if batches is not None else loaders()[0])

@@ -2,14 +2,16 @@
 PipelineStrategy on two processes to the losses and weights it reaches on one device, and
 what the strategy cannot honour is refused in one line."""
 
+import os
+
 import pytest
 
 pytest.importorskip("lightning", reason="the lightning extra installs lightning")
 
-import torch  # noqa: E402
+import torch
 
-from ..workers import run  # noqa: E402
-from . import lightning_cases as cases  # noqa: E402
+from ..workers import run
+from . import lightning_cases as cases
 
 EXACT = {"rtol": 1e-12, "atol": 1e-14}
 
@@ -32,3 +34,65 @@ def test_two_stages_give_the_losses_and_weights_of_one_device(tmp_path):
     torch.testing.assert_close(saved, reference, **EXACT)
     loaded = cases.Regression.load_from_checkpoint(tmp_path / "two.ckpt")
     torch.testing.assert_close(dict(loaded.state_dict()), reference, **EXACT)
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"chunks": 0}, "chunks must be a positive integer, got 0"),
+        ({"schedule": "fifo"}, "fifo"),
+        ({"data_parallel": 2}, "PipelineStrategy(data_parallel=...) is not supported"),
+        ({"device": "cpu"}, "PipelineStrategy sets device itself"),
+        ({"chunk": 4}, "PipelineStrategy got an unexpected argument 'chunk'"),
+        ({"loss_fn": "mse"}, "loss_fn must be callable, got str"),
+    ],
+)
+def test_arguments_it_cannot_take_are_refused_in_one_line(arguments, message):
+    with pytest.raises((ValueError, TypeError)) as refused:
+        cases.PipelineStrategy(**arguments)
+    assert message in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.fixture
+def one_process_world():
+    """Lightning joins a process group of this one process and sets its environment; both
+    are undone after the test."""
+    import torch.distributed as dist
+
+    saved = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _scaled_precision():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+
+@pytest.mark.parametrize(
+    "module, trainer, message",
+    [
+        (cases.Manual, {}, "PipelineStrategy needs automatic optimization"),
+        (cases.Regression, {"plugins": [_scaled_precision()]}, "precision='16-mixed'"),
+        (cases.Regression, {"sync_batchnorm": True}, "Trainer(sync_batchnorm=True)"),
+        (cases.TwoNetworks, {}, "TwoNetworks has 2 (net, head): pass PipelineStrategy(network="),
+        (cases.ParameterOutside, {}, "has parameters outside it, which no stage would train"),
+        (cases.NoLoss, {}, "pass loss_fn=... or give NoLoss a loss_fn(outputs, targets)"),
+        (cases.DictBatches, {"batches": "dict"}, "takes a batch as a pair (inputs, targets)"),
+        (cases.NetworkUncalled, {}, "training_step did not call self.net"),
+    ],
+    ids=["manual", "fp16", "syncbn", "two-nets", "outside", "loss", "dict", "uncalled"],
+)
+def test_what_it_cannot_honour_is_refused_in_one_line(one_process_world, module, trainer, message):
+    if trainer.pop("batches", None) == "dict":
+        x, y = cases.loaders()[0].dataset.tensors
+        trainer["batches"] = [{"pair": (x[:4], y[:4])}]
+    with pytest.raises((ValueError, TypeError, RuntimeError)) as refused:
+        cases.fit_on_one_process(module(), **trainer)
+    assert message in str(refused.value)
+    assert "\n" not in str(refused.value)

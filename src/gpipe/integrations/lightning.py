@@ -42,7 +42,7 @@ from gpipe.comm.payload import decode, encode
 from gpipe.engine import ScheduleSource, StepResult
 from gpipe.pipeline import Pipeline
 from gpipe.runtime.microbatch import check_chunks
-from gpipe.runtime.recompute import Layers, check_checkpoint
+from gpipe.runtime.recompute import check_checkpoint
 from gpipe.runtime.stage import LossFn
 from gpipe.schedules import Schedule
 
@@ -122,7 +122,7 @@ class PipelineStrategy(DDPStrategy):
         loss_fn: LossFn | None = None,
         targets: Callable[[Any], Any] | None = None,
         balance: list[int] | None = None,
-        checkpoint: str | Layers = "except_last",
+        checkpoint: str = "except_last",
         seed: int = 0,
         timeout: float = 60.0,
         process_group_backend: str | None = None,
@@ -134,7 +134,8 @@ class PipelineStrategy(DDPStrategy):
         if schedule != "auto":  # an unknown name is refused here, not in the processes
             ScheduleSource.of(schedule)
         self.schedule = schedule
-        self.checkpoint = check_checkpoint(checkpoint)
+        check_checkpoint(checkpoint)
+        self.checkpoint = checkpoint
         for name, value in (("loss_fn", loss_fn), ("targets", targets)):
             if value is not None and not callable(value):
                 raise TypeError(f"{name} must be callable, got {type(value).__name__}")
@@ -148,7 +149,6 @@ class PipelineStrategy(DDPStrategy):
         self._network_name = ""
         self._key_order: list[str] = []
         self._fresh_grads: list[tuple[nn.Parameter, Tensor]] = []
-        self._step_loss: Tensor | None = None
         self._checked_loss = False
 
     # -- set-up ---------------------------------------------------------------------------
@@ -220,9 +220,9 @@ class PipelineStrategy(DDPStrategy):
             found += [n for n, c in module.named_children() if isinstance(c, Pipeline)]
             if len(found) != 1:
                 raise ValueError(
-                    f"PipelineStrategy pipelines the module's nn.Sequential; {type(module).__name__} "
-                    f"has {len(found)} ({', '.join(found) or 'none'}): pass "
-                    "PipelineStrategy(network='<attribute>')"
+                    "PipelineStrategy pipelines the module's nn.Sequential; "
+                    f"{type(module).__name__} has {len(found)} ({', '.join(found) or 'none'}): "
+                    "pass PipelineStrategy(network='<attribute>')"
                 )
             return found[0]
         held = getattr(module, self.network, None)
@@ -300,17 +300,17 @@ class PipelineStrategy(DDPStrategy):
         module = self._module()
         batch = args[0] if args else kwargs.get("batch")
         targets = self._targets_of(batch)
-        self._step_loss = None
-        with self.precision_plugin.train_step_context():
-            with self._network_runs(lambda inputs: self._train(inputs, targets)):
-                output = module.training_step(*args, **kwargs)
-        if self._step_loss is None:
+        losses: list[Tensor] = []
+        run = self._network_runs(lambda inputs: self._train(inputs, targets, losses))
+        with self.precision_plugin.train_step_context(), run:
+            output = module.training_step(*args, **kwargs)
+        if not losses:
             raise RuntimeError(
                 f"{type(module).__name__}.training_step did not call self.{self._network_name}: "
                 "PipelineStrategy runs the pipelined step when the step calls the network"
             )
-        self._check_loss_once(output, self._step_loss)
-        return _with_loss(output, self._step_loss)
+        self._check_loss_once(output, losses[0])
+        return _with_loss(output, losses[0])
 
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.val_step_context(), self._network_runs(self._forward):
@@ -345,10 +345,10 @@ class PipelineStrategy(DDPStrategy):
             f"{type(batch).__name__}{size}: pass PipelineStrategy(targets=lambda batch: ...)"
         )
 
-    def _train(self, inputs: Any, targets: Any) -> Any:
-        """One pipelined step on the whole batch. Its gradients are kept aside until
-        ``backward``: Lightning zeroes the gradients between ``training_step`` and
-        ``backward``."""
+    def _train(self, inputs: Any, targets: Any, losses: list[Tensor]) -> Any:
+        """One pipelined step on the whole batch; its loss joins ``losses``. Its gradients
+        are kept aside until ``backward``: Lightning zeroes the gradients between
+        ``training_step`` and ``backward``."""
         pipe = self._stage()
         params = list(pipe.parameters())
         held = [p.grad for p in params]
@@ -359,7 +359,7 @@ class PipelineStrategy(DDPStrategy):
         self._fresh_grads = [(p, p.grad) for p in params if p.grad is not None]
         for p, grad in zip(params, held, strict=True):
             p.grad = grad
-        self._step_loss = result.loss
+        losses.append(result.loss)
         return self._shared(result.outputs)
 
     @torch.inference_mode(False)
