@@ -77,10 +77,10 @@ class Record(L.Callback):
         self.validated.append(float(trainer.callback_metrics["val_loss"]))
 
 
-def train(strategy: Any, devices: int, checkpoint: Path) -> dict[str, Any]:
+def train(strategy: Any, devices: int, checkpoint: Path, resume: bool = False) -> dict[str, Any]:
     """Two epochs (12 batches; gradients accumulated over 2, clipped by norm, an SGD step
     and a halved learning rate per epoch), validated after each; then validate() again and
-    save a checkpoint."""
+    save a checkpoint. With ``resume``, a third epoch from that checkpoint instead."""
     torch.manual_seed(0)
     module = Regression()
     record = Record()
@@ -89,7 +89,7 @@ def train(strategy: Any, devices: int, checkpoint: Path) -> dict[str, Any]:
         accelerator="cpu",
         devices=devices,
         precision="64-true",
-        max_epochs=2,
+        max_epochs=3 if resume else 2,
         accumulate_grad_batches=2,
         gradient_clip_val=2.2,  # below the gradient's norm in one step of six
         num_sanity_val_steps=1,
@@ -100,7 +100,9 @@ def train(strategy: Any, devices: int, checkpoint: Path) -> dict[str, Any]:
         enable_model_summary=False,
     )
     train_loader, val_loader = loaders()
-    trainer.fit(module, train_loader, val_loader)
+    trainer.fit(module, train_loader, val_loader, ckpt_path=checkpoint if resume else None)
+    if resume:
+        return {"returned": record.returned, "validated": record.validated}
     (validated,) = trainer.validate(module, val_loader, verbose=False)
     trainer.save_checkpoint(checkpoint)
     return {
@@ -111,9 +113,10 @@ def train(strategy: Any, devices: int, checkpoint: Path) -> dict[str, Any]:
     }
 
 
-def pipelined(checkpoint: Path) -> dict[str, Any]:
-    """What each of two processes runs: the same training, a stage each."""
-    return train(PipelineStrategy(chunks=4, balance=[5, 3]), 2, checkpoint)
+def pipelined(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What each of two processes runs: the same training, a stage each, and its resumption."""
+    trained = train(PipelineStrategy(chunks=4, balance=[5, 3]), 2, checkpoint)
+    return trained, train(PipelineStrategy(chunks=4, balance=[5, 3]), 2, checkpoint, resume=True)
 
 
 class TwoNetworks(Regression):

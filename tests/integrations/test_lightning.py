@@ -18,9 +18,10 @@ EXACT = {"rtol": 1e-12, "atol": 1e-14}
 
 def test_two_stages_give_the_losses_and_weights_of_one_device(tmp_path):
     one = cases.train("auto", 1, tmp_path / "one.ckpt")
+    one_resumed = cases.train("auto", 1, tmp_path / "one.ckpt", resume=True)
     ranks = run(cases.pipelined, 2, (tmp_path / "two.ckpt",))
     assert ranks[0] == ranks[1]  # every rank logs the same
-    two = ranks[0]
+    two, two_resumed = ranks[0]
     assert len(two["returned"]) == len(one["returned"]) == 12
     # the sanity check, after each epoch, validate()
     assert len(two["validated"]) == len(one["validated"]) == 4
@@ -34,6 +35,10 @@ def test_two_stages_give_the_losses_and_weights_of_one_device(tmp_path):
     torch.testing.assert_close(saved, reference, **EXACT)
     loaded = cases.Regression.load_from_checkpoint(tmp_path / "two.ckpt")
     torch.testing.assert_close(dict(loaded.state_dict()), reference, **EXACT)
+    # resumed from its checkpoint (weights, each stage's momentum, the schedule), a third epoch
+    assert len(two_resumed["returned"]) == len(one_resumed["returned"]) == 6
+    for key in ("returned", "validated"):
+        torch.testing.assert_close(two_resumed[key], one_resumed[key], **EXACT)
 
 
 @pytest.mark.parametrize(
