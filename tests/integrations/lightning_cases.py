@@ -119,6 +119,53 @@ def pipelined(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return trained, train(PipelineStrategy(chunks=4, balance=[5, 3]), 2, checkpoint, resume=True)
 
 
+class BuiltInConfigureModel(Regression):
+    """Builds its network in ``configure_model``, as a model too large for one device would
+    be: under PipelineStrategy on the meta device, so that each rank allocates its stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.net
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):  # called again by every fit and validate
+            self.net = mlp()
+            self.built_on = next(self.net.parameters()).device.type
+
+
+def on_the_meta_device(devices: int, checkpoint: Path) -> dict[str, Any]:
+    """Train a ``BuiltInConfigureModel`` for an epoch on ``devices`` processes; returns the
+    losses and how many parameters this rank held."""
+    module = BuiltInConfigureModel()
+    record = Record()
+    trainer = L.Trainer(
+        strategy=PipelineStrategy(chunks=4, balance=[5, 3] if devices == 2 else None),
+        accelerator="cpu",
+        devices=devices,
+        precision="64-true",
+        max_epochs=1,
+        num_sanity_val_steps=0,
+        callbacks=[record],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, *loaders())
+    trainer.save_checkpoint(checkpoint)
+    held = sum(p.numel() for p in module.parameters())
+    return {
+        "returned": record.returned,
+        "validated": record.validated,
+        "held": held,
+        "built_on": module.built_on,
+    }
+
+
+def pipelined_on_the_meta_device(checkpoint: Path) -> dict[str, Any]:
+    return on_the_meta_device(2, checkpoint)
+
+
 class TwoNetworks(Regression):
     def __init__(self) -> None:
         super().__init__()

@@ -10,6 +10,7 @@ pytest.importorskip("lightning", reason="the lightning extra installs lightning"
 
 import torch
 
+from ..small_models import mlp
 from ..workers import run
 from . import lightning_cases as cases
 
@@ -41,6 +42,40 @@ def test_two_stages_give_the_losses_and_weights_of_one_device(tmp_path):
         torch.testing.assert_close(two_resumed[key], one_resumed[key], **EXACT)
 
 
+def test_a_network_built_on_the_meta_device_trains_alike_on_one_stage_or_two(
+    tmp_path, one_process_world
+):
+    """Built in configure_model, the network is allocated stage by stage and initialized by
+    gpipe from its seed and each layer's index, whatever the number of stages."""
+    ranks = run(cases.pipelined_on_the_meta_device, 2, (tmp_path / "two.ckpt",))
+    one = cases.on_the_meta_device(1, tmp_path / "one.ckpt")
+    assert ranks[0]["built_on"] == ranks[1]["built_on"] == one["built_on"] == "meta"
+    whole = sum(p.numel() for p in mlp().parameters())
+    assert one["held"] == whole
+    assert ranks[0]["held"] + ranks[1]["held"] == whole  # each rank allocated its stage
+    for key in ("returned", "validated"):
+        assert ranks[0][key] == ranks[1][key]
+        torch.testing.assert_close(ranks[0][key], one[key], **EXACT)
+    saved = torch.load(tmp_path / "two.ckpt", weights_only=False)["state_dict"]
+    reference = torch.load(tmp_path / "one.ckpt", weights_only=False)["state_dict"]
+    assert list(saved) == list(reference)
+    torch.testing.assert_close(saved, reference, **EXACT)
+
+
+@pytest.fixture
+def one_process_world():
+    """Lightning joins a process group of this one process and sets its environment; both
+    are undone after the test."""
+    import torch.distributed as dist
+
+    saved = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.mark.parametrize(
     "arguments, message",
     [
@@ -57,20 +92,6 @@ def test_arguments_it_cannot_take_are_refused_in_one_line(arguments, message):
         cases.PipelineStrategy(**arguments)
     assert message in str(refused.value)
     assert "\n" not in str(refused.value)
-
-
-@pytest.fixture
-def one_process_world():
-    """Lightning joins a process group of this one process and sets its environment; both
-    are undone after the test."""
-    import torch.distributed as dist
-
-    saved = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def _scaled_precision():
