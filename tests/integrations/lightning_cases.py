@@ -133,9 +133,10 @@ class BuiltInConfigureModel(Regression):
             self.built_on = next(self.net.parameters()).device.type
 
 
-def on_the_meta_device(devices: int, checkpoint: Path) -> dict[str, Any]:
-    """Train a ``BuiltInConfigureModel`` for an epoch on ``devices`` processes; returns the
-    losses and how many parameters this rank held."""
+def on_the_meta_device(devices: int, checkpoint: Path, resume: bool = False) -> dict[str, Any]:
+    """Train a ``BuiltInConfigureModel`` for an epoch on ``devices`` processes and save a
+    checkpoint (with ``resume``, a second epoch from it instead); returns the losses and
+    how many parameters this rank held."""
     module = BuiltInConfigureModel()
     record = Record()
     trainer = L.Trainer(
@@ -143,7 +144,7 @@ def on_the_meta_device(devices: int, checkpoint: Path) -> dict[str, Any]:
         accelerator="cpu",
         devices=devices,
         precision="64-true",
-        max_epochs=1,
+        max_epochs=2 if resume else 1,
         num_sanity_val_steps=0,
         callbacks=[record],
         logger=False,
@@ -151,8 +152,9 @@ def on_the_meta_device(devices: int, checkpoint: Path) -> dict[str, Any]:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, *loaders())
-    trainer.save_checkpoint(checkpoint)
+    trainer.fit(module, *loaders(), ckpt_path=checkpoint if resume else None)
+    if not resume:
+        trainer.save_checkpoint(checkpoint)
     held = sum(p.numel() for p in module.parameters())
     return {
         "returned": record.returned,
@@ -162,8 +164,8 @@ def on_the_meta_device(devices: int, checkpoint: Path) -> dict[str, Any]:
     }
 
 
-def pipelined_on_the_meta_device(checkpoint: Path) -> dict[str, Any]:
-    return on_the_meta_device(2, checkpoint)
+def pipelined_on_the_meta_device(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    return on_the_meta_device(2, checkpoint), on_the_meta_device(2, checkpoint, resume=True)
 
 
 class TwoNetworks(Regression):
@@ -201,15 +203,15 @@ class NetworkUncalled(Regression):
 def fit_on_one_process(module: L.LightningModule, *, batches: Any = None, **trainer: Any) -> None:
     """Fit ``module`` for a step with PipelineStrategy in this process (a pipeline of one
     stage)."""
-    strategy = trainer.pop("strategy", PipelineStrategy(chunks=2))
+    ckpt_path = trainer.pop("ckpt_path", None)
     L.Trainer(
-        strategy=strategy,
+        strategy=PipelineStrategy(chunks=2),
         accelerator="cpu",
         devices=1,
-        max_steps=1,
+        max_steps=2,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         **trainer,
-    ).fit(module, batches if batches is not None else loaders()[0])
+    ).fit(module, batches if batches is not None else loaders()[0], ckpt_path=ckpt_path)

@@ -46,8 +46,11 @@ def test_a_network_built_on_the_meta_device_trains_alike_on_one_stage_or_two(
     tmp_path, one_process_world
 ):
     """Built in configure_model, the network is allocated stage by stage and initialized by
-    gpipe from its seed and each layer's index, whatever the number of stages."""
+    gpipe from its seed and each layer's index, whatever the number of stages; resumed, it
+    takes its weights from the checkpoint once its stage is built."""
     ranks = run(cases.pipelined_on_the_meta_device, 2, (tmp_path / "two.ckpt",))
+    ranks_resumed = {rank: resumed for rank, (_, resumed) in ranks.items()}
+    ranks = {rank: trained for rank, (trained, _) in ranks.items()}
     one = cases.on_the_meta_device(1, tmp_path / "one.ckpt")
     assert ranks[0]["built_on"] == ranks[1]["built_on"] == one["built_on"] == "meta"
     whole = sum(p.numel() for p in mlp().parameters())
@@ -60,6 +63,10 @@ def test_a_network_built_on_the_meta_device_trains_alike_on_one_stage_or_two(
     reference = torch.load(tmp_path / "one.ckpt", weights_only=False)["state_dict"]
     assert list(saved) == list(reference)
     torch.testing.assert_close(saved, reference, **EXACT)
+    one_resumed = cases.on_the_meta_device(1, tmp_path / "one.ckpt", resume=True)
+    assert len(one_resumed["returned"]) == len(ranks_resumed[0]["returned"]) == 6
+    assert ranks_resumed[0]["returned"][0] < 0.5 * ranks[0]["returned"][0]  # not from scratch
+    torch.testing.assert_close(ranks_resumed[0]["returned"], one_resumed["returned"], **EXACT)
 
 
 @pytest.fixture
@@ -121,4 +128,17 @@ def test_what_it_cannot_honour_is_refused_in_one_line(one_process_world, module,
     with pytest.raises((ValueError, TypeError, RuntimeError)) as refused:
         cases.fit_on_one_process(module(), **trainer)
     assert message in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_resuming_a_checkpoint_saved_without_the_pipeline_is_refused_in_one_line(
+    tmp_path, one_process_world
+):
+    trainer = cases.L.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False
+    )
+    trainer.fit(cases.Regression(), cases.loaders()[0])
+    trainer.save_checkpoint(tmp_path / "plain.ckpt")
+    with pytest.raises(ValueError, match="saved without PipelineStrategy") as refused:
+        cases.fit_on_one_process(cases.Regression(), ckpt_path=tmp_path / "plain.ckpt")
     assert "\n" not in str(refused.value)

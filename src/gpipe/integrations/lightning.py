@@ -150,6 +150,7 @@ class PipelineStrategy(DDPStrategy):
         self._key_order: list[str] = []
         self._fresh_grads: list[tuple[nn.Parameter, Tensor]] = []
         self._checked_loss = False
+        self._built_on_meta = False
 
     # -- set-up ---------------------------------------------------------------------------
     @property
@@ -289,9 +290,12 @@ class PipelineStrategy(DDPStrategy):
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        """A network built on the meta device takes its weights once its stage is built."""
+        """A network built on the meta device takes its weights once its stage is built (asked
+        before set-up and again after, when the stage no longer is on the meta device)."""
         module = self.lightning_module
-        return module is not None and any(p.is_meta for p in module.parameters())
+        if self.pipeline is None and module is not None:
+            self._built_on_meta = any(p.is_meta for p in module.parameters())
+        return self._built_on_meta
 
     # -- steps ----------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -479,9 +483,12 @@ class PipelineStrategy(DDPStrategy):
         return {_RANKS_KEY: gathered, "balance": list(self._stage().balance)}
 
     def _gathered(self, own: dict[str, Any]) -> list[dict[str, Any]] | None:
-        """``own`` of every rank, in rank order, on rank 0; None elsewhere (and on one rank)."""
-        if self.pipeline is None or self.world_size == 1:
+        """``own`` of every rank, in rank order, on rank 0; None elsewhere (and before the
+        network is cut)."""
+        if self.pipeline is None:
             return None
+        if self.world_size == 1:
+            return [own]
         parts: list[Any] | None = [None] * self.world_size if self.global_rank == 0 else None
         dist.gather_object(own, parts, dst=0)
         return parts
@@ -501,13 +508,16 @@ class PipelineStrategy(DDPStrategy):
         balance = list(self._stage().balance)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             ranks = state.get(_RANKS_KEY) if isinstance(state, Mapping) else None
-            if ranks is None or len(ranks) != self.world_size or state["balance"] != balance:
-                kept = "one process" if ranks is None else f"{len(ranks)} processes"
+            if ranks is None:
                 raise ValueError(
-                    f"the checkpoint's optimizer state is of {kept}"
-                    + ("" if ranks is None else f" with balance {state['balance']}")
-                    + f", this pipeline has {self.world_size} with balance {balance}: resume "
-                    "with the same devices and balance, or load the weights alone"
+                    "the checkpoint's optimizer state was saved without PipelineStrategy; "
+                    "load its weights alone (Module.load_from_checkpoint) and start a new fit"
+                )
+            if len(ranks) != self.world_size or state["balance"] != balance:
+                raise ValueError(
+                    f"the checkpoint's optimizer states are of {len(ranks)} processes with "
+                    f"balance {state['balance']}, this pipeline has {self.world_size} with "
+                    f"balance {balance}: resume with the same devices and balance"
                 )
             optimizer.load_state_dict(ranks[self.global_rank])
 
