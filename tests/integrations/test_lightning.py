@@ -75,9 +75,9 @@ def one_process_world():
     are undone after the test."""
     import torch.distributed as dist
 
-    saved = dict(os.environ)
+    saved, joined_before = dict(os.environ), dist.is_initialized()
     yield
-    if dist.is_initialized():
+    if dist.is_initialized() and not joined_before:
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
