@@ -135,7 +135,12 @@ def test_resuming_a_checkpoint_saved_without_the_pipeline_is_refused_in_one_line
     tmp_path, one_process_world
 ):
     trainer = cases.L.Trainer(
-        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
     )
     trainer.fit(cases.Regression(), cases.loaders()[0])
     trainer.save_checkpoint(tmp_path / "plain.ckpt")
