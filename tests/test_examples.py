@@ -116,3 +116,25 @@ def test_lightning_module_trains_pipelined_to_the_losses_of_one_device():
     assert accuracy >= 95.0
     worst = float(re.search(r"largest relative difference .*: ([\d.e+-]+)", done.stdout)[1])
     assert worst < 1e-4
+
+
+def test_hf_trainer_fine_tunes_pipelined_and_saves_a_folder_from_pretrained_loads(tmp_path):
+    """examples/hf_trainer.py under torchrun, 2 CPU processes: the evaluation loss falls, and
+    the saved folder gives the trained model's loss back."""
+    pytest.importorskip("transformers", reason="the test extra installs transformers")
+    out = tmp_path / "llama"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(EXAMPLES / "hf_trainer.py"), "--steps", "24", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = re.search(r"eval loss ([\d.]+) -> ([\d.]+) in 24 steps", done.stdout)
+    reloaded = re.search(r"from_pretrained\(.*\): eval loss ([\d.]+)", done.stdout)
+    assert losses and reloaded, done.stdout[-3000:]
+    before, after = float(losses[1]), float(losses[2])
+    assert after < before - 1.5, done.stdout[-3000:]  # from about ln 258 = 5.55
+    assert abs(float(reloaded[1]) - after) < 1e-3
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()

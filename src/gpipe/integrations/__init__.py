@@ -1,6 +1,7 @@
-"""Adapters that bring gpipe's pipeline into the trainers users already work in.
+"""Pipeline parallelism inside the trainers people already use.
 
-Each adapter lives in its own module and imports its trainer only when that module is
-imported (``gpipe.integrations.lightning`` needs ``lightning``), so importing this package
-costs nothing.
+``gpipe.integrations.transformers``: ``PipelineTrainer`` and ``pipelined(TrainerClass)`` for
+Hugging Face's ``Trainer`` and the TRL trainers built on it. ``gpipe.integrations.lightning``:
+``PipelineStrategy`` for PyTorch Lightning. Each integration is its own module and imports its
+framework itself, so importing this package costs nothing.
 """
