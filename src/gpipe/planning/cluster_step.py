@@ -1,0 +1,175 @@
+"""What a layout's step is made of, before it is timed: each pipeline stage's costs (from
+``gpipe.planning.layer_costs``), the simulator's ``Costs``, each process's parameters and
+memory, the optimizer's step and the FLOPs counted.
+
+Both the simulation (``gpipe.planning.cluster.predict``) and the search's quick estimate
+(``gpipe.planning.cluster_search``) start from a ``StepModel``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpipe.planning.cluster_layout import Layout, layers_per_stage, stage_params
+from gpipe.planning.cluster_memory import (
+    BYTES_PER_PARAM,
+    FRAMEWORK_BYTES,
+    REDUCED_BYTES,
+    MemoryParts,
+    states_bytes,
+)
+from gpipe.planning.costs import Costs
+from gpipe.planning.layer_costs import PassCosts, Work, block_costs, embedding_costs, head_costs
+from gpipe.planning.roofline import COLLECTIVE_EFFICIENCY, Link, stream_seconds
+from gpipe.planning.transformer import TransformerShape
+from gpipe.schedules import traits
+
+__all__ = ["StepModel", "step_flops"]
+
+_OPTIMIZER_BYTES = {"bf16": 30, "fp16": 30, "fp32": 28}  # Adam's reads and writes a parameter
+
+
+def step_flops(
+    shape: TransformerShape, tokens: float, seq_len: int, recompute: str
+) -> tuple[float, float]:
+    """FLOPs of a step over ``tokens`` tokens: as Megatron-LM's equation 3 counts them
+    (forward, backward twice the forward, and the forward again that ``recompute`` redoes;
+    the logits three times) and the model's own (without recomputation)."""
+    layer = shape.layer_flops(seq_len)
+    again = {"none": 0.0, "selective": shape.attention_flops(seq_len), "full": layer}[recompute]
+    model = tokens * (3 * shape.layers * layer + 3 * shape.logit_flops())
+    return model + tokens * shape.layers * again, model
+
+
+@functools.lru_cache(maxsize=4096)
+def _block(shape: TransformerShape, work: Work) -> PassCosts:
+    """One block's costs, the same for every layout with this shape of work."""
+    return block_costs(shape, work)
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """A layout's costs: ``stages`` (each pipeline stage's, per micro-batch) and ``params``
+    (each stage's, on one GPU of its tensor-parallel group)."""
+
+    shape: TransformerShape
+    layout: Layout
+    stages: tuple[PassCosts, ...]
+    params: tuple[float, ...]
+
+    @classmethod
+    def of(cls, shape: TransformerShape, layout: Layout) -> StepModel:
+        device, t = layout.cluster.device, layout.tensor_parallel
+        work = Work(
+            device,
+            t,
+            layout.micro_batch,
+            layout.seq_len,
+            Link.of_group(device, t),
+            layout.recompute,
+            layout.software,
+        )
+        block = _block(shape, work)
+        stages = [block.times(n) for n in layers_per_stage(shape.layers, layout.n_stages)]
+        stages[0] = stages[0] + embedding_costs(shape, work)
+        stages[-1] = stages[-1] + head_costs(shape, work)
+        return cls(shape, layout, tuple(stages), tuple(stage_params(shape, layout)))
+
+    @property
+    def message_bytes(self) -> float:
+        """One micro-batch's activations between two stages, in 16-bit."""
+        layout = self.layout
+        return 2.0 * layout.micro_batch * layout.seq_len * self.shape.hidden
+
+    def held(self) -> list[tuple[int, ...]]:
+        """The stages each process holds, as the schedule places them."""
+        layout = self.layout
+        placement = traits(layout.schedule).placement
+        return [placement.stages_of(r, layout.n_stages, layout.stages) for r in range(layout.stages)]
+
+    def rank_params(self) -> list[float]:
+        return [sum(self.params[s] for s in held) for held in self.held()]
+
+    def transfer_seconds(self) -> float:
+        """A message between stages: Megatron's scatter-gather, each GPU of the group
+        sending 1/T of it on its own link and the receivers all-gathering it in the node."""
+        layout, device, t = self.layout, self.layout.cluster.device, self.layout.tensor_parallel
+        pp = Link.of_group(device, t * layout.data_parallel * layout.stages)
+        wire = self.message_bytes / t / (pp.bandwidth * COLLECTIVE_EFFICIENCY)
+        return pp.latency + wire + Link.of_group(device, t).ring(self.message_bytes, t)
+
+    def costs(self) -> Costs:
+        """The simulator's costs: per stage compute and activations, the message between
+        stages (without ``p2p_overlap``, a send holds the sending stage until it is
+        through), and the gradients the replicas reduce (sharded, reduce-scattered: half
+        an all-reduce's traffic)."""
+        layout, device = self.layout, self.layout.cluster.device
+        pp = Link.of_group(device, layout.tensor_parallel * layout.data_parallel * layout.stages)
+        dp = Link.of_group(device, layout.tensor_parallel * layout.data_parallel)
+        transfer, n = self.transfer_seconds(), len(self.stages)
+        forward = [s.forward for s in self.stages]
+        backward = [s.backward for s in self.stages]
+        bandwidth = self.message_bytes / max(transfer - pp.latency, 1e-12)
+        if not layout.software.p2p_overlap and layout.stages > 1:
+            forward = [f + (transfer if i < n - 1 else 0.0) for i, f in enumerate(forward)]
+            backward = [b + (transfer if i > 0 else 0.0) for i, b in enumerate(backward)]
+            bandwidth = math.inf  # the send's time is the sender's: it arrives as it ends
+        share = 1.0 if layout.shard is None else 0.5
+        return Costs(
+            forward=forward,
+            backward=backward,
+            weight=[s.weight for s in self.stages],
+            recompute=[s.recompute for s in self.stages],
+            latency=pp.latency,
+            bandwidth=bandwidth,
+            message_bytes=self.message_bytes,
+            activation_bytes=[s.stored for s in self.stages],
+            grad_bytes=[p * REDUCED_BYTES[layout.precision] * share for p in self.params],
+            allreduce_bandwidth=dp.bandwidth * COLLECTIVE_EFFICIENCY,
+        )
+
+    def gather_seconds(self) -> list[float]:
+        """Per process, the all-gather of its updated 16-bit parameters over its replicas
+        (sharded states only)."""
+        layout = self.layout
+        if layout.shard is None:
+            return [0.0] * layout.stages
+        d = layout.data_parallel
+        link = Link.of_group(layout.cluster.device, layout.tensor_parallel * d)
+        weight = BYTES_PER_PARAM[layout.precision][0]
+        return [link.ring(p * weight, d) for p in self.rank_params()]
+
+    def optimizer_seconds(self) -> float:
+        """Adam's step on the fullest process's (shard of its) parameters: memory-bound."""
+        layout = self.layout
+        updated = max(self.rank_params()) / (layout.data_parallel if layout.shard else 1)
+        return stream_seconds(
+            layout.cluster.device, _OPTIMIZER_BYTES[layout.precision] * updated
+        )
+
+    def memory(self, rank: int, activations: float) -> MemoryParts:
+        """Process ``rank``'s memory at its peak, holding ``activations`` bytes of the
+        micro-batches in flight."""
+        layout, held = self.layout, self.held()[rank]
+        weights, grads, optimizer = states_bytes(
+            self.rank_params()[rank], layout.precision, layout.data_parallel, layout.shard
+        )
+        stages: Sequence[PassCosts] = [self.stages[s] for s in held]
+        working = max((s.working for s in stages), default=0.0)
+        p2p = 4 * self.message_bytes * len(stages)  # activations and gradients, in and out
+        return MemoryParts(
+            weights=weights,
+            gradients=grads,
+            optimizer=optimizer,
+            activations=activations + working,
+            buffers=p2p + FRAMEWORK_BYTES,
+        )
+
+    def flops(self) -> tuple[float, float]:
+        """The step's FLOPs: Megatron's count (recomputation included) and the model's."""
+        layout = self.layout
+        tokens = layout.global_batch * layout.seq_len
+        return step_flops(self.shape, tokens, layout.seq_len, layout.recompute)
