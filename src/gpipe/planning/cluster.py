@@ -97,17 +97,15 @@ def predict(shape: TransformerShape, layout: Layout) -> Prediction:
     model = StepModel.of(shape, layout)
     replayed = _simulate(layout, model.costs())
     # the next step's first forward hides what it can of the parameters' gather
-    gather = max(
-        (max(0.0, g - end) for g, end in zip(model.gather_seconds(), replayed.first_forward_end)),
-        default=0.0,
-    )
+    ends = replayed.first_forward_end
+    gather = max(max(0.0, g - e) for g, e in zip(model.gather_seconds(), ends, strict=True))
     optimizer = model.optimizer_seconds()
     step = replayed.makespan + gather + optimizer
     hardware, useful = model.flops()
     gpus, k = layout.cluster.gpus, layout.stages
     memory = max((model.memory(r, replayed.peaks[r]) for r in range(k)), key=lambda m: m.total)
     busiest = max(range(k), key=lambda r: replayed.busy[r])
-    tp_comm = sum(model.stages[s].tp_comm for s in model.held()[busiest])
+    tp_comm = sum(model.stages[s].tp_comm for s in model.held[busiest])
     return Prediction(
         layout=layout,
         step_time_s=step,

@@ -114,7 +114,9 @@ def _check_schedule(layout: Layout) -> None:
     k, m, v = layout.stages, layout.microbatches, layout.virtual_stages
     kind = traits(layout.schedule)
     if v > 1 and not kind.several_stages_per_rank:
-        raise ValueError(f"--virtual-stages {v}: --schedule {layout.schedule} runs one stage per process")
+        raise ValueError(
+            f"--virtual-stages {v}: --schedule {layout.schedule} runs one stage per process"
+        )
     if not kind.runs(k, m, v):
         rounds = ", a multiple of --stages" if kind.microbatches_per_round else ""
         raise ValueError(

@@ -52,13 +52,16 @@ def _block(shape: TransformerShape, work: Work) -> PassCosts:
 
 @dataclass(frozen=True)
 class StepModel:
-    """A layout's costs: ``stages`` (each pipeline stage's, per micro-batch) and ``params``
-    (each stage's, on one GPU of its tensor-parallel group)."""
+    """A layout's costs: ``stages`` (each pipeline stage's, per micro-batch), ``params``
+    (each stage's, on one GPU of its tensor-parallel group), the stages each process holds
+    (``held``, as the schedule places them) and its parameters (``rank_params``)."""
 
     shape: TransformerShape
     layout: Layout
     stages: tuple[PassCosts, ...]
     params: tuple[float, ...]
+    held: tuple[tuple[int, ...], ...]
+    rank_params: tuple[float, ...]
 
     @classmethod
     def of(cls, shape: TransformerShape, layout: Layout) -> StepModel:
@@ -76,22 +79,17 @@ class StepModel:
         stages = [block.times(n) for n in layers_per_stage(shape.layers, layout.n_stages)]
         stages[0] = stages[0] + embedding_costs(shape, work)
         stages[-1] = stages[-1] + head_costs(shape, work)
-        return cls(shape, layout, tuple(stages), tuple(stage_params(shape, layout)))
+        params = stage_params(shape, layout)
+        placement, n, k = traits(layout.schedule).placement, layout.n_stages, layout.stages
+        held = tuple(placement.stages_of(r, n, k) for r in range(k))
+        rank_params = tuple(sum(params[s] for s in stages_of) for stages_of in held)
+        return cls(shape, layout, tuple(stages), tuple(params), held, rank_params)
 
     @property
     def message_bytes(self) -> float:
         """One micro-batch's activations between two stages, in 16-bit."""
         layout = self.layout
         return 2.0 * layout.micro_batch * layout.seq_len * self.shape.hidden
-
-    def held(self) -> list[tuple[int, ...]]:
-        """The stages each process holds, as the schedule places them."""
-        layout = self.layout
-        placement = traits(layout.schedule).placement
-        return [placement.stages_of(r, layout.n_stages, layout.stages) for r in range(layout.stages)]
-
-    def rank_params(self) -> list[float]:
-        return [sum(self.params[s] for s in held) for held in self.held()]
 
     def transfer_seconds(self) -> float:
         """A message between stages: Megatron's scatter-gather, each GPU of the group
@@ -140,22 +138,20 @@ class StepModel:
         d = layout.data_parallel
         link = Link.of_group(layout.cluster.device, layout.tensor_parallel * d)
         weight = BYTES_PER_PARAM[layout.precision][0]
-        return [link.ring(p * weight, d) for p in self.rank_params()]
+        return [link.ring(p * weight, d) for p in self.rank_params]
 
     def optimizer_seconds(self) -> float:
         """Adam's step on the fullest process's (shard of its) parameters: memory-bound."""
         layout = self.layout
-        updated = max(self.rank_params()) / (layout.data_parallel if layout.shard else 1)
-        return stream_seconds(
-            layout.cluster.device, _OPTIMIZER_BYTES[layout.precision] * updated
-        )
+        updated = max(self.rank_params) / (layout.data_parallel if layout.shard else 1)
+        return stream_seconds(layout.cluster.device, _OPTIMIZER_BYTES[layout.precision] * updated)
 
     def memory(self, rank: int, activations: float) -> MemoryParts:
         """Process ``rank``'s memory at its peak, holding ``activations`` bytes of the
         micro-batches in flight."""
-        layout, held = self.layout, self.held()[rank]
+        layout, held = self.layout, self.held[rank]
         weights, grads, optimizer = states_bytes(
-            self.rank_params()[rank], layout.precision, layout.data_parallel, layout.shard
+            self.rank_params[rank], layout.precision, layout.data_parallel, layout.shard
         )
         stages: Sequence[PassCosts] = [self.stages[s] for s in held]
         working = max((s.working for s in stages), default=0.0)

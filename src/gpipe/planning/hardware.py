@@ -154,7 +154,10 @@ def _device(path: str | Path, name: str, entry: Any) -> Device:
     unknown = sorted(set(entry) - set(_KEYS))
     missing = [k for k in _REQUIRED if k not in entry]
     if unknown or missing:
-        what = [f"unknown keys {unknown}" if unknown else "", f"missing {missing}" if missing else ""]
+        what = [
+            f"unknown keys {unknown}" if unknown else "",
+            f"missing {missing}" if missing else "",
+        ]
         raise ValueError(
             f"--devices {path}: devices.{name}: {'; '.join(w for w in what if w)} "
             f"(the keys are {_KEYS})"

@@ -17,10 +17,8 @@ from typing import Any
 __all__ = ["TransformerShape", "from_hf_config", "gpt_shape"]
 
 # Families whose MLP is gated (SwiGLU/GeGLU: three matrices, gate and up side by side).
-_GATED = frozenset(
-    "llama mistral qwen2 qwen3 gemma gemma2 gemma3 olmo olmo2 phi3 cohere internlm2 granite "
-    "yi baichuan exaone".split()
-)
+_GATED = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo", "olmo2"}
+_GATED |= {"phi3", "cohere", "internlm2", "granite", "yi", "baichuan", "exaone"}
 _GATED_ACTS = {"silu", "swish", "swiglu", "geglu"}
 
 
