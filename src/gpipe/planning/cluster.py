@@ -103,7 +103,7 @@ def predict(shape: TransformerShape, layout: Layout) -> Prediction:
     step = replayed.makespan + gather + optimizer
     hardware, useful = model.flops()
     gpus, k = layout.cluster.gpus, layout.stages
-    memory = max((model.memory(r, replayed.peaks[r]) for r in range(k)), key=lambda m: m.total)
+    memory = model.peak_memory(replayed.peaks)
     busiest = max(range(k), key=lambda r: replayed.busy[r])
     tp_comm = sum(model.stages[s].tp_comm for s in model.held[busiest])
     return Prediction(

@@ -139,9 +139,9 @@ def layers_per_stage(layers: int, n_stages: int) -> list[int]:
 def stage_params(shape: TransformerShape, layout: Layout) -> list[float]:
     """Parameters per stage on one GPU of its tensor-parallel group; the last stage keeps
     its own copy of a tied embedding when the pipeline has several stages (as Megatron)."""
-    t = layout.tensor_parallel
+    t, layer = layout.tensor_parallel, shape.layer_params()
     counts = layers_per_stage(shape.layers, layout.n_stages)
-    params = [n * shape.layer_params() / t for n in counts]
+    params = [n * layer / t for n in counts]
     params[0] += shape.embedding_params() / t
     if not shape.tied or layout.n_stages > 1:
         params[-1] += shape.embedding_params() / t

@@ -13,6 +13,7 @@ which gives the order printed. Layouts that cannot run or do not fit are counted
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -30,7 +31,7 @@ from gpipe.schedules import Placement, traits
 
 __all__ = ["SIMULATED", "Estimate", "Search", "SearchSpace", "estimate", "search"]
 
-SIMULATED = 16  # layouts the simulator ranks, besides the best of each schedule
+SIMULATED = 8  # layouts the simulator ranks, besides the best of each schedule
 _SCHEDULES = ("1f1b", "interleaved", "zero-bubble", "interleaved-zero-bubble", "zero-bubble-v")
 _MOST_VIRTUAL = 8  # the most stages per process a looped schedule is searched with
 
@@ -159,13 +160,19 @@ def _unsharded(layout: Layout) -> tuple[object, ...]:
 
 
 def estimate(shape: TransformerShape, layout: Layout) -> Estimate:
-    """A layout's step and memory from the closed forms, without simulating."""
+    """A layout's step and memory from the closed forms, without simulating; a layout that
+    does not fit its device gets no step time (infinity)."""
     model = StepModel.of(shape, layout)
-    costs = model.costs()
     k, m, v = layout.stages, layout.microbatches, layout.virtual_stages
+    held = model.held
+    peaks = closed_form_peak(layout.schedule, k, m, v) or (float(m),) * k
+    stored = [sum(model.stages[s].stored for s in stages) for stages in held]
+    memory = model.peak_memory([p * b for p, b in zip(peaks, stored, strict=True)])
+    if memory.total > layout.cluster.device.memory_bytes:
+        return Estimate(layout, math.inf, memory)
+    costs = model.costs()
     n = len(model.stages)
     f, bwd, w, r = (costs.per_stage(x, n) for x in ("forward", "backward", "weight", "recompute"))
-    held = model.held
     work = [sum(f[s] + bwd[s] + w[s] + r[s] for s in stages) for stages in held]
     mean = [sum(x) / k for x in (f, bwd, w)]
     bubble = closed_form_bubble(layout.schedule, k, m, v, *mean) if k > 1 else 0.0
@@ -175,24 +182,14 @@ def estimate(shape: TransformerShape, layout: Layout) -> Estimate:
     # the gradients' reduction past the last backward; the gather past the first forward
     dp = layout.data_parallel
     passes = 2 if layout.shard is None else 1
-    ring = [
-        (passes * sum(costs.per_stage("grad_bytes", n)[s] for s in stages) * (dp - 1) / dp)
-        / (costs.allreduce_bandwidth or costs.bandwidth)
-        for stages in held
-    ]
+    grads = costs.per_stage("grad_bytes", n)
+    bandwidth = costs.allreduce_bandwidth or costs.bandwidth
+    ring = [passes * sum(grads[s] for s in stages) * (dp - 1) / dp / bandwidth for stages in held]
     last = [sum(bwd[s] + w[s] + r[s] for s in stages) / max(1, len(stages)) for stages in held]
     first = [f[stages[0]] * (1 + i) for i, stages in enumerate(held)]
     exposed = max(max(0.0, x - y) for x, y in zip(ring, last, strict=True)) if dp > 1 else 0.0
     gather = max(max(0.0, g - y) for g, y in zip(model.gather_seconds(), first, strict=True))
     step = makespan + exposed + gather + model.optimizer_seconds()
-    peaks = closed_form_peak(layout.schedule, k, m, v) or (float(m),) * k
-    memory = max(
-        (
-            model.memory(rank, peaks[rank] * sum(model.stages[s].stored for s in stages))
-            for rank, stages in enumerate(held)
-        ),
-        key=lambda parts: parts.total,
-    )
     return Estimate(layout, step, memory)
 
 

@@ -76,7 +76,9 @@ class StepModel:
             layout.software,
         )
         block = _block(shape, work)
-        stages = [block.times(n) for n in layers_per_stage(shape.layers, layout.n_stages)]
+        counts = layers_per_stage(shape.layers, layout.n_stages)
+        scaled = {n: block.times(n) for n in set(counts)}
+        stages = [scaled[n] for n in counts]
         stages[0] = stages[0] + embedding_costs(shape, work)
         stages[-1] = stages[-1] + head_costs(shape, work)
         params = stage_params(shape, layout)
@@ -145,6 +147,19 @@ class StepModel:
         layout = self.layout
         updated = max(self.rank_params) / (layout.data_parallel if layout.shard else 1)
         return stream_seconds(layout.cluster.device, _OPTIMIZER_BYTES[layout.precision] * updated)
+
+    def peak_memory(self, activations: Sequence[float]) -> MemoryParts:
+        """The fullest process's memory, each process ``r`` holding ``activations[r]`` bytes
+        of the micro-batches in flight. Processes that hold the same parameters and stage
+        costs differ only by their activations, so one of each kind is counted."""
+        best: dict[tuple[float, float], int] = {}
+        for rank, held in enumerate(self.held):
+            working = max(self.stages[s].working for s in held)
+            key = (self.rank_params[rank], working)
+            if key not in best or activations[rank] > activations[best[key]]:
+                best[key] = rank
+        parts = (self.memory(r, activations[r]) for r in best.values())
+        return max(parts, key=lambda p: p.total)
 
     def memory(self, rank: int, activations: float) -> MemoryParts:
         """Process ``rank``'s memory at its peak, holding ``activations`` bytes of the

@@ -113,8 +113,8 @@ def _nvidia(
 CATALOGUE: dict[str, Device] = {
     d.name: d
     for d in (
-        _nvidia("A100-40GB", 312, 40, 1.555, 600, 200, 0.74, "megatron-2021"),
-        _nvidia("A100-80GB", 312, 80, 2.039, 600, 200, 0.74, "megatron-2021"),
+        _nvidia("A100-40GB", 312, 40, 1.555, 600, 200, 0.72, "megatron-2021"),
+        _nvidia("A100-80GB", 312, 80, 2.039, 600, 200, 0.72, "megatron-2021"),
         _nvidia("H100-SXM", 989, 80, 3.35, 900, 400, 0.60),
         _nvidia("H100-PCIe", 756, 80, 2.0, 128, 200, 0.60),
         _nvidia("H200", 989, 141, 4.8, 900, 400, 0.60),

@@ -13,7 +13,7 @@ traffic; the norms and adds then run on 1/T of the tokens).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from gpipe.planning.hardware import Device
 from gpipe.planning.roofline import Link, flash_seconds, matmul_seconds, stream_seconds
@@ -120,18 +120,31 @@ class PassCosts:
     working: float = 0.0
 
     def __add__(self, other: PassCosts) -> PassCosts:
-        total = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
-        # one layer's backward runs at a time: the working sets do not add up
-        total["working"] = max(self.working, other.working)
-        return PassCosts(**total)
+        """Two layers one after the other: one layer's backward runs at a time, so their
+        working sets do not add up."""
+        return PassCosts(
+            self.forward + other.forward,
+            self.backward + other.backward,
+            self.weight + other.weight,
+            self.recompute + other.recompute,
+            self.tp_comm + other.tp_comm,
+            self.stored + other.stored,
+            max(self.working, other.working),
+        )
 
     def times(self, n: int) -> PassCosts:
         """``n`` such layers one after another."""
         if n == 0:
             return PassCosts()
-        scaled = {f.name: getattr(self, f.name) * n for f in fields(self)}
-        scaled["working"] = self.working
-        return PassCosts(**scaled)
+        return PassCosts(
+            self.forward * n,
+            self.backward * n,
+            self.weight * n,
+            self.recompute * n,
+            self.tp_comm * n,
+            self.stored * n,
+            self.working,
+        )
 
 
 def _products(shape: TransformerShape, t: int) -> list[tuple[int, int]]:
