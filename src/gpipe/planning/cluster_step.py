@@ -27,7 +27,7 @@ from gpipe.planning.roofline import COLLECTIVE_EFFICIENCY, Link, stream_seconds
 from gpipe.planning.transformer import TransformerShape
 from gpipe.schedules import traits
 
-__all__ = ["StepModel", "step_flops"]
+__all__ = ["StepModel", "pipeline_costs", "stage_costs", "step_flops"]
 
 _OPTIMIZER_BYTES = {"bf16": 30, "fp16": 30, "fp32": 28}  # Adam's reads and writes a parameter
 
@@ -42,6 +42,56 @@ def step_flops(
     again = {"none": 0.0, "selective": shape.attention_flops(seq_len), "full": layer}[recompute]
     model = tokens * (3 * shape.layers * layer + 3 * shape.logit_flops())
     return model + tokens * shape.layers * again, model
+
+
+def stage_costs(
+    embedding: PassCosts, block: PassCosts, head: PassCosts, counts: Sequence[int]
+) -> list[PassCosts]:
+    """Each stage's costs per micro-batch: ``counts[s]`` blocks, the embedding on the first
+    stage and the head on the last. The layers' costs may come from the roofline (a
+    cluster plan) or from timing them (``benchmarks.bench_scaling`` on this machine's CPU):
+    the pipeline is assembled the same way from either."""
+    scaled = {n: block.times(n) for n in set(counts)}
+    stages = [scaled[n] for n in counts]
+    stages[0] = stages[0] + embedding
+    stages[-1] = stages[-1] + head
+    return stages
+
+
+def pipeline_costs(
+    stages: Sequence[PassCosts],
+    *,
+    message_bytes: float,
+    latency: float,
+    transfer: float,
+    blocking: bool = False,
+    grad_bytes: Sequence[float] | float = 0.0,
+    allreduce_bandwidth: float | None = None,
+) -> Costs:
+    """The simulator's costs of a pipeline of ``stages``: their compute and activations; a
+    message between stages arriving ``transfer`` seconds after it is sent (``latency`` of
+    it fixed), or, ``blocking``, holding the sending stage until it is through (a
+    send on the compute stream); ``grad_bytes`` per stage for the replicas to reduce."""
+    n = len(stages)
+    forward = [s.forward for s in stages]
+    backward = [s.backward for s in stages]
+    bandwidth = message_bytes / max(transfer - latency, 1e-12) if message_bytes else math.inf
+    if blocking and n > 1:
+        forward = [f + (transfer if i < n - 1 else 0.0) for i, f in enumerate(forward)]
+        backward = [b + (transfer if i > 0 else 0.0) for i, b in enumerate(backward)]
+        bandwidth = math.inf  # the send's time is the sender's: it arrives as it ends
+    return Costs(
+        forward=forward,
+        backward=backward,
+        weight=[s.weight for s in stages],
+        recompute=[s.recompute for s in stages],
+        latency=latency,
+        bandwidth=bandwidth,
+        message_bytes=message_bytes,
+        activation_bytes=[s.stored for s in stages],
+        grad_bytes=grad_bytes if isinstance(grad_bytes, float) else list(grad_bytes),
+        allreduce_bandwidth=allreduce_bandwidth,
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -75,12 +125,12 @@ class StepModel:
             layout.recompute,
             layout.software,
         )
-        block = _block(shape, work)
-        counts = layers_per_stage(shape.layers, layout.n_stages)
-        scaled = {n: block.times(n) for n in set(counts)}
-        stages = [scaled[n] for n in counts]
-        stages[0] = stages[0] + embedding_costs(shape, work)
-        stages[-1] = stages[-1] + head_costs(shape, work)
+        stages = stage_costs(
+            embedding_costs(shape, work),
+            _block(shape, work),
+            head_costs(shape, work),
+            layers_per_stage(shape.layers, layout.n_stages),
+        )
         params = stage_params(shape, layout)
         placement, n, k = traits(layout.schedule).placement, layout.n_stages, layout.stages
         held = tuple(placement.stages_of(r, n, k) for r in range(k))
@@ -102,31 +152,19 @@ class StepModel:
         return pp.latency + wire + Link.of_group(device, t).ring(self.message_bytes, t)
 
     def costs(self) -> Costs:
-        """The simulator's costs: per stage compute and activations, the message between
-        stages (without ``p2p_overlap``, a send holds the sending stage until it is
-        through), and the gradients the replicas reduce (sharded, reduce-scattered: half
-        an all-reduce's traffic)."""
+        """The simulator's costs (``pipeline_costs``): the message between stages blocks
+        its sender without ``p2p_overlap``; the replicas reduce 16-bit gradients (sharded,
+        reduce-scattered: half an all-reduce's traffic)."""
         layout, device = self.layout, self.layout.cluster.device
         pp = Link.of_group(device, layout.tensor_parallel * layout.data_parallel * layout.stages)
         dp = Link.of_group(device, layout.tensor_parallel * layout.data_parallel)
-        transfer, n = self.transfer_seconds(), len(self.stages)
-        forward = [s.forward for s in self.stages]
-        backward = [s.backward for s in self.stages]
-        bandwidth = self.message_bytes / max(transfer - pp.latency, 1e-12)
-        if not layout.software.p2p_overlap and layout.stages > 1:
-            forward = [f + (transfer if i < n - 1 else 0.0) for i, f in enumerate(forward)]
-            backward = [b + (transfer if i > 0 else 0.0) for i, b in enumerate(backward)]
-            bandwidth = math.inf  # the send's time is the sender's: it arrives as it ends
         share = 1.0 if layout.shard is None else 0.5
-        return Costs(
-            forward=forward,
-            backward=backward,
-            weight=[s.weight for s in self.stages],
-            recompute=[s.recompute for s in self.stages],
-            latency=pp.latency,
-            bandwidth=bandwidth,
+        return pipeline_costs(
+            self.stages,
             message_bytes=self.message_bytes,
-            activation_bytes=[s.stored for s in self.stages],
+            latency=pp.latency,
+            transfer=self.transfer_seconds(),
+            blocking=not layout.software.p2p_overlap and layout.stages > 1,
             grad_bytes=[p * REDUCED_BYTES[layout.precision] * share for p in self.params],
             allreduce_bandwidth=dp.bandwidth * COLLECTIVE_EFFICIENCY,
         )
