@@ -18,9 +18,9 @@ from typing import Any
 from gpipe.cli import main
 
 from .common import write_results
-from .published_runs import RUNS, Run
+from .published_runs import RUNS, Run, argv
 
-_1T = "--n-layer 128 --d-model 25600 --n-head 160 --vocab-size 51200 --seq-len 2048".split()
+_1T = argv("--n-layer 128 --d-model 25600 --n-head 160 --vocab-size 51200 --seq-len 2048")
 
 
 def plan_json(args: list[str]) -> tuple[int, dict[str, Any]]:
@@ -98,7 +98,7 @@ def main_() -> None:
         rows.append(row)
         mark = f"yes (±{run.tolerance:.0%})" if row["within"] else f"no (±{run.tolerance:.0%})"
         print(
-            f"| {run.name} | {row['text'].replace(' | ', ' | ')} | {row['ratio']:.3f} | {mark} "
+            f"| {run.name} | {row['text']} | {row['ratio']:.3f} | {mark} "
             f"| {row['virtual_stages']} | {row['memory_per_gpu_gib']:.1f} |"
         )
     searches = [] if quick else [_search_seconds(g) for g in (3072, 4096)]
@@ -108,7 +108,8 @@ def main_() -> None:
             f"best {s['best_step_time_s']:.1f} s/step, {s['best_tflops_per_gpu']:.1f} TFLOP/s, "
             f"{s['best_memory_per_gpu_gib']:.1f} GiB"
         )
-    path = write_results("cluster-quick" if quick else "cluster", {"runs": rows, "search": searches})
+    results = {"runs": rows, "search": searches}
+    path = write_results("cluster-quick" if quick else "cluster", results)
     print(f"written to {path}")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["RUNS", "Run"]
+__all__ = ["RUNS", "Run", "argv"]
 
 HERE = Path(__file__).parent / "cluster"
 _MEGATRON = "Narayanan et al. 2021 (arXiv:2104.04473), Table 1"
@@ -21,7 +21,7 @@ _KORTHIKANTI = "Korthikanti et al. 2022 (arXiv:2205.05198), Tables 3 and 5"
 _MCORE = "Megatron-LM README, Megatron-Core r0.8.0 weak scaling on H100 (images/model_table.png)"
 
 
-def _argv(text: str) -> list[str]:
+def argv(text: str) -> list[str]:
     """Command-line words: the runs' flags read best as one line each."""
     return text.split()
 
@@ -56,7 +56,7 @@ def _megatron(row: tuple, tolerance: float) -> Run:
     return Run(
         f"Megatron-LM {size} (Table 1)",
         _MEGATRON,
-        _argv(
+        argv(
             f"--cluster {gpus}xA100-80GB {_gpt(*shape)} --seq-len 2048 --tensor-parallel {t} "
             f"--stages {k} --global-batch {batch} --micro-batch 1 --schedule interleaved "
             "--recompute full --precision bf16"
@@ -77,7 +77,7 @@ def _sc21(row: tuple) -> Run:
     return Run(
         f"Megatron-LM {size} (Table 1, as run)",
         _SC21,
-        _argv(
+        argv(
             f"--cluster {gpus}xA100-80GB {_gpt(*shape)} --seq-len 2048 --tensor-parallel {t} "
             f"--stages {k} --global-batch {batch} --micro-batch {micro} --schedule {schedule} "
             "--recompute full --precision fp16"
@@ -109,7 +109,7 @@ def _korthikanti(size: str, shape: tuple[int, int, int], k: int, gpus: int, mfu:
     return Run(
         f"Megatron-LM {size}, selective recomputation",
         _KORTHIKANTI,
-        _argv(
+        argv(
             f"--cluster {gpus}xA100-80GB {_gpt(*shape)} --seq-len 2048 --tensor-parallel 8 "
             f"--stages {k} --global-batch {gpus} --micro-batch 1 --schedule {schedule} "
             "--recompute selective --precision bf16"
@@ -128,7 +128,7 @@ def _mcore(size: str, shape: tuple[int, int, int], t: int, k: int, batch: int, m
     return Run(
         f"Megatron-Core {size} on H100",
         _MCORE,
-        _argv(
+        argv(
             f"--cluster {gpus}xH100-SXM {_gpt(*shape, 131072)} --seq-len 4096 "
             f"--tensor-parallel {t} --stages {k} --global-batch {batch} --micro-batch 1 "
             f"--schedule {schedule} --recompute none --shard optimizer --precision bf16"
@@ -144,7 +144,7 @@ def _mcore(size: str, shape: tuple[int, int, int], t: int, k: int, batch: int, m
 _BLOOM = [
     "--model",
     f"hf:{HERE / 'bloom-176b.json'}",
-    *_argv(
+    *argv(
         "--seq-len 2048 --tensor-parallel 4 --stages 12 --global-batch 2048 --micro-batch 2 "
         "--schedule 1f1b --recompute full --shard optimizer --precision bf16"
     ),
@@ -199,7 +199,7 @@ RUNS: list[Run] = [
                 f"{gpus}xH100-SXM",
                 "--model",
                 f"hf:{HERE / 'llama-3.1-405b.json'}",
-                *_argv(
+                *argv(
                     "--seq-len 8192 --tensor-parallel 8 --stages 16 --global-batch 2048 "
                     "--micro-batch 1 --schedule interleaved --recompute none "
                     "--shard optimizer --precision bf16"
@@ -217,7 +217,7 @@ RUNS: list[Run] = [
         Run(
             f"MT-NLG 530B on {gpus:,} A100",
             "Smith et al. 2022 (arXiv:2201.11990), section 2.4",
-            _argv(
+            argv(
                 f"--cluster {gpus}xA100-80GB {_gpt(105, 20480, 128)} --seq-len 2048 "
                 "--tensor-parallel 8 --stages 35 --global-batch 1920 --micro-batch 1 "
                 "--schedule 1f1b --recompute full --precision bf16"

@@ -11,6 +11,7 @@ counts the activations in flight as the simulator does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,14 +68,17 @@ class _Replayed:
         return 1 - sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 0.0
 
 
-def _simulate(layout: Layout, costs: Costs) -> _Replayed:
-    """The step replayed. Past a few rounds of K micro-batches a pipeline is in its steady
-    state, where every K more add the same time and memory: a long step is simulated at 2K
-    and 3K micro-batches and extended along that line (the tests check it against the whole
-    simulation)."""
-    k, m, v, d = layout.stages, layout.microbatches, layout.virtual_stages, layout.data_parallel
+@functools.lru_cache(maxsize=64)
+def _simulate(schedule: str, k: int, m: int, v: int, d: int, costs: Costs) -> _Replayed:
+    """The step of ``schedule`` on K processes, M micro-batches, v stages per process and
+    D replicas, replayed under ``costs`` (cached: layouts that differ only in what the
+    simulator does not see, such as how sharded the states are, share it).
+
+    Past a few rounds of K micro-batches a pipeline is in its steady state, where every K
+    more add the same time and memory: a long step is simulated at 2K and 3K micro-batches
+    and extended along that line (the tests check it against the whole simulation)."""
     counts = (m,) if m <= 3 * k or k == 1 else (2 * k, 3 * k)
-    runs = [simulate(build(layout.schedule, k, n, v), costs, data_parallel=d) for n in counts]
+    runs = [simulate(build(schedule, k, n, v), costs, data_parallel=d) for n in counts]
     share = (m - counts[0]) / k  # rounds of K past the first run
 
     def line(values: Sequence[Sequence[float]]) -> list[float]:
@@ -95,7 +99,14 @@ def predict(shape: TransformerShape, layout: Layout) -> Prediction:
     run."""
     check_layout(shape, layout)
     model = StepModel.of(shape, layout)
-    replayed = _simulate(layout, model.costs())
+    replayed = _simulate(
+        layout.schedule,
+        layout.stages,
+        layout.microbatches,
+        layout.virtual_stages,
+        layout.data_parallel,
+        model.costs(),
+    )
     # the next step's first forward hides what it can of the parameters' gather
     ends = replayed.first_forward_end
     gather = max(max(0.0, g - e) for g, e in zip(model.gather_seconds(), ends, strict=True))

@@ -13,6 +13,8 @@ which gives the order printed. Layouts that cannot run or do not fit are counted
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import time
 from collections import Counter
@@ -159,13 +161,19 @@ def _unsharded(layout: Layout) -> tuple[object, ...]:
     )
 
 
-def estimate(shape: TransformerShape, layout: Layout) -> Estimate:
+@functools.lru_cache(maxsize=1024)
+def _peaks(schedule: str, k: int, m: int, v: int) -> tuple[float, ...]:
+    return closed_form_peak(schedule, k, m, v) or (float(m),) * k
+
+
+def estimate(shape: TransformerShape, layout: Layout, model: StepModel | None = None) -> Estimate:
     """A layout's step and memory from the closed forms, without simulating; a layout that
-    does not fit its device gets no step time (infinity)."""
-    model = StepModel.of(shape, layout)
+    does not fit its device gets no step time (infinity). ``model``: the layout's
+    ``StepModel``, if the caller has it."""
+    model = model or StepModel.of(shape, layout)
     k, m, v = layout.stages, layout.microbatches, layout.virtual_stages
     held = model.held
-    peaks = closed_form_peak(layout.schedule, k, m, v) or (float(m),) * k
+    peaks = _peaks(layout.schedule, k, m, v)
     stored = [sum(model.stages[s].stored for s in stages) for stages in held]
     memory = model.peak_memory([p * b for p, b in zip(peaks, stored, strict=True)])
     if memory.total > layout.cluster.device.memory_bytes:
@@ -211,6 +219,7 @@ def search(
     memory = cluster.device.memory_bytes
     fitting: list[Estimate] = []
     batch = (global_batch, seq_len)
+    models: dict[tuple[object, ...], StepModel] = {}
     for layout in _layouts(shape, cluster, batch, space, (precision, stack), found.rejected):
         found.searched += 1
         try:
@@ -218,7 +227,11 @@ def search(
         except ValueError:
             found.rejected["the layout cannot run (check_layout)"] += 1
             continue
-        guess = estimate(shape, layout)
+        # the sharding changes memory and collectives, not the stages: one model for all
+        key = _unsharded(layout)
+        if key not in models:
+            models[key] = StepModel.of(shape, layout)
+        guess = estimate(shape, layout, dataclasses.replace(models[key], layout=layout))
         if guess.memory.total <= memory:
             fitting.append(guess)
         else:
