@@ -147,9 +147,7 @@ def run(cfg: dict) -> dict:
     return {"costs": costs, "latency": latency, "bandwidth": bandwidth, "steps": steps}
 
 
-def _stage_costs(
-    layer: dict[str, tuple[float, float]], blocks: int, k: int
-) -> list[PassCosts]:
+def _stage_costs(layer: dict[str, tuple[float, float]], blocks: int, k: int) -> list[PassCosts]:
     """Per stage, forward and backward seconds: blocks spread evenly, embedding and head on the
     ends, assembled as the cluster planner assembles a stage from its layers."""
     per, extra = divmod(blocks, k)

@@ -27,6 +27,8 @@ from gpipe.schedules import Placement, traits
 
 __all__ = ["add_cluster_arguments", "is_cluster_plan", "plan_cluster"]
 
+Choices = dict[str, list[int]]  # a setting the planner chose, and the values it tried
+
 # gpipe plan's flags that a cluster plan does not read, and what it reads instead
 _NOT_WITH_CLUSTER = {
     "chunks": "--global-batch and --micro-batch give the micro-batches",
@@ -70,7 +72,10 @@ def add_cluster_arguments(p: Any) -> None:
     g.add_argument("--tensor-parallel", type=int, metavar="T", help="GPUs per stage (default 1)")
     g.add_argument("--global-batch", type=int, metavar="B", help="sequences per step")
     g.add_argument(
-        "--micro-batch", type=int, metavar="b", help="sequences per micro-batch (default 1)"
+        "--micro-batch",
+        type=int,
+        metavar="b",
+        help="sequences per micro-batch (default: the fastest that fits of 1, 2, 4, 8)",
     )
     g.add_argument("--recompute", choices=RECOMPUTE, help="re-materialization (default none)")
     g.add_argument(
@@ -208,7 +213,7 @@ def _does_not_fit(p: Prediction) -> str:
     )
 
 
-def _layout(args: argparse.Namespace, cluster: Cluster, v: int) -> Layout:
+def _layout(args: argparse.Namespace, cluster: Cluster, v: int, micro_batch: int) -> Layout:
     t, k = args.tensor_parallel or 1, args.stages or 1
     if cluster.gpus % (t * k):
         raise UsageError(
@@ -229,7 +234,7 @@ def _layout(args: argparse.Namespace, cluster: Cluster, v: int) -> Layout:
         t,
         k,
         args.global_batch,
-        args.micro_batch or 1,
+        micro_batch,
         args.seq_len,
         args.schedule or "1f1b",
         v,
@@ -252,23 +257,40 @@ def _virtual_choices(args: argparse.Namespace, shape: TransformerShape) -> list[
     return found or [2]
 
 
+def _micro_batch_choices(args: argparse.Namespace, cluster: Cluster) -> list[int]:
+    """The micro-batches to try: the one given, or those of 1, 2, 4, 8 that divide each
+    replica's share of the batch (1 if none does, for its error)."""
+    if args.micro_batch is not None:
+        return [args.micro_batch]
+    replicas = max(1, cluster.gpus // ((args.tensor_parallel or 1) * (args.stages or 1)))
+    found = [b for b in (1, 2, 4, 8) if args.global_batch % (replicas * b) == 0]
+    return found or [1]
+
+
 def _predict(
     args: argparse.Namespace, shape: TransformerShape, cluster: Cluster
-) -> tuple[Prediction, list[int]]:
-    """The prediction of the layout the flags give; with a looped schedule and no
-    ``--virtual-stages``, of the fastest stages per process (and those tried)."""
-    choices = _virtual_choices(args, shape)
+) -> tuple[Prediction, Choices]:
+    """The prediction of the layout the flags give; what they leave open (a looped
+    schedule's stages per process, the micro-batch) is the fastest choice that fits, and
+    the choices tried come back with it."""
+    virtual, micro = _virtual_choices(args, shape), _micro_batch_choices(args, cluster)
     found: list[Prediction] = []
     errors: list[str] = []
-    for v in choices:
-        try:
-            found.append(predict(shape, _layout(args, cluster, v)))
-        except ValueError as exc:
-            errors.append(str(exc))
+    for b in micro:
+        for v in virtual:
+            try:
+                found.append(predict(shape, _layout(args, cluster, v, b)))
+            except ValueError as exc:
+                errors.append(str(exc))
     if not found:
         raise UsageError(errors[0])
     fits = [p for p in found if p.fits()] or found
-    return min(fits, key=lambda p: p.step_time_s), choices if len(choices) > 1 else []
+    best = min(fits, key=lambda p: p.step_time_s)
+    tried = {
+        "stages per process": virtual if len(virtual) > 1 else [],
+        "micro-batch": micro if args.micro_batch is None else [],
+    }
+    return best, {name: values for name, values in tried.items() if values}
 
 
 def _model_flags(args: argparse.Namespace) -> str:

@@ -36,25 +36,20 @@ def _cluster_line(cluster: Cluster, stack: str) -> str:
     )
 
 
-def _virtual_note(p: Prediction, choices: list[int]) -> str | None:
-    if not choices:
-        return None
-    return (
-        f"stages per process: {p.layout.virtual_stages}, the fastest that fits of "
-        f"{', '.join(map(str, choices))}"
-    )
+def _chosen(p: Prediction, name: str) -> int:
+    return p.layout.virtual_stages if name == "stages per process" else p.layout.micro_batch
 
 
-def print_prediction(p: Prediction, shape: TransformerShape, choices: list[int]) -> None:
+def print_prediction(p: Prediction, shape: TransformerShape, choices: dict[str, list[int]]) -> None:
     """A prediction as lines: the model, the cluster, the layout, then the figures."""
     layout = p.layout
     device = layout.cluster.device
     print(_model_line(shape, p))
     print(_cluster_line(layout.cluster, layout.stack or device.stack))
     print(f"layout {layout.describe()}, {layout.precision}")
-    note = _virtual_note(p, choices)
-    if note:
-        print(f"  {note}")
+    for name, tried in choices.items():
+        values = ", ".join(map(str, tried))
+        print(f"  {name}: {_chosen(p, name)}, the fastest that fits of {values}")
     parts = p.memory.gib()
     listed = ", ".join(f"{k} {v:.1f}" for k, v in parts.items() if k != "total")
     fits = "fits" if p.fits() else "DOES NOT FIT"
@@ -108,11 +103,10 @@ def prediction_json(p: Prediction) -> dict[str, Any]:
     }
 
 
-def print_json(p: Prediction, shape: TransformerShape, choices: list[int]) -> None:
+def print_json(p: Prediction, shape: TransformerShape, choices: dict[str, list[int]]) -> None:
     out = prediction_json(p)
     out["model"] = {"name": shape.name, "parameters": shape.params()}
-    if choices:
-        out["virtual_stages_tried"] = choices
+    out["chosen"] = {name: {"value": _chosen(p, name), "tried": v} for name, v in choices.items()}
     print(json.dumps(out, indent=2))
 
 
