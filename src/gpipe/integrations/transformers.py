@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from accelerate import Accelerator
 from torch import Tensor, nn
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import enable_full_determinism, set_seed
@@ -119,6 +120,11 @@ class _Pipelined:
         refused = refused_options(self.args)  # as the Trainer (or TRL) completed them
         if refused:
             raise ValueError(f"PipelineTrainer cannot honour {refused[0]}")
+        if type(self.accelerator) is not Accelerator:
+            raise ValueError(
+                f"PipelineTrainer cannot take over a {type(self.accelerator).__name__}: it "
+                "replaces the Trainer's accelerate.Accelerator by one that sees the replicas"
+            )
         original = self.model
         meta = any(p.is_meta for p in original.parameters())
         if meta and weights is None:
