@@ -63,7 +63,7 @@ def add_cluster_arguments(p: Any) -> None:
         "cluster plans",
         "--cluster NxDEVICE predicts a step on N GPUs (docs/planning.md); with it, --stages "
         "is K, the pipeline's processes (default 1), --data-parallel D follows from N / (T x "
-        "K), and --schedule, --virtual-stages, --seq-len and --shard apply as below",
+        "K), and --schedule, --virtual-stages, --seq-len and --shard keep their meaning",
     )
     g.add_argument("--cluster", metavar="NxDEVICE", help="e.g. 3072xA100-80GB")
     g.add_argument(
@@ -184,6 +184,8 @@ def _check_sizes(args: argparse.Namespace) -> None:
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
     if args.virtual_stages is not None and args.virtual_stages < 1:
         raise UsageError(f"--virtual-stages must be a positive integer, got {args.virtual_stages}")
+    if args.dropout is not None and not 0 <= args.dropout < 1:
+        raise UsageError(f"--dropout must be a probability in [0, 1), got {args.dropout}")
 
 
 def plan_cluster(args: argparse.Namespace) -> int:

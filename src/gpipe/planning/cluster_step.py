@@ -208,7 +208,7 @@ class StepModel:
         )
         stages: Sequence[PassCosts] = [self.stages[s] for s in held]
         working = max((s.working for s in stages), default=0.0)
-        p2p = 4 * self.message_bytes * len(stages)  # activations and gradients, in and out
+        p2p = 4 * self.message_bytes  # an activation and a gradient, in and out
         return MemoryParts(
             weights=weights,
             gradients=grads,
