@@ -189,10 +189,13 @@ def test_two_torchrun_nodes_train_together_and_survive_a_lost_rank(reference, tm
 def test_a_lost_node_leaves_one_stage_that_repartitions_and_goes_on(reference, tmp_path):
     """``--nnodes 1:2``: the second node (agent and worker) is lost as step 8 starts; the
     first restarts alone, as one stage over all four layers, from step 6 saved by two (saved
-    in the foreground, so that step 6 is surely complete when step 8 starts)."""
+    in the foreground, so that step 6 is surely complete when step 8 starts). The lost agent
+    leaves the rendezvous once it has missed its heartbeats for 5 s (1 s apart; torchrun's
+    default is 15 s, 5 s apart), which the survivor's new round waits for."""
     once = tmp_path / "killed"
     kill = {"step": 8, "at": "node", "once": str(once)}
-    nodes = _Nodes(tmp_path, "1:2", [None, kill], "last_call_timeout=5", train=["--sync-save"])
+    conf = ["last_call_timeout=5", "keep_alive_interval=1", "keep_alive_max_attempt=5"]
+    nodes = _Nodes(tmp_path, "1:2", [None, kill], *conf, train=["--sync-save"])
     codes = nodes.wait()
     text = nodes.output()
     assert codes[0] == 0 and codes[1] == -signal.SIGKILL, f"{codes}\n{text[-4000:]}"
