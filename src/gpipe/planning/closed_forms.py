@@ -80,25 +80,26 @@ def _dualpipe_v(k: int, m: int, v: int, f: float, b: float, w: float) -> float |
 
 def _v_half(k: int, m: int, v: int, f: float, b: float, w: float) -> float | None:
     """V-Half: no idle time on one rank; on two, with F = B = W, each rank idles
-    (2 + ceil(M/2)) F: the turn's round trip at either end, and half an F per micro-batch
-    where its cap of three halves makes a rank wait. None beyond, where the cap shapes the
-    timeline in ways only the simulator follows."""
+    (2 + ceil(M/2)) F/2 (a chunk's F is half the rank's): the turn's round trip at either
+    end, and half a chunk's F per micro-batch where its cap of three halves makes a rank
+    wait. None beyond, where the cap shapes the timeline in ways only the simulator
+    follows."""
     if k == 1:
         return 0.0
     if k > 2 or not f == b == w:
         return None
-    return _share((2 + (m + 1) // 2) * f, m, f, b, w)
+    return _share((2 + (m + 1) // 2) * f / 2, m, f, b, w)
 
 
 def _v_min(k: int, m: int, v: int, f: float, b: float, w: float) -> float | None:
     """V-Min: no idle time on one rank; on two, with F = B = W, each rank idles
-    (2M + 1) F: capped at one micro-batch's two halves, each rank waits two steps per
-    micro-batch for the other. None beyond, as V-Half's."""
+    (2M + 1) F/2: capped at one micro-batch's two halves, each rank waits two chunk steps
+    per micro-batch for the other. None beyond, as V-Half's."""
     if k == 1:
         return 0.0
     if k > 2 or not f == b == w:
         return None
-    return _share((2 * m + 1) * f, m, f, b, w)
+    return _share((2 * m + 1) * f / 2, m, f, b, w)
 
 
 # Each schedule's bubble as a function of (K, M, v, F, B, W); a schedule without an entry
@@ -153,7 +154,7 @@ def closed_form_bubble(
     interleaved-zero-bubble I = (K-1)(F+B-W)/v, M a multiple of K and W <= F, B;
     zero-bubble-v I = (K-1) max(B/2, B-W) when M >= 2K-1 and F, W <= B;
     dualpipe-v I = (K-1) max(F, F+B-W)/2 when B <= F <= B+W; v-half and v-min none on one
-    rank, and on two with F = B = W, I = (2 + ceil(M/2)) F and (2M + 1) F. None outside
+    rank, and on two with F = B = W, I = (2 + ceil(M/2)) F/2 and (2M + 1) F/2. None outside
     those bounds.
     """
     get_schedule(name)

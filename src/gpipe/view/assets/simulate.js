@@ -351,7 +351,7 @@
       if (m < api.fewestMicrobatches(name, k, v)) return null;
       if (k === 1) return 0;
       if (k > 2 || f !== b || b !== w) return null;
-      return share((name === "v-half" ? 2 + Math.floor((m + 1) / 2) : 2 * m + 1) * f);
+      return share(((name === "v-half" ? 2 + Math.floor((m + 1) / 2) : 2 * m + 1) * f) / 2);
     }
     return null;
   }
