@@ -31,7 +31,9 @@ __all__ = ["CachedStage", "StageCaches", "cache_refusal"]
 
 
 def cache_refusal(module: nn.Module, index: int) -> str | None:
-    """Why stage ``index`` (``module``, its layers) cannot keep a KV cache; None if it can."""
+    """Why stage ``index`` (``module``, its layers) cannot keep a KV cache; None if it can.
+    Each layer makes one empty cache, so that a model's refusal (a layer whose state is not
+    keys and values) comes before anything runs."""
     layers = list(module.children()) if isinstance(module, nn.Sequential) else [module]
     for name, layer in zip(_names(module), layers, strict=True):
         if not isinstance(layer, CachedLayer):
@@ -41,6 +43,10 @@ def cache_refusal(module: nn.Module, index: int) -> str | None:
                 "built-in GPT (gpipe.models.gpt) or a Hugging Face causal LM cut by its plan "
                 "(gpipe.split(model, parts=K, plan='hf'))"
             )
+        try:
+            layer.new_cache()
+        except (RuntimeError, ValueError, TypeError) as exc:
+            return f"generate(): stage {index}'s layer {name!r} cannot keep a KV cache: {exc}"
     return None
 
 
