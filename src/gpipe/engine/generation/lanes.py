@@ -112,8 +112,16 @@ class StageCaches:
         self.lanes: dict[int, _Lane] = {}
         self._prefills: dict[int, _Prefill] = {}
 
-    def rows(self, lane: int) -> list[int]:
-        return self.lanes[lane].rows
+    def run(self, task: Task, inputs: Any, pieces: Sequence[Any]) -> tuple[Any, list[Any]]:
+        """``task`` on this stage: its leaves and joins, the decoding step of its rows
+        (``inputs``) and its prefill ``pieces``; returns their outputs."""
+        self.apply(task)
+        decoded = self.decode(task.lane, inputs) if task.rows else None
+        filled = [
+            self.prefill(p.sequence, p.start, x, int(x.shape[1]))
+            for p, x in zip(task.pieces, pieces, strict=True)
+        ]
+        return decoded, filled
 
     def apply(self, task: Task) -> None:
         """Leaves, then joins, as the first stage planned them."""

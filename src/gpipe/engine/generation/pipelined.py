@@ -29,9 +29,8 @@ from gpipe.engine.generation.messages import (
     relay_tensors,
     task_tensor,
 )
-from gpipe.engine.generation.sampling import Sampler
+from gpipe.engine.generation.sampling import Sampler, picked
 from gpipe.engine.generation.scheduler import Scheduler, Task
-from gpipe.engine.logprobs import logits_of
 from gpipe.engine.placement import RankPlacement
 from gpipe.engine.runner import connect
 from gpipe.runtime.stage import Stage
@@ -234,29 +233,11 @@ class Generation:
     ) -> None:
         """Run ``task`` on this stage, then send it on (or, on the last stage, the tokens
         picked back to the first)."""
-        caches.apply(task)
-        decoded = caches.decode(task.lane, inputs) if task.rows else None
-        filled = [
-            caches.prefill(p.sequence, p.start, x, _length(x))
-            for p, x in zip(task.pieces, pieces, strict=True)
-        ]
+        decoded, filled = caches.run(task, inputs, pieces)
         if sampler is None:
             message = (words, decoded, *filled)
             self.transport.send(message, self.index, self.index + 1, task.lane, Kind.SEND_F)
             return
-        sequences: list[int] = []
-        tokens: list[int] = []
-        if decoded is not None:
-            sequences += task.rows
-            tokens += sampler.pick(logits_of(decoded)[:, -1], task.rows)
-        for piece, out in zip(task.pieces, filled, strict=True):
-            if piece.last:
-                sequences.append(piece.sequence)
-                tokens += sampler.pick(logits_of(out)[:, -1], [piece.sequence])
+        sequences, tokens = picked(sampler, task, decoded, filled)
         relay = relay_tensors(task.lane, sequences, tokens, self.device)
         self.transport.send(relay, self.index, 0, task.lane, Kind.SEND_SKIP)
-
-
-def _length(x: Any) -> int:
-    """Tokens in a prefill piece: its ids ``[1, n]`` or hidden states ``[1, n, ...]``."""
-    return int(x.shape[1])

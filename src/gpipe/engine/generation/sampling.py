@@ -12,11 +12,15 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["Sampler", "Sampling", "filtered_logits"]
+from gpipe.engine.generation.scheduler import Task
+from gpipe.engine.logprobs import logits_of
+
+__all__ = ["Sampler", "Sampling", "filtered_logits", "picked"]
 
 
 @dataclass(frozen=True)
@@ -80,3 +84,20 @@ class Sampler:
         cdf = probs.cumsum(0)
         index = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
         return min(index, probs.numel() - 1)
+
+
+def picked(
+    sampler: Sampler, task: Task, decoded: Any, filled: Sequence[Any]
+) -> tuple[list[int], list[int]]:
+    """The sequences that get a token from ``task``'s outputs on the last stage (its rows,
+    then the prompts whose prefill ended) and those tokens."""
+    sequences: list[int] = []
+    tokens: list[int] = []
+    if decoded is not None:
+        sequences += task.rows
+        tokens += sampler.pick(logits_of(decoded)[:, -1], task.rows)
+    for piece, out in zip(task.pieces, filled, strict=True):
+        if piece.last:
+            sequences.append(piece.sequence)
+            tokens += sampler.pick(logits_of(out)[:, -1], [piece.sequence])
+    return sequences, tokens
