@@ -508,6 +508,22 @@ class Pipeline(nn.Module):
         seeded from ``seed`` and its index, so the same seed gives the same tokens whatever
         ``in_flight`` and the number of stages (``gpipe.engine.generation``; docs/generation.md).
         The layers run in eval mode, without gradients; no ``loss_fn`` is needed."""
+        return self.generator().generate(
+            prompts,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+            seed=seed,
+            in_flight=in_flight,
+            prefill_chunk=prefill_chunk,
+        )
+
+    def generator(self) -> Generation:
+        """What ``generate`` runs on this rank (``gpipe.engine.generation.Generation``), built
+        on the first call: collective, since every stage is checked to keep a cache and the
+        channel from the last stage back to the first is opened."""
         if self.sharded is not None:
             raise ValueError("generate() cannot run stages sharded over their replicas (shard=)")
         if self.generation is None:
@@ -519,22 +535,7 @@ class Pipeline(nn.Module):
                 timeout=self.timeout,
                 local_pipes=self.local_pipes,
             )
-        was_training = self.training
-        self.eval()
-        try:
-            return self.generation.generate(
-                prompts,
-                max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                eos_token_id=eos_token_id,
-                seed=seed,
-                in_flight=in_flight,
-                prefill_chunk=prefill_chunk,
-            )
-        finally:
-            self.train(was_training)
+        return self.generation
 
     def timeline(self) -> list[Event]:
         """What every rank ran in the last ``step``, ``evaluate`` or forward, merged; collective

@@ -73,10 +73,9 @@ def gpt_ends_and_waits() -> int:
     ended = [w[: w.index(eos) + 1] if eos in w else w for w in want]
     pipe = Pipeline(gpt_model(), chunks=1)
     assert pipe.generate(prompts(64), NEW, eos_token_id=eos) == ended
-    assert pipe.generation is not None
-    got = pipe.generation.generate(prompts(64), NEW, eos_token_id=eos, rows_per_lane=1)
+    got = pipe.generator().generate(prompts(64), NEW, eos_token_id=eos, rows_per_lane=1)
     assert got == ended, (got, ended)
-    waited = pipe.generation.generate(prompts(64), NEW, rows_per_lane=1, prefill_chunk=3)
+    waited = pipe.generator().generate(prompts(64), NEW, rows_per_lane=1, prefill_chunk=3)
     assert waited == want
     return 3
 
@@ -125,6 +124,7 @@ def llama_pipeline() -> int:
 def refusals() -> list[str]:
     """Bad input, each refused in one line on every rank."""
     pipe = Pipeline(gpt_model(), chunks=1)
+    pipe.train()
     good = prompts(64)
     found = []
     for args, kwargs in (
@@ -143,6 +143,7 @@ def refusals() -> list[str]:
             pipe.generate(*args, **kwargs)
         except (ValueError, TypeError) as exc:
             found.append(f"{type(exc).__name__}: {exc}")
+    assert pipe.training and all(layer.training for layer in pipe.children())
     return found
 
 

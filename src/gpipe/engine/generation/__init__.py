@@ -6,8 +6,18 @@ lanes on the first stage, ``lanes`` keeps each stage's caches, ``sampling`` pick
 the last, ``messages`` is what travels, ``checks`` refuses bad arguments in one line.
 """
 
+from gpipe.engine.generation.lanes import CacheRefused
 from gpipe.engine.generation.pipelined import Generation, Timing
 from gpipe.engine.generation.sampling import Sampler, Sampling
 from gpipe.engine.generation.scheduler import Piece, Scheduler, Task
 
-__all__ = ["Generation", "Piece", "Sampler", "Sampling", "Scheduler", "Task", "Timing"]
+__all__ = [
+    "CacheRefused",
+    "Generation",
+    "Piece",
+    "Sampler",
+    "Sampling",
+    "Scheduler",
+    "Task",
+    "Timing",
+]

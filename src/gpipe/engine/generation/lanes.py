@@ -27,7 +27,11 @@ from gpipe.runtime.kv_cache import (
     trim_columns,
 )
 
-__all__ = ["CachedStage", "StageCaches", "cache_refusal"]
+__all__ = ["CacheRefused", "CachedStage", "StageCaches", "cache_refusal"]
+
+
+class CacheRefused(ValueError):
+    """A model some stage of which cannot keep a KV cache, refused on every rank alike."""
 
 
 def cache_refusal(module: nn.Module, index: int) -> str | None:

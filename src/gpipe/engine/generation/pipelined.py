@@ -21,7 +21,7 @@ from torch import Tensor
 from gpipe.comm.agreement import on_first_rank
 from gpipe.comm.distributed import DistributedTransport
 from gpipe.engine.generation.checks import Settings, checked_prompts, checked_settings
-from gpipe.engine.generation.lanes import CachedStage, StageCaches, cache_refusal
+from gpipe.engine.generation.lanes import CachedStage, CacheRefused, StageCaches, cache_refusal
 from gpipe.engine.generation.messages import (
     STOP,
     plan_of,
@@ -88,7 +88,8 @@ class Generation:
             refusals = [reason]
         refused = next((r for r in refusals if r is not None), None)
         if refused is not None:
-            raise ValueError(refused)
+            raise CacheRefused(refused)
+        self.module = module
         self.stage = CachedStage(module, self.index, device, autocast)
         self.device = device
         self.transport: DistributedTransport = connect(
@@ -150,11 +151,16 @@ class Generation:
         settings = on_first_rank(decide, group, what, passed_on=_PASSED_ON)
         caches = StageCaches(self.stage)
         tokens: list[list[int]] = []
-        if self.is_first:
-            tokens = self._lead(caches, checked, settings, rows_per_lane, on_tokens)
-        else:
-            self._follow(caches, settings)
-        self.transport.flush()
+        was_training = self.module.training
+        self.module.eval()  # no dropout while generating
+        try:
+            if self.is_first:
+                tokens = self._lead(caches, checked, settings, rows_per_lane, on_tokens)
+            else:
+                self._follow(caches, settings)
+            self.transport.flush()
+        finally:
+            self.module.train(was_training)
         return on_first_rank(lambda: tokens, group, "generating")
 
     # -- the first stage ---------------------------------------------------------------------
