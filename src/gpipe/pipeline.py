@@ -41,7 +41,7 @@ from gpipe.engine import (
     forward_logprobs,
     given_microbatches,
 )
-from gpipe.engine.generation import Generation
+from gpipe.engine.generation import Generation, GenerationRefused
 from gpipe.parallel.replicas import Replicas, check_bucket_bytes
 from gpipe.parallel.sharding import Sharding, check_shard
 from gpipe.parallel.ties import counted as counted_once
@@ -525,7 +525,9 @@ class Pipeline(nn.Module):
         on the first call: collective, since every stage is checked to keep a cache and the
         channel from the last stage back to the first is opened."""
         if self.sharded is not None:
-            raise ValueError("generate() cannot run stages sharded over their replicas (shard=)")
+            raise GenerationRefused(
+                "generate() cannot run stages sharded over their replicas (shard=)"
+            )
         if self.generation is None:
             self.generation = Generation(
                 self.placement,

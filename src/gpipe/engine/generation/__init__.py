@@ -6,13 +6,13 @@ lanes on the first stage, ``lanes`` keeps each stage's caches, ``sampling`` pick
 the last, ``messages`` is what travels, ``checks`` refuses bad arguments in one line.
 """
 
-from gpipe.engine.generation.lanes import CacheRefused
+from gpipe.engine.generation.lanes import GenerationRefused
 from gpipe.engine.generation.pipelined import Generation, Timing
 from gpipe.engine.generation.sampling import Sampler, Sampling
 from gpipe.engine.generation.scheduler import Piece, Scheduler, Task
 
 __all__ = [
-    "CacheRefused",
+    "GenerationRefused",
     "Generation",
     "Piece",
     "Sampler",

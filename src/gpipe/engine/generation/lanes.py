@@ -27,11 +27,12 @@ from gpipe.runtime.kv_cache import (
     trim_columns,
 )
 
-__all__ = ["CacheRefused", "CachedStage", "StageCaches", "cache_refusal"]
+__all__ = ["GenerationRefused", "CachedStage", "StageCaches", "cache_refusal"]
 
 
-class CacheRefused(ValueError):
-    """A model some stage of which cannot keep a KV cache, refused on every rank alike."""
+class GenerationRefused(ValueError):
+    """A pipeline that cannot generate (a stage whose layers keep no KV cache, stages sharded
+    over replicas), refused on every rank alike."""
 
 
 def cache_refusal(module: nn.Module, index: int) -> str | None:

@@ -21,7 +21,7 @@ from torch import Tensor
 from gpipe.comm.agreement import on_first_rank
 from gpipe.comm.distributed import DistributedTransport
 from gpipe.engine.generation.checks import Settings, checked_prompts, checked_settings
-from gpipe.engine.generation.lanes import CachedStage, CacheRefused, StageCaches, cache_refusal
+from gpipe.engine.generation.lanes import CachedStage, GenerationRefused, StageCaches, cache_refusal
 from gpipe.engine.generation.messages import (
     STOP,
     plan_of,
@@ -88,7 +88,7 @@ class Generation:
             refusals = [reason]
         refused = next((r for r in refusals if r is not None), None)
         if refused is not None:
-            raise CacheRefused(refused)
+            raise GenerationRefused(refused)
         self.module = module
         self.stage = CachedStage(module, self.index, device, autocast)
         self.device = device
