@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from gpipe.cli.common import UsageError, multi_stage_schedules
+from gpipe.cli.plan_generation import add_generation_arguments, plan_generating
 from gpipe.cli.plan_model import (
     add_model_arguments,
     check_split_options,
@@ -123,6 +124,7 @@ def add_parser(sub: Any) -> None:
         "instead of counting their FLOPs",
     )
     p.add_argument("--top", type=int, help="with --suggest: configurations listed (default 5)")
+    add_generation_arguments(p)
     p.set_defaults(command=_plan)
 
 
@@ -261,7 +263,12 @@ def _most_layers(args: argparse.Namespace, template: Profile, memory: int) -> in
 
 
 def _plan(args: argparse.Namespace) -> int:
-    gpt = model_kind(args) == "gpt"
+    kind = model_kind(args)
+    gpt = kind == "gpt"
+    if args.generate:
+        return _generating(args, kind)
+    if args.in_flight is not None:
+        raise UsageError("--in-flight needs --generate")
     if not gpt:
         check_split_options(args)
     elif args.suggest:
@@ -289,6 +296,22 @@ def _plan(args: argparse.Namespace) -> int:
     heading = f"gpt: {blocks} {n_layer}, d_model {args.d_model}"
     print_plan(args, heading, f"balance {list(result.balance)}", result, memory)
     return _advise(args, result, memory)
+
+
+def _generating(args: argparse.Namespace, kind: str) -> int:
+    """``--generate``: the memory of generating, on the stages given."""
+    for flag in ("suggest", "max_layers"):
+        if getattr(args, flag):
+            raise UsageError(f"--{flag.replace('_', '-')} plans training; leave out --generate")
+    args.stages = args.stages or _PLAN_DEFAULTS["stages"]
+    args.balance = args.balance or ("even" if kind == "gpt" else "params")
+    args.dtype = args.dtype or "float32"
+    _check_model(args, "stages")
+    try:
+        memory = parse_bytes(str(args.device_memory or _PLAN_DEFAULTS["device_memory"]))
+        return plan_generating(args, kind, _DTYPES[args.dtype], memory)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _advise(args: argparse.Namespace, result: MemoryPlan, memory: int) -> int:
