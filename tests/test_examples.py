@@ -87,3 +87,19 @@ def test_a_model_that_does_not_fit_one_capped_process_trains_in_two():
     assert piped[-1] < 0.6 * piped[0]  # it learns
     worst = float(re.search(r"largest relative difference ([\d.e+-]+)", out).group(1))
     assert worst < 1e-4
+
+
+def test_grpo_runs_rollouts_logprobs_and_updates_in_one_layout():
+    """examples/grpo.py, a few steps: generate, forward_only and step(microbatches=...) in the
+    same two processes; its full run's rising reward is in docs/generation.md."""
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "grpo.py"), "--steps", "3", "--prompts", "4",
+         "--group", "4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert re.search(r"^step   3: mean reward [\d.]+, \d+% right$", out, re.M), out
+    assert re.search(r"^mean reward [\d.]+ -> [\d.]+ \(first and last 5 steps\)$", out, re.M), out

@@ -52,6 +52,8 @@ class CacheContext:
         """``[rows, 1, new, past + new]`` bool: a new token sees the real keys up to its own
         column; built once per forward and shared by every layer."""
         total = self.valid.shape[1]
+        if self.positions.shape[1] == 1:  # one new token: it sees every real key
+            return self.valid[:, None, None, :]
         device = self.valid.device
         queries = torch.arange(self.past, total, device=device)
         causal = torch.arange(total, device=device)[None, :] <= queries[:, None]
@@ -83,24 +85,59 @@ class CachedLayer(Protocol):
     def forward_cached(self, x: Any, cache: Any, context: CacheContext) -> Any: ...
 
 
-@dataclass
 class KVCache:
-    """The keys and values of one attention layer of the built-in GPT."""
+    """The keys and values of one attention layer of the built-in GPT, in buffers with room
+    for more columns: a new token's keys and values are written in place, not concatenated
+    (which would copy the whole cache at every token); the buffers double when full."""
 
-    keys: Tensor | None = None
-    values: Tensor | None = None
+    def __init__(self) -> None:
+        self._keys: Tensor | None = None
+        self._values: Tensor | None = None
+        self._length = 0
+
+    @property
+    def keys(self) -> Tensor | None:
+        return None if self._keys is None else self._keys[..., : self._length, :]
+
+    @keys.setter
+    def keys(self, value: Tensor | None) -> None:
+        self._keys = value
+        self._length = 0 if value is None else value.shape[-2]
+
+    @property
+    def values(self) -> Tensor | None:
+        return None if self._values is None else self._values[..., : self._length, :]
+
+    @values.setter
+    def values(self, value: Tensor | None) -> None:
+        self._values = value
 
     def kv_layers(self) -> list[KVCache]:
         return [self]
 
     def append(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         """Add the new tokens' keys and values after the cached ones; returns all of them."""
-        if self.keys is None or self.values is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = torch.cat([self.keys, keys], dim=-2)
-            self.values = torch.cat([self.values, values], dim=-2)
-        return self.keys, self.values
+        old, new = self._length, keys.shape[-2]
+        if self._keys is None or self._values is None:
+            self._keys, self._values = self._room(keys, new), self._room(values, new)
+        elif old + new > self._keys.shape[-2]:
+            self._keys = self._grown(self._keys[..., :old, :], keys, old + new)
+            self._values = self._grown(self._values[..., :old, :], values, old + new)
+        self._keys[..., old : old + new, :] = keys
+        self._values[..., old : old + new, :] = values
+        self._length = old + new
+        return self._keys[..., : old + new, :], self._values[..., : old + new, :]
+
+    @staticmethod
+    def _room(like: Tensor, columns: int) -> Tensor:
+        shape = (*like.shape[:-2], max(columns, 16), like.shape[-1])
+        return like.new_empty(shape)
+
+    @staticmethod
+    def _grown(held: Tensor, like: Tensor, columns: int) -> Tensor:
+        buffer = KVCache._room(like, 2 * columns)
+        buffer[..., : held.shape[-2], :] = held
+        return buffer
 
 
 def _each(caches: Sequence[LayerCache | None]) -> Iterator[KVLayer]:
