@@ -20,6 +20,7 @@ waiting requests, prefilled in chunks or whole.
 
 from __future__ import annotations
 
+import os
 import statistics
 from time import perf_counter
 from typing import Any
@@ -125,9 +126,11 @@ def first_tokens(repeats: int, long: int, chunk: int) -> dict[str, Any]:
 
 def run_all(quick: bool, repeats: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    results = {"throughput": throughput(repeats, 8 if quick else 96)}
+    load = os.getloadavg()
+    results: dict[str, Any] = {"throughput": throughput(repeats, 8 if quick else 96)}
     long = 96 if quick else 960
     results["first_token"] = first_tokens(repeats, long, 16 if quick else 64)
+    results["load_average"] = {"before": load, "after": os.getloadavg()}
     return results
 
 

@@ -92,13 +92,13 @@ def test_a_model_that_does_not_fit_one_capped_process_trains_in_two():
 def test_grpo_runs_rollouts_logprobs_and_updates_in_one_layout():
     """examples/grpo.py, a few steps: generate, forward_only and step(microbatches=...) in the
     same two processes; its full run's rising reward is in docs/generation.md."""
+    argv = ["--steps", "3", "--prompts", "4", "--group", "4"]
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "grpo.py"), "--steps", "3", "--prompts", "4",
-         "--group", "4"],
+        [sys.executable, str(EXAMPLES / "grpo.py"), *argv],
         capture_output=True,
         text=True,
         timeout=600,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert re.search(r"^step   3: mean reward [\d.]+, \d+% right$", out, re.M), out

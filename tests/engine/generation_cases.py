@@ -10,6 +10,7 @@ from torch import nn
 
 import gpipe
 from gpipe import Pipeline
+from gpipe.engine.generation import GenerationRefused
 from gpipe.models.gpt import GPTConfig, build_gpt, generate
 
 LENGTHS = (3, 11, 1, 17, 6)  # prompts of different lengths
@@ -34,13 +35,15 @@ def prompts(vocab: int, lengths=LENGTHS, seed: int = 1) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def _greedy(model: nn.Module, ids: list[int], new: int) -> list[int]:
+    """The GPT's own sampler, top-1: its argmax at every token."""
+    tokens = generate(model, torch.tensor([ids]), new, 40, top_k=1)
+    return tokens[0, len(ids) :].tolist()
+
+
 def gpt_greedy(new: int = NEW) -> list[list[int]]:
     model = gpt_model()
-    found = []
-    for p in prompts(64):
-        tokens = generate(model, torch.tensor([p]), new, 40, top_k=1)  # top-1: its argmax
-        found.append(tokens[0, len(p) :].tolist())
-    return found
+    return [_greedy(model, p, new) for p in prompts(64)]
 
 
 def gpt_pipeline(k: int) -> int:
@@ -85,10 +88,18 @@ def llama_model():
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=64, max_position_embeddings=48,
-        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        num_hidden_layers=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=48,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():
@@ -103,8 +114,10 @@ def hf_greedy(model, given: list[list[int]], new: int) -> list[list[int]]:
     found = []
     for p in given:
         ids = torch.tensor([p])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                             do_sample=False, pad_token_id=0)  # fmt: skip
+        mask = torch.ones_like(ids)
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0
+        )
         found.append(out[0, len(p) :].tolist())
     return found
 
@@ -147,12 +160,53 @@ def refusals() -> list[str]:
     return found
 
 
-def no_cache() -> str:
-    """A model whose layers keep no cache is refused before anything runs."""
-    layers = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8))
-    pipe = Pipeline(layers, chunks=1)
-    try:
-        pipe.generate([[1, 2]], 2)
-    except ValueError as exc:
-        return str(exc)
-    return "not refused"
+class _Tokens(nn.Module):
+    """A model ``gpipe.split`` traces: its stages keep no cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(8, 4), nn.Linear(4, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+def no_cache() -> list[str]:
+    """Models whose layers keep no cache, an arbitrary Sequential and a traced model, are
+    refused before anything runs."""
+    torch.manual_seed(0)
+    traced = gpipe.split(_Tokens(), (torch.zeros(2, 3, dtype=torch.long),), at=["head"])
+    found = []
+    for layers in (nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8)), traced):
+        pipe = Pipeline(layers, chunks=1)
+        try:
+            pipe.generate([[1, 2]], 2)
+        except GenerationRefused as exc:
+            found.append(str(exc))
+    return found
+
+
+def replicas() -> int:
+    """Two pipelines side by side (D = 2 x K = 2): each generates its own prompts."""
+    pipe = Pipeline(gpt_model(), chunks=1, data_parallel=2)
+    assert pipe.replicas is not None
+    mine = prompts(64, seed=1 + pipe.replicas.replica)
+    model = gpt_model()
+    want = [_greedy(model, p, NEW) for p in mine]
+    assert pipe.generate(mine, NEW, prefill_chunk=4) == want
+    return 1
+
+
+def windows() -> bool:
+    """``gpipe sample``'s continuation past the context (40), greedy: the first window is the
+    prompt's end (30 tokens, 10 more fit), the next the last half of the full one (20, and
+    20 more)."""
+    from gpipe.training.generation import continued
+
+    pipe = Pipeline(gpt_model(), chunks=1)
+    ids = prompts(64, (30,))[0]
+    got = continued(pipe, ids, 30, 40, seed=0, temperature=0.0)
+    model = gpt_model()
+    first = _greedy(model, ids, 10)
+    second = _greedy(model, (ids + first)[-20:], 20)
+    return got == first + second

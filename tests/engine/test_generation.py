@@ -57,8 +57,17 @@ def test_bad_input_is_refused_in_one_line_on_every_rank():
     ]
 
 
-def test_a_model_without_a_cache_is_refused_on_every_rank():
+def test_models_without_a_cache_are_refused_on_every_rank():
     found = run(cases.no_cache, 2, threads=1)
-    assert found[0] == found[1]
-    assert found[0].startswith("generate() needs layers that keep a KV cache")
-    assert "stage 0's layer '0' (Embedding)" in found[0]
+    assert found[0] == found[1] and len(found[0]) == 2
+    assert all(m.startswith("generate() needs layers that keep a KV cache") for m in found[0])
+    assert "stage 0's layer '0' (Embedding)" in found[0][0]
+    assert "stage 0's layer '0' (SplitStage)" in found[0][1]
+
+
+def test_replicas_side_by_side_each_generate_their_own_prompts():
+    assert run(cases.replicas, 4, threads=1) == {r: 1 for r in range(4)}
+
+
+def test_sample_continues_past_the_context_from_the_last_half_of_a_full_window():
+    assert run(cases.windows, 2, threads=1) == {0: True, 1: True}

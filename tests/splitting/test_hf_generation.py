@@ -50,8 +50,10 @@ def reference(model, prompts) -> list[list[int]]:
     found = []
     for p in prompts:
         ids = torch.tensor([p])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                             do_sample=False, pad_token_id=0)  # fmt: skip
+        mask = torch.ones_like(ids)
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0
+        )
         found.append(out[0, len(p) :].tolist())
     return found
 
@@ -73,8 +75,8 @@ def test_greedy_through_the_plans_stages_equals_the_models_own_generate(kind):
     warnings.filterwarnings("ignore")
     model = wide(kind)
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()
-               for n in (4, 9, 1, 13)]  # fmt: skip
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (4, 9, 1, 13)]
     want = reference(model, prompts)
     stages = list(gpipe.split(model, parts=2, plan="hf"))
     assert generated(stages, prompts, lanes=3, chunk=3) == want

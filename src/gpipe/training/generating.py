@@ -102,9 +102,14 @@ def _run(job: GenerateJob) -> Generated | None:
     if job.window is not None:
         o = job.options
         found = continued(
-            pipe, job.prompts[0], job.max_new_tokens, job.window,
-            seed=o.get("seed") or 0, temperature=o.get("temperature", 1.0), top_k=o.get("top_k"),
-        )  # fmt: skip
+            pipe,
+            job.prompts[0],
+            job.max_new_tokens,
+            job.window,
+            seed=o.get("seed") or 0,
+            temperature=o.get("temperature", 1.0),
+            top_k=o.get("top_k"),
+        )
         seconds = time.perf_counter() - started
         return Generated([found], seconds) if pipe.is_first else None
     in_flight = job.options.get("in_flight") or pipe.n_stages

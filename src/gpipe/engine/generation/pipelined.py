@@ -139,10 +139,17 @@ class Generation:
         def decide() -> Settings:
             vocab, context = self._limits()
             settings = checked_settings(
-                max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                eos_token_id=eos_token_id, seed=seed, in_flight=in_flight,
-                prefill_chunk=prefill_chunk, n_stages=self.n_stages, vocab=vocab,
-            )  # fmt: skip
+                max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                eos_token_id=eos_token_id,
+                seed=seed,
+                in_flight=in_flight,
+                prefill_chunk=prefill_chunk,
+                n_stages=self.n_stages,
+                vocab=vocab,
+            )
             checked.extend(checked_prompts(prompts, settings.max_new_tokens, vocab, context))
             return settings
 
