@@ -138,3 +138,19 @@ def test_hf_trainer_fine_tunes_pipelined_and_saves_a_folder_from_pretrained_load
     assert after < before - 1.5, done.stdout[-3000:]  # from about ln 258 = 5.55
     assert abs(float(reloaded[1]) - after) < 1e-3
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_grpo_runs_rollouts_logprobs_and_updates_in_one_layout():
+    """examples/grpo.py, a few steps: generate, forward_only and step(microbatches=...) in the
+    same two processes; its full run's rising reward is in docs/generation.md."""
+    argv = ["--steps", "3", "--prompts", "4", "--group", "4"]
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "grpo.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert re.search(r"^step   3: mean reward [\d.]+, \d+% right$", out, re.M), out
+    assert re.search(r"^mean reward [\d.]+ -> [\d.]+ \(first and last 5 steps\)$", out, re.M), out

@@ -15,6 +15,7 @@ import torch
 
 from gpipe.cli.common import UsageError, multi_stage_schedules
 from gpipe.cli.plan_cluster import add_cluster_arguments, is_cluster_plan, plan_cluster
+from gpipe.cli.plan_generation import add_generation_arguments, plan_generating
 from gpipe.cli.plan_model import (
     add_model_arguments,
     check_split_options,
@@ -127,6 +128,7 @@ def add_parser(sub: Any) -> None:
         "--top", type=int, help="with --suggest or --search: configurations listed (default 5)"
     )
     add_cluster_arguments(p)
+    add_generation_arguments(p)
     p.set_defaults(command=_plan)
 
 
@@ -269,7 +271,12 @@ def _most_layers(args: argparse.Namespace, template: Profile, memory: int) -> in
 def _plan(args: argparse.Namespace) -> int:
     if is_cluster_plan(args):
         return plan_cluster(args)
-    gpt = model_kind(args) == "gpt"
+    kind = model_kind(args)
+    gpt = kind == "gpt"
+    if args.generate:
+        return _generating(args, kind)
+    if args.in_flight is not None:
+        raise UsageError("--in-flight needs --generate")
     if not gpt:
         check_split_options(args)
     elif args.suggest:
@@ -297,6 +304,22 @@ def _plan(args: argparse.Namespace) -> int:
     heading = f"gpt: {blocks} {n_layer}, d_model {args.d_model}"
     print_plan(args, heading, f"balance {list(result.balance)}", result, memory)
     return _advise(args, result, memory)
+
+
+def _generating(args: argparse.Namespace, kind: str) -> int:
+    """``--generate``: the memory of generating, on the stages given."""
+    for flag in ("suggest", "max_layers"):
+        if getattr(args, flag):
+            raise UsageError(f"--{flag.replace('_', '-')} plans training; leave out --generate")
+    args.stages = args.stages or _PLAN_DEFAULTS["stages"]
+    args.balance = args.balance or ("even" if kind == "gpt" else "params")
+    args.dtype = args.dtype or "float32"
+    _check_model(args, "stages")
+    try:
+        memory = parse_bytes(str(args.device_memory or _PLAN_DEFAULTS["device_memory"]))
+        return plan_generating(args, kind, _DTYPES[args.dtype], memory)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _advise(args: argparse.Namespace, result: MemoryPlan, memory: int) -> int:
