@@ -70,8 +70,8 @@ class Generation:
         timeout: float,
         local_pipes: bool,
     ) -> None:
-        if len(placement.stages) != 1:
-            raise ValueError(
+        if len(placement.stages) != 1:  # every rank holds as many: every rank refuses
+            raise GenerationRefused(
                 f"generate() runs one stage per process, but rank {placement.rank} holds "
                 f"stages {list(placement.stages)}: build the pipeline with a schedule of one "
                 "stage per process (such as 'gpipe' or '1f1b')"
