@@ -44,6 +44,13 @@ from gpipe.engine import (
 from gpipe.engine.generation import Generation, GenerationRefused
 from gpipe.parallel.replicas import Replicas, check_bucket_bytes
 from gpipe.parallel.sharding import Sharding, check_shard
+from gpipe.parallel.tensor import (
+    ParallelMesh,
+    PlanValue,
+    TensorPlan,
+    check_tensor_parallel,
+    resolve_plan,
+)
 from gpipe.parallel.ties import counted as counted_once
 from gpipe.planning.auto import AutoChoice, agreed_choice, check_auto
 from gpipe.planning.balancing import balance_by_time
@@ -120,6 +127,26 @@ def _check_data_parallel(
     return checked, check_shard(shard, data_parallel, module)
 
 
+def _check_tensor_parallel(
+    tensor_parallel: object,
+    tp_plan: object,
+    group: dist.ProcessGroup | None,
+    module: nn.Sequential,
+) -> TensorPlan | None:
+    """The plan that splits ``module``'s stages over ``tensor_parallel`` ranks (None when
+    there is one), checked against the whole model before any process group work."""
+    size = check_tensor_parallel(tensor_parallel)
+    if size > 1 and group is not None:
+        raise ValueError(
+            "pass group or tensor_parallel, not both: tensor_parallel lays its ranks out "
+            "over the whole world"
+        )
+    if size == 1 and tp_plan is None:
+        return None
+    plan = resolve_plan(tp_plan, module, size)  # type: ignore[arg-type]  # checked inside
+    return plan if size > 1 else None
+
+
 def _stage_balance(
     module: nn.Sequential,
     balance: list[int] | None,
@@ -144,17 +171,25 @@ def _joined(
     device: torch.device,
     group: dist.ProcessGroup | None,
     data_parallel: int,
+    tensor_parallel: int,
     timeout: float,
     sharding: Sharding | None,
-) -> tuple[Replicas | None, dist.ProcessGroup | None]:
-    """Join the process group (unless given one) and, with replicas, their groups; returns
-    the replicas and the pipeline's group."""
+) -> tuple[Replicas | None, dist.ProcessGroup | None, ParallelMesh | None]:
+    """Join the process group (unless given one) and, with replicas or tensor ranks, their
+    groups; returns the replicas, the pipeline's group and, with tensor ranks, the mesh."""
     if group is None:
         init_process_group(device, timeout)
+    if tensor_parallel > 1:
+        mesh = ParallelMesh.create(device, data_parallel, tensor_parallel)
+        pipeline = mesh.group("pipeline")
+        if data_parallel == 1:
+            return None, pipeline, mesh
+        sharded = sharding is not None
+        return Replicas.on_mesh(mesh.group("data"), pipeline, timeout, sharded), pipeline, mesh
     if data_parallel == 1:
-        return None, group
+        return None, group, None
     replicas = Replicas.create(data_parallel, float(timeout), sharding is not None)
-    return replicas, replicas.pipeline_group
+    return replicas, replicas.pipeline_group, None
 
 
 def _settings_of(choice: AutoChoice) -> tuple[ScheduleSource, int, list[int]]:
@@ -210,6 +245,15 @@ class Pipeline(nn.Module):
             loss is then weighted by its share of the rows), ``"sum"`` if it adds up.
         device: this rank's device (default: ``cuda:LOCAL_RANK`` if CUDA is available, else CPU).
         group: the process group of the pipeline's ranks (default: the whole world).
+        tensor_parallel: T ranks per stage, each holding a part of its layers as ``tp_plan``
+            splits them (DTensor styles of ``torch.distributed.tensor.parallel``), over a
+            world of K x D x T processes, tensor innermost: rank = (position x D + replica)
+            x T + tensor rank (``gpipe.parallel.tensor``). Their parameters and gradients
+            are DTensors (``.full_tensor()`` gathers one); boundary tensors stay whole.
+        tp_plan: module names of the whole model (``"3.mlp.fc"``; ``*`` for any one name)
+            to ``"colwise"``, ``"rowwise"``, ``"sequence"`` or a ``ParallelStyle``; default:
+            the plan the layers declare (``layer.tp_plan``: the built-in GPT's, or a Hugging
+            Face model's ``base_model_tp_plan`` through ``gpipe.split``).
         data_parallel: D replicas of the pipeline side by side over a world of D x K
             processes (rank = position in the pipeline x D + replica: a stage's replicas are
             neighbours, on one machine where they fit); each trains on its own shard
@@ -264,6 +308,8 @@ class Pipeline(nn.Module):
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
         data_parallel: int = 1,
+        tensor_parallel: int = 1,
+        tp_plan: dict[str, PlanValue] | None = None,
         bucket_bytes: float | None = None,
         shard: str | Sharding | None = None,
         deferred_batch_norm: bool = False,
@@ -288,10 +334,16 @@ class Pipeline(nn.Module):
         self.autocast = check_autocast(autocast, self.device)
         self.deferred_batch_norm = deferred_batch_norm
         buckets, sharding = _check_data_parallel(data_parallel, bucket_bytes, group, shard, module)
+        tensor_plan = _check_tensor_parallel(tensor_parallel, tp_plan, group, module)
+        self.tensor_parallel = tensor_parallel
 
         # the processes, and the schedule and cut of the model they agree on
-        self.replicas, self.group = _joined(self.device, group, data_parallel, timeout, sharding)
+        self.replicas, self.group, self.mesh = _joined(
+            self.device, group, data_parallel, tensor_parallel, timeout, sharding
+        )
         self.n_ranks, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        # with several pipelines side by side, all of them follow the first's choices
+        agreeing_group = self.group if self.replicas is None and self.mesh is None else None
         self.auto_choice: AutoChoice | None = None
         if auto:  # the replicas agree with the first pipeline's choice
             self.auto_choice = agreed_choice(
@@ -302,11 +354,13 @@ class Pipeline(nn.Module):
                 checkpoint=str(self.checkpoint),  # a mode's name: check_auto refuses Layers
                 memory_budget=memory_budget,
                 device=self.device,
-                group=None if self.replicas is not None else self.group,
+                group=agreeing_group,
             )
             source, self.chunks, balance = _settings_of(self.auto_choice)
         parts = source.parts(self.n_ranks)
-        self.balance = _stage_balance(module, balance, sample, parts, self.device, self.group)
+        self.balance = _stage_balance(
+            module, balance, sample, parts, self.device, agreeing_group
+        )
         source.check(len(self.balance), self.n_ranks, self.chunks)
         self.n_stages = len(self.balance)
         self.schedule_name = source.name
@@ -326,6 +380,8 @@ class Pipeline(nn.Module):
             seed=seed,
             sharding=sharding,
             replicas=self.replicas,
+            tensor_plan=tensor_plan,
+            mesh=self.mesh,
         )
         self._build(module, skips, source, recipe, local_pipes=local_pipes, bucket_bytes=buckets)
 
@@ -352,6 +408,7 @@ class Pipeline(nn.Module):
         self.skip_layout, self.ties, self.sharded = built.skip_layout, built.ties, built.sharded
         agreeing = [self.group] if self.n_ranks > 1 else []  # on a step's found-inf flag
         agreeing += [self.replicas.group] if self.replicas is not None else []
+        agreeing += [self.mesh.group("tensor")] if self.mesh is not None else []
         self.precision = Precision(
             self.autocast, self.device, agreeing, self.timeout, self.stage_index
         )

@@ -7,7 +7,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from gpipe.comm.process_group import bounded_wait
 
@@ -28,17 +29,19 @@ def clip_grad_norm_(
     """The norm of the ``counted`` parameters' gradients over every rank of ``group``, with
     every ``scaled`` gradient multiplied so that the norm is at most ``max_norm``; returns the
     norm before clipping. Collective over ``group``; waits at most ``timeout`` seconds for
-    the other ranks' norms, then raises StageError naming ``stage``, this rank's. Sharded
-    gradients (DTensors) count each replica's shard, summed over the replicas."""
+    the other ranks' norms, then raises StageError naming ``stage``, this rank's. Split
+    gradients (DTensors, over sharded replicas, tensor ranks or both) count each rank's
+    shard, summed over the ranks that split them; a whole gradient counts once (it is the
+    same on every tensor rank and, once reduced, on every replica)."""
     grads = [p.grad.detach() for p in counted if p.grad is not None]
-    sharded = [g.to_local() for g in grads if isinstance(g, DTensor)]
     whole = [g for g in grads if not isinstance(g, DTensor)]
     total = _local_norm(whole, norm_type, device)
-    if sharded:  # a shard's part of the norm, then the replicas' shards together
-        mesh_group = next(g for g in grads if isinstance(g, DTensor)).device_mesh.get_group()
-        shards = _local_norm(sharded, norm_type, device)
-        _reduce(shards, norm_type, mesh_group, timeout, stage)
-        total = torch.maximum(total, shards) if norm_type == float("inf") else total + shards
+    for (mesh, dims), shards in _by_split(grads).items():
+        # the shards' part of the norm, summed over the ranks that hold the other shards
+        part = _local_norm(shards, norm_type, device)
+        for dim in dims:
+            _reduce(part, norm_type, mesh.get_group(dim), timeout, stage)
+        total = torch.maximum(total, part) if norm_type == float("inf") else total + part
     _reduce(total, norm_type, group, timeout, stage)
     norm = total[0] if norm_type == float("inf") else total[0] ** (1.0 / norm_type)
     scale = max_norm / (float(norm) + 1e-6)
@@ -47,6 +50,23 @@ def clip_grad_norm_(
             if p.grad is not None:
                 p.grad.mul_(scale)
     return norm
+
+
+def _by_split(grads: list[Tensor]) -> dict[tuple[DeviceMesh, tuple[int, ...]], list[Tensor]]:
+    """This rank's shards of the DTensor gradients, grouped by their mesh and the mesh
+    dimensions they are split along (over sharded replicas, tensor ranks or both); a
+    gradient replicated along a dimension counts once there. In the order first met, the
+    same on every rank that holds the same stages."""
+    found: dict[tuple[DeviceMesh, tuple[int, ...]], list[Tensor]] = {}
+    for grad in grads:
+        if not isinstance(grad, DTensor):
+            continue
+        if any(p.is_partial() for p in grad.placements):  # not reduced yet: reduce it
+            whole = [Replicate() if p.is_partial() else p for p in grad.placements]
+            grad = grad.redistribute(placements=whole)
+        dims = tuple(d for d, p in enumerate(grad.placements) if not p.is_replicate())
+        found.setdefault((grad.device_mesh, dims), []).append(grad.to_local())
+    return found
 
 
 def _local_norm(grads: list[Tensor], norm_type: float, device: torch.device) -> Tensor:

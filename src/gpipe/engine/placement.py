@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpipe.parallel.sharding import ShardedStages, Sharding
+from gpipe.parallel.tensor import ParallelMesh, TensorPlan
 from gpipe.parallel.ties import Tie, find_ties, untie
 from gpipe.runtime.batchnorm import convert_deferred_batch_norm
 from gpipe.runtime.partitions import materialize, stage_bounds
@@ -117,6 +118,8 @@ class StageRecipe:
     seed: int  # of the initialization of layers built on the meta device
     sharding: Sharding | None = None  # over ``replicas``, which it needs
     replicas: Replicas | None = None
+    tensor_plan: TensorPlan | None = None  # over the tensor dimension of ``mesh``
+    mesh: ParallelMesh | None = None
 
 
 class BuiltStages(NamedTuple):
@@ -155,6 +158,9 @@ def build_stages(
         partition = nn.Sequential(
             OrderedDict((name, layers[name]) for name, _ in children[start:stop])
         )
+        if recipe.tensor_plan is not None and recipe.mesh is not None:
+            # before any other wrapping: re-materialization, then sharded replicas
+            recipe.tensor_plan.apply(partition, recipe.mesh.tensor)
         stages[stage] = Stage(
             stage,
             placement.n_stages,
@@ -168,5 +174,6 @@ def build_stages(
         )
     sharded = None
     if recipe.sharding is not None and recipe.replicas is not None:
-        sharded = ShardedStages(stages, recipe.replicas, recipe.sharding)
+        data_mesh = recipe.mesh.data if recipe.mesh is not None else None
+        sharded = ShardedStages(stages, recipe.replicas, recipe.sharding, data_mesh)
     return BuiltStages(layers, stages, ties, skip_layout, sharded)

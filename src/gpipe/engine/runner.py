@@ -165,7 +165,13 @@ class StepRunner:
                 self.buckets[index] = GradientBuckets(params_, self.replicas, index, bucket_bytes)
         self._rows_all = 0  # rows of the step over every replica
         self.tied = TiedGradients(
-            built.ties, params, placement.stages, placement.rank_of, placement.global_rank, timeout
+            built.ties,
+            params,
+            placement.stages,
+            placement.rank_of,
+            placement.global_rank,
+            timeout,
+            pipeline_group=placement.group if recipe.mesh is not None else None,
         )
         self.tied.broadcast()  # each rank built its own copy: start them equal
 

@@ -23,11 +23,13 @@ import contextlib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from gpipe.parallel.ties import sum_local
 from gpipe.runtime.kv_cache import CacheContext, KVCache
@@ -186,6 +188,9 @@ def _init_tied_(weight: Tensor, seed: int) -> None:
 class Embedding(nn.Module):
     """Token plus learned position embeddings: int64 ``[B, T]`` to ``[B, T, d_model]``."""
 
+    # tensor parallelism (``gpipe.parallel.tensor``): the vocabulary split over the ranks
+    tp_plan: ClassVar[dict[str, str]] = {"token": "rowwise"}
+
     def __init__(self, config: GPTConfig, *, init_seed: int = 0) -> None:
         super().__init__()
         self.seq_len = config.seq_len
@@ -239,17 +244,31 @@ class _Attention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         d, residual_std = config.d_model, _STD / math.sqrt(2 * config.n_layer)
-        self.n_head, self.p = config.n_head, config.dropout
-        self.qkv = _Linear(d, 3 * d, bias=config.bias, std=_STD)
+        self.head_dim, self.p = d // config.n_head, config.dropout
+        # one map per projection, so that tensor parallelism splits each by whole heads
+        self.q = _Linear(d, d, bias=config.bias, std=_STD)
+        self.k = _Linear(d, d, bias=config.bias, std=_STD)
+        self.v = _Linear(d, d, bias=config.bias, std=_STD)
         self.proj = _Linear(d, d, bias=config.bias, std=residual_std)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, documents: Tensor | None = None) -> Tensor:
-        b, t, d = x.shape
+    def _heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values ``[B, heads, T, head_dim]`` of the heads this rank holds
+        (all of them, unless tensor parallelism split the projections)."""
+        b, t, _ = x.shape
         q, k, v = (
-            part.view(b, t, self.n_head, d // self.n_head).transpose(1, 2)
-            for part in self.qkv(x).split(d, dim=-1)
+            projection(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+            for projection in (self.q, self.k, self.v)
         )
+        return q, k, v
+
+    def _out(self, y: Tensor) -> Tensor:
+        b, _, t, _ = y.shape
+        return self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+    def forward(self, x: Tensor, documents: Tensor | None = None) -> Tensor:
+        t = x.shape[1]
+        q, k, v = self._heads(x)
         p = self.p if self.training else 0.0
         if documents is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
@@ -257,18 +276,13 @@ class _Attention(nn.Module):
             same = documents[:, None, :, None] == documents[:, None, None, :]
             mask = same & torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
-        return self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return self._out(y)
 
     def forward_cached(self, x: Tensor, cache: KVCache, context: CacheContext) -> Tensor:
         """The new tokens against the cached keys and values, which get theirs."""
-        b, t, d = x.shape
-        q, k, v = (
-            part.view(b, t, self.n_head, d // self.n_head).transpose(1, 2)
-            for part in self.qkv(x).split(d, dim=-1)
-        )
+        q, k, v = self._heads(x)
         k, v = cache.append(k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=context.attention_mask)
-        return self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=context.attention_mask))
 
 
 class _MLP(nn.Module):
@@ -286,6 +300,17 @@ class _MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+
+    # tensor parallelism as Megatron-LM splits a block: the heads and the MLP's hidden
+    # layer over the ranks, one all-reduce after attention and one after the MLP
+    tp_plan: ClassVar[dict[str, str]] = {
+        "attn.q": "colwise",
+        "attn.k": "colwise",
+        "attn.v": "colwise",
+        "attn.proj": "rowwise",
+        "mlp.fc": "colwise",
+        "mlp.proj": "rowwise",
+    }
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -333,6 +358,11 @@ class Head(nn.Module):
         _init_(self)
         if self.tied:
             _init_tied_(self.proj.weight, self.init_seed)
+
+    @property
+    def tp_plan(self) -> dict[str, ParallelStyle]:
+        """Tensor parallelism: the vocabulary split over the ranks, the logits gathered."""
+        return {"proj": ColwiseParallel(output_layouts=Replicate())}
 
     def forward(self, x: Tensor | tuple[Tensor, Tensor]) -> Tensor:
         if isinstance(x, tuple):  # packed documents: their logits alike

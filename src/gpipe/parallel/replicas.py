@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from gpipe.comm.process_group import bounded_wait
 
@@ -124,6 +125,20 @@ class Replicas:
         assert mine_p is not None and mine_r is not None
         return cls(data_parallel, me % data_parallel, mine_r, mine_p, timeout, sharded)
 
+    @classmethod
+    def on_mesh(
+        cls,
+        group: dist.ProcessGroup,
+        pipeline_group: dist.ProcessGroup,
+        timeout: float,
+        sharded: bool = False,
+    ) -> Replicas:
+        """The replicas along the data dimension of a device mesh (``group``), whose pipeline
+        is ``pipeline_group``; no collective."""
+        return cls(
+            dist.get_world_size(group), dist.get_rank(group), group, pipeline_group, timeout, sharded
+        )
+
     def _wait(self, work: dist.Work, what: str, stage: int) -> None:
         bounded_wait(work, self.timeout, stage, f"summing {what} over the replicas", "a replica")
 
@@ -203,6 +218,20 @@ def unpacked_statistics(flat: Tensor, norms: Sequence[DeferredBatchNorm]) -> lis
     return out
 
 
+def _local(t: Tensor) -> Tensor:
+    """This rank's part of ``t``: its shard if it is split over tensor ranks (a DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(param: Tensor, local: Tensor) -> Tensor:
+    """A gradient for ``param`` holding ``local``, this rank's part of it."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+    )
+
+
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]
@@ -232,10 +261,11 @@ class GradientBuckets:
         self._stage = stage
         self.buckets: list[_Bucket] = []
         trained = [p for p in params if p.requires_grad]
-        bucket_bytes = bucket_size(sum(p.numel() * p.element_size() for p in trained), bucket_bytes)
+        local_bytes = {id(p): _local(p).numel() * p.element_size() for p in trained}
+        bucket_bytes = bucket_size(sum(local_bytes.values()), bucket_bytes)
         size = bucket_bytes
         for p in reversed(trained):
-            nbytes = p.numel() * p.element_size()
+            nbytes = local_bytes[id(p)]
             if not self.buckets or size + nbytes > bucket_bytes:
                 self.buckets.append(_Bucket([]))
                 size = 0
@@ -265,7 +295,10 @@ class GradientBuckets:
             self.launched_early += 1
 
     def _start(self, bucket: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        grads = [
+            _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))
+            for p in bucket.params
+        ]
         bucket.flat = torch.cat([g.reshape(-1) for g in grads])
         bucket.work = dist.all_reduce(bucket.flat, group=self._replicas.group, async_op=True)
 
@@ -290,12 +323,13 @@ class GradientBuckets:
             self._replicas._wait(bucket.work, "gradients", self._stage)
             offset = 0
             for p in bucket.params:
-                n = p.numel()
-                summed = bucket.flat[offset : offset + n].view_as(p)
+                local = _local(p)
+                n = local.numel()
+                summed = bucket.flat[offset : offset + n].view_as(local)
                 if p.grad is None:
-                    p.grad = summed.clone()
+                    p.grad = _like(p, summed.clone())
                 else:
-                    p.grad.copy_(summed)
+                    _local(p.grad).copy_(summed)
                 offset += n
             bucket.work, bucket.flat = None, None
             bucket.ready.clear()

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
     from gpipe.parallel.replicas import Replicas
@@ -329,12 +330,20 @@ class ShardedGradients:
 class ShardedStages:
     """This rank's stages, each sharded over its replicas (``Replicas.group``)."""
 
-    def __init__(self, stages: dict[int, Stage], replicas: Replicas, sharding: Sharding) -> None:
+    def __init__(
+        self,
+        stages: dict[int, Stage],
+        replicas: Replicas,
+        sharding: Sharding,
+        mesh: DeviceMesh | None = None,
+    ) -> None:
+        """``mesh``: the replicas' dimension of the world's mesh, when the stages are split
+        over tensor ranks too (their parameters are then sharded along both)."""
         from torch.distributed.device_mesh import DeviceMesh
 
         self.sharding = sharding
         device = next(iter(stages.values())).device
-        self.mesh = DeviceMesh.from_group(replicas.group, device.type)
+        self.mesh = mesh if mesh is not None else DeviceMesh.from_group(replicas.group, device.type)
         self.gradients = {
             index: ShardedGradients(_shard_stage(stage, self.mesh, sharding), index)
             for index, stage in stages.items()

@@ -200,6 +200,7 @@ class TiedGradients:
         rank_of: Callable[[int], int],
         global_rank: Callable[[int], int],
         timeout: float,
+        pipeline_group: dist.ProcessGroup | None = None,
     ) -> None:
         self._timeout = timeout
         self._stage = min(stages)
@@ -211,7 +212,13 @@ class TiedGradients:
         spread = {i for i, t in enumerate(ties) if len({rank_of(s) for s in t.stages}) > 1}
         holders = sorted({global_rank(rank_of(s)) for i in spread for s in ties[i].stages})
         group = None
-        if dist.get_rank() in holders:
+        if pipeline_group is not None and holders == sorted(
+            dist.get_process_group_ranks(pipeline_group)
+        ):
+            # the pipeline's own group: another group of these ranks made by them alone
+            # could take the name the device mesh gave this one, and their messages would mix
+            group = pipeline_group
+        elif dist.get_rank() in holders:
             group = dist.new_group(holders, use_local_synchronization=True)
         for i, tie in enumerate(ties):
             mine = _held(tie, params, stages)

@@ -1,0 +1,251 @@
+"""Tensor parallelism inside each stage: a stage's layers split over T ranks with PyTorch's
+DTensor styles, beside the pipeline and its data-parallel replicas on one device mesh.
+
+The world is a ``DeviceMesh`` of shape ``(pipeline, data, tensor)``, tensor innermost: the T
+ranks of a stage are neighbours (one machine's GPUs, joined by its fast links), then the D
+replicas, then the K positions of the pipeline. Each (replica, tensor rank) pair runs a
+pipeline of its own: rank t of stage p exchanges boundary tensors with rank t of stage p + 1,
+and the boundary tensors are whole (replicated over the tensor ranks), as the styles of a plan
+leave them at a layer's end.
+
+A plan maps module names of the whole model (an ``nn.Sequential``'s child names such as
+``"3"``, dotted paths inside, ``*`` for any one name) to a style: ``"colwise"``,
+``"rowwise"``, ``"sequence"`` or a ``ParallelStyle``. Layers may declare their own plan, keyed
+inside themselves, as a ``tp_plan`` attribute (the built-in GPT's blocks do, and so do the
+stages ``gpipe.split`` cuts from a Hugging Face model by its ``base_model_tp_plan``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "MESH_DIMS",
+    "STYLES",
+    "ParallelMesh",
+    "TensorPlan",
+    "check_tensor_parallel",
+    "declared_plan",
+    "mesh_shape",
+    "resolve_plan",
+]
+
+MESH_DIMS = ("pipeline", "data", "tensor")
+STYLES = ("colwise", "rowwise", "sequence")
+PlanValue = str | ParallelStyle
+
+
+def check_tensor_parallel(tensor_parallel: object) -> int:
+    if (
+        isinstance(tensor_parallel, bool)
+        or not isinstance(tensor_parallel, int)
+        or tensor_parallel < 1
+    ):
+        raise ValueError(f"tensor_parallel must be a positive integer, got {tensor_parallel!r}")
+    return tensor_parallel
+
+
+def mesh_shape(world: int, data_parallel: int, tensor_parallel: int) -> tuple[int, int, int]:
+    """``(K, D, T)`` for a world of ``world`` processes; refuses one that is not K x D x T."""
+    per_position = data_parallel * tensor_parallel
+    if world % per_position:
+        raise ValueError(
+            f"the world size {world} is not pipeline x data_parallel x tensor_parallel: "
+            f"data_parallel={data_parallel} x tensor_parallel={tensor_parallel} = "
+            f"{per_position} does not divide it"
+        )
+    return world // per_position, data_parallel, tensor_parallel
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The world as ``(pipeline, data, tensor)``, and this rank's groups along each."""
+
+    mesh: DeviceMesh
+
+    @classmethod
+    def create(cls, device: torch.device, data_parallel: int, tensor_parallel: int) -> ParallelMesh:
+        """Collective over the world, which must be K x D x T processes."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = mesh_shape(dist.get_world_size(), data_parallel, tensor_parallel)
+        return cls(init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS))
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        return self.mesh.get_group(dim)
+
+    @property
+    def tensor(self) -> DeviceMesh:
+        return self.mesh["tensor"]
+
+    @property
+    def data(self) -> DeviceMesh:
+        return self.mesh["data"]
+
+    def coordinate(self, dim: str) -> int:
+        return self.mesh.get_local_rank(dim)
+
+
+def declared_plan(module: nn.Sequential) -> dict[str, PlanValue]:
+    """The plan the layers of ``module`` declare (``layer.tp_plan``), keyed by their names."""
+    plan: dict[str, PlanValue] = {}
+    for name, layer in module.named_children():
+        own = getattr(layer, "tp_plan", None)
+        if own:
+            plan.update({f"{name}.{key}": style for key, style in dict(own).items()})
+    return plan
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """Whether the dotted module name ``name`` matches ``pattern``, one name per ``*``."""
+    atoms, parts = pattern.split("."), name.split(".")
+    return len(atoms) == len(parts) and all(
+        fnmatchcase(part, atom) for atom, part in zip(atoms, parts, strict=True)
+    )
+
+
+def _style(key: str, value: object, module: nn.Module) -> ParallelStyle:
+    """The ``ParallelStyle`` that ``value`` names for ``module``."""
+    if isinstance(value, ParallelStyle):
+        return value
+    if value not in STYLES:
+        raise ValueError(
+            f"tp_plan[{key!r}] must be one of {list(STYLES)} or a "
+            f"torch.distributed.tensor.parallel.ParallelStyle, got {value!r}"
+        )
+    if value == "sequence":
+        return SequenceParallel()
+    if not isinstance(module, nn.Linear | nn.Embedding):
+        raise ValueError(
+            f"tp_plan[{key!r}] = {value!r} applies to nn.Linear and nn.Embedding, and "
+            f"{key} is a {type(module).__name__}"
+        )
+    if value == "colwise":
+        return ColwiseParallel()
+    # an embedding's rows are the vocabulary, looked up by whole token ids
+    return RowwiseParallel(input_layouts=Replicate()) if isinstance(module, nn.Embedding) else (
+        RowwiseParallel()
+    )
+
+
+def _split_size(name: str, module: nn.Module, value: object) -> tuple[int, str] | None:
+    """The size a named style splits ``module`` along, and what it is."""
+    if isinstance(module, nn.Linear):
+        if value == "colwise":
+            return module.out_features, "output features"
+        if value == "rowwise":
+            return module.in_features, "input features"
+    if isinstance(module, nn.Embedding):
+        if value == "colwise":
+            return module.embedding_dim, "embedding size"
+        if value == "rowwise":
+            return module.num_embeddings, "vocabulary"
+    return None
+
+
+def _check_divides(
+    name: str, module: nn.Module, parent: nn.Module | None, value: object, tensor_parallel: int
+) -> None:
+    split = _split_size(name, module, value)
+    if split is None:
+        return
+    size, what = split
+    head_dim = getattr(parent, "head_dim", None)
+    if value == "colwise" and isinstance(head_dim, int) and head_dim > 0 and size % head_dim == 0:
+        heads = size // head_dim
+        if heads % tensor_parallel:
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel} does not divide the {heads} heads of "
+                f"{name} ({size} output features of {head_dim} per head)"
+            )
+    if size % tensor_parallel:
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel} does not divide the {size} {what} of {name} "
+            f"({type(module).__name__}), which tp_plan splits {value}"
+        )
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """A plan resolved on the whole model: each module's concrete name and its style."""
+
+    tensor_parallel: int
+    styles: dict[str, ParallelStyle]
+
+    def within(self, layer_names: set[str]) -> dict[str, ParallelStyle]:
+        """The styles of the modules inside the layers named ``layer_names``."""
+        return {n: s for n, s in self.styles.items() if n.split(".", 1)[0] in layer_names}
+
+    def apply(self, partition: nn.Sequential, mesh: DeviceMesh) -> None:
+        """Split ``partition``'s modules (named as in the whole model) over ``mesh``."""
+        styles = self.within({name for name, _ in partition.named_children()})
+        if not styles:
+            return
+        parallelize_module(partition, mesh, styles)  # type: ignore[arg-type]
+        for param in partition.parameters():
+            if isinstance(param, DTensor) and param.requires_grad:
+                param.register_post_accumulate_grad_hook(_placed_like_parameter)
+
+
+def _placed_like_parameter(param: Tensor) -> None:
+    """Give ``param``'s gradient the parameter's placements as soon as it is accumulated.
+
+    A style may leave a gradient placed otherwise (a vocabulary-split embedding's comes
+    back whole); the optimizer, the replicas' reduction and tied copies all need each rank
+    to hold its own shard, which is a slice of the whole, with no message."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor):
+        if tuple(grad.placements) != tuple(param.placements):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def resolve_plan(
+    plan: Mapping[str, PlanValue] | None, module: nn.Sequential, tensor_parallel: int
+) -> TensorPlan:
+    """``plan`` (None: the one the layers declare) checked against ``module``, the whole
+    model: every key names at least one module, every style exists and fits its module, and
+    ``tensor_parallel`` divides every size it splits. Refuses, in one line, what does not."""
+    given = declared_plan(module) if plan is None else plan
+    if not isinstance(given, Mapping):
+        raise TypeError(f"tp_plan must be a dict of module name to style, got {given!r}")
+    if not given and tensor_parallel > 1:
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel} needs a tp_plan: none was given and no layer "
+            "declares one (a tp_plan attribute); pass tp_plan={'3.mlp.fc': 'colwise', ...}"
+        )
+    modules = dict(module.named_modules())
+    styles: dict[str, ParallelStyle] = {}
+    for key, value in given.items():
+        if not isinstance(key, str):
+            raise TypeError(f"tp_plan keys must be module names, got {key!r}")
+        found = [name for name in modules if name and _matches(key, name)]
+        if not found:
+            examples = [n for n in modules if n][:4]
+            raise ValueError(
+                f"tp_plan[{key!r}] names no module of the model (its modules are named like "
+                f"{examples})"
+            )
+        for name in found:
+            parent = modules[name.rsplit(".", 1)[0]] if "." in name else None
+            style = _style(key, value, modules[name])
+            _check_divides(name, modules[name], parent, value, tensor_parallel)
+            styles[name] = style
+    return TensorPlan(tensor_parallel, styles)
