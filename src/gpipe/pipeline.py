@@ -358,9 +358,7 @@ class Pipeline(nn.Module):
             )
             source, self.chunks, balance = _settings_of(self.auto_choice)
         parts = source.parts(self.n_ranks)
-        self.balance = _stage_balance(
-            module, balance, sample, parts, self.device, agreeing_group
-        )
+        self.balance = _stage_balance(module, balance, sample, parts, self.device, agreeing_group)
         source.check(len(self.balance), self.n_ranks, self.chunks)
         self.n_stages = len(self.balance)
         self.schedule_name = source.name

@@ -135,9 +135,8 @@ class Replicas:
     ) -> Replicas:
         """The replicas along the data dimension of a device mesh (``group``), whose pipeline
         is ``pipeline_group``; no collective."""
-        return cls(
-            dist.get_world_size(group), dist.get_rank(group), group, pipeline_group, timeout, sharded
-        )
+        size, replica = dist.get_world_size(group), dist.get_rank(group)
+        return cls(size, replica, group, pipeline_group, timeout, sharded)
 
     def _wait(self, work: dist.Work, what: str, stage: int) -> None:
         bounded_wait(work, self.timeout, stage, f"summing {what} over the replicas", "a replica")

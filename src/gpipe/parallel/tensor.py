@@ -141,8 +141,10 @@ def _style(key: str, value: object, module: nn.Module) -> ParallelStyle:
     if value == "colwise":
         return ColwiseParallel()
     # an embedding's rows are the vocabulary, looked up by whole token ids
-    return RowwiseParallel(input_layouts=Replicate()) if isinstance(module, nn.Embedding) else (
-        RowwiseParallel()
+    return (
+        RowwiseParallel(input_layouts=Replicate())
+        if isinstance(module, nn.Embedding)
+        else (RowwiseParallel())
     )
 
 
@@ -199,9 +201,9 @@ class TensorPlan:
         styles = self.within({name for name, _ in partition.named_children()})
         if not styles:
             return
-        parallelize_module(partition, mesh, styles)  # type: ignore[arg-type]
+        parallelize_module(partition, mesh, styles)
         for param in partition.parameters():
-            if isinstance(param, DTensor) and param.requires_grad:
+            if param.requires_grad:  # the hook passes over whole parameters
                 param.register_post_accumulate_grad_hook(_placed_like_parameter)
 
 
@@ -212,9 +214,12 @@ def _placed_like_parameter(param: Tensor) -> None:
     back whole); the optimizer, the replicas' reduction and tied copies all need each rank
     to hold its own shard, which is a slice of the whole, with no message."""
     grad = param.grad
-    if isinstance(grad, DTensor) and isinstance(param, DTensor):
-        if tuple(grad.placements) != tuple(param.placements):
-            param.grad = grad.redistribute(param.device_mesh, param.placements)
+    if (
+        isinstance(grad, DTensor)
+        and isinstance(param, DTensor)
+        and tuple(grad.placements) != tuple(param.placements)
+    ):
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def resolve_plan(

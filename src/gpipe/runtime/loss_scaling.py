@@ -13,6 +13,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.amp.grad_scaler import OptState
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gpipe.comm.process_group import bounded_wait
@@ -32,6 +34,35 @@ def _found_inf(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> list[torch
         ) from exc
 
 
+def _has_split_gradients(optimizer: Optimizer) -> bool:
+    return any(
+        isinstance(p.grad, DTensor) for group in optimizer.param_groups for p in group["params"]
+    )
+
+
+def _unscale_split(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> None:
+    """``scaler.unscale_(optimizer)`` for a tensor-parallel stage, whose split gradients
+    (DTensors) sit beside whole ones: torch's unscaling takes them in one call, which DTensor
+    refuses, so each rank unscales its own part and records the found-inf flags as torch
+    would. The flags are then reduced over every group by ``unscale_``."""
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"] is OptState.UNSCALED:
+        raise RuntimeError("unscale_() has already been called on this optimizer this step")
+    inverse = 1.0 / scaler.get_scale()
+    found: dict[torch.device, torch.Tensor] = {}
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                flag = found.setdefault(grad.device, torch.zeros(1, device=grad.device))
+                flag.add_((~torch.isfinite(grad)).any().reshape(1))
+                grad.mul_(inverse)
+    state["found_inf_per_device"] = found
+    state["stage"] = OptState.UNSCALED
+
+
 def unscale_(
     scaler: torch.amp.GradScaler,
     optimizer: Optimizer,
@@ -47,7 +78,10 @@ def unscale_(
     before clipping or ``scaler.step``."""
     if not scaler.is_enabled():
         return False
-    scaler.unscale_(optimizer)
+    if _has_split_gradients(optimizer):
+        _unscale_split(scaler, optimizer)
+    else:
+        scaler.unscale_(optimizer)
     flags = _found_inf(scaler, optimizer)
     found = torch.zeros(1, dtype=torch.float32)
     for flag in flags:

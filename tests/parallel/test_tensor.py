@@ -1,0 +1,54 @@
+"""Pipeline(tensor_parallel=T): each stage's layers split over T ranks by DTensor styles, with
+the losses, gradients and weights of the unsplit model (float64, real processes over gloo)."""
+
+from gpipe.schedules import SCHEDULES
+
+from ..workers import run
+from . import tensor_cases as cases
+
+
+def test_every_schedule_at_two_tensor_ranks_matches_the_unsplit_model():
+    """T = 2 x K = 2, every schedule, checkpoint never and always, embedding and head tied
+    across stages: the loss, every gathered gradient and the norm equal one step of the
+    unsplit model; three AdamW steps leave every weight within 1e-12 of its."""
+    results = run(cases.exactness, 4, threads=1)
+    for r in results.values():
+        assert r["cases"] == 2 * len(SCHEDULES)
+        assert r["split"] > 0  # some gradients are DTensors on every rank
+
+
+def test_data_tensor_and_pipeline_together_on_eight_processes():
+    """D = 2 x T = 2 x K = 2: replicas whole, and sharded over the data dimension (2-D)."""
+    results = run(cases.data_tensor_pipeline, 8, threads=1)
+    for r in results.values():
+        assert r["whole"] == r["sharded"] == 2
+        assert r["split"] > 0
+
+
+def test_tensor_parallel_composes_with_the_other_options():
+    """Uneven and pre-split micro-batches, evaluate, forward_only; DeferredBatchNorm between
+    split layers; bfloat16 autocast with a GradScaler and clipping; greedy generation."""
+    results = run(cases.compositions, 4, threads=1)
+    assert all(
+        r == {"uneven": True, "presplit": True, "forward_only": True} for r in results.values()
+    )
+    assert all(run(cases.batch_norm, 4, threads=1).values())
+    gaps = run(cases.mixed_precision, 4, threads=1)
+    assert all(gap < 0.05 for gap in gaps.values()), gaps
+    tokens = run(cases.generation, 4, threads=1)
+    assert len({repr(t) for t in tokens.values()}) == 1  # every rank returns the same
+
+
+def test_bad_tensor_parallel_input_is_refused_in_one_line():
+    errors = run(cases.bad_inputs, 4, threads=1)
+    assert len({tuple(e.values()) for e in errors.values()}) == 1  # every rank alike
+    e = errors[0]
+    assert all("\n" not in message for message in e.values())
+    assert "tensor_parallel=4 does not divide the 2 heads of 1.attn.q" in e["heads"]
+    assert "tensor_parallel=2 does not divide the 63 vocabulary of 0.token" in e["vocabulary"]
+    assert "world size 4 is not pipeline x data_parallel x tensor_parallel" in e["world"]
+    assert "tp_plan['9.mlp.fc'] names no module of the model" in e["no module"]
+    assert "tp_plan['1.mlp.fc'] must be one of ['colwise', 'rowwise', 'sequence']" in e["style"]
+    assert "got 'diagonal'" in e["style"]
+    assert "tensor_parallel must be a positive integer, got 0" in e["size"]
+    assert "applies to nn.Linear and nn.Embedding, and 1.ln1 is a LayerNorm" in e["layer type"]
