@@ -1,2 +1,2 @@
-"""Dimensions beside the pipeline: replicas of a stage (data parallelism), their sharding, and
-parameters tied across stages."""
+"""Dimensions beside the pipeline: replicas of a stage (data parallelism), their sharding, its
+layers split over tensor ranks (tensor parallelism), and parameters tied across stages."""
