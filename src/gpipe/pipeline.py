@@ -130,12 +130,20 @@ def _check_data_parallel(
 def _check_tensor_parallel(
     tensor_parallel: object,
     tp_plan: object,
+    loss_parallel: object,
     group: dist.ProcessGroup | None,
     module: nn.Sequential,
 ) -> TensorPlan | None:
     """The plan that splits ``module``'s stages over ``tensor_parallel`` ranks (None when
     there is one), checked against the whole model before any process group work."""
     size = check_tensor_parallel(tensor_parallel)
+    if not isinstance(loss_parallel, bool):
+        raise TypeError(f"loss_parallel must be True or False, got {loss_parallel!r}")
+    if loss_parallel and size == 1:
+        raise ValueError(
+            "loss_parallel=True splits the logits over tensor ranks and needs "
+            "tensor_parallel > 1, got tensor_parallel=1"
+        )
     if size > 1 and group is not None:
         raise ValueError(
             "pass group or tensor_parallel, not both: tensor_parallel lays its ranks out "
@@ -144,6 +152,8 @@ def _check_tensor_parallel(
     if size == 1 and tp_plan is None:
         return None
     plan = resolve_plan(tp_plan, module, size)  # type: ignore[arg-type]  # checked inside
+    if loss_parallel:
+        plan = plan.with_split_logits(list(module.named_children())[-1][0])
     return plan if size > 1 else None
 
 
@@ -254,6 +264,11 @@ class Pipeline(nn.Module):
             to ``"colwise"``, ``"rowwise"``, ``"sequence"`` or a ``ParallelStyle``; default:
             the plan the layers declare (``layer.tp_plan``: the built-in GPT's, or a Hugging
             Face model's ``base_model_tp_plan`` through ``gpipe.split``).
+        loss_parallel: with ``tensor_parallel``, keep the logits of the last layer's
+            vocabulary-split map split (a DTensor) and run ``loss_fn`` and the backward under
+            ``torch.distributed.tensor.parallel.loss_parallel``, so that no rank holds the
+            whole logits (a cross-entropy loss). The last stage's outputs are then DTensors;
+            ``forward_only`` and ``generate`` gather the logits.
         data_parallel: D replicas of the pipeline side by side over a world of D x K
             processes (rank = position in the pipeline x D + replica: a stage's replicas are
             neighbours, on one machine where they fit); each trains on its own shard
@@ -310,6 +325,7 @@ class Pipeline(nn.Module):
         data_parallel: int = 1,
         tensor_parallel: int = 1,
         tp_plan: dict[str, PlanValue] | None = None,
+        loss_parallel: bool = False,
         bucket_bytes: float | None = None,
         shard: str | Sharding | None = None,
         deferred_batch_norm: bool = False,
@@ -334,7 +350,7 @@ class Pipeline(nn.Module):
         self.autocast = check_autocast(autocast, self.device)
         self.deferred_batch_norm = deferred_batch_norm
         buckets, sharding = _check_data_parallel(data_parallel, bucket_bytes, group, shard, module)
-        tensor_plan = _check_tensor_parallel(tensor_parallel, tp_plan, group, module)
+        tensor_plan = _check_tensor_parallel(tensor_parallel, tp_plan, loss_parallel, group, module)
         self.tensor_parallel = tensor_parallel
 
         # the processes, and the schedule and cut of the model they agree on
@@ -380,6 +396,7 @@ class Pipeline(nn.Module):
             replicas=self.replicas,
             tensor_plan=tensor_plan,
             mesh=self.mesh,
+            loss_parallel=loss_parallel,
         )
         self._build(module, skips, source, recipe, local_pipes=local_pipes, bucket_bytes=buckets)
 

@@ -277,6 +277,7 @@ def bad_inputs() -> dict:
             gpt(), [2, 2], tensor_parallel=2, tp_plan={"1.mlp.fc": "diagonal"}
         ),
         "size": lambda: Pipeline(gpt(), [2, 2], tensor_parallel=0),
+        "loss parallel alone": lambda: Pipeline(gpt(), [2, 2], loss_parallel=True),
         "layer type": lambda: Pipeline(
             gpt(), [2, 2], tensor_parallel=2, tp_plan={"1.ln1": "colwise"}
         ),
@@ -298,3 +299,39 @@ def data_tensor_pipeline() -> dict:
     whole = exactness(("1f1b",), data_parallel=2)
     sharded = exactness(("zero-bubble",), data_parallel=2, shard="full")
     return {"whole": whole["cases"], "sharded": sharded["cases"], "split": sharded["split"]}
+
+
+def vocabulary_parallel_loss() -> dict:
+    """loss_parallel=True: the logits stay split by vocabulary and the cross-entropy runs
+    over the shards, with the unsplit model's loss and gradients (split backward and
+    recomputation included); forward_only still gives whole log-probabilities."""
+    done = {}
+    for schedule, mode in (("1f1b", "never"), ("zero-bubble", "always")):
+        pipe = Pipeline(
+            gpt(),
+            [2, 2],
+            chunks=2,
+            checkpoint=mode,
+            schedule=schedule,
+            loss_fn=lm_loss,
+            tensor_parallel=T,
+            loss_parallel=True,
+            timeout=30,
+        )
+        reference = gpt()
+        x, y = tokens(4, seed=8)
+        result = pipe.step(*_ends(pipe, x, y), return_outputs=True)
+        expected = lm_loss(reference(x), y)
+        expected.backward()
+        torch.testing.assert_close(result.loss, expected.detach(), **EXACT)
+        _check_gradients(pipe, reference)
+        if pipe.is_last:  # each rank holds its half of the vocabulary
+            assert isinstance(result.outputs, DTensor)
+            assert result.outputs.to_local().shape[-1] == CONFIG.vocab_size // T
+        done[schedule] = True
+    logprobs = pipe.forward_only(*_ends(pipe, x, y))
+    if pipe.is_last:
+        with torch.no_grad():
+            want = torch.log_softmax(reference(x), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(logprobs, want, **GRADIENTS)
+    return done

@@ -39,6 +39,11 @@ def test_tensor_parallel_composes_with_the_other_options():
     assert len({repr(t) for t in tokens.values()}) == 1  # every rank returns the same
 
 
+def test_the_loss_over_logits_split_by_vocabulary_equals_the_unsplit_models():
+    results = run(cases.vocabulary_parallel_loss, 4, threads=1)
+    assert all(r == {"1f1b": True, "zero-bubble": True} for r in results.values())
+
+
 def test_bad_tensor_parallel_input_is_refused_in_one_line():
     errors = run(cases.bad_inputs, 4, threads=1)
     assert len({tuple(e.values()) for e in errors.values()}) == 1  # every rank alike
@@ -51,4 +56,5 @@ def test_bad_tensor_parallel_input_is_refused_in_one_line():
     assert "tp_plan['1.mlp.fc'] must be one of ['colwise', 'rowwise', 'sequence']" in e["style"]
     assert "got 'diagonal'" in e["style"]
     assert "tensor_parallel must be a positive integer, got 0" in e["size"]
+    assert "loss_parallel=True splits the logits" in e["loss parallel alone"]
     assert "applies to nn.Linear and nn.Embedding, and 1.ln1 is a LayerNorm" in e["layer type"]

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 __all__ = ["IGNORE_INDEX", "TokenLogprobs", "logits_of", "token_logprobs"]
 
@@ -19,7 +20,13 @@ IGNORE_INDEX = -100  # a target that has no log-probability (padding, a document
 
 def logits_of(outputs: Any) -> Tensor:
     """The logits in a last stage's outputs: the tensor itself, the first of a tuple, or the
-    ``logits`` of a mapping or of an object such as a Hugging Face ``ModelOutput``."""
+    ``logits`` of a mapping or of an object such as a Hugging Face ``ModelOutput``; whole,
+    where they come split by vocabulary over tensor ranks (``loss_parallel``)."""
+    logits = _logits(outputs)
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+
+def _logits(outputs: Any) -> Tensor:
     if isinstance(outputs, Tensor):
         return outputs
     if isinstance(outputs, Mapping) and "logits" in outputs:

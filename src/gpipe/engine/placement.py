@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
 
 from gpipe.parallel.sharding import ShardedStages, Sharding
 from gpipe.parallel.tensor import ParallelMesh, TensorPlan
@@ -120,6 +121,7 @@ class StageRecipe:
     replicas: Replicas | None = None
     tensor_plan: TensorPlan | None = None  # over the tensor dimension of ``mesh``
     mesh: ParallelMesh | None = None
+    loss_parallel: bool = False  # the loss over logits split by vocabulary
 
 
 class BuiltStages(NamedTuple):
@@ -171,6 +173,7 @@ def build_stages(
             autocast=recipe.autocast,
             recomputed_layers=recomputed[stage],
             payloads=True,
+            loss_context=loss_parallel if recipe.loss_parallel else None,
         )
     sharded = None
     if recipe.sharding is not None and recipe.replicas is not None:

@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -195,6 +195,33 @@ class TensorPlan:
     def within(self, layer_names: set[str]) -> dict[str, ParallelStyle]:
         """The styles of the modules inside the layers named ``layer_names``."""
         return {n: s for n, s in self.styles.items() if n.split(".", 1)[0] in layer_names}
+
+    def with_split_logits(self, last_layer: str) -> TensorPlan:
+        """The plan for ``loss_parallel``: the map of ``last_layer`` that splits the
+        vocabulary and gathers its logits keeps them split instead (a DTensor over the tensor
+        ranks), for a loss computed under torch's ``loss_parallel``."""
+        styles = dict(self.styles)
+        gathering = [
+            name
+            for name, style in styles.items()
+            if name.split(".", 1)[0] == last_layer
+            and isinstance(style, ColwiseParallel)
+            and tuple(style.output_layouts) == (Replicate(),)
+        ]
+        if not gathering:
+            raise ValueError(
+                f"loss_parallel=True needs a map in the last layer ({last_layer}) that tp_plan "
+                "splits by vocabulary and whose logits it gathers "
+                "(ColwiseParallel(output_layouts=Replicate())); found none"
+            )
+        for name in gathering:
+            given = cast(ColwiseParallel, styles[name])
+            styles[name] = ColwiseParallel(
+                input_layouts=given.input_layouts[0],
+                output_layouts=Shard(-1),
+                use_local_output=False,
+            )
+        return TensorPlan(self.tensor_parallel, styles)
 
     def apply(self, partition: nn.Sequential, mesh: DeviceMesh) -> None:
         """Split ``partition``'s modules (named as in the whole model) over ``mesh``."""

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from gpipe.comm.payload import check_same_structure, signature, tensors_of, with_tensors
 from gpipe.runtime.microbatch import Batch, check_batch
@@ -109,6 +110,7 @@ class Stage:
         autocast: torch.dtype | None = None,
         recomputed_layers: frozenset[int] = frozenset(),
         payloads: bool = False,
+        loss_context: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
         self.index = index
         self.n_stages = n_stages
@@ -120,6 +122,9 @@ class Stage:
         # positions of the layers (children of ``module``) recomputed in the backward
         self.recomputed_layers = recomputed_layers
         self.payloads = payloads
+        # what the loss and every backward run under (torch's loss_parallel: the loss over
+        # logits split by vocabulary across tensor ranks)
+        self._loss_context = loss_context if loss_context is not None else nullcontext
         self._saved: dict[int, _Saved] = {}
         self._first_output: Any = None  # micro-batch 0's, which the others must be shaped like
         self._owners: Owners | None = None  # parameter-holding layers, for a split backward
@@ -149,10 +154,13 @@ class Stage:
             exported = self._boundary.exported(tracker.stashed, microbatch)
             loss = None
             if self.is_last and self.loss_fn is not None and saved.target is not None:
-                if saved.target is NO_TARGET:
-                    loss = self.loss_fn(outputs)
-                else:
-                    loss = self.loss_fn(outputs, saved.target)
+                with self._loss_context():
+                    if saved.target is NO_TARGET:
+                        loss = self.loss_fn(outputs)
+                    else:
+                        loss = self.loss_fn(outputs, saved.target)
+        if isinstance(loss, DTensor):  # over split logits: the same whole value on every rank
+            loss = loss.full_tensor()
         if loss is not None:
             if not isinstance(loss, Tensor) or loss.dim() != 0:
                 shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
@@ -288,7 +296,8 @@ class Stage:
             saved.outputs, saved.loss, microbatch, grad_outputs, skip_grads or {}
         )
         if roots:
-            torch.autograd.backward(roots, grads)
+            with self._loss_context():
+                torch.autograd.backward(roots, grads)
         return self._boundary.input_grads(saved.inputs, saved.imported, lambda t: t.grad)
 
     def backward_input(
@@ -313,13 +322,14 @@ class Stage:
         found: dict[int, Tensor | None] = {}
         if roots and wanted:
             edges = saved.weights.edges  # W's starting points: B collects their gradients
-            got = torch.autograd.grad(
-                roots,
-                [*wanted, *edges],  # type: ignore[arg-type]  # torch takes tensors and edges mixed; its stub does not
-                grads,
-                retain_graph=True,
-                allow_unused=True,
-            )
+            with self._loss_context():
+                got = torch.autograd.grad(
+                    roots,
+                    [*wanted, *edges],  # type: ignore[arg-type]  # torch takes tensors and edges mixed; its stub does not
+                    grads,
+                    retain_graph=True,
+                    allow_unused=True,
+                )
             found = {id(t): g for t, g in zip(wanted, got[: len(wanted)], strict=True)}
             saved.weights.take(got[len(wanted) :])
             saved.b_ran = True
@@ -332,7 +342,8 @@ class Stage:
         if saved is None or saved.weights is None:
             raise RuntimeError(f"weight gradients of micro-batch {microbatch} before its B")
         if saved.roots:
-            saved.weights.compute(self.module, saved.roots, saved.root_grads, saved.b_ran)
+            with self._loss_context():
+                saved.weights.compute(self.module, saved.roots, saved.root_grads, saved.b_ran)
 
     def clear(self) -> None:
         """Drop whatever a failed or abandoned step left behind."""
