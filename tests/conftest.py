@@ -1,17 +1,23 @@
 """Fixtures every test module shares, and the device: the suite
 runs on CPU, as CI does, even on a GPU machine (where every process would otherwise take
 cuda:LOCAL_RANK). tests/test_cuda.py runs on GPUs with GPIPE_TEST_CUDA=1. W&B runs offline,
-into their run folders."""
+into their run folders. Hypothesis sets no deadline on an example."""
 
 import os
 
 import pytest
+from hypothesis import settings
 
 if os.environ.get("GPIPE_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything asks CUDA for its devices
 os.environ["WANDB_MODE"] = "offline"  # runs with --report-to wandb write only to their folder
 
 from . import workers
+
+# no deadline per example: on a loaded 2-core machine an example's time says nothing about
+# the code, and speed is measured in benchmarks, not asserted in tests
+settings.register_profile("gpipe", deadline=None)
+settings.load_profile("gpipe")
 
 
 @pytest.fixture(autouse=True, scope="module")
