@@ -5,10 +5,10 @@ program of the schedule, and exchanges boundary tensors with its neighbours poin
 
 ``Pipeline`` checks its arguments, builds one collaborator per concern and delegates to them:
 ``RankPlacement`` and ``build_stages`` (which stages this rank holds, built on its device),
-``StepRunner`` (running a step, ``self.runner``: ``gpipe.engine``), ``Replicas`` (data
-parallelism), ``Precision`` (autocast and loss scaling). Its layers are registered under their
-names in the whole model, so ``state_dict`` and ``named_parameters`` read like the original
-model's.
+``StepRunner`` (running a step, ``self.runner``: ``gpipe.engine``), ``join`` (the groups of
+its replicas and tensor ranks: ``gpipe.parallel.world``), ``Precision`` (autocast and loss
+scaling). Its layers are registered under their names in the whole model, so ``state_dict``
+and ``named_parameters`` read like the original model's.
 """
 
 from __future__ import annotations
@@ -42,16 +42,10 @@ from gpipe.engine import (
     given_microbatches,
 )
 from gpipe.engine.generation import Generation, GenerationRefused
-from gpipe.parallel.replicas import Replicas, check_bucket_bytes
-from gpipe.parallel.sharding import Sharding, check_shard
-from gpipe.parallel.tensor import (
-    ParallelMesh,
-    PlanValue,
-    TensorPlan,
-    check_tensor_parallel,
-    resolve_plan,
-)
+from gpipe.parallel.sharding import Sharding
+from gpipe.parallel.tensor import PlanValue
 from gpipe.parallel.ties import counted as counted_once
+from gpipe.parallel.world import check_dimensions, join
 from gpipe.planning.auto import AutoChoice, agreed_choice, check_auto
 from gpipe.planning.balancing import balance_by_time
 from gpipe.runtime.microbatch import Batch, check_chunks
@@ -107,56 +101,6 @@ def _check_step_options(loss_fn: object, loss_reduction: object, timeout: object
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
 
 
-def _check_data_parallel(
-    data_parallel: object,
-    bucket_bytes: object,
-    group: dist.ProcessGroup | None,
-    shard: object,
-    module: nn.Sequential,
-) -> tuple[float | None, Sharding | None]:
-    """The checked bucket size and sharding of ``module``; refuses a bad ``data_parallel`` or
-    one beside a ``group``."""
-    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
-        raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
-    checked = check_bucket_bytes(bucket_bytes)
-    if data_parallel != 1 and group is not None:
-        raise ValueError(
-            "pass group or data_parallel, not both: data_parallel lays its pipelines out "
-            "over the whole world"
-        )
-    return checked, check_shard(shard, data_parallel, module)
-
-
-def _check_tensor_parallel(
-    tensor_parallel: object,
-    tp_plan: object,
-    loss_parallel: object,
-    group: dist.ProcessGroup | None,
-    module: nn.Sequential,
-) -> TensorPlan | None:
-    """The plan that splits ``module``'s stages over ``tensor_parallel`` ranks (None when
-    there is one), checked against the whole model before any process group work."""
-    size = check_tensor_parallel(tensor_parallel)
-    if not isinstance(loss_parallel, bool):
-        raise TypeError(f"loss_parallel must be True or False, got {loss_parallel!r}")
-    if loss_parallel and size == 1:
-        raise ValueError(
-            "loss_parallel=True splits the logits over tensor ranks and needs "
-            "tensor_parallel > 1, got tensor_parallel=1"
-        )
-    if size > 1 and group is not None:
-        raise ValueError(
-            "pass group or tensor_parallel, not both: tensor_parallel lays its ranks out "
-            "over the whole world"
-        )
-    if size == 1 and tp_plan is None:
-        return None
-    plan = resolve_plan(tp_plan, module, size)  # type: ignore[arg-type]  # checked inside
-    if loss_parallel:
-        plan = plan.with_split_logits(list(module.named_children())[-1][0])
-    return plan if size > 1 else None
-
-
 def _stage_balance(
     module: nn.Sequential,
     balance: list[int] | None,
@@ -175,31 +119,6 @@ def _stage_balance(
     if not checked:
         raise ValueError("Pipeline needs at least one layer: layers is empty")
     return checked
-
-
-def _joined(
-    device: torch.device,
-    group: dist.ProcessGroup | None,
-    data_parallel: int,
-    tensor_parallel: int,
-    timeout: float,
-    sharding: Sharding | None,
-) -> tuple[Replicas | None, dist.ProcessGroup | None, ParallelMesh | None]:
-    """Join the process group (unless given one) and, with replicas or tensor ranks, their
-    groups; returns the replicas, the pipeline's group and, with tensor ranks, the mesh."""
-    if group is None:
-        init_process_group(device, timeout)
-    if tensor_parallel > 1:
-        mesh = ParallelMesh.create(device, data_parallel, tensor_parallel)
-        pipeline = mesh.group("pipeline")
-        if data_parallel == 1:
-            return None, pipeline, mesh
-        sharded = sharding is not None
-        return Replicas.on_mesh(mesh.group("data"), pipeline, timeout, sharded), pipeline, mesh
-    if data_parallel == 1:
-        return None, group, None
-    replicas = Replicas.create(data_parallel, float(timeout), sharding is not None)
-    return replicas, replicas.pipeline_group, None
 
 
 def _settings_of(choice: AutoChoice) -> tuple[ScheduleSource, int, list[int]]:
@@ -349,17 +268,24 @@ class Pipeline(nn.Module):
         self.device = rank_device(device)
         self.autocast = check_autocast(autocast, self.device)
         self.deferred_batch_norm = deferred_batch_norm
-        buckets, sharding = _check_data_parallel(data_parallel, bucket_bytes, group, shard, module)
-        tensor_plan = _check_tensor_parallel(tensor_parallel, tp_plan, loss_parallel, group, module)
-        self.tensor_parallel = tensor_parallel
+        dims = check_dimensions(
+            module,
+            group,
+            data_parallel=data_parallel,
+            bucket_bytes=bucket_bytes,
+            shard=shard,
+            tensor_parallel=tensor_parallel,
+            tp_plan=tp_plan,
+            loss_parallel=loss_parallel,
+        )
+        self.tensor_parallel = dims.tensor_parallel
 
         # the processes, and the schedule and cut of the model they agree on
-        self.replicas, self.group, self.mesh = _joined(
-            self.device, group, data_parallel, tensor_parallel, timeout, sharding
-        )
+        world = join(self.device, group, dims, self.timeout)
+        self.replicas, self.group, self.mesh = world.replicas, world.group, world.mesh
         self.n_ranks, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         # with several pipelines side by side, all of them follow the first's choices
-        agreeing_group = self.group if self.replicas is None and self.mesh is None else None
+        agreeing_group = None if world.several_pipelines else self.group
         self.auto_choice: AutoChoice | None = None
         if auto:  # the replicas agree with the first pipeline's choice
             self.auto_choice = agreed_choice(
@@ -392,13 +318,15 @@ class Pipeline(nn.Module):
             autocast=self.autocast,
             deferred_batch_norm=deferred_batch_norm,
             seed=seed,
-            sharding=sharding,
+            sharding=dims.sharding,
             replicas=self.replicas,
-            tensor_plan=tensor_plan,
+            tensor_plan=dims.tensor_plan,
             mesh=self.mesh,
-            loss_parallel=loss_parallel,
+            loss_parallel=dims.loss_parallel,
         )
-        self._build(module, skips, source, recipe, local_pipes=local_pipes, bucket_bytes=buckets)
+        self._build(
+            module, skips, source, recipe, local_pipes=local_pipes, bucket_bytes=dims.bucket_bytes
+        )
 
     def _build(
         self,
