@@ -9,7 +9,16 @@ import pytest
 if os.environ.get("GPIPE_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything asks CUDA for its devices
 
+import torch
+
+from gpipe.training.launch import threads_per_process
+
 from . import workers
+
+# Each of xdist's workers is one of the processes that share this machine's cores: its own
+# PyTorch work takes its share of threads, as gpipe.launch gives each process it starts,
+# rather than a thread per core in every worker (threads that then wait on each other).
+torch.set_num_threads(threads_per_process(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 @pytest.fixture(autouse=True, scope="module")
