@@ -51,3 +51,30 @@ def one_process_group():
     yield
     if started:
         dist.destroy_process_group()
+
+
+# The modules that take longest in a run of the suite, longest first. xdist hands whole modules
+# to its workers in collection order (pyproject's --no-loadscope-reorder; by default it would
+# hand out the modules with the most tests first, which left the longest, with few tests, to
+# the end): these start first and the short ones fill in beside them, rather than one worker
+# running a long one alone at the end after the other has finished.
+LONGEST_FIRST = (
+    "tests/test_examples.py",
+    "tests/training/test_restart.py",
+    "tests/training/test_train_models.py",
+    "tests/cli/test_train.py",
+    "tests/splitting/test_transformers.py",
+    "tests/training/test_launch.py",
+    "tests/engine/test_distributed_schedules.py",
+    "tests/test_pipeline.py",
+    "tests/data/test_packed_split.py",
+    "tests/parallel/test_sharding.py",
+    "tests/training/test_train_pack.py",
+    "tests/training/test_checkpoint_safety.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """The modules of LONGEST_FIRST first, in its order; the others after, as collected."""
+    order = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.nodeid.split("::")[0], len(order)))
