@@ -12,12 +12,21 @@ if os.environ.get("GPIPE_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything asks CUDA for its devices
 os.environ["WANDB_MODE"] = "offline"  # runs with --report-to wandb write only to their folder
 
+import torch
+
+from gpipe.training.launch import threads_per_process
+
 from . import workers
 
 # no deadline per example: on a loaded 2-core machine an example's time says nothing about
 # the code, and speed is measured in benchmarks, not asserted in tests
 settings.register_profile("gpipe", deadline=None)
 settings.load_profile("gpipe")
+
+# Each of xdist's workers is one of the processes that share this machine's cores: its own
+# PyTorch work takes its share of threads, as gpipe.launch gives each process it starts,
+# rather than a thread per core in every worker (threads that then wait on each other).
+torch.set_num_threads(threads_per_process(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -50,3 +59,31 @@ def one_process_group():
     yield
     if started:
         dist.destroy_process_group()
+
+
+# The modules that take longest in a run of the suite, longest first. xdist hands whole modules
+# to its workers in collection order (pyproject's --no-loadscope-reorder; by default it would
+# hand out the modules with the most tests first, which left the longest, with few tests, to
+# the end): these start first and the short ones fill in beside them, rather than one worker
+# running a long one alone at the end after the other has finished.
+LONGEST_FIRST = (
+    "tests/test_examples.py",
+    "tests/training/test_restart.py",
+    "tests/training/test_train_models.py",
+    "tests/cli/test_train.py",
+    "tests/splitting/test_transformers.py",
+    "tests/training/test_launch.py",
+    "tests/engine/test_distributed_schedules.py",
+    "tests/test_pipeline.py",
+    "tests/parallel/test_tensor.py",
+    "tests/data/test_packed_split.py",
+    "tests/parallel/test_sharding.py",
+    "tests/training/test_train_pack.py",
+    "tests/training/test_checkpoint_safety.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """The modules of LONGEST_FIRST first, in its order; the others after, as collected."""
+    order = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.nodeid.split("::")[0], len(order)))

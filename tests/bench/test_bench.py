@@ -1,9 +1,9 @@
 """`gpipe bench`: the report's structure on a tiny run, its arithmetic on made-up timings,
 and clear errors for bad options. No timing is asserted: figures depend on the machine."""
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -23,12 +23,16 @@ def _has_torchgpipe() -> bool:
 
 
 def _bench(out, *args: str) -> tuple[dict, str]:
-    """A tiny ``gpipe bench`` of every schedule without re-materialization, one step each."""
-    command = [sys.executable, "-m", "gpipe.cli", "bench", "--size", "tiny", "--repeats", "1"]
-    command += ["--warmup", "0", "--modes", "never", "--out", str(out), *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads((out / "bench.json").read_text()), done.stdout
+    """A tiny ``gpipe bench`` of every schedule without re-materialization, one step each:
+    the command's ``main`` in this process, whose contenders' processes start as a command's
+    do (forked from this process's forkserver), without a fresh interpreter and forkserver
+    that import torch and gpipe again for each of the module's two reports."""
+    argv = ["bench", "--size", "tiny", "--repeats", "1", "--warmup", "0", "--modes", "never"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main([*argv, "--out", str(out), *args])
+    assert code == 0, printed.getvalue()[-3000:]
+    return json.loads((out / "bench.json").read_text()), printed.getvalue()
 
 
 @pytest.fixture(scope="module")
