@@ -248,6 +248,12 @@ def generation() -> list[list[int]]:
     return got
 
 
+def _shared_within_a_stage() -> nn.Sequential:
+    layers = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+    layers[1].weight = layers[0].weight
+    return layers
+
+
 def bad_inputs() -> dict:
     """Each refusal, one line, on every rank alike."""
     found = {}
@@ -278,6 +284,12 @@ def bad_inputs() -> dict:
         ),
         "size": lambda: Pipeline(gpt(), [2, 2], tensor_parallel=0),
         "loss parallel alone": lambda: Pipeline(gpt(), [2, 2], loss_parallel=True),
+        "tie split unlike": lambda: Pipeline(
+            gpt(), [2, 2], tensor_parallel=2, tp_plan={"0.token": "rowwise", "*.mlp.fc": "colwise"}
+        ),
+        "shared in a stage": lambda: Pipeline(
+            _shared_within_a_stage(), [2, 2], tensor_parallel=2, tp_plan={"0": "colwise"}
+        ),
         "layer type": lambda: Pipeline(
             gpt(), [2, 2], tensor_parallel=2, tp_plan={"1.ln1": "colwise"}
         ),

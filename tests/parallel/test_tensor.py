@@ -57,4 +57,10 @@ def test_bad_tensor_parallel_input_is_refused_in_one_line():
     assert "got 'diagonal'" in e["style"]
     assert "tensor_parallel must be a positive integer, got 0" in e["size"]
     assert "loss_parallel=True splits the logits" in e["loss parallel alone"]
+    assert "splits the copies of a weight tied across stages differently" in e["tie split unlike"]
+    assert "0.token.weight: split along dim 0, 3.proj.weight: whole" in e["tie split unlike"]
+    assert (
+        "tp_plan splits 0 and 1, which share a parameter within one stage"
+        in (e["shared in a stage"])
+    )
     assert "applies to nn.Linear and nn.Embedding, and 1.ln1 is a LayerNorm" in e["layer type"]

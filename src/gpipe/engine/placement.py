@@ -146,8 +146,11 @@ def build_stages(
     # a parameter that layers of several stages share: a copy on each, gradients summed
     # over the copies at the end of every step (so they stay equal)
     ties = find_ties(module, balance)
-    untie(module, ties)
     children = list(module.named_children())
+    if recipe.tensor_plan is not None:
+        stage_layers = [[n for n, _ in children[a:b]] for a, b in stage_bounds(balance)]
+        recipe.tensor_plan.check_sharing(module, stage_layers, ties)
+    untie(module, ties)
     layers: dict[str, nn.Module] = {}
     stages: dict[int, Stage] = {}
     for stage in placement.stages:

@@ -17,7 +17,7 @@ stages ``gpipe.split`` cuts from a Hugging Face model by its ``base_model_tp_pla
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, cast
@@ -36,6 +36,8 @@ from torch.distributed.tensor.parallel import (
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from gpipe.parallel.ties import Tie
 
 __all__ = [
     "MESH_DIMS",
@@ -223,6 +225,53 @@ class TensorPlan:
             )
         return TensorPlan(self.tensor_parallel, styles)
 
+    def split_dim(self, parameter: str, module: nn.Module) -> int | None:
+        """The dimension along which the plan splits ``parameter`` (named in the whole
+        model; ``module`` holds it), -1 when it stays whole, None when a style of the
+        user's own says nothing PyTorch's styles would tell."""
+        owner, _, attr = parameter.rpartition(".")
+        style = self.styles.get(owner)
+        if style is None or isinstance(style, SequenceParallel):
+            return -1
+        kind = (
+            "colwise"
+            if isinstance(style, ColwiseParallel)
+            else "rowwise"
+            if isinstance(style, RowwiseParallel)
+            else None
+        )
+        if kind is None or not isinstance(module, nn.Linear | nn.Embedding):
+            return None
+        # a linear map's weight is (out, in), an embedding's (vocabulary, size)
+        by_rows = (kind == "colwise") == isinstance(module, nn.Linear)
+        if attr == "bias":
+            return 0 if kind == "colwise" else -1
+        return 0 if by_rows else 1
+
+    def check_sharing(
+        self, module: nn.Sequential, stages: Sequence[Sequence[str]], ties: Sequence[Tie]
+    ) -> None:
+        """Refuse, on every rank alike, parameters shared in a way the plan would break: by
+        modules of one stage (``stages``: each stage's layer names) of which it splits one,
+        each would get a split parameter of its own; and the copies of a weight tied across
+        stages must be split alike, since they are summed shard by shard."""
+        for names in stages:
+            styles = self.within(set(names))
+            partition = nn.ModuleDict({name: module.get_submodule(name) for name in names})
+            _refuse_shared(partition, styles)
+        modules = dict(module.named_modules())
+        for tie in ties:
+            names = [name for _, copies in tie.copies for name in copies]
+            dims = {n: self.split_dim(n, modules[n.rpartition(".")[0]]) for n in names}
+            if None in dims.values() or len(set(dims.values())) == 1:
+                continue
+            said = ", ".join(f"{n}: {_said(d)}" for n, d in dims.items())
+            raise ValueError(
+                f"tp_plan splits the copies of a weight tied across stages differently ({said}); "
+                "split them alike (an embedding rowwise and its tied head colwise) or leave "
+                "both whole"
+            )
+
     def apply(self, partition: nn.Sequential, mesh: DeviceMesh) -> None:
         """Split ``partition``'s modules (named as in the whole model) over ``mesh``."""
         styles = self.within({name for name, _ in partition.named_children()})
@@ -232,6 +281,26 @@ class TensorPlan:
         for param in partition.parameters():
             if param.requires_grad:  # the hook passes over whole parameters
                 param.register_post_accumulate_grad_hook(_placed_like_parameter)
+
+
+def _said(dim: int | None) -> str:
+    return "whole" if dim == -1 else f"split along dim {dim}"
+
+
+def _refuse_shared(partition: nn.Module, styles: Mapping[str, ParallelStyle]) -> None:
+    """Refuse a parameter that several modules of one stage share where the plan splits one
+    of them: each would be given a split parameter of its own, and the tie would be lost."""
+    users: dict[int, list[str]] = {}
+    for name, module in partition.named_modules():
+        for param in module.parameters(recurse=False):
+            users.setdefault(id(param), []).append(name)
+    for names in users.values():
+        if len(names) > 1 and any(n in styles for n in names):
+            raise ValueError(
+                f"tp_plan splits {' and '.join(names)}, which share a parameter within one "
+                "stage: splitting would make it two; put them on different stages or leave "
+                "them whole"
+            )
 
 
 def _placed_like_parameter(param: Tensor) -> None:
