@@ -23,14 +23,10 @@ def next_token_loss(out, ids: torch.Tensor) -> torch.Tensor:
     return cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def _untied():
-    return llama_model(tie_word_embeddings=False)
-
-
-def exactness() -> dict:
+def exactness(tied: bool = False) -> dict:
     """Every combination's loss and gathered gradients against the unsplit model's; returns
     how many combinations were checked and which of this rank's parameters were split."""
-    reference = _untied()
+    reference = llama_model(tie_word_embeddings=tied)
     ids = torch.randint(1, 64, (4, 8), generator=torch.Generator().manual_seed(1))
     want = next_token_loss(reference(input_ids=ids), ids)
     want.backward()

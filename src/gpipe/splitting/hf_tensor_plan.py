@@ -47,12 +47,24 @@ def _class_tp_plan(model: nn.Module) -> Mapping[str, str]:
 
 def model_tp_plan(model: nn.Module, base: str) -> dict[str, str]:
     """``model``'s declared plan keyed from the causal LM: its config's ``base_model_tp_plan``
-    under ``base`` (the base model's name) and the class's own."""
+    under ``base`` (the base model's name) and the class's own, less the entries for modules
+    that hold a tied weight (a head tied to the embedding stays whole, as the embedding is:
+    the copies of a tie must be laid out alike)."""
     config: Any = getattr(model, "config", None)
     declared = getattr(config, "base_model_tp_plan", None) or {}
     plan = {f"{base}.{key}": style for key, style in dict(declared).items()}
     plan.update(_class_tp_plan(model))
-    return plan
+    tied = _holding_tied(model)
+    return {k: v for k, v in plan.items() if not any(_matches(k, name) for name in tied)}
+
+
+def _holding_tied(model: nn.Module) -> list[str]:
+    """The names of the modules that hold a parameter another module holds too."""
+    holders: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append(name)
+    return [name for names in holders.values() if len(names) > 1 for name in names]
 
 
 def torch_plan(plan: Mapping[str, str], model_name: str) -> dict[str, str | ParallelStyle]:
