@@ -216,7 +216,8 @@ class PlanStage(nn.Module):
     @property
     def tp_plan(self) -> dict[str, str | ParallelStyle]:
         """Tensor parallelism (``gpipe.parallel.tensor``): the model's declared plan for the
-        modules this stage holds, in torch's styles; refuses a style with no translation."""
+        modules this stage holds, its styles translated (``hf_tensor_plan``); refuses, when
+        asked, a style with no translation, so a model with one is still cut."""
         plan = torch_plan(self.hf_tp_plan, type(self.shell).__name__)
         names = (name for name, _ in self.named_modules())
         return held_plan(plan, names, set(self._elsewhere()))
