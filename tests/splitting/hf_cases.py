@@ -42,8 +42,8 @@ def bert_model():
     return BertForSequenceClassification(config).double()
 
 
-def llama_model():
-    """A Llama with tied embeddings: cut by its own pipeline plan."""
+def llama_model(tie_word_embeddings: bool = True):
+    """A Llama (tied embeddings unless told): cut by its own pipeline plan."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -55,7 +55,7 @@ def llama_model():
         num_key_value_heads=2,
         vocab_size=64,
         max_position_embeddings=32,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         use_cache=False,
         pad_token_id=0,
     )

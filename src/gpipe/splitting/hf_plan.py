@@ -30,9 +30,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from gpipe.planning.balancing import partition
 from gpipe.runtime.kv_cache import CacheContext
+from gpipe.splitting.hf_tensor_plan import held_plan, model_tp_plan, torch_plan
 
 __all__ = [
     "HEAD_ONLY",
@@ -177,10 +179,12 @@ class PlanStage(nn.Module):
     for its layers ``[start, stop)`` under their original names, run by the model's own
     ``forward``. It takes the model's arguments (the first stage: a tensor of token ids, a
     tuple of positional arguments or a dict by name) or the stage before's payload, and
-    returns the next stage's payload (a dict) or, on the last, what the model returns."""
+    returns the next stage's payload (a dict) or, on the last, what the model returns.
+    It declares the model's own tensor-parallel plan for the modules it holds (``tp_plan``)."""
 
     shell: nn.Module  # the model's copy around this stage's modules (not a submodule)
     arg_names: list[str]  # the model's positional arguments
+    hf_tp_plan: dict[str, str]  # the model's declared plan, Hugging Face's style names
 
     def __init__(
         self, model: nn.Module, layout: PlanLayout, index: int, bounds: Sequence[int]
@@ -189,6 +193,7 @@ class PlanStage(nn.Module):
         self.index, self.n_stages = index, len(bounds) - 1
         self.start, self.stop = bounds[index], bounds[index + 1]
         self.layout = layout
+        self.hf_tp_plan = model_tp_plan(model, layout.base)
         shell, self._hand_over = self._shell(model)
         self.__dict__["shell"] = shell  # not registered: its children are the stage's
         for name, child in shell.named_children():
@@ -207,6 +212,26 @@ class PlanStage(nn.Module):
     @property
     def is_last(self) -> bool:
         return self.index == self.n_stages - 1
+
+    @property
+    def tp_plan(self) -> dict[str, str | ParallelStyle]:
+        """Tensor parallelism (``gpipe.parallel.tensor``): the model's declared plan for the
+        modules this stage holds, its styles translated (``hf_tensor_plan``); refuses, when
+        asked, a style with no translation, so a model with one is still cut."""
+        plan = torch_plan(self.hf_tp_plan, type(self.shell).__name__)
+        names = (name for name, _ in self.named_modules())
+        return held_plan(plan, names, set(self._elsewhere()))
+
+    def _elsewhere(self) -> list[str]:
+        """The names of the plan's modules that other stages hold (stand-ins here)."""
+        layout = self.layout
+        names = [layout.layer_name(i) for i in range(layout.n_layers)]
+        names = names[: self.start] + names[self.stop :]
+        if not self.is_first:
+            names += [f"{layout.base}.{entry}" for entry in layout.before]
+        if not self.is_last:
+            names += [f"{layout.base}.{entry}" for entry in layout.after] + [layout.head]
+        return names
 
     def _shell(self, model: nn.Module) -> tuple[nn.Module, _StandIn | None]:
         """A copy of ``model`` around the modules this stage keeps: one ``deepcopy`` whose

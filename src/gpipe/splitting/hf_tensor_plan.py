@@ -1,0 +1,104 @@
+"""A Hugging Face causal LM's own tensor-parallel plan, as ``gpipe.parallel.tensor`` takes it:
+what each stage cut by the pipeline plan declares as its ``tp_plan``.
+
+A config declares ``base_model_tp_plan`` (keyed inside the base model: ``layers.*.mlp.up_proj``)
+and the causal LM class its head's (``{"lm_head": "colwise_gather_output"}``). Both are keyed
+here from the causal LM, as a stage names its modules, and their style names translated: the
+ones the engine knows by name stay names, so that it checks that ``tensor_parallel`` divides
+every split size and the heads of each attention map (key/value heads included); the head's
+gathered columns become a ``ColwiseParallel`` that replicates its output. Translation waits
+until a plan is asked for, so a model whose plan uses other styles is still cut and run
+without tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from fnmatch import fnmatchcase
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+
+__all__ = ["HF_STYLES", "held_plan", "model_tp_plan", "torch_plan"]
+
+
+def _gathered_columns() -> ParallelStyle:
+    return ColwiseParallel(output_layouts=Replicate())
+
+
+# Hugging Face's style names and what each is in gpipe.parallel.tensor's terms
+HF_STYLES: dict[str, Callable[[], str | ParallelStyle]] = {
+    "colwise": lambda: "colwise",  # ColwiseParallel()
+    "rowwise": lambda: "rowwise",  # RowwiseParallel()
+    "sequence_parallel": lambda: "sequence",  # SequenceParallel()
+    "colwise_gather_output": _gathered_columns,
+    "colwise_rep": _gathered_columns,  # its name in older transformers (4.4x)
+}
+
+
+def _class_tp_plan(model: nn.Module) -> Mapping[str, str]:
+    """The causal LM class's own plan (its head's). transformers declares it only as the class
+    attribute ``_tp_plan``; an instance's ``tp_plan`` merges the base model's into it and, from
+    5.x, adds a vocabulary split of the embedding that the config does not declare."""
+    return getattr(type(model), "_tp_plan", None) or {}
+
+
+def model_tp_plan(model: nn.Module, base: str) -> dict[str, str]:
+    """``model``'s declared plan keyed from the causal LM: its config's ``base_model_tp_plan``
+    under ``base`` (the base model's name) and the class's own, less the entries for modules
+    that hold a tied weight (a head tied to the embedding stays whole, as the embedding is:
+    the copies of a tie must be laid out alike)."""
+    config: Any = getattr(model, "config", None)
+    declared = getattr(config, "base_model_tp_plan", None) or {}
+    plan = {f"{base}.{key}": style for key, style in dict(declared).items()}
+    plan.update(_class_tp_plan(model))
+    tied = _holding_tied(model)
+    return {k: v for k, v in plan.items() if not any(_matches(k, name) for name in tied)}
+
+
+def _holding_tied(model: nn.Module) -> list[str]:
+    """The names of the modules that hold a parameter another module holds too."""
+    holders: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append(name)
+    return [name for names in holders.values() if len(names) > 1 for name in names]
+
+
+def torch_plan(plan: Mapping[str, str], model_name: str) -> dict[str, str | ParallelStyle]:
+    """``plan``'s styles translated; refuses, in one line, a style that has no translation."""
+    translated: dict[str, str | ParallelStyle] = {}
+    for key, style in plan.items():
+        if style not in HF_STYLES:
+            raise ValueError(
+                f"{model_name}'s tensor plan splits {key!r} as {style!r}, which gpipe does not "
+                f"translate (it takes {sorted(HF_STYLES)}); pass Pipeline(tp_plan=...) instead"
+            )
+        translated[key] = HF_STYLES[style]()
+    return translated
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """Whether the dotted module name ``name`` matches ``pattern``, one name per ``*``."""
+    atoms, parts = pattern.split("."), name.split(".")
+    return len(atoms) == len(parts) and all(map(fnmatchcase, parts, atoms))
+
+
+def held_plan(
+    plan: Mapping[str, str | ParallelStyle], names: Iterable[str], elsewhere: set[str]
+) -> dict[str, str | ParallelStyle]:
+    """The entries of ``plan`` for the modules named ``names`` but not ``elsewhere`` (the
+    stand-ins of a stage for modules other stages hold): a pattern stays a pattern unless it
+    also matches a stand-in; then it becomes the held modules it matches."""
+    names = [n for n in names if n]
+    held: dict[str, str | ParallelStyle] = {}
+    for key, style in plan.items():
+        found = [n for n in names if _matches(key, n)]
+        kept = [n for n in found if n not in elsewhere]
+        if kept and len(kept) == len(found):
+            held[key] = style
+        else:
+            held.update(dict.fromkeys(kept, style))
+    return held
