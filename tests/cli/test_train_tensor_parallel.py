@@ -99,6 +99,9 @@ def test_a_tensor_parallel_the_model_cannot_take_is_refused_in_one_line(capsys, 
     assert "does not divide the 30 output features of 1.mlp.fc" in _refused(
         capsys, "--preset", "tiny", "--n-head", "4", "--d-ff", "30", "--tensor-parallel", "4", *out
     )
+    assert "a helper process cannot write the split (DTensor) state" in _refused(
+        capsys, "--preset", "tiny", "--tensor-parallel", "2", "--save-writer", "process", *out
+    )
     assert not (tmp_path / "new").exists()
 
 

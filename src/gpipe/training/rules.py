@@ -56,6 +56,12 @@ def check_options(model: TrainModel, opts: TrainOptions) -> None:
             f"--save-writer {opts.save_writer} (given, or the run's own) says what writes in "
             "the background, but --sync-save writes with training stopped: give one of them"
         )
+    if opts.save_writer == "process" and opts.tensor_parallel > 1:
+        raise ConfigError(
+            f"--save-writer process (given, or the run's own): a helper process cannot write "
+            f"the split (DTensor) state of --tensor-parallel {opts.tensor_parallel}; write by a "
+            "thread (--save-writer thread or auto)"
+        )
     if opts.keep < 1:
         raise ConfigError(
             f"--keep must be at least 1 (the newest good checkpoint), got {opts.keep}"
