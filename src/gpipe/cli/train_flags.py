@@ -51,6 +51,14 @@ def add_pipeline_options(pipe: Any) -> None:
         "among them (default 1)",
     )
     pipe.add_argument(
+        "--tensor-parallel",
+        type=int,
+        metavar="T",
+        help="ranks each stage's layers are split over (the GPT's attention heads, MLP and "
+        "vocabulary), T x stages x data-parallel processes in all; the T ranks of a stage read "
+        "the same rows (default 1)",
+    )
+    pipe.add_argument(
         "--shard",
         choices=["none", "optimizer", "gradients", "full"],
         help="with --data-parallel: full splits each stage's parameters, gradients and "

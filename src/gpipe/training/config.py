@@ -58,6 +58,7 @@ class TrainConfig:
     # the pipeline
     stages: int | None = None
     data_parallel: int | None = None
+    tensor_parallel: int | None = None
     shard: str | None = None
     chunks: int | None = None
     checkpoint: str | None = None  # re-materialization: always, except_last, never

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from gpipe.pipeline import Pipeline
 from gpipe.training.options import TrainOptions
@@ -21,12 +22,20 @@ def learning_rate(step: int, opts: TrainOptions) -> float:
 
 
 def build_optimizer(pipe: Pipeline, opts: TrainOptions) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on biases and norms)."""
+    """AdamW with weight decay on matrices only (not on biases and norms). Split parameters
+    (DTensors, under tensor parallelism) and whole ones go in groups of their own: the
+    optimizer's foreach kernels take one kind or the other in a call, never both."""
     params = [p for p in pipe.parameters() if p.requires_grad]
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": opts.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if _kind(p) == (matrix, split)], "weight_decay": decay}
+        for matrix, decay in ((True, opts.weight_decay), (False, 0.0))
+        for split in (False, True)
     ]
     return torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=opts.lr, betas=(0.9, 0.95), foreach=True
     )
+
+
+def _kind(param: torch.Tensor) -> tuple[bool, bool]:
+    """Whether ``param`` is a matrix, and whether it is split over ranks (a DTensor)."""
+    return param.dim() >= 2, isinstance(param, DTensor)

@@ -19,6 +19,7 @@ class TrainOptions:
 
     stages: int = 2
     data_parallel: int = 1  # replicas of the pipeline; --batch-size is split among them
+    tensor_parallel: int = 1  # ranks each stage's layers are split over; they read the same rows
     shard: str = "none"  # full: each stage's states split over its replicas (fully_shard)
     chunks: int | None = 8  # None: chosen by --schedule auto
     checkpoint: str = "except_last"

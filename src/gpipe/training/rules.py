@@ -5,6 +5,7 @@ given and what is expected."""
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +40,7 @@ def check_options(model: TrainModel, opts: TrainOptions) -> None:
     for name in (
         "stages",
         "data_parallel",
+        "tensor_parallel",
         "chunks",
         "steps",
         "batch_size",
@@ -53,6 +55,12 @@ def check_options(model: TrainModel, opts: TrainOptions) -> None:
         raise ConfigError(
             f"--save-writer {opts.save_writer} (given, or the run's own) says what writes in "
             "the background, but --sync-save writes with training stopped: give one of them"
+        )
+    if opts.save_writer == "process" and opts.tensor_parallel > 1:
+        raise ConfigError(
+            f"--save-writer process (given, or the run's own): a helper process cannot write "
+            f"the split (DTensor) state of --tensor-parallel {opts.tensor_parallel}; write by a "
+            "thread (--save-writer thread or auto)"
         )
     if opts.keep < 1:
         raise ConfigError(
@@ -79,6 +87,7 @@ def check_options(model: TrainModel, opts: TrainOptions) -> None:
             f"--seq-len {opts.seq_len} is above the model's maximum of {model.seq_len} ({more})"
         )
     _check_shard(opts)
+    _check_tensor_parallel(model, opts)
     if model.kind == "hf" and opts.balance not in ("time", "params"):
         raise ConfigError(
             f"--balance {opts.balance}: a Hugging Face model is cut by tracing, by parameters "
@@ -111,6 +120,23 @@ def _check_shard(opts: TrainOptions) -> None:
         raise ConfigError(
             f"--shard {opts.shard} (with --data-parallel {opts.data_parallel}): {exc}"
         ) from None
+
+
+def _check_tensor_parallel(model: TrainModel, opts: TrainOptions) -> None:
+    """``--tensor-parallel T``: the plan the model's layers declare, checked on the meta
+    device as the engine checks it (every size it splits divisible by T: heads, hidden
+    sizes, the vocabulary). A model from a factory is built only in the processes, whose
+    engine checks it there."""
+    if opts.tensor_parallel == 1 or model.kind not in ("gpt", "hf"):
+        return
+    from gpipe.parallel.tensor import resolve_plan
+
+    # a copy: splitting a Hugging Face model records its cut on the model it splits
+    layers = copy.copy(model).layers(opts.parts, opts.seed, "params")
+    try:
+        resolve_plan(None, layers, opts.tensor_parallel)
+    except ValueError as exc:
+        raise ConfigError(f"--tensor-parallel {opts.tensor_parallel}: {exc}") from None
 
 
 def _check_auto(opts: TrainOptions, model: TrainModel) -> None:

@@ -28,7 +28,15 @@ from gpipe.training.rules import check_options
 if TYPE_CHECKING:
     from gpipe.training.models.sources import TrainModel
 
-__all__ = ["RUN_FILE", "ResolvedRun", "resolve", "shape_from_world", "train", "under_torchrun"]
+__all__ = [
+    "RUN_FILE",
+    "ResolvedRun",
+    "layout_text",
+    "resolve",
+    "shape_from_world",
+    "train",
+    "under_torchrun",
+]
 
 RUN_FILE = "run.json"  # the run's model config and options, written when it starts
 
@@ -292,7 +300,9 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         restarted=restarted,
         checkpoint=_verified_checkpoint(out) if resume and not torchrun else None,
     )
-    processes = opts.stages * opts.data_parallel
+    processes = opts.stages * opts.data_parallel * opts.tensor_parallel
+    if not torchrun or os.environ["RANK"] == "0":
+        print(f"{processes} {_plural(processes, 'process', 'es')}: {layout_text(opts)}", flush=True)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else processes
     threads = (config.threads or threads_per_process(local)) if opts.device == "cpu" else None
     if torchrun:
@@ -323,30 +333,55 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     return summary
 
 
+def _plural(count: int, word: str, suffix: str = "s") -> str:
+    return word if count == 1 else word + suffix
+
+
+def layout_text(opts: TrainOptions) -> str:
+    """How the processes are laid out, for the log: ``2 stages x 1 replica x 2 tensor ranks``."""
+    k, d, t = opts.stages, opts.data_parallel, opts.tensor_parallel
+    return (
+        f"{k} {_plural(k, 'stage')} x {d} {_plural(d, 'replica')} x {t} tensor {_plural(t, 'rank')}"
+    )
+
+
 def shape_from_world(config: TrainConfig, opts: TrainOptions, world: int) -> None:
     """Stages and replicas from the processes torchrun started: ``--stages K`` keeps the
     pipeline's depth and the replicas follow (D = world / K), so a machine admitted or lost
     under ``--nnodes 1:2`` adds or drops replicas; otherwise D stays (``--data-parallel``,
-    or what the run had) and the depth follows (K = world / D)."""
-    for flag, value in (("--stages", config.stages), ("--data-parallel", config.data_parallel)):
+    or what the run had) and the depth follows (K = world / D). The tensor ranks per stage
+    (``--tensor-parallel``, or what the run had) always stay: K and D share world / T."""
+    for flag, value in (
+        ("--stages", config.stages),
+        ("--data-parallel", config.data_parallel),
+        ("--tensor-parallel", config.tensor_parallel),
+    ):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    tensor = opts.tensor_parallel
+    if world % tensor:
+        raise ConfigError(
+            f"--tensor-parallel {tensor}, but torchrun started {world} processes, not a multiple"
+        )
+    started = f"{world} processes"
+    if tensor > 1:
+        world //= tensor  # the pipelines' ranks: K x D of them
+        started += f" ({world} per tensor rank of --tensor-parallel {tensor})"
     if config.stages is not None:
         if world % config.stages:
             raise ConfigError(
-                f"--stages {config.stages}, but torchrun started {world} processes, not a multiple"
+                f"--stages {config.stages}, but torchrun started {started}, not a multiple"
             )
         if config.data_parallel is not None and config.data_parallel * config.stages != world:
             raise ConfigError(
                 f"--stages {config.stages} x --data-parallel {config.data_parallel} processes, but "
-                f"torchrun started {world}: pass one of them, and the other follows"
+                f"torchrun started {started}: pass one of them, and the other follows"
             )
         opts.stages, opts.data_parallel = config.stages, world // config.stages
         return
     if world % opts.data_parallel:
         raise ConfigError(
-            f"--data-parallel {opts.data_parallel}, but torchrun started {world} processes, "
-            "not a multiple"
+            f"--data-parallel {opts.data_parallel}, but torchrun started {started}, not a multiple"
         )
     opts.stages = world // opts.data_parallel
 

@@ -26,6 +26,7 @@ _RECORD_FIELDS: dict[str, Any] = {
     "step": int,
     "stages": int,
     "data_parallel": int,
+    "tensor_parallel": int,
     "balance": list[int],
 }
 

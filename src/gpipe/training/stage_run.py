@@ -118,6 +118,7 @@ class StageRun:
             loss_fn=model_loss,
             device=self.device,
             data_parallel=opts.data_parallel,
+            tensor_parallel=opts.tensor_parallel,
             shard=None if opts.shard == "none" else opts.shard,
             autocast=PRECISIONS[opts.precision],
             seed=opts.seed,
@@ -195,8 +196,10 @@ class StageRun:
         """Train on the next mini-batch; returns the step's metrics."""
         opts, pipe = self.opts, self.pipe
         kill_point("step", self.step + 1)  # tests only: GPIPE_TEST_KILL loses this process
-        # Dropout draws from a seed of the step, so a resumed run draws the same masks.
-        torch.manual_seed(opts.seed * 1_000_003 + self.step * self.world + self.me)
+        # Dropout draws from a seed of the step, so a resumed run draws the same masks; the
+        # tensor ranks of a stage draw alike, as their copies of the activations must stay equal.
+        pipelines, me = self.world // opts.tensor_parallel, self.me // opts.tensor_parallel
+        torch.manual_seed(opts.seed * 1_000_003 + self.step * pipelines + me)
         lr = learning_rate(self.step, opts)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -233,7 +236,13 @@ class StageRun:
         ties = declared_ties(layers, pipe.balance, names)
         params = dict(pipe.named_parameters())
         tied = TiedGradients(
-            ties, params, pipe.stages, pipe.rank_of, pipe.global_rank, pipe.timeout
+            ties,
+            params,
+            pipe.stages,
+            pipe.rank_of,
+            pipe.global_rank,
+            pipe.timeout,
+            pipeline_group=pipe.group if pipe.mesh is not None else None,
         )
         return ties, tied
 
@@ -274,13 +283,14 @@ class StageRun:
 
     def save(self) -> None:
         """Once per stage: the replicas hold the same weights and optimizer state (their
-        gradients are summed, their BatchNorm statistics merged), so replica 0 writes, in
-        the background unless ``--sync-save``."""
+        gradients are summed, their BatchNorm statistics merged), so replica 0 writes (each
+        of its tensor ranks its shards), in the background unless ``--sync-save``."""
         description = {
             "model": self.model.to_dict(),
             "train": asdict(self.opts),
             "stages": self.pipe.n_ranks,
             "data_parallel": self.opts.data_parallel,
+            "tensor_parallel": self.opts.tensor_parallel,
             "balance": self.pipe.balance,
         }
         extra: dict[str, Any] = {"sampler": self.batches.state_dict(), "step": self.step}

@@ -47,6 +47,7 @@ __all__ = [
     "save_checkpoint",
     "saved_state",
     "verify_checkpoint",
+    "writing_ranks",
 ]
 
 DESCRIPTION = "gpipe.json"  # what the checkpoint is: model config and step, readable by people
@@ -137,14 +138,36 @@ def read_run_record(path: Path) -> dict[str, Any]:
     return checked_run_record(path / DESCRIPTION, require_step=True)
 
 
+def writing_ranks(pipe: Pipeline | None) -> list[int]:
+    """The ranks that write ``pipe``'s checkpoints: its pipeline's, or with replicas the
+    first replica's (the others hold the same state), every tensor rank of each stage (each
+    holds its own shards); every rank, with sharded replicas (each holds its own shard)."""
+    world = dist.get_world_size()
+    if pipe is None or (pipe.replicas is not None and pipe.replicas.sharded):
+        return list(range(world))
+    if pipe.mesh is not None:  # (pipeline, data, tensor): replica 0 of every position
+        return sorted(int(r) for r in pipe.mesh.mesh.mesh[:, 0, :].flatten().tolist())
+    if pipe.replicas is not None:
+        from gpipe.parallel.replicas import layout
+
+        return layout(world, pipe.replicas.data_parallel)[0][0]
+    return dist.get_process_group_ranks(pipe.group or dist.group.WORLD)
+
+
 def checkpoint_group(pipe: Pipeline | None) -> dist.ProcessGroup | None:
-    """The group that saves ``pipe``'s checkpoints: its pipeline's (the first replica's
-    writes for all); with sharded replicas the whole world (None), since every rank holds a
-    different shard, and one ``.metadata`` must list them all."""
+    """The group that saves ``pipe``'s checkpoints, one ``.metadata`` listing what each of
+    its ranks wrote: its pipeline's (the first replica's writes for all); the whole world
+    (None) where every rank writes (sharded replicas), or where the writers are the world
+    (tensor ranks without replicas); with tensor ranks and replicas, a group of the first
+    replica's ranks, made here (collective over the world, as ``new_group`` is)."""
     if pipe is None:
         return None
-    sharded = pipe.replicas is not None and pipe.replicas.sharded
-    return None if sharded else pipe.group
+    ranks = writing_ranks(pipe)
+    if len(ranks) == dist.get_world_size():
+        return None
+    if pipe.mesh is not None:
+        return dist.new_group(ranks)
+    return pipe.group
 
 
 def _barrier(group: dist.ProcessGroup | None) -> None:

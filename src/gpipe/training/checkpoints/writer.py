@@ -42,6 +42,7 @@ from gpipe.training.checkpoints.format import (
     save_checkpoint,
     saved_state,
     verify_checkpoint,
+    writing_ranks,
 )
 from gpipe.training.checkpoints.retention import Retention, prune_checkpoints
 from gpipe.training.checkpoints.save_process import SaveProcess, shared_memory_room, state_bytes
@@ -54,19 +55,6 @@ __all__ = ["PROCESS_BYTES", "CheckpointWriter"]
 # A rank's state from which a helper process writes its checkpoints: the two seconds it takes
 # to start pay for themselves once a write holds the Python lock long enough to be felt.
 PROCESS_BYTES = 64 * 2**20
-
-
-def _writing_ranks(pipe: Pipeline | None) -> list[int]:
-    """The ranks that write a checkpoint: the pipeline's (its first replica's, with replicas,
-    which hold the same state as the others; every rank's, with sharded replicas, each of
-    which holds its own shard)."""
-    if pipe is None or (pipe.replicas is not None and pipe.replicas.sharded):
-        return list(range(dist.get_world_size()))
-    if pipe.replicas is not None:
-        from gpipe.parallel.replicas import layout
-
-        return layout(dist.get_world_size(), pipe.replicas.data_parallel)[0][0]
-    return dist.get_process_group_ranks(pipe.group or dist.group.WORLD)
 
 
 class _AlreadyStaged:
@@ -149,7 +137,7 @@ class CheckpointWriter:
         if background and dist.is_initialized():
             # the threads' own group: the step's collectives run on the pipeline's meanwhile
             self._writers = dist.new_group(
-                _writing_ranks(pipe),
+                writing_ranks(pipe),
                 timeout=datetime.timedelta(seconds=self._timeout),
                 backend="gloo",
             )

@@ -159,7 +159,7 @@ def check_same_everywhere(digest: str, pipe: Pipeline, problem: str) -> None:
         return
     digests: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)
-    replicas = pipe.replicas.data_parallel if pipe.replicas is not None else 1
+    per_position = dist.get_world_size() // pipe.n_ranks  # a stage's replicas and tensor ranks
     for rank, found in enumerate(digests):
         if found != digests[0]:
-            raise StageError(rank // replicas, problem)  # rank = position x D + replica
+            raise StageError(rank // per_position, problem)  # rank = position x D x T + ...
