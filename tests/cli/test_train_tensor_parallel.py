@@ -113,3 +113,29 @@ def test_under_torchrun_the_tensor_ranks_stay_and_the_pipelines_share_the_rest()
         shape_from_world(TrainConfig(), TrainOptions(tensor_parallel=2), 7)
     with pytest.raises(ConfigError, match=r"started 12 processes \(6 per tensor rank"):
         shape_from_world(TrainConfig(stages=4), TrainOptions(tensor_parallel=2), 12)
+
+
+def test_a_hugging_face_model_trains_by_its_own_tensor_plan_and_exports(tmp_path):
+    """A Llama config at T = 2: its starting weights read into the split parameters, the
+    losses of T = 1, and the run exported as a folder ``from_pretrained`` loads."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path / "llama")
+    args = [
+        "--model", f"hf:{tmp_path / 'llama' / 'config.json'}", "--stages", "2", "--steps", "3",
+        "--seq-len", "16", "--batch-size", "4", "--chunks", "2", "--sample-tokens", "0",
+        "--threads", "1", "--quiet",
+    ]  # fmt: skip
+    losses = {}
+    for t in (1, 2):
+        out = tmp_path / f"t{t}"
+        with training_on_shared_processes():
+            assert main(["train", *args, "--tensor-parallel", str(t), "--out", str(out)]) == 0
+        losses[t] = _losses(out)
+    _same_losses(losses[2], losses[1])
+    assert main(["export", str(tmp_path / "t2"), "--hf", str(tmp_path / "exported")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    assert model.config.num_attention_heads == 4

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -47,6 +47,7 @@ __all__ = [
     "check_tensor_parallel",
     "declared_plan",
     "mesh_shape",
+    "placed_like",
     "resolve_plan",
 ]
 
@@ -301,6 +302,20 @@ def _refuse_shared(partition: nn.Module, styles: Mapping[str, ParallelStyle]) ->
                 "stage: splitting would make it two; put them on different stages or leave "
                 "them whole"
             )
+
+
+def placed_like(value: Tensor, target: Tensor) -> Tensor:
+    """``value``, a whole tensor, as ``target`` holds it: this rank's part of it where
+    ``target`` is split over tensor ranks (a DTensor), taken from the whole with no message,
+    since every rank has it; else ``value`` itself."""
+    if not isinstance(target, DTensor) or isinstance(value, DTensor):
+        return value
+    return distribute_tensor(
+        value.to(device=target.device, dtype=target.dtype),
+        target.device_mesh,
+        target.placements,
+        src_data_rank=None,
+    )
 
 
 def _placed_like_parameter(param: Tensor) -> None:

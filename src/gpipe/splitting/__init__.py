@@ -26,6 +26,7 @@ import torch.fx._pytree as fx_pytree
 from torch import Tensor, fx, nn
 from torch.fx.passes.split_module import split_module
 
+from gpipe.parallel.tensor import placed_like
 from gpipe.planning.balancing import partition
 from gpipe.skip import Namespace
 from gpipe.splitting.cuts import (
@@ -142,8 +143,8 @@ class SplitModel(nn.Sequential):
                 key = next((a for a in self._names.get(name, [name]) if a in state_dict), None)
                 if key is None:
                     missing.append(name)
-                else:
-                    values[name] = state_dict[key]
+                else:  # split as this rank holds it, under tensor parallelism
+                    values[name] = placed_like(state_dict[key], wanted[name])
             if missing:
                 raise KeyError(
                     f"the state dict lacks {len(missing)} of stage {index}'s entries: {missing[:5]}"
