@@ -13,7 +13,7 @@ from torch import nn
 from gpipe.cli.common import UsageError
 from gpipe.planning.hardware import CATALOGUE, Device
 from gpipe.planning.roofline import Link
-from gpipe.planning.suggest import LayerCosts
+from gpipe.planning.suggest import MAX_STAGES, LayerCosts
 from gpipe.planning.tensor_share import collectives, local_share
 
 __all__ = [
@@ -99,7 +99,7 @@ def tensor_options(args: argparse.Namespace) -> tuple[list[int], str]:
         check_heads(args.tensor_parallel, args.n_head)
         return [args.tensor_parallel], "as given"
     device, _ = link_of(args, 1)
-    top = min(device.gpus_per_node, args.max_stages)
+    top = min(device.gpus_per_node, args.max_stages or MAX_STAGES)
     ts = [t for t in range(1, top + 1) if args.n_head % t == 0]
     bound = f"divisors of the {args.n_head} heads up to {top}"
     return ts, f"{bound} ({device.name}: {device.gpus_per_node} GPUs a node)"
