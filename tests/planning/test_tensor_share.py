@@ -30,8 +30,10 @@ def test_planned_states_per_rank_match_a_real_tensor_parallel_run():
     by their local shards), and at most 0.55 of the unsplit run's worst rank."""
     split = run(cases.held_bytes, 4, (2,), threads=1)
     whole = run(cases.held_bytes, 2, (1,), threads=1)
-    measured = {t: max(sum(v for k, v in r.items() if k != "stage") for r in got.values())
-                for t, got in ((1, whole), (2, split))}
+    measured = {
+        t: max(sum(v for k, v in r.items() if k != "stage") for r in got.values())
+        for t, got in ((1, whole), (2, split))
+    }
     assert measured[2] <= 0.55 * measured[1]
     planned = max(_planned(2))
     assert abs(planned - measured[2]) <= 0.10 * measured[2]
