@@ -56,7 +56,7 @@ def test_suggest_chooses_t_and_says_why(capsys):
     assert "tried T = 1, 2, 4 (divisors of the 4 heads up to 4" in out
     assert "chose T=4, the fastest configuration that fits" in out
     assert "T=1: nothing fits" in out and "T=2: nothing fits" in out
-    assert "--tensor-parallel 4" in out.splitlines()[-1]
+    assert "--tensor-parallel 4" in out.splitlines()[-1]  # the fastest, last
 
 
 def test_suggest_with_t_pinned_searches_only_it(capsys):

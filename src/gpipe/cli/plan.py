@@ -23,7 +23,7 @@ from gpipe.cli.plan_model import (
     plan_split,
 )
 from gpipe.cli.plan_shard import add_shard_arguments, plan_options, planned_shard, searched_shards
-from gpipe.cli.plan_tables import print_plan, print_suggestions, print_tensor_choice
+from gpipe.cli.plan_tables import print_plan, print_suggestions
 from gpipe.cli.plan_tensor import (
     add_link_argument,
     check_heads,
@@ -475,7 +475,6 @@ def _suggest(args: argparse.Namespace) -> int:
         )
         return 1
     best = found.fitting[0].tensor_parallel
-    print_suggestions(args, found, costs_of[best], memory)
-    if len(ts) > 1 or best > 1:
-        print_tensor_choice(found.fitting[0], tried, bound)
+    choice = (tried, bound) if len(ts) > 1 or best > 1 else None
+    print_suggestions(args, found, costs_of[best], memory, choice)
     return 0

@@ -23,7 +23,7 @@ def _tensor_line(args: argparse.Namespace, tensor_parallel: int) -> str | None:
     )
 
 
-__all__ = ["print_plan", "print_suggestions", "print_tensor_choice"]
+__all__ = ["print_plan", "print_suggestions"]
 
 
 def _rows(args: argparse.Namespace) -> str:
@@ -113,10 +113,15 @@ def _plan_row(r: StagePlan, memory: int, replicated: bool, starts: list[str] | N
 
 
 def print_suggestions(
-    args: argparse.Namespace, found: Search, costs: LayerCosts, memory: int
+    args: argparse.Namespace,
+    found: Search,
+    costs: LayerCosts,
+    memory: int,
+    tensor_choice: tuple[dict[int, Search | str], str] | None = None,
 ) -> None:
     """The fastest configurations that fit, as ``--top`` rows; with replicas, a column says
-    which ones shard their states to fit."""
+    which ones shard their states to fit; ``tensor_choice`` (each T tried, what it found,
+    and the bound of the T tried): why T is what it is, above the table."""
     shown = found.fitting[: args.top or 5]
     replicas = f" over {args.data_parallel} replicas" if args.data_parallel > 1 else ""
     print(
@@ -128,6 +133,8 @@ def print_suggestions(
     tensor = any(c.tensor_parallel > 1 for c in found.ranked)
     messages = "tensor collectives counted, pipeline messages free" if tensor else "messages free"
     print(f"time: {costs.source}, backward 2 x forward, {messages}")
+    if tensor_choice is not None:
+        _tensor_choice(found.fitting[0], *tensor_choice)
     timed = costs.unit == "s"
     best = shown[0].step_time
     time = "step time" if timed else "relative time"
@@ -147,8 +154,6 @@ def print_suggestions(
     rows = [_row(c, best, timed, memory, bool(shard), tensor) for c in shown]
     names = {2, 3, 4} if shard else {2, 3}
     _table(header, rows, frozenset(n + tensor for n in names))  # names aligned left
-    if tensor:
-        print("T: ranks per stage; peak memory per rank")
     print(f"fastest: {shown[0].options()}")
 
 
@@ -185,9 +190,9 @@ def _bounds(found: Search) -> str:
     )
 
 
-def print_tensor_choice(chosen: Candidate, tried: dict[int, Search | str], bound: str) -> None:
+def _tensor_choice(chosen: Candidate, tried: dict[int, Search | str], bound: str) -> None:
     """Why ``--suggest`` chose its T: each T's fastest configuration that fits beside the
-    chosen one's, or why it had none."""
+    chosen one's, or why it had none; T is ranks per stage, memory per rank."""
     ts = ", ".join(str(t) for t in tried)
     print(
         f"tensor parallel: tried T = {ts} ({bound}); chose T={chosen.tensor_parallel}, the "

@@ -196,12 +196,11 @@ class Candidate:
 
     def options(self) -> str:
         """The configuration as ``gpipe train`` and ``gpipe plan`` options."""
-        text = f"--stages {self.stages} --chunks {self.chunks} --schedule {self.schedule}"
+        tensor = f" --tensor-parallel {self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        text = f"--stages {self.stages}{tensor} --chunks {self.chunks} --schedule {self.schedule}"
         if self.virtual_stages > 1:
             text += f" --virtual-stages {self.virtual_stages}"
         text += f" --checkpoint {self.checkpoint}"
-        if self.tensor_parallel > 1:
-            text += f" --tensor-parallel {self.tensor_parallel}"
         if self.memory.data_parallel > 1:
             text += f" --data-parallel {self.memory.data_parallel}"
         return text if self.shard is None else f"{text} --shard {self.shard}"

@@ -36,16 +36,24 @@ from gpipe.runtime.partitions import as_sequential
 __all__ = ["Collectives", "collectives", "local_share"]
 
 
-class _Gathered(nn.Module):
-    """A split map whose output the style gathers: the local output repeated T times, the
-    shape (and bytes) of the gathered tensor, on the meta device as anywhere."""
+class _GatheredLinear(nn.Linear):
+    """A split linear map whose output the style gathers: the local output repeated T
+    times, the shape (and bytes) of the gathered tensor. A map still, so that its holder's
+    initialization finds its weight."""
 
-    def __init__(self, local: nn.Module, tensor_parallel: int) -> None:
-        super().__init__()
-        self.local, self.tensor_parallel = local, tensor_parallel
+    tensor_parallel = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.local(x)] * self.tensor_parallel, dim=-1)
+        return torch.cat([super().forward(x)] * self.tensor_parallel, dim=-1)
+
+
+class _GatheredEmbedding(nn.Embedding):
+    """A split embedding whose output the style gathers (see ``_GatheredLinear``)."""
+
+    tensor_parallel = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([super().forward(x)] * self.tensor_parallel, dim=-1)
 
 
 def _gathers(style: ParallelStyle) -> bool:
@@ -62,12 +70,14 @@ def _local(module: nn.Module, style: ParallelStyle, t: int) -> nn.Module | None:
     weight = module.weight if isinstance(module, nn.Linear | nn.Embedding) else None
     kind = {"device": "meta", "dtype": None if weight is None else weight.dtype}
     colwise, rowwise = isinstance(style, ColwiseParallel), isinstance(style, RowwiseParallel)
-    local: nn.Module
+    gathered = _gathers(style)
+    local: nn.Linear | nn.Embedding
     if isinstance(module, nn.Linear) and (colwise or rowwise):
         bias = module.bias is not None
         d_in, d_out = module.in_features, module.out_features
         if colwise:
-            local = nn.utils.skip_init(nn.Linear, d_in, _share(d_out, t), bias=bias, **kind)
+            linear = _GatheredLinear if gathered else nn.Linear
+            local = nn.utils.skip_init(linear, d_in, _share(d_out, t), bias=bias, **kind)
         else:
             local = nn.utils.skip_init(nn.Linear, _share(d_in, t), d_out, bias=bias, **kind)
     elif isinstance(module, nn.Embedding) and (colwise or rowwise):
@@ -76,10 +86,13 @@ def _local(module: nn.Module, style: ParallelStyle, t: int) -> nn.Module | None:
             width = _share(width, t)
         else:
             rows = _share(rows, t)
-        local = nn.utils.skip_init(nn.Embedding, rows, width, **kind)
+        embedding = _GatheredEmbedding if gathered and colwise else nn.Embedding
+        local = nn.utils.skip_init(embedding, rows, width, **kind)
     else:
         return None
-    return _Gathered(local, t) if _gathers(style) else local
+    if isinstance(local, _GatheredLinear | _GatheredEmbedding):
+        local.tensor_parallel = t
+    return local
 
 
 def local_share(
