@@ -143,8 +143,8 @@ def test_bad_input_is_one_line(capsys, args, message):
 
 
 def test_cluster_flags_need_cluster(capsys):
-    assert main(["plan", "--tensor-parallel", "2"]) == 2
-    assert "--tensor-parallel: needs --cluster NxDEVICE" in capsys.readouterr().err
+    assert main(["plan", "--global-batch", "64"]) == 2
+    assert "--global-batch: needs --cluster NxDEVICE" in capsys.readouterr().err
 
 
 def test_a_model_that_does_not_fit_says_what_it_needs(capsys):

@@ -24,6 +24,13 @@ from gpipe.cli.plan_model import (
 )
 from gpipe.cli.plan_shard import add_shard_arguments, plan_options, planned_shard, searched_shards
 from gpipe.cli.plan_tables import print_plan, print_suggestions
+from gpipe.cli.plan_tensor import (
+    add_link_argument,
+    check_heads,
+    one_rank,
+    tensor_options,
+    with_collectives,
+)
 from gpipe.planning.advice import chunks_advice
 from gpipe.planning.memory import (
     OPTIMIZER_STATES,
@@ -33,7 +40,15 @@ from gpipe.planning.memory import (
     plan,
     profile,
 )
-from gpipe.planning.suggest import MAX_STAGES, LayerCosts, flop_costs, search, timed_costs
+from gpipe.planning.suggest import (
+    MAX_STAGES,
+    LayerCosts,
+    Search,
+    combine,
+    flop_costs,
+    search,
+    timed_costs,
+)
 from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import SCHEDULES, traits
 
@@ -81,6 +96,16 @@ def add_parser(sub: Any) -> None:
         "buckets to each process (default 1)",
     )
     add_shard_arguments(p)
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        metavar="T",
+        help="ranks per stage, its layers split over them as Pipeline(tensor_parallel=T) "
+        "splits the GPT's (heads and MLP, vocabulary); figures are per rank, the world K x D "
+        "x T (default 1; --suggest tries the divisors of the heads); with --cluster, GPUs per "
+        "stage",
+    )
+    add_link_argument(p)
     p.add_argument("--chunks", type=int, metavar="M", help="micro-batches (default 8)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
     p.add_argument("--schedule", choices=SCHEDULES, help="default gpipe")
@@ -167,23 +192,29 @@ def _one_block(args: argparse.Namespace, device: str = "meta") -> tuple[Any, tor
 
 
 def _template(args: argparse.Namespace) -> Profile:
-    """The profile of a one-block model; deeper models repeat its block (``Profile.repeat``)."""
+    """The profile of one rank's share of a one-block model (of all of it, without tensor
+    parallelism); deeper models repeat its block (``Profile.repeat``)."""
     from gpipe.models.gpt import lm_loss
 
     layers, tokens = _one_block(args)
-    return profile(layers, tokens, target=tokens, loss_fn=lm_loss)
+    share = one_rank(layers, args.tensor_parallel)
+    return profile(share, tokens, target=tokens, loss_fn=lm_loss)
 
 
-def _templates(args: argparse.Namespace) -> tuple[Profile, LayerCosts]:
-    """The one-block model's profile, and its costs per layer: FLOPs counted, or (with
-    ``--measure``) forward and backward timed on this machine's CPU."""
+def _templates(args: argparse.Namespace, tensor_parallel: int) -> tuple[Profile, LayerCosts]:
+    """One rank's share of the one-block model: its profile, and its costs per layer: FLOPs
+    counted, or (with ``--measure``) forward and backward timed on this machine's CPU, and
+    with tensor parallelism the collectives on ``--tp-link``."""
     from gpipe.models.gpt import lm_loss
 
     layers, tokens = _one_block(args)
-    prof = profile(layers, tokens, target=tokens, loss_fn=lm_loss)
+    share = one_rank(layers, tensor_parallel)
+    prof = profile(share, tokens, target=tokens, loss_fn=lm_loss)
     if args.measure:
-        return prof, timed_costs(layers, torch.zeros_like(tokens, device="cpu"), device="cpu")
-    return prof, flop_costs(layers, tokens, target=tokens, loss_fn=lm_loss)
+        costs = timed_costs(share, torch.zeros_like(tokens, device="cpu"), device="cpu")
+    else:
+        costs = flop_costs(share, tokens, target=tokens, loss_fn=lm_loss)
+    return prof, with_collectives(args, costs, layers, tensor_parallel)
 
 
 def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> MemoryPlan:
@@ -273,6 +304,7 @@ def _plan(args: argparse.Namespace) -> int:
         return plan_cluster(args)
     kind = model_kind(args)
     gpt = kind == "gpt"
+    _check_tensor(args, gpt)
     if args.generate:
         return _generating(args, kind)
     if args.in_flight is not None:
@@ -282,6 +314,7 @@ def _plan(args: argparse.Namespace) -> int:
     elif args.suggest:
         return _suggest(args)
     _check(args, gpt)
+    args.tensor_parallel = args.tensor_parallel or 1
     try:
         memory = parse_bytes(args.device_memory)
         if not gpt:
@@ -304,6 +337,25 @@ def _plan(args: argparse.Namespace) -> int:
     heading = f"gpt: {blocks} {n_layer}, d_model {args.d_model}"
     print_plan(args, heading, f"balance {list(result.balance)}", result, memory)
     return _advise(args, result, memory)
+
+
+def _check_tensor(args: argparse.Namespace, gpt: bool) -> None:
+    """``--tensor-parallel`` and ``--tp-link``: the built-in GPT's training plans only, T a
+    divisor of the heads (the rest of the plan, the vocabulary among it, is checked where the
+    model is split)."""
+    t = args.tensor_parallel
+    if t is None or t == 1:
+        if args.tp_link is not None and not args.suggest:
+            raise UsageError("--tp-link is the link of --tensor-parallel T's ranks: give T > 1")
+        return
+    if not gpt:
+        raise UsageError(
+            f"--tensor-parallel plans the built-in GPT's split; for --model {args.model} "
+            "plan one rank of each stage (T = 1)"
+        )
+    if args.generate:
+        raise UsageError("--tensor-parallel plans training; leave out --generate")
+    check_heads(t, args.n_head)
 
 
 def _generating(args: argparse.Namespace, kind: str) -> int:
@@ -338,6 +390,13 @@ def _advise(args: argparse.Namespace, result: MemoryPlan, memory: int) -> int:
     return 0 if result.fits(memory) else 1
 
 
+def _model_params(args: argparse.Namespace) -> int:
+    """The whole model's parameters: the one-block model's, its block counted n_layer times."""
+    layers, _ = _one_block(args)
+    counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    return counts[0] + counts[1] * args.n_layer + counts[2]
+
+
 def _suggest(args: argparse.Namespace) -> int:
     """``--suggest``: the fastest configurations that fit, as a short table."""
     if args.device_memory is None:
@@ -365,26 +424,42 @@ def _suggest(args: argparse.Namespace) -> int:
         )
     try:
         memory = parse_bytes(args.device_memory)
-        template, per_layer = _templates(args)
-        costs = per_layer.repeat(1, args.n_layer)
-        found = search(
-            template.repeat(1, args.n_layer),
-            costs,
-            batch_size=args.batch_size,
-            device_bytes=memory,
-            optimizer=args.optimizer,
-            balance=balance,
-            stages=None if args.stages is None else [args.stages],
-            chunks=None if args.chunks is None else [args.chunks],
-            schedules=None if args.schedule is None else [args.schedule],
-            checkpoints=None if args.checkpoint is None else [args.checkpoint],
-            virtual_stages=v,
-            max_stages=args.max_stages or MAX_STAGES,
-            data_parallel=args.data_parallel,
-            shards=shards,
-        )
+        args.model_params = _model_params(args)
+        ts, bound = tensor_options(args)
+        tried: dict[int, Search | str] = {}
+        costs_of: dict[int, LayerCosts] = {}
+        for t in ts:
+            try:
+                template, per_layer = _templates(args, t)
+            except UsageError as exc:
+                if len(ts) == 1:
+                    raise
+                tried[t] = str(exc).split(": ", 1)[-1]
+                continue
+            costs_of[t] = per_layer.repeat(1, args.n_layer)
+            most = (args.max_stages or MAX_STAGES) // t
+            if args.stages is None and most < 1:
+                continue
+            tried[t] = search(
+                template.repeat(1, args.n_layer),
+                costs_of[t],
+                batch_size=args.batch_size,
+                device_bytes=memory,
+                optimizer=args.optimizer,
+                balance=balance,
+                stages=None if args.stages is None else [args.stages],
+                chunks=None if args.chunks is None else [args.chunks],
+                schedules=None if args.schedule is None else [args.schedule],
+                checkpoints=None if args.checkpoint is None else [args.checkpoint],
+                virtual_stages=v,
+                max_stages=max(1, most),
+                data_parallel=args.data_parallel,
+                shards=shards,
+                tensor_parallel=t,
+            )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    found = combine([f for f in tried.values() if isinstance(f, Search)])
     if found.least is None:
         raise UsageError(
             "no configuration to search: --stages, --chunks, --schedule and --virtual-stages "
@@ -399,5 +474,7 @@ def _suggest(args: argparse.Namespace) -> int:
             f"({least.options()})"
         )
         return 1
-    print_suggestions(args, found, costs, memory)
+    best = found.fitting[0].tensor_parallel
+    choice = (tried, bound) if len(ts) > 1 or best > 1 else None
+    print_suggestions(args, found, costs_of[best], memory, choice)
     return 0

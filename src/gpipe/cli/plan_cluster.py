@@ -42,10 +42,10 @@ _NOT_WITH_CLUSTER = {
     "split_at": "the blocks are spread evenly over the stages",
     "tokenizer": "the vocabulary is the model's",
     "reshard_after_forward": "sharded parameters are gathered once a step",
+    "tp_link": "the link is the cluster device's",
 }
 _CLUSTER_ONLY = (
     "devices",
-    "tensor_parallel",
     "global_batch",
     "micro_batch",
     "recompute",
@@ -69,7 +69,6 @@ def add_cluster_arguments(p: Any) -> None:
     g.add_argument(
         "--devices", metavar="FILE", help="a TOML file of more devices ([devices.NAME] tables)"
     )
-    g.add_argument("--tensor-parallel", type=int, metavar="T", help="GPUs per stage (default 1)")
     g.add_argument("--global-batch", type=int, metavar="B", help="sequences per step")
     g.add_argument(
         "--micro-batch",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from gpipe.cli.common import (
@@ -13,6 +14,7 @@ from gpipe.cli.common import (
     multi_stage_schedules,
     read_costs,
 )
+from gpipe.cli.plan_tensor import add_link_argument, link_of
 from gpipe.planning.bubbles import split_costs
 from gpipe.planning.simulate import Costs, SimResult, compare, scenario, simulate
 from gpipe.schedules import SCHEDULES, build, from_csv, get_schedule, to_csv
@@ -81,6 +83,25 @@ def add_parser(sub: Any) -> None:
     )
     _add_replica_arguments(p)
     p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="T",
+        help="ranks per stage: forward, backward, weight and grad_bytes split over them, "
+        "and each F and B waits for --tp-allreduces all-reduces of message_bytes (the "
+        "stage's boundary tensor) on --tp-link; activation_bytes kept whole (an upper "
+        "bound); the world K x D x T (default 1)",
+    )
+    p.add_argument(
+        "--tp-allreduces",
+        type=int,
+        default=2,
+        metavar="N",
+        help="with --tensor-parallel: all-reduces per stage per forward and per backward "
+        "(default 2, one transformer block's)",
+    )
+    add_link_argument(p)
+    p.add_argument(
         "--schedule-csv",
         metavar="FILE",
         help="simulate the schedule in a PyTorch schedule file (torch.distributed.pipelining's "
@@ -143,6 +164,7 @@ def _simulate(args: argparse.Namespace) -> int:
     names = _schedule_names(args.schedule)
     costs = DEFAULT_COSTS if args.costs is None else read_costs(args.costs, args.stages)
     costs = costs if tokens is None else costs.with_tokens(tokens)
+    costs, tensor = _tensor_costs(args, costs)
     if args.dump_csv is not None:
         _dump(args, names)
     if args.plot is not None:
@@ -163,6 +185,8 @@ def _simulate(args: argparse.Namespace) -> int:
     replicas += f" sharded {shard}" if shard else ""
     sizes = "" if tokens is None else f" of {args.microbatch_tokens} tokens"
     print(f"{args.stages} stages, {args.chunks} micro-batches{sizes}{replicas}, costs {source}")
+    if tensor:
+        print(tensor)
     print(_table(rows, args.stages, args.chunks, costs, args.data_parallel > 1, shard))
     if args.plot is not None:
         results = [
@@ -179,6 +203,51 @@ def _simulate(args: argparse.Namespace) -> int:
     if page is not None:
         print(f"page: {write_page(args.html, page)}")
     return 0
+
+
+def _tensor_costs(args: argparse.Namespace, costs: Costs) -> tuple[Costs, str]:
+    """``costs`` of one rank of T per stage, and a line that says so (empty without)."""
+    t = args.tensor_parallel
+    if t < 1 or args.tp_allreduces < 0:
+        raise UsageError(
+            f"--tensor-parallel must be a positive integer and --tp-allreduces at least 0, "
+            f"got {t} and {args.tp_allreduces}"
+        )
+    if t == 1:
+        if args.tp_link is not None:
+            raise UsageError("--tp-link is the link of --tensor-parallel T's ranks: give T > 1")
+        return costs, ""
+    if args.schedule_csv is not None or args.html is not None:
+        raise UsageError("--tensor-parallel: the page and --schedule-csv play T = 1; drop it")
+    device, link = link_of(args, t)
+    # seconds only where the costs are (a message's size says so): unit costs stay unit
+    sized = costs.message_bytes > 0
+    comm = args.tp_allreduces * link.ring(costs.message_bytes, t, passes=2) if sized else 0.0
+    k = args.stages
+
+    def split(name: str, extra: float = 0.0) -> list[float]:
+        return [v / t + extra for v in costs.per_stage(name, k)]
+
+    scaled = dataclasses.replace(
+        costs,
+        forward=split("forward", comm),
+        backward=split("backward", comm),
+        weight=split("weight"),
+        recompute=split("recompute"),
+        grad_bytes=split("grad_bytes"),
+    )
+    world = k * args.data_parallel * t
+    collectives = (
+        f"each F and B +{comm:.3g} s for {args.tp_allreduces} all-reduces of "
+        f"{costs.message_bytes:g} bytes on {device.name}'s link"
+        if sized
+        else "collectives free (the costs give no message_bytes)"
+    )
+    line = (
+        f"tensor parallel T={t}: per rank, compute and grad_bytes / {t}, {collectives}; "
+        f"world K x D x T = {k} x {args.data_parallel} x {t} = {world}"
+    )
+    return scaled, line
 
 
 def _shard(args: argparse.Namespace) -> str | None:

@@ -34,6 +34,7 @@ __all__ = [
     "Search",
     "candidates",
     "chunk_choices",
+    "combine",
     "evaluate",
     "flop_costs",
     "search",
@@ -48,12 +49,17 @@ class LayerCosts:
     """What each layer's forward costs for a micro-batch of ``rows`` rows: ``fixed[i] +
     per_row[i] * rows``, in ``unit`` (seconds, or FLOPs for counted costs). A backward costs
     twice its forward, half of it the weight gradient (zero-bubble's W). ``source`` says how
-    the costs were obtained."""
+    the costs were obtained. With tensor parallelism, ``comm_forward`` and ``comm_backward``
+    give each layer's collectives as ``(fixed, per row)`` in the same unit: the forward
+    (and a recomputed forward) waits for the first, the input-gradient backward for the
+    second, the weight gradient for neither."""
 
     fixed: tuple[float, ...]
     per_row: tuple[float, ...]
     unit: str
     source: str
+    comm_forward: tuple[tuple[float, float], ...] = ()
+    comm_backward: tuple[tuple[float, float], ...] = ()
 
     def __len__(self) -> int:
         return len(self.per_row)
@@ -61,13 +67,29 @@ class LayerCosts:
     def forward(self, layer: int, rows: float) -> float:
         return self.fixed[layer] + self.per_row[layer] * rows
 
+    def collectives(self, layer: int, rows: float) -> tuple[float, float]:
+        """The forward's and the backward's collectives of ``layer`` (0 without)."""
+        if not self.comm_forward:
+            return 0.0, 0.0
+        (a, b), (c, d) = self.comm_forward[layer], self.comm_backward[layer]
+        return a + b * rows, c + d * rows
+
     def repeat(self, layer: int, times: int) -> LayerCosts:
         """The costs of the model with ``layer`` repeated ``times`` times (``Profile.repeat``)."""
 
-        def spread(values: tuple[float, ...]) -> tuple[float, ...]:
+        def spread(values: tuple[Any, ...]) -> tuple[Any, ...]:
+            if not values:
+                return values
             return values[:layer] + (values[layer],) * times + values[layer + 1 :]
 
-        return LayerCosts(spread(self.fixed), spread(self.per_row), self.unit, self.source)
+        return LayerCosts(
+            spread(self.fixed),
+            spread(self.per_row),
+            self.unit,
+            self.source,
+            spread(self.comm_forward),
+            spread(self.comm_backward),
+        )
 
 
 def rows_of(sample: Any) -> int:
@@ -155,11 +177,17 @@ class Candidate:
     step_time: float
     bubble: float
     memory: MemoryPlan
+    tensor_parallel: int = 1
 
     @property
     def peak_bytes(self) -> float:
         """The most any one process holds."""
         return self.memory.peak_bytes
+
+    @property
+    def processes(self) -> int:
+        """Processes of one replica: each stage's T ranks."""
+        return self.stages * self.tensor_parallel
 
     @property
     def shard(self) -> str | None:
@@ -168,7 +196,8 @@ class Candidate:
 
     def options(self) -> str:
         """The configuration as ``gpipe train`` and ``gpipe plan`` options."""
-        text = f"--stages {self.stages} --chunks {self.chunks} --schedule {self.schedule}"
+        tensor = f" --tensor-parallel {self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        text = f"--stages {self.stages}{tensor} --chunks {self.chunks} --schedule {self.schedule}"
         if self.virtual_stages > 1:
             text += f" --virtual-stages {self.virtual_stages}"
         text += f" --checkpoint {self.checkpoint}"
@@ -269,6 +298,7 @@ class _Config:
     optimizer: str
     data_parallel: int = 1
     shard: str | None = None
+    tensor_parallel: int = 1
 
     @property
     def rows(self) -> float:
@@ -291,11 +321,15 @@ class _Config:
 
     def timed(self, costs: LayerCosts, cut: tuple[int, ...], memory: MemoryPlan) -> Candidate:
         """The simulated step of this configuration, cut as ``cut``."""
-        forward = [
-            sum(costs.forward(i, self.rows) for i in range(*bounds)) for bounds in stage_bounds(cut)
-        ]
+        compute, forward, backward = [], [], []
+        for bounds in stage_bounds(cut):
+            work = sum(costs.forward(i, self.rows) for i in range(*bounds))
+            comm = [costs.collectives(i, self.rows) for i in range(*bounds)]
+            compute.append(work)
+            forward.append(work + sum(f for f, _ in comm))
+            backward.append(work + sum(b for _, b in comm))
         program = build(self.schedule, self.stages, self.chunks, len(cut) // self.stages)
-        result = simulate(program, Costs(forward, forward, forward), self.checkpoint)
+        result = simulate(program, Costs(forward, backward, compute), self.checkpoint)
         return Candidate(
             self.stages,
             self.chunks,
@@ -306,6 +340,7 @@ class _Config:
             result.makespan,
             result.bubble,
             memory,
+            self.tensor_parallel,
         )
 
 
@@ -356,6 +391,7 @@ def search(
     balance: str = "time",
     data_parallel: int = 1,
     shards: Sequence[str | None] | None = None,
+    tensor_parallel: int = 1,
     **grid: Any,
 ) -> Search:
     """The configurations of ``candidates(len(prof), batch_size // data_parallel, **grid)``
@@ -370,6 +406,9 @@ def search(
     processes with no more memory: what remains are real trade-offs of time, processes and
     memory. Time is simulated only for the configurations whose memory fits, and for the one
     that needs the least memory (``Search.least``), fitting or not.
+
+    ``tensor_parallel`` only labels the candidates (``Candidate.processes``): ``prof`` and
+    ``costs`` must already be one rank's (``gpipe.planning.tensor_share``).
     """
     if len(costs) != len(prof):
         raise ValueError(f"costs have {len(costs)} layers, the profile {len(prof)}")
@@ -380,7 +419,15 @@ def search(
     least: tuple[float, _Config, tuple[int, ...], MemoryPlan] | None = None
     for stages, chunks, schedule, checkpoint, v in tried:
         config = _Config(
-            stages, chunks, schedule, checkpoint, v, batch_size, optimizer, data_parallel
+            stages,
+            chunks,
+            schedule,
+            checkpoint,
+            v,
+            batch_size,
+            optimizer,
+            data_parallel,
+            tensor_parallel=tensor_parallel,
         )
         cut = _cut(prof, costs, stages * v, config.rows, balance)
         config, memory = _kept(config, prof, cut, shards, device_bytes)
@@ -412,16 +459,30 @@ def _kept(
     return config, memory
 
 
-def _speed(c: Candidate) -> tuple[float, int, float, int, int]:
+def combine(searches: Sequence[Search]) -> Search:
+    """One search of several (each at a tensor-parallel size of its own), as if it had been
+    one: the grids joined, the fitting ranked together, the least memory the least of all."""
+    ranked = tuple(sorted((c for s in searches for c in s.ranked), key=_speed))
+    least = [s.least for s in searches if s.least is not None]
+    return Search(
+        _frontier(ranked),
+        tuple(g for s in searches for g in s.grid),
+        sum(s.fits for s in searches),
+        min(least, key=lambda c: c.peak_bytes) if least else None,
+        ranked,
+    )
+
+
+def _speed(c: Candidate) -> tuple[float, int, float, int, int, int]:
     """Fastest first; of equals, fewer processes, less memory, fewer micro-batches, fewer
-    stages per process."""
-    return (c.step_time, c.stages, c.peak_bytes, c.chunks, c.virtual_stages)
+    stages per process, fewer tensor-parallel ranks."""
+    return (c.step_time, c.processes, c.peak_bytes, c.chunks, c.virtual_stages, c.tensor_parallel)
 
 
 def _frontier(ranked: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
     """Fastest first, without those another beats or equals in time, processes and memory."""
     kept: list[Candidate] = []
     for c in ranked:
-        if not any(k.stages <= c.stages and k.peak_bytes <= c.peak_bytes for k in kept):
+        if not any(k.processes <= c.processes and k.peak_bytes <= c.peak_bytes for k in kept):
             kept.append(c)
     return tuple(kept)
