@@ -305,7 +305,6 @@ class _MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
 
-
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(config.d_model, bias=config.bias)
