@@ -286,24 +286,9 @@ class Pipeline(nn.Module):
         self.n_ranks, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         # with several pipelines side by side, all of them follow the first's choices
         agreeing_group = None if world.several_pipelines else self.group
-        self.auto_choice: AutoChoice | None = None
-        if auto:  # the replicas agree with the first pipeline's choice
-            self.auto_choice = agreed_choice(
-                module,
-                sample,
-                n_ranks=self.n_ranks,
-                chunks=chunks,
-                checkpoint=str(self.checkpoint),  # a mode's name: check_auto refuses Layers
-                memory_budget=memory_budget,
-                device=self.device,
-                group=agreeing_group,
-            )
-            source, self.chunks, balance = _settings_of(self.auto_choice)
-        parts = source.parts(self.n_ranks)
-        self.balance = _stage_balance(module, balance, sample, parts, self.device, agreeing_group)
-        source.check(len(self.balance), self.n_ranks, self.chunks)
-        self.n_stages = len(self.balance)
-        self.schedule_name = source.name
+        source = self._agree_on_cut(
+            module, source, balance, sample, auto, chunks, memory_budget, agreeing_group
+        )
 
         # this rank's stages, and the engine that runs their steps
         self.recorder = Recorder(self.rank) if trace else None
@@ -327,6 +312,40 @@ class Pipeline(nn.Module):
         self._build(
             module, skips, source, recipe, local_pipes=local_pipes, bucket_bytes=dims.bucket_bytes
         )
+
+    def _agree_on_cut(
+        self,
+        module: nn.Sequential,
+        source: ScheduleSource,
+        balance: list[int] | None,
+        sample: Batch | None,
+        auto: bool,
+        chunks: int | None,
+        memory_budget: float | None,
+        group: dist.ProcessGroup | None,
+    ) -> ScheduleSource:
+        """Settle the schedule, micro-batches and balance that every rank of ``group`` runs:
+        ``schedule="auto"``'s choice, or ``balance`` (measured on the first rank when None);
+        returns the schedule."""
+        self.auto_choice: AutoChoice | None = None
+        if auto:
+            self.auto_choice = agreed_choice(
+                module,
+                sample,
+                n_ranks=self.n_ranks,
+                chunks=chunks,
+                checkpoint=str(self.checkpoint),  # a mode's name: check_auto refuses Layers
+                memory_budget=memory_budget,
+                device=self.device,
+                group=group,
+            )
+            source, self.chunks, balance = _settings_of(self.auto_choice)
+        parts = source.parts(self.n_ranks)
+        self.balance = _stage_balance(module, balance, sample, parts, self.device, group)
+        source.check(len(self.balance), self.n_ranks, self.chunks)
+        self.n_stages = len(self.balance)
+        self.schedule_name = source.name
+        return source
 
     def _build(
         self,
