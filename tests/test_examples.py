@@ -12,7 +12,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 def test_resnet_digits_trains_pipelined_as_well_as_without_the_pipeline():
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "resnet_digits.py"), "--epochs", "5"],
+        [sys.executable, str(EXAMPLES / "resnet_digits.py"), "--epochs", "4"],
         capture_output=True,
         text=True,
         timeout=600,
