@@ -103,9 +103,6 @@ class ParallelMesh:
     def data(self) -> DeviceMesh:
         return self.mesh["data"]
 
-    def coordinate(self, dim: str) -> int:
-        return self.mesh.get_local_rank(dim)
-
 
 def declared_plan(module: nn.Sequential) -> dict[str, PlanValue]:
     """The plan the layers of ``module`` declare (``layer.tp_plan``), keyed by their names."""
@@ -151,7 +148,7 @@ def _style(key: str, value: object, module: nn.Module) -> ParallelStyle:
     )
 
 
-def _split_size(name: str, module: nn.Module, value: object) -> tuple[int, str] | None:
+def _split_size(module: nn.Module, value: object) -> tuple[int, str] | None:
     """The size a named style splits ``module`` along, and what it is."""
     if isinstance(module, nn.Linear):
         if value == "colwise":
@@ -169,7 +166,7 @@ def _split_size(name: str, module: nn.Module, value: object) -> tuple[int, str] 
 def _check_divides(
     name: str, module: nn.Module, parent: nn.Module | None, value: object, tensor_parallel: int
 ) -> None:
-    split = _split_size(name, module, value)
+    split = _split_size(module, value)
     if split is None:
         return
     size, what = split
