@@ -24,9 +24,11 @@ import contextlib
 import os
 import secrets
 import signal
+import socket
 import threading
 import traceback
 from collections.abc import Callable, Iterator
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
@@ -37,6 +39,7 @@ from gpipe import LaunchError, launch
 from gpipe.training.launch import threads_per_process
 
 TASK_TIMEOUT = 300.0  # seconds one function may take on a group before the group is stopped
+START_TIMEOUT = 120.0  # seconds a new group's processes may take to call back
 _pools: dict[int, _Pool] = {}
 
 
@@ -61,17 +64,30 @@ class _Pool:
 
     def __init__(self, nprocs: int) -> None:
         key = secrets.token_bytes(16)
-        self._listener = Listener(("127.0.0.1", 0), authkey=key)
+        self._listener = Listener(("127.0.0.1", 0), backlog=nprocs, authkey=key)
+        self._failure: BaseException | None = None
         self._launched = threading.Thread(
             target=self._launch, args=(nprocs, self._listener.address, key), daemon=True
         )
-        self._failure: BaseException | None = None
         self._launched.start()
+        # a launch that fails, or processes that never call back, must not leave the test
+        # waiting in accept() for ever: either wakes it with a connection that closes at once
+        late = threading.Timer(START_TIMEOUT, self._wake)
+        late.start()
         found: dict[int, tuple[Connection, int]] = {}
-        for _ in range(nprocs):
-            conn = self._listener.accept()
-            rank, pid = conn.recv()
-            found[rank] = (conn, pid)
+        try:
+            for _ in range(nprocs):
+                conn = self._listener.accept()
+                rank, pid = conn.recv()
+                found[rank] = (conn, pid)
+        except (OSError, EOFError, AuthenticationError):
+            self._listener.close()
+            why = self._failure or f"{len(found)} of {nprocs} called back in {START_TIMEOUT:.0f} s"
+            raise LaunchError(f"the shared processes did not start: {why}") from None
+        finally:
+            late.cancel()
+        if sorted(found) != list(range(nprocs)):
+            raise LaunchError(f"the shared processes called back as ranks {sorted(found)}")
         self._conns = [found[r][0] for r in range(nprocs)]
         self._pids = [found[r][1] for r in range(nprocs)]
 
@@ -80,6 +96,16 @@ class _Pool:
             launch(serve, nprocs, (address, key), threads=None)
         except BaseException as exc:  # the group was stopped; close() reports nothing more
             self._failure = exc
+            self._wake()
+
+    def _wake(self) -> None:
+        """Connect and hang up: an ``accept()`` still waiting fails the handshake and returns;
+        one already done leaves the connection unread until the listener closes."""
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection(self._listener.address, timeout=1),
+        ):
+            pass
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], threads: int | None) -> dict:
         for conn in self._conns:
