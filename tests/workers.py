@@ -11,6 +11,11 @@ the call, as ``launch`` promises of the processes it starts. A function that fai
 rank stops the whole group (its peers may be waiting for it) with a ``LaunchError`` that
 names each rank's error, as ``launch`` does; the next ``run`` starts a fresh group.
 
+The groups of every module fork from one server per pytest worker, which imported this module
+(``gpipe.launch`` preloads the function's module): what the multi-process tests of many
+modules build on, Hugging Face's model code and gpipe's splitting, is imported here once, not
+in every process of every module's group (two seconds of CPU each).
+
 Tests of start-up, shutdown or a dying peer call ``gpipe.launch`` and keep processes of
 their own, and so do those of parameters tied across processes: torch names a group made
 with ``use_local_synchronization`` after the number of groups each member already holds, so
@@ -34,9 +39,13 @@ from typing import Any
 
 import torch
 
+import gpipe.splitting  # for the groups' server, as the docstring says
 import gpipe.training.launch
 from gpipe import LaunchError, launch
 from gpipe.training.launch import threads_per_process
+
+with contextlib.suppress(ImportError):  # the test extra installs transformers
+    from transformers import LlamaForCausalLM  # noqa: F401  (for the server, as above)
 
 TASK_TIMEOUT = 300.0  # seconds one function may take on a group before the group is stopped
 START_TIMEOUT = 120.0  # seconds a new group's processes may take to call back
