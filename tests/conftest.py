@@ -67,25 +67,26 @@ def one_process_group():
 # the end): these start first and the short ones fill in beside them, rather than one worker
 # running a long one alone at the end after the other has finished.
 LONGEST_FIRST = (  # seconds in a run on the 2-core machine, setup and teardown included
-    "tests/test_examples.py",  # 143
-    "tests/training/test_restart.py",  # 97
-    "tests/cli/test_train.py",  # 49
-    "tests/parallel/test_tensor.py",  # 41
-    "tests/engine/test_distributed_schedules.py",  # 37
-    "tests/training/test_train_models.py",  # 37
-    "tests/test_pipeline.py",  # 33
-    "tests/cli/test_train_tensor_parallel.py",  # 32
-    "tests/training/test_train_pack.py",  # 30
+    "tests/test_examples.py",  # 127
+    "tests/training/test_restart.py",  # 86
+    "tests/parallel/test_tensor.py",  # 52
+    "tests/engine/test_distributed_schedules.py",  # 51
+    "tests/cli/test_train.py",  # 43
+    "tests/view/test_view_browser.py",  # 36
     "tests/parallel/test_sharding.py",  # 30
-    "tests/view/test_view_browser.py",  # 28
-    "tests/training/test_export.py",  # 22
-    "tests/training/test_checkpoint_safety.py",  # 21
-    "tests/splitting/test_split.py",  # 21
-    "tests/splitting/test_transformers.py",  # 21
-    "tests/data/test_packed_split.py",  # 16
-    "tests/integrations/test_transformers.py",  # 14
+    "tests/test_pipeline.py",  # 29
+    "tests/training/test_checkpoint_safety.py",  # 27
+    "tests/training/test_train_pack.py",  # 25
+    "tests/training/test_train_models.py",  # 23
+    "tests/splitting/test_transformers.py",  # 20
+    "tests/cli/test_train_tensor_parallel.py",  # 18
+    "tests/splitting/test_split.py",  # 13
     "tests/bench/test_bench.py",  # 13
-    "tests/engine/test_generation.py",  # 12
+    "tests/splitting/test_split_pipeline.py",  # 11
+    "tests/integrations/test_transformers.py",  # 10
+    "tests/training/test_launch.py",  # 9
+    "tests/training/test_export.py",  # 9
+    "tests/view/test_view_parity.py",  # 8
 )
 
 
