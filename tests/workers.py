@@ -90,12 +90,13 @@ class _Pool:
                 rank, pid = conn.recv()
                 found[rank] = (conn, pid)
         except (OSError, EOFError, AuthenticationError):
-            self._listener.close()
             why = self._failure or f"{len(found)} of {nprocs} called back in {START_TIMEOUT:.0f} s"
+            self._abandon(found)
             raise LaunchError(f"the shared processes did not start: {why}") from None
         finally:
             late.cancel()
         if sorted(found) != list(range(nprocs)):
+            self._abandon(found)
             raise LaunchError(f"the shared processes called back as ranks {sorted(found)}")
         self._conns = [found[r][0] for r in range(nprocs)]
         self._pids = [found[r][1] for r in range(nprocs)]
@@ -106,6 +107,13 @@ class _Pool:
         except BaseException as exc:  # the group was stopped; close() reports nothing more
             self._failure = exc
             self._wake()
+
+    def _abandon(self, found: dict[int, tuple[Connection, int]]) -> None:
+        """A group that did not start: the processes that called back find their connection
+        closed and end, and the launch with them."""
+        for conn, _ in found.values():
+            conn.close()
+        self._listener.close()
 
     def _wake(self) -> None:
         """Connect and hang up: an ``accept()`` still waiting fails the handshake and returns;
