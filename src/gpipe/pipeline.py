@@ -41,6 +41,7 @@ from gpipe.engine import (
     forward_logprobs,
     given_microbatches,
 )
+from gpipe.engine.generation import Generation, GenerationRefused
 from gpipe.parallel.replicas import Replicas, check_bucket_bytes
 from gpipe.parallel.sharding import Sharding, check_shard
 from gpipe.parallel.ties import counted as counted_once
@@ -313,6 +314,8 @@ class Pipeline(nn.Module):
         # this rank's stages, and the engine that runs their steps
         self.recorder = Recorder(self.rank) if trace else None
         self.last_step: StepTimes | None = None
+        self.local_pipes = local_pipes
+        self.generation: Generation | None = None  # built by the first generate()
         recipe = StageRecipe(
             device=self.device,
             chunks=self.chunks,
@@ -482,6 +485,59 @@ class Pipeline(nn.Module):
             microbatches=microbatches,
             ignore_index=ignore_index,
         )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]] | None,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | None = None,
+        seed: int | None = None,
+        in_flight: int | None = None,
+        prefill_chunk: int | None = None,
+    ) -> list[list[int]]:
+        """The new tokens of each prompt (lists of token ids, read on the first stage), on
+        every rank; collective, like ``step``. ``in_flight`` groups of sequences (default: one
+        per stage) circulate, each with its own KV cache on every stage; prompts are
+        prefilled in chunks of ``prefill_chunk`` tokens between decoding steps; a sequence
+        ends after ``max_new_tokens`` or at ``eos_token_id``. ``temperature`` 0 is greedy;
+        otherwise tokens are drawn (``top_k``, ``top_p``) with a generator per sequence
+        seeded from ``seed`` and its index, so the same seed gives the same tokens whatever
+        ``in_flight`` and the number of stages (``gpipe.engine.generation``; docs/generation.md).
+        The layers run in eval mode, without gradients; no ``loss_fn`` is needed."""
+        return self.generator().generate(
+            prompts,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+            seed=seed,
+            in_flight=in_flight,
+            prefill_chunk=prefill_chunk,
+        )
+
+    def generator(self) -> Generation:
+        """What ``generate`` runs on this rank (``gpipe.engine.generation.Generation``), built
+        on the first call: collective, since every stage is checked to keep a cache and the
+        channel from the last stage back to the first is opened."""
+        if self.sharded is not None:
+            raise GenerationRefused(
+                "generate() cannot run stages sharded over their replicas (shard=)"
+            )
+        if self.generation is None:
+            self.generation = Generation(
+                self.placement,
+                self.runner.stages,
+                self.device,
+                autocast=self.autocast,
+                timeout=self.timeout,
+                local_pipes=self.local_pipes,
+            )
+        return self.generation
 
     def timeline(self) -> list[Event]:
         """What every rank ran in the last ``step``, ``evaluate`` or forward, merged; collective

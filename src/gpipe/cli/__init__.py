@@ -1,5 +1,6 @@
 """The ``gpipe`` command: ``gpipe train`` trains a model through the pipeline, ``gpipe sample``
-generates from its checkpoints and ``gpipe export`` writes it out for Hugging Face;
+generates from its checkpoints (``gpipe generate``: a file of prompts, through the run's
+stages) and ``gpipe export`` writes it out for Hugging Face;
 ``gpipe simulate`` and ``gpipe plan`` predict time and memory without running; ``gpipe
 bench`` measures them against other tools; ``gpipe view`` writes a page that plays a schedule.
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from gpipe.cli import bench, export, plan, sample, simulate, train, view
+from gpipe.cli import bench, export, generate, plan, sample, simulate, train, view
 from gpipe.cli.common import Parser, UsageError
 from gpipe.errors import ConfigError, PipelineError
 
@@ -20,7 +21,7 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="gpipe", description="Pipeline-parallel training on PyTorch.")
     sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
-    for command in (train, sample, export, simulate, plan, bench, view):
+    for command in (train, sample, generate, export, simulate, plan, bench, view):
         command.add_parser(sub)
     try:
         args = parser.parse_args(argv)

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from gpipe.cli.common import UsageError, multi_stage_schedules
+from gpipe.cli.plan_cluster import add_cluster_arguments, is_cluster_plan, plan_cluster
+from gpipe.cli.plan_generation import add_generation_arguments, plan_generating
 from gpipe.cli.plan_model import (
     add_model_arguments,
     check_split_options,
@@ -122,7 +124,11 @@ def add_parser(sub: Any) -> None:
         help="with --suggest: time one block, the embedding and the head on this machine "
         "instead of counting their FLOPs",
     )
-    p.add_argument("--top", type=int, help="with --suggest: configurations listed (default 5)")
+    p.add_argument(
+        "--top", type=int, help="with --suggest or --search: configurations listed (default 5)"
+    )
+    add_cluster_arguments(p)
+    add_generation_arguments(p)
     p.set_defaults(command=_plan)
 
 
@@ -206,7 +212,9 @@ def _check_model(args: argparse.Namespace, *more: str) -> None:
 def _check(args: argparse.Namespace, gpt: bool) -> None:
     for flag in ("suggest", "max_stages", "measure", "top"):
         if getattr(args, flag) not in (None, False):
-            raise UsageError(f"--{flag.replace('_', '-')} needs --suggest")
+            raise UsageError(
+                f"--{flag.replace('_', '-')} needs --suggest (or --cluster's --search)"
+            )
     for name, value in _PLAN_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -261,7 +269,14 @@ def _most_layers(args: argparse.Namespace, template: Profile, memory: int) -> in
 
 
 def _plan(args: argparse.Namespace) -> int:
-    gpt = model_kind(args) == "gpt"
+    if is_cluster_plan(args):
+        return plan_cluster(args)
+    kind = model_kind(args)
+    gpt = kind == "gpt"
+    if args.generate:
+        return _generating(args, kind)
+    if args.in_flight is not None:
+        raise UsageError("--in-flight needs --generate")
     if not gpt:
         check_split_options(args)
     elif args.suggest:
@@ -289,6 +304,22 @@ def _plan(args: argparse.Namespace) -> int:
     heading = f"gpt: {blocks} {n_layer}, d_model {args.d_model}"
     print_plan(args, heading, f"balance {list(result.balance)}", result, memory)
     return _advise(args, result, memory)
+
+
+def _generating(args: argparse.Namespace, kind: str) -> int:
+    """``--generate``: the memory of generating, on the stages given."""
+    for flag in ("suggest", "max_layers"):
+        if getattr(args, flag):
+            raise UsageError(f"--{flag.replace('_', '-')} plans training; leave out --generate")
+    args.stages = args.stages or _PLAN_DEFAULTS["stages"]
+    args.balance = args.balance or ("even" if kind == "gpt" else "params")
+    args.dtype = args.dtype or "float32"
+    _check_model(args, "stages")
+    try:
+        memory = parse_bytes(str(args.device_memory or _PLAN_DEFAULTS["device_memory"]))
+        return plan_generating(args, kind, _DTYPES[args.dtype], memory)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _advise(args: argparse.Namespace, result: MemoryPlan, memory: int) -> int:

@@ -1,4 +1,5 @@
-"""``gpipe sample``: text generated from a checkpoint, the whole model in this process."""
+"""``gpipe sample``: text generated from a checkpoint: through the run's stages (one process
+per stage, as it trained) where they keep a KV cache, else the whole model in this process."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ def add_parser(sub: Any) -> None:
         "sample",
         help="generate text from a checkpoint",
         description="Generate text from a gpipe checkpoint (a run folder or one of its "
-        "checkpoints), with the whole model in this process: the model the run trained, "
-        "the built-in GPT, a Hugging Face model or a module of your own.",
+        "checkpoints): the model the run trained, the built-in GPT or a Hugging Face model "
+        "through the run's stages, one process per stage; a module of your own (or a model "
+        "whose stages keep no KV cache) whole in this process. The same checkpoint, prompt "
+        "and seed give the run's own sample.",
     )
     p.add_argument("path", metavar="DIR", help="run folder or checkpoint folder")
     p.add_argument("--prompt", default="def ", help="text to continue")
@@ -43,9 +46,9 @@ def add_parser(sub: Any) -> None:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from gpipe.models.gpt import generate
+    from gpipe.training.checkpoints.format import DESCRIPTION, read_run_record
     from gpipe.training.data.tokenizer import IdTokenizer, check_tokenizer, load_tokenizer
-    from gpipe.training.models.trained import checkpoint_at, load_trained, trained_model
+    from gpipe.training.models.trained import check_code_named, checkpoint_at, trained_model
 
     positive("tokens", args.tokens)
     positive("top-k", args.top_k)
@@ -53,24 +56,57 @@ def _sample(args: argparse.Namespace) -> int:
         raise UsageError(f"--temperature must be positive, got {args.temperature}")
     try:
         path = checkpoint_at(args.path)
+        model = trained_model(path)
         if args.model is not None:
-            _check_model(args.model, trained_model(path).source, path)
-        trained = load_trained(path, code=args.model)
-        where = args.tokenizer or trained.train.get("tokenizer")
-        data = str(trained.train.get("data") or "")
+            _check_model(args.model, model.source, path)
+        check_code_named(model, path / DESCRIPTION, args.model)
+        train = dict(read_run_record(path).get("train") or {})
+        where = args.tokenizer or train.get("tokenizer")
+        data = str(train.get("data") or "")
         ids_only = where is None and data.endswith((".bin", ".npy"))  # no text to speak
         tokenizer = IdTokenizer() if ids_only else load_tokenizer(where)
         if not ids_only:
-            check_tokenizer(tokenizer, trained.model.vocab_size)
+            check_tokenizer(tokenizer, model.vocab_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
+    ids = tokenizer.encode(args.prompt)
     how = "token ids such as '17 42 7' (the run read a token file)" if ids_only else "text"
-    if prompt.shape[1] == 0 or int(prompt.max()) >= trained.model.vocab_size:
+    if not ids or max(ids) >= model.vocab_size:
         raise UsageError(
             f"--prompt {args.prompt!r} gives no tokens of the model's vocabulary of "
-            f"{trained.model.vocab_size} to continue; give {how}"
+            f"{model.vocab_size} to continue; give {how}"
         )
+    seq_len = int(train.get("seq_len") or model.seq_len)
+    if model.kind in ("gpt", "hf"):
+        found = _through_stages(args, path, ids, seq_len)
+        if found is not None:
+            print(tokenizer.decode(ids + found))
+            return 0
+    return _in_this_process(args, path, tokenizer, ids)
+
+
+def _through_stages(
+    args: argparse.Namespace, path: Path, ids: list[int], seq_len: int
+) -> list[int] | None:
+    """The new tokens, through the run's stages; None if they keep no KV cache."""
+    from gpipe.training.generating import GenerateJob, generate_from_run
+
+    options = {"temperature": args.temperature, "top_k": args.top_k, "seed": args.seed}
+    job = GenerateJob(str(path), [ids], args.tokens, options, code=args.model, window=seq_len)
+    found = generate_from_run(job)
+    return None if found.refused is not None else found.tokens[0]
+
+
+def _in_this_process(args: argparse.Namespace, path: Path, tokenizer: Any, ids: list[int]) -> int:
+    """The whole model in this process, its whole window again for every token."""
+    from gpipe.models.gpt import generate
+    from gpipe.training.models.trained import load_trained
+
+    try:
+        trained = load_trained(path, code=args.model)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    prompt = torch.tensor([ids], dtype=torch.long)
     generator = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         tokens = generate(

@@ -58,7 +58,8 @@ class ScheduleSource:
         """Refuse stages, processes or micro-batches that the schedule cannot run."""
         if self.fixed is None:
             check_stages_per_rank(n_stages, n_ranks, self.name)
-            fewest = traits(self.name).fewest_microbatches(n_ranks, n_stages // n_ranks)
+            declared = traits(self.name).fewest  # a floor the schedule itself declares (v-min)
+            fewest = declared(n_ranks) if declared is not None else 1
             if chunks < fewest:
                 raise ValueError(
                     f"schedule {self.name!r} needs chunks of at least {fewest} for {n_ranks} "

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gpipe.parallel.ties import sum_local
+from gpipe.runtime.kv_cache import CacheContext, KVCache
 
 __all__ = [
     "GPTConfig",
@@ -213,6 +214,18 @@ class Embedding(nn.Module):
         x = self.dropout(self.token(ids) + self.position[positions])
         return x, documents_of(positions)
 
+    def new_cache(self) -> None:
+        """Generation: an embedding keeps nothing between tokens."""
+        return None
+
+    def forward_cached(self, ids: Tensor, cache: None, context: CacheContext) -> Tensor:
+        """New tokens at their positions in their sequences (``gpipe.runtime.kv_cache``)."""
+        return self.dropout(self.token(ids) + self.position[context.positions])
+
+    def generation_limits(self) -> tuple[int, int]:
+        """The vocabulary and the context a generated sequence must fit."""
+        return self.token.num_embeddings, self.seq_len
+
 
 def documents_of(positions: Tensor) -> Tensor:
     """Each token's document within its row, numbered from 1: a document begins wherever
@@ -244,6 +257,17 @@ class _Attention(nn.Module):
             same = documents[:, None, :, None] == documents[:, None, None, :]
             mask = same & torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        return self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+
+    def forward_cached(self, x: Tensor, cache: KVCache, context: CacheContext) -> Tensor:
+        """The new tokens against the cached keys and values, which get theirs."""
+        b, t, d = x.shape
+        q, k, v = (
+            part.view(b, t, self.n_head, d // self.n_head).transpose(1, 2)
+            for part in self.qkv(x).split(d, dim=-1)
+        )
+        k, v = cache.append(k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=context.attention_mask)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, d)))
 
 
@@ -282,6 +306,14 @@ class Block(nn.Module):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
+    def new_cache(self) -> KVCache:
+        """Generation: this block's keys and values for one group of sequences."""
+        return KVCache()
+
+    def forward_cached(self, x: Tensor, cache: KVCache, context: CacheContext) -> Tensor:
+        x = x + self.attn.forward_cached(self.ln1(x), cache, context)
+        return x + self.mlp(self.ln2(x))
+
 
 class Head(nn.Module):
     """Final LayerNorm and the map to logits: ``[B, T, d_model]`` to ``[B, T, vocab_size]``.
@@ -306,6 +338,13 @@ class Head(nn.Module):
         if isinstance(x, tuple):  # packed documents: their logits alike
             x = x[0]
         return self.proj(self.ln(x))
+
+    def new_cache(self) -> None:
+        return None
+
+    def forward_cached(self, x: Tensor, cache: None, context: CacheContext) -> Tensor:
+        """Generation samples from the last new token alone: only its logits are computed."""
+        return self(x[:, -1:])
 
 
 def build_gpt(

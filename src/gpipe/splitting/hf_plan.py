@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from gpipe.planning.balancing import partition
+from gpipe.runtime.kv_cache import CacheContext
 
 __all__ = [
     "HEAD_ONLY",
@@ -285,8 +286,134 @@ class PlanStage(nn.Module):
         }
         return {"hidden_states": hidden, **passed_on}
 
+    # -- generation (gpipe.runtime.kv_cache) ---------------------------------------------------
+    def new_cache(self) -> PlanCache:
+        """The model's own ``DynamicCache`` for one group of sequences: a layer per decoder
+        layer of this stage; the others' places point at the stage's first, since the model
+        sizes its masks by asking the cache about its first layer."""
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        cache = DynamicCache()
+        if not hasattr(cache, "layers"):
+            import transformers
+
+            raise RuntimeError(
+                "generate() through a model cut by its plan needs a transformers whose caches "
+                f"are lists of layers (4.56 or later); this is {transformers.__version__}"
+            )
+        self._check_attention_only(DynamicCache, DynamicLayer)
+        held = [DynamicLayer() for _ in range(self.start, self.stop)]
+        n = self.layout.n_layers
+        cache.layers = [
+            held[i - self.start] if self.start <= i < self.stop else held[0] for i in range(n)
+        ]
+        return PlanCache(cache, [HeldLayer(layer) for layer in held])
+
+    def _check_attention_only(self, cache_class: Any, attention: type) -> None:
+        """Refuse layers whose cache is not keys and values (linear attention, state space
+        models): their state cannot be padded, joined and trimmed row by row."""
+        try:
+            typed = cache_class(config=self.shell.config).layers
+        except (TypeError, ValueError, AttributeError, KeyError):
+            return  # no layer types to read: every layer is attention
+        for i in range(self.start, min(self.stop, len(typed))):
+            if not isinstance(typed[i], attention):
+                raise PlanError(
+                    f"{type(self.shell).__name__}'s layer {i} keeps a {type(typed[i]).__name__}, "
+                    "not keys and values: generation through the pipeline supports attention "
+                    "layers only"
+                )
+
+    def forward_cached(self, x: Tensor, cache: PlanCache, context: CacheContext) -> Tensor:
+        """The new tokens (ids on the first stage, the stage before's hidden states on the
+        others) through this stage with its cache: hidden states, or on the last stage the
+        logits of each row's last token."""
+        shell = self.shell
+        shell.training = self.training
+        kwargs: dict[str, Any] = {
+            "attention_mask": context.valid.long(),
+            "position_ids": context.positions,
+            self._cache_name: cache.cache,
+            "use_cache": True,
+        }
+        if self.is_first:
+            kwargs["input_ids"] = x
+        else:
+            kwargs["inputs_embeds"] = torch.zeros_like(x)
+            assert self._hand_over is not None
+            self._hand_over.received = x
+        try:
+            if self.is_last:
+                if "logits_to_keep" in inspect.signature(type(shell).forward).parameters:
+                    kwargs["logits_to_keep"] = 1
+                logits: Tensor = shell(**kwargs).logits
+                return logits
+            hidden: Tensor = shell.get_submodule(self.layout.base)(**kwargs).last_hidden_state
+            return hidden
+        finally:
+            if self._hand_over is not None:
+                self._hand_over.received = None
+
+    @property
+    def _cache_name(self) -> str:
+        """What the base model calls its cache argument (``cache`` from transformers 5.x)."""
+        base = self.shell.get_submodule(self.layout.base)
+        params = inspect.signature(type(base).forward).parameters
+        return "cache" if "cache" in params else "past_key_values"
+
+    def generation_limits(self) -> tuple[int | None, int | None]:
+        """The vocabulary and the longest sequence of the model's config."""
+        config = self.shell.config
+        vocab = getattr(config, "vocab_size", None)
+        names = ("max_position_embeddings", "n_positions")
+        context = next(
+            (getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None
+        )
+        return (vocab if isinstance(vocab, int) else None), context
+
     def extra_repr(self) -> str:
         return f"stage={self.index} of {self.n_stages}, layers=[{self.start}, {self.stop})"
+
+
+class HeldLayer:
+    """One of a stage's decoder layers in its cache, as ``gpipe.runtime.kv_cache`` moves rows:
+    keys and values ``[rows, heads, columns, head_dim]``, None until the layer has any."""
+
+    def __init__(self, layer: Any) -> None:
+        self.layer = layer
+
+    @property
+    def keys(self) -> Tensor | None:
+        return self.layer.keys if self.layer.is_initialized else None
+
+    @keys.setter
+    def keys(self, value: Tensor | None) -> None:
+        self._set("keys", value)
+
+    @property
+    def values(self) -> Tensor | None:
+        return self.layer.values if self.layer.is_initialized else None
+
+    @values.setter
+    def values(self, value: Tensor | None) -> None:
+        self._set("values", value)
+
+    def _set(self, name: str, value: Tensor | None) -> None:
+        setattr(self.layer, name, value)
+        if value is not None:  # as the layer's own first update would have left it
+            self.layer.is_initialized, self.layer.device = True, value.device
+
+
+@dataclass
+class PlanCache:
+    """A stage's cache for one group: the model's ``DynamicCache`` and this stage's layers."""
+
+    cache: Any
+    held: list[HeldLayer]
+
+    def kv_layers(self) -> list[HeldLayer]:
+        return self.held
 
 
 def layer_costs(model: nn.Module, layout: PlanLayout, balance: str, example: Any) -> list[float]:

@@ -1,4 +1,10 @@
-"""Generating text through a trained pipeline: the sample a run ends with."""
+"""Generating text through a trained pipeline: the sample a run ends with, and ``gpipe
+sample``'s, the same text from the same checkpoint and seed.
+
+Through ``Pipeline.generate`` where every stage keeps a KV cache; past the context, a window
+that is full starts the next from its last half. A model whose stages keep no cache (a
+module of your own, a traced model) runs its whole window again for every token.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +15,41 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gpipe.engine.generation import GenerationRefused
 from gpipe.pipeline import Pipeline
 from gpipe.training.data.tokenizer import ByteTokenizer, Tokenizer
 from gpipe.training.models.sources import logits_of
 
-__all__ = ["generate_text"]
+__all__ = ["continued", "generate_text"]
+
+
+def continued(
+    pipe: Pipeline,
+    ids: list[int],
+    tokens: int,
+    context: int,
+    *,
+    seed: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+) -> list[int]:
+    """``tokens`` new tokens after ``ids`` through ``pipe.generate`` (collective), however
+    many the context holds: the first window is the end of ``ids``; when a window is full,
+    the next starts from its last ``context // 2`` tokens, drawn with the seed plus the
+    window's number."""
+    new: list[int] = []
+    window = 0
+    while len(new) < tokens:
+        text = ids + new
+        keep = context - 1 if window == 0 else max(1, context // 2)
+        prompt = text[-keep:]
+        count = min(tokens - len(new), context - len(prompt))
+        found = pipe.generate(
+            [prompt], count, temperature=temperature, top_k=top_k, seed=seed + window
+        )
+        new += found[0]
+        window += 1
+    return new
 
 
 def generate_text(
@@ -27,12 +63,19 @@ def generate_text(
     as_inputs: Callable[[Tensor], Any] | None = None,
 ) -> str:
     """Generate ``tokens`` tokens (bytes without a tokenizer) through the pipeline after
-    ``prompt`` (text, or its ids): the last stage picks every next token and tells the
-    others. ``as_inputs`` turns ids into what the model takes, where that is more (a model
-    traced for packed documents takes their positions too)."""
+    ``prompt`` (text, or its ids), sampled with ``seed``: by ``continued`` where the stages
+    keep a KV cache; otherwise the last stage picks every next token from the whole window
+    and tells the others, ``as_inputs`` turning ids into what the model takes, where that is
+    more (a model traced for packed documents takes their positions too)."""
     tokenizer = tokenizer or ByteTokenizer()
-    generator = torch.Generator().manual_seed(seed)
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    try:
+        pipe.generator()
+    except GenerationRefused:
+        pass
+    else:
+        return tokenizer.decode(ids + continued(pipe, ids, tokens, seq_len, seed=seed))
+    generator = torch.Generator().manual_seed(seed)
     context = torch.tensor([ids], dtype=torch.long)
     pipe.eval()
     for _ in range(tokens):

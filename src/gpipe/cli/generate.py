@@ -1,0 +1,147 @@
+"""``gpipe generate``: completions of a file of prompts from a run's checkpoint, through its
+stages (one process per stage, as it trained)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from gpipe.cli.common import UsageError, positive
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="complete a file of prompts from a checkpoint, through the pipeline",
+        description="Complete every prompt of a JSON-lines file from a gpipe checkpoint (a "
+        "run folder or one of its checkpoints), through the run's stages, one process per "
+        "stage, a KV cache per group of sequences in flight. Each line is an object with "
+        "'prompt' (text, through the run's tokenizer) or 'ids' (token ids); each line of "
+        "--out is that object with 'completion_ids' and 'completion' (the text) added.",
+    )
+    p.add_argument("path", metavar="RUN", help="run folder or checkpoint folder")
+    p.add_argument("--prompts", required=True, metavar="FILE.jsonl", help="the prompts")
+    p.add_argument("--out", required=True, metavar="FILE.jsonl", help="where completions go")
+    p.add_argument("--max-new-tokens", type=int, required=True, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0, help="of the sampling (default 0)")
+    p.add_argument(
+        "--eos-token-id",
+        type=int,
+        default=None,
+        help="a sequence ends at this token (default: the tokenizer's end of text, if any)",
+    )
+    p.add_argument("--no-eos", action="store_true", help="always generate N tokens")
+    p.add_argument("--in-flight", type=int, default=None, help="groups in flight (default: stages)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="sequences in flight in all (default: every prompt); finished ones make room",
+    )
+    p.add_argument("--tokenizer", metavar="PATH", help="default: the run's --tokenizer")
+    p.add_argument("--model", help="the run's --model, needed for a module of your own")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads per process")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(command=_generate)
+
+
+def _read_prompts(path: Path, tokenizer: Any) -> tuple[list[dict[str, Any]], list[list[int]]]:
+    """Each line's object, and its prompt's token ids."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise UsageError(f"--prompts {path}: {exc.strerror or exc}") from None
+    objects: list[dict[str, Any]] = []
+    ids: list[list[int]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--prompts {path}, line {number}: not JSON ({exc.msg})") from None
+        if not isinstance(item, dict) or ("prompt" in item) == ("ids" in item):
+            raise UsageError(
+                f"--prompts {path}, line {number}: expected an object with 'prompt' (text) "
+                "or 'ids' (token ids), one of them"
+            )
+        if "prompt" in item:
+            if not isinstance(item["prompt"], str):
+                raise UsageError(f"--prompts {path}, line {number}: 'prompt' must be text")
+            ids.append(tokenizer.encode(item["prompt"]))
+        else:
+            given = item["ids"]
+            if not isinstance(given, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in given
+            ):
+                raise UsageError(f"--prompts {path}, line {number}: 'ids' must be a list of ints")
+            ids.append(given)
+        objects.append(item)
+    return objects, ids
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from gpipe.training.checkpoints.format import read_run_record
+    from gpipe.training.data.tokenizer import IdTokenizer, load_tokenizer
+    from gpipe.training.generating import GenerateJob, generate_from_run
+    from gpipe.training.models.trained import checkpoint_at
+
+    for flag in ("max_new_tokens", "top_k", "in_flight", "prefill_chunk", "batch_size", "threads"):
+        positive(flag.replace("_", "-"), getattr(args, flag))
+    try:
+        checkpoint = checkpoint_at(args.path)
+        train = read_run_record(checkpoint).get("train") or {}
+        where = args.tokenizer or train.get("tokenizer")
+        data = str(train.get("data") or "")
+        ids_only = where is None and data.endswith((".bin", ".npy"))
+        tokenizer = IdTokenizer() if ids_only else load_tokenizer(where)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    objects, prompts = _read_prompts(Path(args.prompts), tokenizer)
+    eos = None if args.no_eos else args.eos_token_id
+    if eos is None and not args.no_eos:
+        eos = tokenizer.eos_id
+    options = {
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "eos_token_id": eos,
+        "in_flight": args.in_flight,
+        "prefill_chunk": args.prefill_chunk,
+    }
+    job = GenerateJob(
+        str(checkpoint),
+        prompts,
+        args.max_new_tokens,
+        options,
+        batch=args.batch_size,
+        code=args.model,
+        progress=not args.quiet,
+    )
+    try:
+        found = generate_from_run(job, args.threads)
+    except ValueError as exc:
+        raise UsageError(str(exc).splitlines()[-1]) from None
+    if found.refused is not None:
+        raise UsageError(found.refused)
+    out = Path(args.out)
+    with out.open("w") as f:
+        for item, tokens in zip(objects, found.tokens, strict=True):
+            text = tokenizer.decode(tokens)
+            f.write(json.dumps({**item, "completion_ids": tokens, "completion": text}) + "\n")
+    total = sum(len(t) for t in found.tokens)
+    rate = total / found.seconds if found.seconds > 0 else float("inf")
+    print(
+        f"{total} tokens for {len(prompts)} prompts in {found.seconds:.2f} s: "
+        f"{rate:.1f} tokens/s; written to {out}"
+    )
+    return 0

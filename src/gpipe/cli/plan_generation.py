@@ -1,0 +1,143 @@
+"""``gpipe plan --generate``: each stage's memory while generating: its weights and the KV
+cache of ``--batch-size`` sequences of up to ``--seq-len`` tokens in ``--in-flight`` groups
+(``gpipe.planning.generation``). The model is built on the meta device."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe.cli.common import UsageError
+from gpipe.planning.generation import GenerationPlan, plan_generation
+from gpipe.planning.memory import format_bytes
+
+__all__ = ["add_generation_arguments", "plan_generating"]
+
+
+def add_generation_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--generate",
+        action="store_true",
+        help="plan generation instead of training: each stage's weights and the KV cache of "
+        "--batch-size sequences of up to --seq-len tokens",
+    )
+    p.add_argument(
+        "--in-flight",
+        type=int,
+        metavar="N",
+        help="with --generate: groups of sequences in flight (default --stages)",
+    )
+
+
+def _bytes_of(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _gpt(args: argparse.Namespace, dtype: torch.dtype) -> tuple[list[int], list[int], int, str]:
+    """The GPT's weights and blocks per stage, its key-value width and how it is cut."""
+    from gpipe.cli.plan import _config
+    from gpipe.models.gpt import Block, build_gpt
+    from gpipe.planning.balancing import partition
+    from gpipe.runtime.partitions import even_balance, stage_bounds
+    from gpipe.training.job import parse_balance
+
+    layers = build_gpt(_config(args, args.n_layer), device="meta").to(dtype)
+    sizes = [_bytes_of(layer) for layer in layers]
+    if args.balance == "params":
+        balance = partition([float(s) for s in sizes], args.stages)
+    else:
+        given = parse_balance(args.balance, args.stages, len(layers))
+        balance = given or even_balance(len(layers), args.stages)
+    weights, attention = [], []
+    for start, stop in stage_bounds(balance):
+        weights.append(sum(sizes[start:stop]))
+        attention.append(sum(isinstance(layers[i], Block) for i in range(start, stop)))
+    return weights, attention, args.d_model, f"balance {balance}"
+
+
+def _kv_width(config: Any) -> int:
+    """Numbers a token keeps for its keys (and as many for its values) in one layer."""
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    if not kv_heads or not head_dim:
+        raise UsageError("the model's config gives no attention heads and head size to count")
+    return int(kv_heads) * int(head_dim)
+
+
+def _split_model(
+    args: argparse.Namespace, dtype: torch.dtype
+) -> tuple[list[int], list[int], int, str]:
+    """A Hugging Face model cut by its plan: each stage's weights and decoder layers."""
+    from gpipe.cli.plan_model import _build, _split
+    from gpipe.splitting import PlanStage
+    from gpipe.training.models.resolve import longest_sequence
+
+    model = _build(args).to(device="meta", dtype=dtype)
+    if args.seq_len is None:
+        args.seq_len = longest_sequence(model)
+    if args.seq_len is None:
+        raise UsageError(f"--model {args.model}: its longest sequence is unknown; pass --seq-len")
+    stages = _split(model, args, args.stages)
+    if not all(isinstance(s, PlanStage) for s in stages):
+        raise UsageError(
+            f"--model {args.model} is cut by tracing: its stages keep no KV cache, so it does "
+            "not generate through the pipeline (a Hugging Face model with a pipeline plan does)"
+        )
+    weights = [_bytes_of(s) for s in stages]
+    attention = [s.stop - s.start for s in stages]
+    return weights, attention, _kv_width(getattr(model, "config", None)), "cut by its plan"
+
+
+def plan_generating(args: argparse.Namespace, kind: str, dtype: torch.dtype, memory: int) -> int:
+    """Print each stage's memory while generating; 0 if every stage fits ``memory``."""
+    if args.in_flight is not None and args.in_flight < 1:
+        raise UsageError(f"--in-flight must be a positive integer, got {args.in_flight}")
+    if kind == "module":
+        raise UsageError(
+            f"--generate: --model {args.model} is a module of your own; gpipe plans the KV "
+            "cache of the built-in GPT and of Hugging Face models cut by their plan"
+        )
+    found = _gpt(args, dtype) if kind == "gpt" else _split_model(args, dtype)
+    weights, attention, width, cut = found
+    in_flight = args.in_flight or args.stages
+    result = plan_generation(
+        weights,
+        attention,
+        kv_width=width,
+        dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+        batch=args.batch_size,
+        context=args.seq_len,
+        in_flight=in_flight,
+    )
+    _print(args, result, cut, memory)
+    return 0 if result.fits(memory) else 1
+
+
+def _print(args: argparse.Namespace, result: GenerationPlan, cut: str, memory: int) -> None:
+    print(
+        f"generating with {args.model}: {result.batch} sequences of up to {result.context} "
+        f"tokens, {result.in_flight} groups in flight of {result.rows_per_group} each "
+        f"({args.dtype}); {len(result.stages)} stages, {cut}"
+    )
+    header = ["stage", "attention layers", "weights", "KV cache", "growing", "total"]
+    header.append(f"fits {format_bytes(memory)}")
+    rows = [
+        [
+            str(i),
+            str(s.attention_layers),
+            format_bytes(s.weight_bytes),
+            format_bytes(s.cache_bytes),
+            format_bytes(s.transient_bytes),
+            format_bytes(s.total_bytes),
+            "yes" if s.total_bytes <= memory else "no",
+        ]
+        for i, s in enumerate(result.stages)
+    ]
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())

@@ -1,0 +1,133 @@
+"""The arguments of ``generate``, checked on the first stage (which holds the prompts and the
+embedding) before anything runs: each refusal is one line naming what was given."""
+
+from __future__ import annotations
+
+import operator
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpipe.engine.generation.sampling import Sampling
+
+__all__ = ["Settings", "checked_prompts", "checked_settings"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every stage needs to know of a generation, as the first stage decided it."""
+
+    max_new_tokens: int
+    sampling: Sampling
+    eos_token_id: int | None
+    in_flight: int
+    prefill_chunk: int | None
+
+
+def _positive(name: str, value: Any, *, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}"
+        )
+    return value
+
+
+def _token(value: Any, prompt: int, position: int) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"prompt {prompt} holds {value!r} at position {position}: prompts are lists of "
+            "token ids (ints)"
+        ) from None
+
+
+def checked_prompts(
+    prompts: Any, max_new_tokens: int, vocab: int | None, context: int | None
+) -> list[list[int]]:
+    """``prompts`` as lists of ints, each non-empty, of the vocabulary, and fitting the
+    context with ``max_new_tokens`` more."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError(
+            f"prompts must be a list of prompts, each a list of token ids, got "
+            f"{type(prompts).__name__}"
+        )
+    checked = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+            raise TypeError(
+                f"prompt {i} is a {type(prompt).__name__}: each prompt is a list of token ids"
+            )
+        ids = [_token(t, i, at) for at, t in enumerate(prompt)]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty: give at least one token id")
+        top = vocab if vocab is not None else float("inf")
+        bad = next(((at, t) for at, t in enumerate(ids) if not 0 <= t < top), None)
+        if bad is not None and vocab is not None:
+            raise ValueError(
+                f"prompt {i} holds token id {bad[1]} at position {bad[0]}, outside the "
+                f"model's vocabulary of {vocab} ids (0 to {vocab - 1})"
+            )
+        if context is not None and len(ids) > context:
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens, more than the model's context of {context}"
+            )
+        if context is not None and len(ids) + max_new_tokens > context:
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens and max_new_tokens={max_new_tokens} more "
+                f"would make {len(ids) + max_new_tokens}, more than the model's context of "
+                f"{context}"
+            )
+        checked.append(ids)
+    return checked
+
+
+def checked_settings(
+    max_new_tokens: Any,
+    *,
+    temperature: Any,
+    top_k: Any,
+    top_p: Any,
+    eos_token_id: Any,
+    seed: Any,
+    in_flight: Any,
+    prefill_chunk: Any,
+    n_stages: int,
+    vocab: int | None,
+) -> Settings:
+    """Every argument but the prompts checked; ``seed=None`` with sampling draws one here."""
+    new = _positive("max_new_tokens", max_new_tokens)
+    assert new is not None
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not (temperature >= 0)
+    ):
+        raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
+    k = _positive("top_k", top_k, optional=True)
+    if top_p is not None and (
+        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1
+    ):
+        raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
+    if eos_token_id is not None and (
+        isinstance(eos_token_id, bool)
+        or not isinstance(eos_token_id, int)
+        or not 0 <= eos_token_id < (vocab if vocab is not None else float("inf"))
+    ):
+        within = f" (0 to {vocab - 1})" if vocab is not None else ""
+        raise ValueError(
+            f"eos_token_id must be a token id of the vocabulary{within} or None, got "
+            f"{eos_token_id!r}"
+        )
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+    lanes = _positive("in_flight", in_flight, optional=True) or n_stages
+    chunk = _positive("prefill_chunk", prefill_chunk, optional=True)
+    drawn = seed if seed is not None else random.SystemRandom().randrange(2**63)
+    sampling = Sampling(float(temperature), k, None if top_p is None else float(top_p), drawn)
+    return Settings(new, sampling, eos_token_id, lanes, chunk)

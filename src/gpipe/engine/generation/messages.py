@@ -1,0 +1,69 @@
+"""What travels while generating: a task down the pipeline, the picked tokens back up.
+
+Both are flat tuples of tensors, so the transport sends them without describing a
+structure: a task is its plan as one int64 tensor, then the decoding rows' input (token ids
+on the way out of the first stage, hidden states after), then each prefill piece's; the
+tokens back are the lane, the sequences and their tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gpipe.engine.generation.scheduler import Piece, Task
+
+__all__ = ["STOP", "Relay", "plan_of", "relay_of", "relay_tensors", "task_tensor"]
+
+STOP = -1  # the lane of the message that ends the generation
+_PIECE = 3  # words per piece: sequence, start, last
+
+
+def task_tensor(task: Task) -> Tensor:
+    """``task``'s plan as int64 words, without its token ids (a piece's length is that of
+    its tensor)."""
+    words = [task.lane, len(task.leaves), len(task.joins), len(task.rows), len(task.pieces)]
+    words += [*task.leaves, *task.joins, *task.rows]
+    for piece in task.pieces:
+        words += [piece.sequence, piece.start, int(piece.last)]
+    return torch.tensor(words, dtype=torch.long)
+
+
+def plan_of(words: Tensor) -> Task:
+    """The task of ``task_tensor``, its pieces without their ids."""
+    w = [int(v) for v in words.tolist()]
+    if w[0] == STOP:
+        return Task(STOP)
+    lane, n_leaves, n_joins, n_rows, n_pieces = w[:5]
+    at = 5
+    leaves = tuple(w[at : at + n_leaves])
+    at += n_leaves
+    joins = tuple(w[at : at + n_joins])
+    at += n_joins
+    rows = tuple(w[at : at + n_rows])
+    at += n_rows
+    pieces = []
+    for _ in range(n_pieces):
+        sequence, start, last = w[at : at + _PIECE]
+        pieces.append(Piece(sequence, start, (), bool(last)))
+        at += _PIECE
+    return Task(lane, leaves, joins, rows, (), tuple(pieces))
+
+
+Relay = tuple[int, list[int], list[int]]  # a lane, its sequences and the tokens picked
+
+
+def relay_tensors(
+    lane: int, sequences: list[int], tokens: list[int], device: Any
+) -> tuple[Tensor, ...]:
+    def ints(values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return ints([lane]), ints(sequences), ints(tokens)
+
+
+def relay_of(message: Any) -> Relay:
+    lane, sequences, tokens = message
+    return int(lane.item()), [int(s) for s in sequences.tolist()], [int(t) for t in tokens.tolist()]

@@ -1,0 +1,84 @@
+"""`gpipe generate RUN --prompts FILE.jsonl --out FILE.jsonl --max-new-tokens N`: each prompt's
+completion through the run's two stages, greedy, equal to the GPT's own sampler on the same
+weights; `prompt` lines go through the run's tokenizer (bytes here) and `ids` lines as they
+are; bad input is one line and exit code 2."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from gpipe.cli import main
+from gpipe.models.gpt import GPTConfig, build_gpt, generate
+from gpipe.training.checkpoints.format import save_checkpoint
+from gpipe.training.options import TrainOptions
+
+CONFIG = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=32, vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    built = build_gpt(CONFIG)
+    with torch.no_grad():
+        for p in built.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)  # tokens that vary from step to step
+    return built.eval()
+
+
+@pytest.fixture(scope="module")
+def run(model, tmp_path_factory):
+    """A run folder of two stages with one checkpoint of ``model``, as a run would write."""
+    folder = tmp_path_factory.mktemp("generate") / "run"
+    train = {**TrainOptions().__dict__, "seq_len": CONFIG.seq_len}
+    description = {"model": CONFIG.to_dict(), "train": train, "balance": [2, 2], "step": 1}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        save_checkpoint(folder / "checkpoints", 1, model, optimizer, {}, description)
+    return folder
+
+
+def _greedy(model, ids: list[int], new: int) -> list[int]:
+    tokens = generate(model, torch.tensor([ids]), new, CONFIG.seq_len, top_k=1)
+    return tokens[0, len(ids) :].tolist()
+
+
+def test_generate_completes_each_prompt_as_the_unsplit_model(
+    model, run, tmp_path, capsys, train_on_shared_processes
+):
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "def f(x):"}, {"ids": [7, 200, 3]}, {"prompt": "a", "tag": 1}]
+    prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", str(run), "--prompts", str(prompts), "--out", str(out)]
+    assert main([*argv, "--max-new-tokens", "6", "--quiet", "--prefill-chunk", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "18 tokens for 3 prompts in" in printed and "tokens/s" in printed
+    found = [json.loads(line) for line in out.read_text().splitlines()]
+    ids = [list(b"def f(x):"), [7, 200, 3], list(b"a")]
+    for line, given, prompt in zip(found, lines, ids, strict=True):
+        assert line == {**given, **{k: line[k] for k in ("completion_ids", "completion")}}
+        assert line["completion_ids"] == _greedy(model, prompt, 6)
+        assert line["completion"] == bytes(line["completion_ids"]).decode(errors="replace")
+
+
+def test_generate_refuses_bad_input_in_one_line(run, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    out = str(tmp_path / "out.jsonl")
+    cases = {
+        '{"text": "x"}': "expected an object with 'prompt' (text) or 'ids'",
+        '{"ids": [1, "2"]}': "'ids' must be a list of ints",
+        "not json": "line 1: not JSON",
+    }
+    for line, message in cases.items():
+        prompts.write_text(line + "\n")
+        argv = ["generate", str(run), "--prompts", str(prompts), "--out", out]
+        assert main([*argv, "--max-new-tokens", "2"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
+    argv = ["generate", str(run), "--prompts", str(prompts), "--out", out]
+    assert main([*argv, "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens must be a positive integer" in capsys.readouterr().err

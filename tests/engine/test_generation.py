@@ -1,0 +1,73 @@
+"""``Pipeline.generate`` through processes over gloo: greedy tokens equal the unsplit model's
+(the built-in GPT's sampler on 2 and 4 processes, Llama cut by its plan against Hugging Face's
+``generate``), with and without chunked prefill; a seed samples the same tokens whatever the
+groups in flight and the process count; sequences end at the end of text while prompts wait;
+bad input and models without a cache are refused in one line on every rank."""
+
+import pytest
+
+from ..workers import run
+from . import generation_cases as cases
+
+
+def test_greedy_through_two_stages_equals_the_gpts_own_sampler():
+    assert run(cases.gpt_pipeline, 2, (2,), threads=1) == {0: 4, 1: 4}
+
+
+def test_greedy_through_four_stages_equals_the_gpts_own_sampler():
+    assert set(run(cases.gpt_pipeline, 4, (4,), threads=1).values()) == {4}
+
+
+def test_a_seed_samples_alike_whatever_the_groups_in_flight_and_the_stages():
+    two = run(cases.gpt_sampled, 2, threads=1)
+    four = run(cases.gpt_sampled, 4, threads=1)
+    found = [*two.values(), *four.values()]
+    first = found[0][0]
+    assert all(runs == [first] * 3 for runs in found)
+    assert all(len(tokens) == cases.NEW for tokens in first)
+    assert first != cases.gpt_greedy()
+
+
+def test_sequences_end_at_the_end_of_text_and_free_their_place_for_waiting_prompts():
+    assert run(cases.gpt_ends_and_waits, 2, threads=1) == {0: 3, 1: 3}
+
+
+def test_llama_cut_by_its_plan_generates_what_hugging_face_generates():
+    pytest.importorskip("transformers", reason="the test extra installs transformers")
+    assert run(cases.llama_pipeline, 2, threads=1) == {0: 2, 1: 2}
+
+
+def test_bad_input_is_refused_in_one_line_on_every_rank():
+    found = run(cases.refusals, 2, threads=1)
+    assert found[0] == found[1]
+    assert all("\n" not in message for message in found[0])
+    assert found[0] == [
+        "ValueError: prompt 0 has 41 tokens, more than the model's context of 40",
+        "ValueError: prompt 0 has 35 tokens and max_new_tokens=10 more would make 45, more "
+        "than the model's context of 40",
+        "ValueError: prompt 1 is empty: give at least one token id",
+        "ValueError: max_new_tokens must be a positive integer, got 0",
+        "ValueError: prompt 0 holds token id 64 at position 1, outside the model's "
+        "vocabulary of 64 ids (0 to 63)",
+        "ValueError: temperature must be a number >= 0 (0: greedy), got -1.0",
+        "ValueError: top_p must be a number in (0, 1] or None, got 0.0",
+        "ValueError: in_flight must be a positive integer or None, got 0",
+        "ValueError: prefill_chunk must be a positive integer or None, got 0",
+        "TypeError: prompt 0 is a str: each prompt is a list of token ids",
+    ]
+
+
+def test_models_without_a_cache_are_refused_on_every_rank():
+    found = run(cases.no_cache, 2, threads=1)
+    assert found[0] == found[1] and len(found[0]) == 2
+    assert all(m.startswith("generate() needs layers that keep a KV cache") for m in found[0])
+    assert "stage 0's layer '0' (Embedding)" in found[0][0]
+    assert "stage 0's layer '0' (SplitStage)" in found[0][1]
+
+
+def test_replicas_side_by_side_each_generate_their_own_prompts():
+    assert run(cases.replicas, 4, threads=1) == {r: 1 for r in range(4)}
+
+
+def test_sample_continues_past_the_context_from_the_last_half_of_a_full_window():
+    assert run(cases.windows, 2, threads=1) == {0: True, 1: True}

@@ -1,0 +1,55 @@
+"""The memory of generating (``planning.generation``), and ``gpipe plan --generate``: each
+stage's weights and the KV cache of every group in flight, counted as the caches hold them."""
+
+import pytest
+import torch
+
+from gpipe.cli import main
+from gpipe.models.gpt import GPTConfig, build_gpt
+from gpipe.planning.generation import plan_generation
+from gpipe.runtime.kv_cache import CacheContext, KVCache
+
+
+def test_the_cache_is_every_row_of_every_group_at_the_full_context():
+    found = plan_generation(
+        [100, 200], [3, 2], kv_width=8, dtype_bytes=4, batch=10, context=16, in_flight=3
+    )
+    per_row = 2 * 16 * 8 * 4  # keys and values of one row in one layer
+    assert found.rows_per_group == 4  # 10 sequences in 3 groups: 4, 4 and 2, padded to 4
+    assert [s.cache_bytes for s in found.stages] == [3 * 12 * per_row, 2 * 12 * per_row]
+    assert [s.transient_bytes for s in found.stages] == [4 * per_row, 4 * per_row]
+    assert found.peak_bytes == 100 + 36 * per_row + 4 * per_row
+    with pytest.raises(ValueError, match="in_flight must be a positive integer, got 0"):
+        plan_generation([1], [1], kv_width=1, dtype_bytes=4, batch=1, context=1, in_flight=0)
+
+
+def test_the_plan_counts_what_the_gpts_caches_hold():
+    config = GPTConfig(n_layer=2, d_model=16, n_head=2, seq_len=12, vocab_size=32)
+    model = build_gpt(config).eval()
+    caches = [KVCache() for _ in range(2)]
+    x = model[0].forward_cached(
+        torch.zeros(3, 12, dtype=torch.long),
+        None,
+        CacheContext(torch.arange(12).expand(3, 12), torch.ones(3, 12, dtype=torch.bool)),
+    )
+    context = CacheContext(torch.arange(12).expand(3, 12), torch.ones(3, 12, dtype=torch.bool))
+    for block, cache in zip(model[1:3], caches, strict=True):
+        x = block.forward_cached(x, cache, context)
+    held = sum(t.numel() * t.element_size() for c in caches for t in (c.keys, c.values))
+    found = plan_generation([0], [2], kv_width=16, dtype_bytes=4, batch=3, context=12, in_flight=1)
+    assert found.stages[0].cache_bytes == held
+
+
+def test_gpipe_plan_generate_prints_each_stages_cache(capsys):
+    argv = ["plan", "--generate", "--stages", "2", "--batch-size", "16", "--seq-len", "1024"]
+    argv += ["--in-flight", "2", "--n-layer", "24", "--d-model", "1024", "--n-head", "16"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "16 sequences of up to 1024 tokens, 2 groups in flight of 8 each" in out
+    assert out.count("1.50 GiB") == 2  # 12 blocks x 16 rows x 1024 tokens x 2 x 1024 x 4 bytes
+    assert main([*argv, "--device-memory", "2GiB"]) == 1  # 2.32 GiB a stage
+
+
+def test_gpipe_plan_in_flight_needs_generate(capsys):
+    assert main(["plan", "--in-flight", "2"]) == 2
+    assert "--in-flight needs --generate" in capsys.readouterr().err
