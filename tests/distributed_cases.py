@@ -271,7 +271,15 @@ def balanced_by_time() -> dict:
     }
 
 
-MEMORY_SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved")
+MEMORY_SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "zero-bubble",
+    "interleaved",
+    "zero-bubble-v",
+    "v-half",
+    "v-min",
+)
 
 
 def memory_workload(name: str, device: str = "cpu"):
@@ -305,7 +313,7 @@ def memory_workload(name: str, device: str = "cpu"):
 
 def memory_balance(n_layers: int, schedule: str) -> list[int]:
     half = n_layers // 2
-    if schedule == "interleaved":
+    if schedule in ("interleaved", "zero-bubble-v", "v-half", "v-min"):  # looped, or a V
         return [half // 2, half - half // 2, half // 2, n_layers - half - half // 2]
     return [half, n_layers - half]
 

@@ -258,6 +258,9 @@ def test_bad_options_end_in_one_line_and_exit_code_2(capsys, tmp_path):
     assert "--schedule dualpipe-v needs --chunks of at least 4 for --stages 2, got 2" in (
         _usage_error(capsys, "train", "--schedule", "dualpipe-v", "--chunks", "2", *out)
     )
+    assert "--schedule v-min needs --chunks of at least 2 for --stages 2, got 1" in (
+        _usage_error(capsys, "train", "--schedule", "v-min", "--chunks", "1", *out)
+    )
     assert "--seq-len 64 is above the model's maximum of 32" in _usage_error(
         capsys, "train", "--preset", "tiny", "--seq-len", "64", *out
     )

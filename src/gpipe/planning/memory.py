@@ -136,6 +136,9 @@ class _Held:
     skip_in: float
     skip_in_ckpt: float
     again: float = 0.0  # a layer recomputed inside the backward (``Layers``), at most
+    # its input, where it is the output of the previous stage on the same process (a V's
+    # turn): one storage, in both stages' graphs
+    shared: float = 0.0
 
 
 def _activation_peak(
@@ -153,11 +156,13 @@ def _activation_peak(
     """
     now = peak = 0.0
     live = most = 0
+    held_by: dict[tuple[int, int], int] = {}  # a turn's shared storage: which stage counts it
     for a in program:
         if not a.is_compute:
             continue
-        h = held[a.stage][a.microbatch]
-        ckpt = checkpointed(a.microbatch)
+        s, i = a.stage, a.microbatch
+        h = held[s][i]
+        ckpt = checkpointed(i)
         inp = h.inp + h.skip_in_ckpt if ckpt else 0.0  # what a recomputed micro-batch keeps
         if a.kind is Kind.FORWARD:
             live += 1
@@ -167,20 +172,36 @@ def _activation_peak(
                 peak = max(peak, now + h.out)  # the output, until it is sent
             else:
                 now += h.graph + h.skip_in
+                if h.shared:  # the previous stage's graph holds it already
+                    now -= h.shared
+                    held_by[s, i] = s - 1
                 peak = max(peak, now)
         elif a.kind is Kind.RECOMPUTE:  # the graph again, its input shared
             now += h.graph - h.inp
             peak = max(peak, now)
-        elif a.kind is Kind.BACKWARD:
+        else:
             peak = max(peak, now + h.again)
-            if not split:
+            if a.kind is Kind.WEIGHT or not split:  # the end of the backward: all freed
                 live -= 1
                 now -= h.graph + (h.skip_in_ckpt if ckpt else h.skip_in)
-        else:  # W: the end of a split backward
-            peak = max(peak, now + h.again)
-            live -= 1
-            now -= h.graph + (h.skip_in_ckpt if ckpt else h.skip_in)
+                now += _still_shared(held_by, s, i, held)
     return peak, most
+
+
+def _still_shared(
+    held_by: dict[tuple[int, int], int], s: int, i: int, held: dict[int, list[_Held]]
+) -> float:
+    """Bytes that stage ``s`` frees with micro-batch ``i``'s graph, though they are still
+    held: the storage it shares with the next stage on its process, which that stage now
+    counts; or, for a stage whose shared input its previous stage counted, what it frees
+    twice."""
+    if held_by.get((s + 1, i)) == s:  # the next stage still holds the shared storage
+        held_by[s + 1, i] = s + 1
+        return held[s + 1][i].shared
+    owner = held_by.pop((s, i), None)
+    if owner == s - 1:  # the previous stage counts it, and frees it with its graph
+        return held[s][i].shared
+    return 0.0
 
 
 class _LayerNames(nn.Sequential):
@@ -293,7 +314,10 @@ def _held(
                 n for (a, b), n in routes.items() if b == s and rank_of[a] != rank_of[s]
             )
             local_in = sum(n for (a, b), n in routes.items() if b == s and rank_of[a] == rank_of[s])
-            held[s].append(_Held(graph, inp, out, remote_in, remote_in + local_in, again))
+            turn = s > 0 and rank_of[s - 1] == rank_of[s]
+            held[s].append(
+                _Held(graph, inp, out, remote_in, remote_in + local_in, again, inp if turn else 0)
+            )
     return held
 
 

@@ -26,7 +26,7 @@ import functools
 from gpipe.schedules.ir import Kind, Schedule, ScheduleError, check_sizes
 from gpipe.schedules.v_shape import Order, check_v, v_schedule
 
-__all__ = ["v_half", "v_half_cap", "v_min", "v_min_cap", "v_min_fewest"]
+__all__ = ["capped_v", "v_half", "v_half_cap", "v_min", "v_min_cap", "v_min_fewest"]
 
 
 def v_half_cap(n_ranks: int) -> int:
@@ -59,6 +59,31 @@ class _Rank:
         self.live = 0  # chunk-sized micro-batches held
         self.order: Order = []
 
+    def run(
+        self,
+        kind: Kind,
+        chunk: int,
+        step: int,
+        forward_end: list[list[int]],
+        backward_end: list[list[int]],
+    ) -> None:
+        """Append ``kind`` of ``chunk``'s next micro-batch, ending after ``step``."""
+        stage = self.stage[chunk]
+        if kind is Kind.FORWARD:
+            mb = self.forwards[chunk]
+            self.forwards[chunk] += 1
+            self.live += 1
+            forward_end[stage][mb] = step + 1
+        elif kind is Kind.BACKWARD:
+            mb = self.backwards[chunk]
+            self.backwards[chunk] += 1
+            backward_end[stage][mb] = step + 1
+        else:
+            mb = self.weights[chunk]
+            self.weights[chunk] += 1
+            self.live -= 1
+        self.order.append((kind, stage, mb))
+
 
 def capped_v(
     name: str, n_stages: int, n_microbatches: int, n_ranks: int | None, cap: int
@@ -76,27 +101,11 @@ def capped_v(
     step = 0
     while left:
         ran = 0
-        for r in ranks:
+        for r in ranks:  # what one runs at this step ends after it: the others don't see it
             action = _next(r, step, m, cap, forward_end, backward_end)
-            if action is None:
-                continue
-            kind, chunk = action
-            stage = r.stage[chunk]
-            if kind is Kind.FORWARD:
-                mb = r.forwards[chunk]
-                r.forwards[chunk] += 1
-                r.live += 1
-                forward_end[stage][mb] = step + 1
-            elif kind is Kind.BACKWARD:
-                mb = r.backwards[chunk]
-                r.backwards[chunk] += 1
-                backward_end[stage][mb] = step + 1
-            else:
-                mb = r.weights[chunk]
-                r.weights[chunk] += 1
-                r.live -= 1
-            r.order.append((kind, stage, mb))
-            ran += 1
+            if action is not None:
+                r.run(*action, step, forward_end, backward_end)
+                ran += 1
         if not ran and step > 0:  # nothing runs and nothing is under way: it cannot go on
             raise ScheduleError(f"{name}: no rank can move at step {step} (cap {cap})")
         left -= ran
