@@ -20,7 +20,7 @@ pytest.importorskip("transformers", reason="the test extra installs transformers
 
 from .hf_families import build
 
-FAMILIES = ("qwen3", "gemma2", "phi3", "gpt_neox")  # Llama: tests/engine/test_generation.py
+FAMILIES = ("qwen3", "gemma2", "gpt_neox")  # Llama: tests/engine/test_generation.py
 NEW = 6
 
 
