@@ -27,7 +27,9 @@ import torch.distributed as dist
 
 from gpipe import Pipeline, launch
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
-from gpipe.planning.simulate import Costs, simulate
+from gpipe.planning.cluster_step import pipeline_costs, stage_costs
+from gpipe.planning.layer_costs import PassCosts
+from gpipe.planning.simulate import simulate
 from gpipe.schedules import gpipe
 
 from .common import gpt_model, machine, write_results
@@ -145,28 +147,28 @@ def run(cfg: dict) -> dict:
     return {"costs": costs, "latency": latency, "bandwidth": bandwidth, "steps": steps}
 
 
-def _stage_costs(
-    layer: dict[str, tuple[float, float]], blocks: int, k: int
-) -> tuple[list[float], list[float]]:
+def _stage_costs(layer: dict[str, tuple[float, float]], blocks: int, k: int) -> list[PassCosts]:
     """Per stage, forward and backward seconds: blocks spread evenly, embedding and head on the
-    ends."""
+    ends, assembled as the cluster planner assembles a stage from its layers."""
     per, extra = divmod(blocks, k)
     counts = [per + (1 if s < extra else 0) for s in range(k)]
-    f = [n * layer["block"][0] for n in counts]
-    b = [n * layer["block"][1] for n in counts]
-    f[0] += layer["embedding"][0]
-    b[0] += layer["embedding"][1]
-    f[-1] += layer["head"][0]
-    b[-1] += layer["head"][1]
-    return f, b
+
+    def timed(name: str) -> PassCosts:
+        forward, backward = layer[name]
+        return PassCosts(forward=forward, backward=backward)
+
+    return stage_costs(timed("embedding"), timed("block"), timed("head"), counts)
 
 
 def predict(costs: dict, latency: float, bandwidth: float, blocks: int, k: int, m: int,
             batch: int, bytes_per_row: int) -> float:  # fmt: skip
-    rows = batch // m
-    f, b = _stage_costs(costs[rows], blocks, k)
-    c = Costs(forward=f, backward=b, latency=latency, bandwidth=bandwidth,
-              message_bytes=rows * bytes_per_row)  # fmt: skip
+    """The simulated step of the GPipe schedule, K stages, M micro-batches, from the layers'
+    measured costs and the measured link (``gpipe.planning.cluster_step``'s assembly)."""
+    message = batch // m * bytes_per_row
+    stages = _stage_costs(costs[batch // m], blocks, k)
+    c = pipeline_costs(
+        stages, message_bytes=message, latency=latency, transfer=latency + message / bandwidth
+    )
     return simulate(gpipe(k, m), c).makespan
 
 

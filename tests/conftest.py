@@ -1,6 +1,7 @@
 """Fixtures every test module shares, and the device: the suite
 runs on CPU, as CI does, even on a GPU machine (where every process would otherwise take
-cuda:LOCAL_RANK). tests/test_cuda.py runs on GPUs with GPIPE_TEST_CUDA=1."""
+cuda:LOCAL_RANK). tests/test_cuda.py runs on GPUs with GPIPE_TEST_CUDA=1. W&B runs offline,
+into their run folders."""
 
 import os
 
@@ -8,6 +9,7 @@ import pytest
 
 if os.environ.get("GPIPE_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything asks CUDA for its devices
+os.environ["WANDB_MODE"] = "offline"  # runs with --report-to wandb write only to their folder
 
 from . import workers
 

@@ -89,6 +89,57 @@ def test_a_model_that_does_not_fit_one_capped_process_trains_in_two():
     assert worst < 1e-4
 
 
+def test_lightning_module_trains_pipelined_to_the_losses_of_one_device():
+    """examples/lightning_module.py: Lightning starts the second process itself; the two
+    runs' losses agree to float32's rounding, and the spirals are learned."""
+    pytest.importorskip("lightning", reason="the lightning extra installs lightning")
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "lightning_module.py"), "--steps", "100"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = {
+        name: (float(loss), float(accuracy))
+        for name, loss, accuracy in re.findall(
+            r"^(pipelined|without the pipeline).*?validation loss ([\d.]+), accuracy ([\d.]+)%",
+            done.stdout,
+            re.M,
+        )
+    }
+    print(done.stdout)
+    assert set(runs) == {"pipelined", "without the pipeline"}, done.stdout
+    (loss, accuracy), (plain_loss, plain_accuracy) = runs.values()
+    assert loss == pytest.approx(plain_loss, rel=1e-4)
+    assert accuracy == plain_accuracy
+    assert accuracy >= 95.0
+    worst = float(re.search(r"largest relative difference .*: ([\d.e+-]+)", done.stdout)[1])
+    assert worst < 1e-4
+
+
+def test_hf_trainer_fine_tunes_pipelined_and_saves_a_folder_from_pretrained_loads(tmp_path):
+    """examples/hf_trainer.py under torchrun, 2 CPU processes: the evaluation loss falls, and
+    the saved folder gives the trained model's loss back."""
+    pytest.importorskip("transformers", reason="the test extra installs transformers")
+    out = tmp_path / "llama"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(EXAMPLES / "hf_trainer.py"), "--steps", "24", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = re.search(r"eval loss ([\d.]+) -> ([\d.]+) in 24 steps", done.stdout)
+    reloaded = re.search(r"from_pretrained\(.*\): eval loss ([\d.]+)", done.stdout)
+    assert losses and reloaded, done.stdout[-3000:]
+    before, after = float(losses[1]), float(losses[2])
+    assert after < before - 1.5, done.stdout[-3000:]  # from about ln 258 = 5.55
+    assert abs(float(reloaded[1]) - after) < 1e-3
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
 def test_grpo_runs_rollouts_logprobs_and_updates_in_one_layout():
     """examples/grpo.py, a few steps: generate, forward_only and step(microbatches=...) in the
     same two processes; its full run's rising reward is in docs/generation.md."""

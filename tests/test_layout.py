@@ -5,9 +5,9 @@ Layers, from the bottom: schedules, skip and errors (plain data and user decorat
 (moving tensors); runtime (a stage's work); parallel (replicas, ties); engine (a step); planning and
 splitting (tools that read schedules and costs, and the tracer), data and models (what
 scripts feed a pipeline, and the reference models); the facades ``GPipe`` and ``Pipeline``;
-training, view and bench (applications of the facades); cli on top. A module may import its
-own layer's or a lower layer's, never a higher one's: the runtime never reaches the training
-job or the tools.
+training, integrations, view and bench (applications of the facades); cli on top. A module
+may import its own layer's or a lower layer's, never a higher one's: the runtime never
+reaches the training job or the tools.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ LAYERS = {
     "gpipe.pipe": 5,
     "gpipe.pipeline": 5,
     "gpipe.training": 6,
+    "gpipe.integrations": 6,
     "gpipe.view": 6,
     "gpipe.bench": 6,
     "gpipe.cli": 7,

@@ -103,8 +103,8 @@ def test_bad_inputs_are_named():
     assert "checkpoint is not one of" in both["checkpoint"][0]
     assert (
         "schedule must be one of ['1f1b', 'dualpipe-v', 'gpipe', 'interleaved', "
-        "'interleaved-zero-bubble', 'looped-bfs', 'zero-bubble', 'zero-bubble-v'], got 'fastest'"
-        in both["schedule"][0]
+        "'interleaved-zero-bubble', 'looped-bfs', 'v-half', 'v-min', 'zero-bubble', "
+        "'zero-bubble-v'], got 'fastest'" in both["schedule"][0]
     )
     assert "loss_reduction must be 'mean' or 'sum'" in both["reduction"][0]
     assert "step() needs a loss_fn" in both["no_loss"][0]

@@ -52,6 +52,36 @@ def equivalence(k: int, schedule: str) -> dict:
     return {"cases": cases, "stages": list(pipe.stages), "last": pipe.is_last}
 
 
+def memory_capped(k: int) -> dict:
+    """v-half and v-min against un-pipelined training, float64: never and always, M from
+    v-min's fewest to 2K + 1 with one micro-batch a row short, skips across processes; and
+    v-min with fewer micro-batches than it needs refused in one line."""
+    from gpipe.schedules.v_memory import v_min_fewest
+
+    cases = 0
+    for schedule in ("v-half", "v-min"):
+        for chunks in sorted({v_min_fewest(k), 2 * k + 1}):
+            for mode in ("never", "always"):
+                pipe = Pipeline(
+                    mlp(), BALANCE[k], chunks=chunks, checkpoint=mode, schedule=schedule,
+                    loss_fn=mse_loss,
+                )  # fmt: skip
+                _check_step(pipe, *batch(2 * chunks - 1), **EXACT)
+                cases += 1
+        pipe = Pipeline(
+            unet(), UNET_INTERLEAVED[k], chunks=2 * k, checkpoint="except_last",
+            schedule=schedule, loss_fn=mse_loss,
+        )  # fmt: skip
+        _check_unet_step(pipe, *unet_batch(4 * k - 1))
+        cases += 1
+    try:
+        Pipeline(mlp(), BALANCE[k], chunks=1, schedule="v-min", loss_fn=mse_loss)
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    return {"cases": cases, "stages": list(pipe.stages), "refused": refused}
+
+
 def skips(k: int) -> int:
     """The U-Net-like model, its skips within a process and across processes, under every
     two-per-process schedule and checkpoint mode."""

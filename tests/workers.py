@@ -6,9 +6,10 @@ torch and gpipe and joins a gloo group: seconds of work that prove nothing new a
 first time. Here the first ``run`` on ``nprocs`` processes launches them, with
 ``gpipe.launch`` itself, into a loop that takes one function at a time, and later calls
 reuse them: the process group and the imports stay, while every test builds its own
-pipelines, models and data. A function that fails on any rank stops the whole group (its
-peers may be waiting for it) with a ``LaunchError`` that names each rank's error, as
-``launch`` does; the next ``run`` starts a fresh group.
+pipelines, models and data. Each function runs in the caller's working directory as it is at
+the call, as ``launch`` promises of the processes it starts. A function that fails on any
+rank stops the whole group (its peers may be waiting for it) with a ``LaunchError`` that
+names each rank's error, as ``launch`` does; the next ``run`` starts a fresh group.
 
 Tests of start-up, shutdown or a dying peer call ``gpipe.launch`` and keep processes of
 their own, and so do those of parameters tied across processes: torch names a group made
@@ -44,7 +45,8 @@ def serve(address: tuple[str, int], key: bytes) -> None:
     with Client(address, authkey=key) as conn:
         conn.send((int(os.environ["RANK"]), os.getpid()))
         while (task := conn.recv()) is not None:
-            fn, args, threads = task
+            fn, args, threads, cwd = task
+            os.chdir(cwd)
             if threads is not None:
                 torch.set_num_threads(threads)
             try:
@@ -81,7 +83,7 @@ class _Pool:
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], threads: int | None) -> dict:
         for conn in self._conns:
-            conn.send((fn, args, threads))
+            conn.send((fn, args, threads, os.getcwd()))
         results, errors = {}, {}
         for rank, conn in enumerate(self._conns):
             if not conn.poll(TASK_TIMEOUT):

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy
 import pytest
 import torch
 
@@ -42,12 +43,14 @@ def _description(run, step: int) -> dict:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Two tiny runs, 1 and 2 stages, 20 steps with a checkpoint every 10."""
+    """Two tiny runs, 1 and 2 stages, 20 steps with a checkpoint every 10; the first also
+    reports to TensorBoard and W&B (offline: tests/conftest.py)."""
     runs = {}
     for stages in (1, 2):
         out = tmp_path_factory.mktemp(f"run{stages}")
+        report = ["--report-to", "tensorboard,wandb"] if stages == 1 else []
         with training_on_shared_processes():
-            code = main(["train", *TINY, "--stages", str(stages), "--steps", "20",
+            code = main(["train", *TINY, "--stages", str(stages), "--steps", "20", *report,
                          "--save-every", "10", "--out", str(out), "--force"])  # fmt: skip
         assert code == 0
         runs[stages] = out
@@ -79,6 +82,69 @@ def test_run_folder_holds_checkpoints_metrics_and_sample(trained, stages):
     assert {"loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "bubble"} <= record.keys()
     assert 0 <= record["bubble"] < 1
     assert len((run / "sample.txt").read_bytes()) > 0
+
+
+def _metrics(run) -> dict[int, dict[str, float]]:
+    """metrics.jsonl's records by step, without the step."""
+    records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    return {r.pop("step"): r for r in records}
+
+
+def _tensorboard_scalars(folder) -> dict[int, dict[str, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    logged: dict[int, dict[str, float]] = {}
+    for tag in events.Tags()["scalars"]:
+        for event in events.Scalars(tag):
+            logged.setdefault(event.step, {})[tag] = event.value
+    return logged
+
+
+def _wandb_history(run_file) -> dict[int, dict[str, float]]:
+    """The history rows of an offline W&B run's ``.wandb`` file: LevelDB's log format (32 KiB
+    blocks of records, each a 7-byte header and a piece of a protobuf ``Record``), after
+    W&B's own 7-byte header."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    logged: dict[int, dict[str, float]] = {}
+    position, pieces = 7, b""
+    while position + 7 <= len(data):
+        left = 32768 - position % 32768
+        length, kind = (
+            int.from_bytes(data[position + 4 : position + 6], "little"),
+            data[position + 6],
+        )
+        if left < 7 or kind == 0:  # a block's padding
+            position += left
+            continue
+        pieces += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a whole record, or its last piece
+            record = Record.FromString(pieces)
+            pieces = b""
+            if record.WhichOneof("record_type") == "history":
+                items = record.history.item  # a key in key, or in nested_key as a path
+                row = {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in items}
+                logged[row.pop("_step")] = {k: v for k, v in row.items() if not k.startswith("_")}
+    return logged
+
+
+def test_report_to_logs_the_metrics_of_metrics_jsonl(trained):
+    """--report-to tensorboard,wandb: every record of metrics.jsonl, key for key at its step,
+    in the run folder's tensorboard/ (as float32 scalars) and its offline W&B run."""
+    run = trained[1]
+    metrics = _metrics(run)
+    assert _tensorboard_scalars(run / "tensorboard") == {
+        step: {key: float(numpy.float32(value)) for key, value in record.items()}
+        for step, record in metrics.items()
+    }
+    (run_file,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    assert _wandb_history(run_file) == metrics
+    assert json.loads((run / "run.json").read_text())["train"]["report_to"] == "tensorboard,wandb"
 
 
 def test_two_stages_train_as_one(trained):
@@ -158,6 +224,14 @@ def test_sample_reads_a_run_or_a_checkpoint(trained, capsys):
     assert main(["sample", str(run / "checkpoints" / "step-000010"), "--tokens", "5"]) == 0
 
 
+def test_help_says_train_a_model(capsys):
+    """Not only the GPT: --model takes a Hugging Face model or your own."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["--help"])
+    assert stopped.value.code == 0
+    assert re.search(r"^\s+train\s+train a model, pipelined", capsys.readouterr().out, re.M)
+
+
 def _usage_error(capsys, *argv) -> str:
     assert main(list(argv)) == 2
     err = capsys.readouterr().err.strip()
@@ -219,6 +293,21 @@ def test_bad_options_end_in_one_line_and_exit_code_2(capsys, tmp_path):
     )
     assert "--save-writer process (given, or the run's own) says what writes" in _usage_error(
         capsys, "train", "--save-writer", "process", "--sync-save", *out
+    )
+    assert not (tmp_path / "new").exists()
+
+
+def test_report_to_is_refused_before_any_process_starts(capsys, tmp_path, monkeypatch):
+    """An unknown tracker, or one whose package is not installed, is one line naming the
+    flag (and the extra that installs the package)."""
+    out = ["--out", str(tmp_path / "new")]
+    assert (
+        "--report-to must be none or a comma-separated list of tensorboard, wandb, got "
+        "'tensorboard,mlflow'"
+    ) in _usage_error(capsys, "train", "--report-to", "tensorboard,mlflow", *out)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not installed
+    assert "--report-to wandb needs the wandb package: pip install 'gpipe-parallel[wandb]'" in (
+        _usage_error(capsys, "train", "--report-to", "wandb", *out)
     )
     assert not (tmp_path / "new").exists()
 

@@ -65,6 +65,18 @@ def test_two_stages_per_process_match_unpipelined(schedule, k):
     assert [r for r in range(k) if results[r]["last"]] == [0 if v else k - 1]
 
 
+def test_memory_capped_v_schedules_match_unpipelined():
+    """v-half and v-min, four stages on two processes in a V, float64, exact; v-min refuses
+    a single micro-batch in one line that names its fewest."""
+    results = run(two_per_rank.memory_capped, 2, (2,), threads=1)
+    for r in range(2):
+        assert results[r]["cases"] == 2 * (2 * 2 + 1)
+        assert results[r]["stages"] == [r, 3 - r]
+        assert results[r]["refused"] == (
+            "schedule 'v-min' needs chunks of at least 2 for 2 processes, got chunks=1"
+        )
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_two_stages_per_process_carry_skips(k):
     results = run(two_per_rank.skips, k, (k,), threads=1)

@@ -6,7 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpipe.cli import main
-from gpipe.planning.advice import TARGET_BUBBLE, bubble, chunks_advice, chunks_for_bubble
+from gpipe.planning.advice import (
+    MOST_CHUNKS,
+    TARGET_BUBBLE,
+    bubble,
+    chunks_advice,
+    chunks_for_bubble,
+)
 from gpipe.planning.simulate import Costs, closed_form_bubble, scenario, simulate
 from gpipe.schedules import SCHEDULES, traits
 
@@ -47,6 +53,10 @@ def test_recomputation_dilutes_the_bubble():
 def test_chunks_for_bubble_is_the_fewest_under_the_target(schedule, stages, checkpoint):
     m = chunks_for_bubble(schedule, stages, virtual_stages=2, checkpoint=checkpoint)
     options = {"virtual_stages": 2, "checkpoint": checkpoint}
+    if m is None:  # a memory cap keeps processes waiting: none up to the most advised
+        assert schedule == "v-min"
+        assert bubble(schedule, stages, MOST_CHUNKS, **options) >= TARGET_BUBBLE
+        return
     assert bubble(schedule, stages, m, **options) < TARGET_BUBBLE
     step = stages if traits(schedule).microbatches_per_round else 1
     assert m % step == 0
@@ -64,15 +74,32 @@ def test_no_fewer_micro_batches_reach_the_target(schedule, checkpoint):
         m = step
         while not traits(schedule).runs(stages, m, 2):
             m += step
+        if schedule == "v-min":  # its cap keeps processes waiting: the bubble stays above
+            assert bubble(schedule, stages, MOST_CHUNKS, **options) >= TARGET_BUBBLE
+            assert chunks_for_bubble(schedule, stages, **options) is None
+            continue
         while bubble(schedule, stages, m, **options) >= TARGET_BUBBLE:
             m += step
-        assert chunks_for_bubble(schedule, stages, **options) == m
+        found = chunks_for_bubble(schedule, stages, **options)
+        if schedule == "v-half":  # its bubble shrinks with small ups and downs
+            assert bubble(schedule, stages, found, **options) < TARGET_BUBBLE
+            assert bubble(schedule, stages, found - 1, **options) >= TARGET_BUBBLE
+            assert m <= found <= m + 2
+            continue
+        assert found == m
 
 
 @pytest.mark.parametrize("stages", [2, 4, 8, 16])
 def test_gpipe_needs_nine_micro_batches_per_extra_stage_and_one(stages):
     # (K-1)/(M+K-1) < 0.1  <=>  M > 9(K-1)
     assert chunks_for_bubble("gpipe", stages) == 9 * (stages - 1) + 1
+
+
+def test_v_min_is_told_that_no_number_of_micro_batches_brings_its_bubble_under():
+    line = chunks_advice("v-min", 2, 4)
+    assert line is not None and line.endswith(
+        f"; no --chunks up to {MOST_CHUNKS} brings it under {TARGET_BUBBLE:.0%}"
+    )
 
 
 def test_no_advice_at_or_above_the_rule_of_thumb_or_on_one_process():

@@ -87,3 +87,22 @@ def test_the_grid_takes_several_stages_per_process():
     assert {("interleaved", 2), ("interleaved", 3), ("looped-bfs", 3)} <= per_rank
     assert {v for name, v in per_rank if name in ("zero-bubble-v", "dualpipe-v")} == {2}
     assert {v for name, v in per_rank if name == "1f1b"} == {1}
+
+
+def test_a_budget_only_v_min_fits_chooses_v_min(gpt):
+    """The capped V schedules are candidates like any other: where only the least memory
+    fits, auto takes it."""
+    layers, tokens = gpt
+    costs = _costs(len(layers), 0.0, 1e-3)
+    found = search(profile(layers, tokens[: ROWS // 2].to("meta")), costs, batch_size=ROWS,
+                   device_bytes=2**40, stages=[2], chunks=[8], checkpoints=["never"],
+                   virtual_stages=VIRTUAL_STAGES)  # fmt: skip
+    least = {}
+    for c in found.ranked:
+        least[c.schedule] = min(least.get(c.schedule, c.peak_bytes), c.peak_bytes)
+    assert {"v-half", "v-min"} <= least.keys()
+    others = min(peak for name, peak in least.items() if name != "v-min")
+    assert least["v-min"] < others
+    choice = choose(layers, tokens, n_ranks=2, device_bytes=(least["v-min"] + others) / 2,
+                    chunks=8, checkpoint="never", costs=costs)  # fmt: skip
+    assert choice.schedule == "v-min" and choice.runner_up is None

@@ -258,7 +258,7 @@ def test_cli_plot_writes_a_png(tmp_path, capsys):
 def test_cli_plot_without_matplotlib_says_how_to_get_it(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     assert main(["simulate", "--plot", str(tmp_path / "t.png")]) == 2
-    assert "pip install 'gpipe[plot]'" in capsys.readouterr().err
+    assert "pip install 'gpipe-parallel[plot]'" in capsys.readouterr().err
     assert not (tmp_path / "t.png").exists()
 
 

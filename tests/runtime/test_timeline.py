@@ -134,7 +134,7 @@ def test_gantt_chart_is_a_png(tmp_path):
 def test_gantt_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
     for name in ("matplotlib", "matplotlib.backends.backend_agg", "matplotlib.figure"):
         monkeypatch.setitem(sys.modules, name, None)
-    with pytest.raises(ImportError, match=r"pip install 'gpipe\[plot\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'gpipe-parallel\[plot\]'"):
         plot_gantt([], tmp_path / "gantt.png")
 
 

@@ -79,7 +79,8 @@ def test_pytorchs_own_loader_reads_every_schedule(tmp_path):
         ("0F0,0B0\n1B0,1F0\n", {}, "deadlocks: rank 0, step 1: 0B0 waits for 1SEND_B0; "
          "rank 1, step 0: 1B0 waits for 1F0"),
         ("0F0,0B0\n1F0,1X0\n", {}, "rank 1, step 1: '1X0' is not an action"),
-        ("0F0,0B0,0F0\n1F0,1B0\n", {}, "rank 0, step 2: 0F0 runs 0F0 again (first at step 0)"),
+        ("0F0,0B0,0F0\n1F0,1B0\n", {}, "rank 0, step 2 holds 0F0 (a forward), which runs the "
+         "forward of stage 0, micro-batch 0 again: step 0 holds 0F0 (a forward)"),
         ("0F0,0B0\n0F1,1F0,1B0\n", {}, "rank 1, step 0: 0F1: stage 0 is run by rank 0 too"),
     ],
 )  # fmt: skip
@@ -88,6 +89,47 @@ def test_bad_files_name_the_rank_step_and_action(tmp_path, text, options, messag
     path.write_text(text)
     with pytest.raises(ScheduleError, match=message.replace("(", r"\(").replace(")", r"\)")):
         from_csv(path, **options)
+
+
+def test_older_files_write_the_input_half_as_b_before_its_w(tmp_path):
+    """PyTorch's older files (its test artifacts among them) wrote the input half of a split
+    backward as B, with the W of the same stage and micro-batch after it: read as I."""
+    path = tmp_path / "older.csv"
+    for name, k, m in _cases():
+        schedule = build(name, k, m, 2)
+        if not schedule.split_backward:
+            continue
+        to_csv(schedule, path)
+        path.write_text(path.read_text().replace("I", "B"))
+        assert from_csv(path).programs == schedule.programs, (name, k, m)
+    path.write_text("0F0,0F1,2F0,,2F1,2B0,2W0,2B1,2W1,0B0,0W0,0B1,0W1\n,1F0,1F1,3F0,3B0,3F1,3B1,"
+                    "3W0,1B0,3W1,1B1,1W0,1W1\n")  # fmt: skip
+    schedule = from_csv(path)
+    assert schedule.split_backward and schedule.n_stages == 4
+    assert [str(a) for a in schedule.compute_only(0)[4:7]] == ["2B0", "2W0", "2B1"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("0F0,0W0,0B0\n", "rank 0, step 2 holds 0B0 (a whole backward: input and weight "
+         "gradients), which runs the weight gradients of stage 0, micro-batch 0 again: step 1 "
+         "holds 0W0 (weight gradients)"),
+        ("0F0,0B0,0W0,0W0\n", "rank 0, step 3 holds 0W0 (weight gradients), which runs the "
+         "weight gradients of stage 0, micro-batch 0 again: step 2 holds 0W0 (weight gradients)"),
+        ("0F0,0I0,0B0,0W0\n", "rank 0, step 2 holds 0B0 (input gradients, as 0W0 follows), "
+         "which runs the input gradients of stage 0, micro-batch 0 again: step 1 holds 0I0 "
+         "(input gradients)"),
+        ("0F0,0B0,0B0\n", "rank 0, step 2 holds 0B0 (a whole backward), which runs the backward "
+         "of stage 0, micro-batch 0 again: step 1 holds 0B0 (a whole backward)"),
+    ],
+)  # fmt: skip
+def test_a_real_duplicate_names_what_each_step_holds(tmp_path, text, message):
+    path = tmp_path / "twice.csv"
+    path.write_text(text)
+    with pytest.raises(ScheduleError) as caught:
+        from_csv(path)
+    assert str(caught.value) == f"{path}: {message}"
 
 
 def test_simulate_writes_and_reads_schedule_files(tmp_path, capsys):

@@ -130,7 +130,7 @@ def test_unknown_schedule_name_lists_the_known_ones():
     with pytest.raises(
         ValueError,
         match=r"one of \['1f1b', 'dualpipe-v', 'gpipe', 'interleaved', 'interleaved-zero-bubble', "
-        r"'looped-bfs', 'zero-bubble', 'zero-bubble-v'\], got 'fast'",
+        r"'looped-bfs', 'v-half', 'v-min', 'zero-bubble', 'zero-bubble-v'\], got 'fast'",
     ):
         get_schedule("fast")
 
@@ -193,7 +193,7 @@ def test_a_v_balance_must_be_two_stages_per_process():
     from gpipe.engine.placement import check_stages_per_rank
     from gpipe.planning.memory import _schedule
 
-    for schedule in ("zero-bubble-v", "dualpipe-v"):
+    for schedule in ("zero-bubble-v", "dualpipe-v", "v-half", "v-min"):
         with pytest.raises(ValueError, match="2K = 4 entries for 2 processes, got 6"):
             check_stages_per_rank(6, 2, schedule)
         with pytest.raises(ValueError, match="2K = 4 entries for 2 processes, got 6"):

@@ -27,9 +27,20 @@ CHECKED = families.families() if EVERY else [
 ]  # fmt: skip
 
 
+# their plans do not cover their modules: refused by plan="hf", traced under "auto"
+REFUSED = {"deepseek_v4", "hy_v4", "hrm_text", "phi4_multimodal"}
+
+
 @pytest.mark.parametrize("kind", CHECKED)
 def test_a_family_cut_by_its_plan_equals_the_unsplit_model(kind):
-    at = families.check_family(kind)
+    try:
+        if kind in REFUSED:
+            with pytest.raises(PlanError, match="pipeline plan"):
+                families.check_family(kind)
+            return
+        at = families.check_family(kind)
+    except families.Unbuildable as exc:  # only in the whole sweep: a family our tiny config misses
+        pytest.skip(str(exc))
     assert len(at) == 1
 
 

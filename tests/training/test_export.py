@@ -3,8 +3,9 @@
 with the run's tokenizer beside it; `gpipe sample` generates from any run's model; and each
 bad input is one line and exit code 2.
 
-One tiny run (a 2-layer Llama on text through a tokenizer.json, 2 stages) serves every test;
-checkpoints of runs that need no training are written directly.
+One tiny run (a 2-layer Llama on text through a tokenizer.json, 2 stages) serves every test
+but GPT-NeoX's, which saves its weights under other names than its modules'; checkpoints of
+runs that need no training are written directly.
 """
 
 import json
@@ -109,6 +110,32 @@ def test_from_pretrained_computes_the_runs_last_validation_loss(run, exported):
             x, y = val.next()
             losses.append(float(lm_loss(model(x).logits, y)))
     assert sum(losses) / len(losses) == pytest.approx(last["val_loss"], rel=1e-6, abs=1e-6)
+
+
+def test_a_gpt_neox_starts_from_its_saved_weights_and_exports_them_back(tmp_path):
+    """GPT-NeoX saves its lm_head as embed_out: the stages read it back under the module's
+    name and the export writes it under the saved one. With a learning rate of 0, the
+    exported model is the one the run started from, tensor for tensor."""
+    config = transformers.GPTNeoXConfig(
+        vocab_size=256, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path / "neox")
+    run, out = tmp_path / "run", tmp_path / "exported"
+    args = [
+        "train", "--model", f"hf:{tmp_path / 'neox' / 'config.json'}", "--stages", "2",
+        "--steps", "1", "--lr", "0", "--seq-len", "16", "--batch-size", "4", "--chunks", "2",
+        "--eval-every", "1", "--sample-tokens", "1", "--threads", "1", "--quiet", "--out", str(run),
+    ]  # fmt: skip
+    with training_on_shared_processes():
+        assert main(args) == 0
+    assert main(["export", str(run), "--hf", str(out)]) == 0
+    initial = transformers.AutoModelForCausalLM.from_pretrained(run / "initial").state_dict()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    trained = load_trained(checkpoint_at(run)).original.state_dict()
+    assert set(exported) == set(initial) == set(trained)
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, trained[name]) and torch.equal(tensor, initial[name]), name
 
 
 def test_sample_draws_again_the_runs_own_sample_with_its_tokenizer(run, capsys):

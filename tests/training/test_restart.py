@@ -4,8 +4,9 @@ benchmarks/soak.py does at length) is restarted by torchrun's agent and the run
 continues by itself from its newest good checkpoint, with the losses of a run never
 interrupted; a damaged newest checkpoint is skipped for the one before, with a warning.
 
-Every run here is real processes over gloo: ``gpipe train`` started as a command, by itself
-or by two torchrun agents that meet at a rendezvous store this test holds. The kill is a real
+Every run that loses a process is real processes over gloo: ``gpipe train`` started as a
+command, by itself or by two torchrun agents that meet at a rendezvous store this test holds;
+the uninterrupted reference trains on the module's shared processes. The kill is a real
 SIGKILL, planned through ``GPIPE_TEST_KILL`` (gpipe.training.elastic) at a step the test picks.
 """
 
@@ -23,6 +24,8 @@ import torch.distributed as dist
 
 from gpipe.cli import main
 from gpipe.training.checkpoints.format import verify_checkpoint
+
+from ..workers import training_on_shared_processes
 
 RUN = [
     "--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--chunks", "4", "--lr", "1e-2",
@@ -55,10 +58,12 @@ def _checkpoints(run) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted run: 2 stages, 12 steps, a checkpoint every 3."""
+    """The uninterrupted run: 2 stages, 12 steps, a checkpoint every 3. Nothing is lost in
+    it, so it trains on the module's shared processes (its losses are those of the same run
+    as a command; the runs below compare theirs to it)."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    done = _train("--stages", "2", "--out", str(out))
-    assert done.returncode == 0, done.stderr[-3000:]
+    with training_on_shared_processes():
+        assert main(["train", *RUN, "--stages", "2", "--out", str(out)]) == 0
     return out
 
 
@@ -184,10 +189,13 @@ def test_two_torchrun_nodes_train_together_and_survive_a_lost_rank(reference, tm
 def test_a_lost_node_leaves_one_stage_that_repartitions_and_goes_on(reference, tmp_path):
     """``--nnodes 1:2``: the second node (agent and worker) is lost as step 8 starts; the
     first restarts alone, as one stage over all four layers, from step 6 saved by two (saved
-    in the foreground, so that step 6 is surely complete when step 8 starts)."""
+    in the foreground, so that step 6 is surely complete when step 8 starts). The lost agent
+    leaves the rendezvous once it has missed its heartbeats for 5 s (1 s apart; torchrun's
+    default is 15 s, 5 s apart), which the survivor's new round waits for."""
     once = tmp_path / "killed"
     kill = {"step": 8, "at": "node", "once": str(once)}
-    nodes = _Nodes(tmp_path, "1:2", [None, kill], "last_call_timeout=5", train=["--sync-save"])
+    conf = ["last_call_timeout=5", "keep_alive_interval=1", "keep_alive_max_attempt=5"]
+    nodes = _Nodes(tmp_path, "1:2", [None, kill], *conf, train=["--sync-save"])
     codes = nodes.wait()
     text = nodes.output()
     assert codes[0] == 0 and codes[1] == -signal.SIGKILL, f"{codes}\n{text[-4000:]}"

@@ -20,6 +20,8 @@ from ..workers import training_on_shared_processes
 
 transformers = pytest.importorskip("transformers", reason="--model hf: needs transformers")
 
+pytestmark = pytest.mark.usefixtures("train_on_shared_processes")
+
 VOCAB = 96
 RUN = [
     "train", "--stages", "2", "--batch-size", "8", "--seq-len", "32", "--chunks", "4",

@@ -135,7 +135,7 @@ def _bench(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError(
-                "plots need matplotlib: pip install 'gpipe[plot]', or pass --no-plots"
+                "plots need matplotlib: pip install 'gpipe-parallel[plot]', or pass --no-plots"
             ) from None
     options = BenchOptions(
         workloads=workloads,

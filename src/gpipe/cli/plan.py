@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from gpipe.cli.common import UsageError, multi_stage_schedules
+from gpipe.cli.plan_cluster import add_cluster_arguments, is_cluster_plan, plan_cluster
 from gpipe.cli.plan_generation import add_generation_arguments, plan_generating
 from gpipe.cli.plan_model import (
     add_model_arguments,
@@ -123,7 +124,10 @@ def add_parser(sub: Any) -> None:
         help="with --suggest: time one block, the embedding and the head on this machine "
         "instead of counting their FLOPs",
     )
-    p.add_argument("--top", type=int, help="with --suggest: configurations listed (default 5)")
+    p.add_argument(
+        "--top", type=int, help="with --suggest or --search: configurations listed (default 5)"
+    )
+    add_cluster_arguments(p)
     add_generation_arguments(p)
     p.set_defaults(command=_plan)
 
@@ -208,7 +212,9 @@ def _check_model(args: argparse.Namespace, *more: str) -> None:
 def _check(args: argparse.Namespace, gpt: bool) -> None:
     for flag in ("suggest", "max_stages", "measure", "top"):
         if getattr(args, flag) not in (None, False):
-            raise UsageError(f"--{flag.replace('_', '-')} needs --suggest")
+            raise UsageError(
+                f"--{flag.replace('_', '-')} needs --suggest (or --cluster's --search)"
+            )
     for name, value in _PLAN_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -263,6 +269,8 @@ def _most_layers(args: argparse.Namespace, template: Profile, memory: int) -> in
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if is_cluster_plan(args):
+        return plan_cluster(args)
     kind = model_kind(args)
     gpt = kind == "gpt"
     if args.generate:

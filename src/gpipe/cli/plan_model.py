@@ -183,15 +183,20 @@ def _build(args: argparse.Namespace) -> nn.Module:
 def _split(model: nn.Module, args: argparse.Namespace, parts: int) -> Any:
     """``model`` cut by ``gpipe.split`` into ``parts`` stages: at ``--split-at``, or where
     their parameters are most even; its errors as one line."""
-    from gpipe.splitting import split
+    from gpipe.splitting import PlanStage, split
 
     example = torch.zeros(2, min(args.seq_len, 16), dtype=torch.long, device="meta")
     at = None if args.split_at is None else args.split_at.split(",")
     try:  # the tracer prints the graph it gave up on, and logs: the message says it all
         with quiet_tracer():
             if at is None:
-                return split(model, (example,), parts=parts, balance="parameters")
-            stages = split(model, (example,), at=at)
+                stages = split(model, (example,), parts=parts, balance="parameters")
+                if not isinstance(stages[0], PlanStage):
+                    return stages
+                at = stages.at
+            # profiled on meta, where a model's own code cannot run (it reads values): the
+            # traced graph of the same cut (where a plan cut it, as training will)
+            stages = split(model, (example,), at=at, plan=None)
     except Exception as exc:  # TraceError, CutError, or the tracer's own
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"--model {args.model}: {first}") from None

@@ -346,7 +346,7 @@ def _figure_class() -> Any:
         from matplotlib.figure import Figure
     except ImportError:
         raise UsageError(
-            "gpipe simulate --plot needs matplotlib: pip install 'gpipe[plot]'"
+            "gpipe simulate --plot needs matplotlib: pip install 'gpipe-parallel[plot]'"
         ) from None
     return Figure
 

@@ -20,10 +20,12 @@ __all__ = ["add_parser", "config_of"]
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "train",
-        help="train a GPT language model, pipelined over several processes",
-        description="Train a GPT-style byte-level language model split into pipeline stages. "
-        "With no arguments: the 'small' preset on the Python standard library's sources, "
-        "2 stages in 2 local processes, GPipe schedule, 8 micro-batches.",
+        help="train a model, pipelined over several processes",
+        description="Train a language model split into pipeline stages: the built-in "
+        "GPT-style byte-level model, a Hugging Face causal LM (--model hf:PATH) or your own "
+        "(--model MODULE:FUNCTION). With no arguments: the GPT's 'small' preset on the Python "
+        "standard library's sources, 2 stages in 2 local processes, GPipe schedule, "
+        "8 micro-batches.",
     )
     add_model_options(p.add_argument_group("model"))
     add_pipeline_options(p.add_argument_group("pipeline"))

@@ -170,6 +170,12 @@ def add_run_folder_options(out: Any) -> None:
     out.add_argument("--force", action="store_true", help="replace what is in the run folder")
     out.add_argument("--quiet", action="store_true", help="plain log lines, no progress bar")
     out.add_argument(
+        "--report-to",
+        metavar="none|tensorboard|wandb",
+        help="also log metrics.jsonl's metrics to TensorBoard (in the run folder's "
+        "tensorboard/) or Weights & Biases, or both, comma-separated (default none)",
+    )
+    out.add_argument(
         "--trace",
         action="store_true",
         help="write the last step's timeline (trace.json, timeline.png, view.html) into the "

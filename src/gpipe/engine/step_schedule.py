@@ -58,6 +58,12 @@ class ScheduleSource:
         """Refuse stages, processes or micro-batches that the schedule cannot run."""
         if self.fixed is None:
             check_stages_per_rank(n_stages, n_ranks, self.name)
+            fewest = traits(self.name).fewest_microbatches(n_ranks, n_stages // n_ranks)
+            if chunks < fewest:
+                raise ValueError(
+                    f"schedule {self.name!r} needs chunks of at least {fewest} for {n_ranks} "
+                    f"processes, got chunks={chunks}"
+                )
             return
         fixed = self.fixed
         for what, given, needed in (

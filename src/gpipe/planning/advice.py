@@ -15,10 +15,20 @@ from gpipe.planning.simulate import Costs, closed_form_bubble, scenario, simulat
 from gpipe.runtime.recompute import check_checkpoint
 from gpipe.schedules import traits
 
-__all__ = ["RULE_OF_THUMB", "TARGET_BUBBLE", "chunks_advice", "chunks_for_bubble", "bubble"]
+__all__ = [
+    "MOST_CHUNKS",
+    "RULE_OF_THUMB",
+    "TARGET_BUBBLE",
+    "chunks_advice",
+    "chunks_for_bubble",
+    "bubble",
+]
 
 RULE_OF_THUMB = 4  # micro-batches per stage (GPipe, section 2.3)
 TARGET_BUBBLE = 0.10
+# The most micro-batches advised: a schedule that caps its memory (v-min) keeps processes
+# waiting however many there are, so its bubble need never reach the target.
+MOST_CHUNKS = 256
 
 # Stages of equal cost; a backward twice a forward, half of it the weight gradient.
 _UNIT = Costs(forward=1.0, backward=1.0, weight=1.0)
@@ -53,12 +63,15 @@ def chunks_for_bubble(
     target: float = TARGET_BUBBLE,
     virtual_stages: int = 1,
     checkpoint: str = "never",
-) -> int:
+) -> int | None:
     """The fewest micro-batches whose predicted ``bubble`` is below ``target`` (a multiple
     of ``stages`` for a schedule whose micro-batches go in rounds of K, as the interleaved
-    one's do): bisection, since the bubble only shrinks as micro-batches are added. Under
-    re-materialization the search starts from the answer without it, which the simulator
-    then only has to refine."""
+    one's do), or None if ``MOST_CHUNKS`` do not bring it there: bisection, since the bubble
+    shrinks as micro-batches are added (towards a floor above zero where a memory cap makes
+    processes wait). V-Half's shrinks with small ups and downs, a process waiting on every
+    other micro-batch: its answer is under the target with one fewer above, though a
+    smaller count may be under too. Under re-materialization the search starts from the answer
+    without it, which the simulator then only has to refine."""
     if not 0 < target < 1:
         raise ValueError(f"target must be a fraction between 0 and 1, got {target!r}")
     step = stages if traits(schedule).microbatches_per_round else 1
@@ -74,9 +87,12 @@ def chunks_for_bubble(
     low, high = 0, 1  # below(low) is False (or low is 0); below(high) is to be found
     if checkpoint != "never":
         plain = chunks_for_bubble(schedule, stages, target=target, virtual_stages=virtual_stages)
-        high = plain // step
+        high = (MOST_CHUNKS if plain is None else plain) // step
+    most = MOST_CHUNKS // step
     while not below(high):
-        low, high = high, high * 2
+        if high >= most:
+            return None
+        low, high = high, min(high * 2, most)
     while high - low > 1:
         middle = (low + high) // 2
         if below(middle):
@@ -113,6 +129,8 @@ def chunks_advice(
     needed = chunks_for_bubble(
         schedule, stages, virtual_stages=virtual_stages, checkpoint=checkpoint
     )
+    if needed is None:
+        return f"{head}; no --chunks up to {MOST_CHUNKS} brings it under {TARGET_BUBBLE:.0%}"
     then = bubble(schedule, stages, needed, virtual_stages=virtual_stages, checkpoint=checkpoint)
     rows_needed = needed * data_parallel
     short = batch_size is not None and batch_size < rows_needed

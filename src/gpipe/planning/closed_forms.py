@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gpipe.schedules import get_schedule, traits
+from gpipe.schedules.v_memory import v_half_cap, v_min_cap
 
 __all__ = ["analytic_bubble", "closed_form_bubble", "closed_form_peak"]
 
@@ -77,6 +78,30 @@ def _dualpipe_v(k: int, m: int, v: int, f: float, b: float, w: float) -> float |
     return _share((k - 1) * max(f, f + b - w) / 2, m, f, b, w)
 
 
+def _v_half(k: int, m: int, v: int, f: float, b: float, w: float) -> float | None:
+    """V-Half: no idle time on one rank; on two, with F = B = W, each rank idles
+    (2 + ceil(M/2)) F/2 (a chunk's F is half the rank's): the turn's round trip at either
+    end, and half a chunk's F per micro-batch where its cap of three halves makes a rank
+    wait. None beyond, where the cap shapes the timeline in ways only the simulator
+    follows."""
+    if k == 1:
+        return 0.0
+    if k > 2 or not f == b == w:
+        return None
+    return _share((2 + (m + 1) // 2) * f / 2, m, f, b, w)
+
+
+def _v_min(k: int, m: int, v: int, f: float, b: float, w: float) -> float | None:
+    """V-Min: no idle time on one rank; on two, with F = B = W, each rank idles
+    (2M + 1) F/2: capped at one micro-batch's two halves, each rank waits two chunk steps
+    per micro-batch for the other. None beyond, as V-Half's."""
+    if k == 1:
+        return 0.0
+    if k > 2 or not f == b == w:
+        return None
+    return _share((2 * m + 1) * f / 2, m, f, b, w)
+
+
 # Each schedule's bubble as a function of (K, M, v, F, B, W); a schedule without an entry
 # has no closed form.
 _BUBBLES: dict[str, Callable[[int, int, int, float, float, float], float | None]] = {
@@ -88,6 +113,8 @@ _BUBBLES: dict[str, Callable[[int, int, int, float, float, float], float | None]
     "interleaved-zero-bubble": _interleaved_zero_bubble,
     "zero-bubble-v": _zero_bubble_v,
     "dualpipe-v": _dualpipe_v,
+    "v-half": _v_half,
+    "v-min": _v_min,
 }
 
 # Each schedule's peak activations on rank r as a function of (K, M, v, r), in micro-batches
@@ -102,6 +129,8 @@ _PEAKS: dict[str, Callable[[int, int, int, int], float]] = {
     "interleaved-zero-bubble": lambda k, m, v, r: min(m, k + (k - 1 - r) / v),
     "zero-bubble-v": lambda k, m, v, r: min(m, (m + r + 1) / 2, k),
     "dualpipe-v": lambda k, m, v, r: k + 1 / 2,
+    "v-half": lambda k, m, v, r: min(v_half_cap(k), 2 * m) / 2,
+    "v-min": lambda k, m, v, r: min(v_min_cap(k), 2 * m) / 2,
 }
 
 
@@ -124,13 +153,15 @@ def closed_form_bubble(
     zero-bubble (ZB-H1) I = (K-1)(F+B-W) when M >= K and W <= F, B;
     interleaved-zero-bubble I = (K-1)(F+B-W)/v, M a multiple of K and W <= F, B;
     zero-bubble-v I = (K-1) max(B/2, B-W) when M >= 2K-1 and F, W <= B;
-    dualpipe-v I = (K-1) max(F, F+B-W)/2 when B <= F <= B+W. None outside those bounds.
+    dualpipe-v I = (K-1) max(F, F+B-W)/2 when B <= F <= B+W; v-half and v-min none on one
+    rank, and on two with F = B = W, I = (2 + ceil(M/2)) F/2 and (2M + 1) F/2. None outside
+    those bounds.
     """
     get_schedule(name)
     analytic_bubble(n_ranks, n_microbatches)  # checks the sizes
     _check_virtual_stages(virtual_stages)
     form = _BUBBLES.get(name)
-    if form is None:
+    if form is None or not traits(name).runs(n_ranks, n_microbatches, virtual_stages):
         return None
     return form(n_ranks, n_microbatches, virtual_stages, forward, backward, weight)
 
@@ -147,8 +178,8 @@ def closed_form_peak(
     M micro-batches, v stages per rank: gpipe and looped-bfs M; 1f1b min(M, K-r);
     zero-bubble min(M, K); interleaved min(M, K + (K-1-2r)/v); interleaved-zero-bubble
     min(M, K + (K-1-r)/v); zero-bubble-v min(M, (M+r+1)/2, K), so its busiest rank holds
-    1F1B's; dualpipe-v K + 1/2. None for a schedule without a formula, or sizes it does not
-    run.
+    1F1B's; dualpipe-v K + 1/2; v-half min(K + 1, 2M)/2 and v-min min(max(2, ceil((2K+2)/3)),
+    2M)/2, their caps. None for a schedule without a formula, or sizes it does not run.
     """
     get_schedule(name)
     analytic_bubble(n_ranks, n_microbatches)  # checks the sizes

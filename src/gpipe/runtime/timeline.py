@@ -212,7 +212,9 @@ def plot_gantt(
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
     except ImportError as exc:
-        raise ImportError("plot_gantt needs matplotlib: pip install 'gpipe[plot]'") from exc
+        raise ImportError(
+            "plot_gantt needs matplotlib: pip install 'gpipe-parallel[plot]'"
+        ) from exc
 
     panels = [("measured", events)]
     if predicted is not None:

@@ -2,7 +2,8 @@
 
 ``ir`` holds the actions and the ``Schedule``; one module per family generates schedules
 (``fill_drain``, ``one_f_one_b``, ``zero_bubble``, ``interleaved``, ``looped_bfs``, and
-``v_shape`` for the schedules that place two stages per rank in a V); ``csv_format`` reads
+``v_shape`` for the schedules that place two stages per rank in a V, ``v_memory`` for
+those of them whose memory is capped); ``csv_format`` reads
 and writes them as PyTorch's schedule files; ``rewrite`` adds skip and
 recomputation actions to any of them; ``validate`` checks one can run; ``registry`` names
 them and declares their traits. A new schedule is a generator module and a ``register`` call.
@@ -35,6 +36,7 @@ from gpipe.schedules.registry import (
     traits,
 )
 from gpipe.schedules.rewrite import add_recompute, add_skips
+from gpipe.schedules.v_memory import v_half, v_min
 from gpipe.schedules.v_shape import dualpipe_v, v_stage_to_rank, zero_bubble_v
 from gpipe.schedules.validate import execution_order, validate
 from gpipe.schedules.zero_bubble import zero_bubble_h1
@@ -71,6 +73,8 @@ __all__ = [
     "register",
     "to_csv",
     "traits",
+    "v_half",
+    "v_min",
     "v_stage_to_rank",
     "validate",
     "zero_bubble_h1",

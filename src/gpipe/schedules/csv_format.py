@@ -101,26 +101,56 @@ def _check_names(
 def _orders(
     ranks: list[list[Step]], where: str, split: bool
 ) -> tuple[list[list[tuple[Kind, int, int]]], dict[tuple[Kind, int, int], tuple[int, int]]]:
-    """Each rank's compute order in gpipe's kinds, and the (rank, step) of each action."""
-    kinds = {"F": [Kind.FORWARD], "I": [Kind.BACKWARD], "W": [Kind.WEIGHT]}
-    kinds["B"] = [Kind.BACKWARD, Kind.WEIGHT] if split else [Kind.BACKWARD]
+    """Each rank's compute order in gpipe's kinds, and the (rank, step) of each action.
+
+    ``B`` is a whole backward, except where a ``W`` of the same stage and micro-batch follows
+    it in the row: PyTorch's older files wrote the input half so (``2B0,2W0``), and read that
+    way it is ``I``."""
     orders: list[list[tuple[Kind, int, int]]] = []
     steps: dict[tuple[Kind, int, int], tuple[int, int]] = {}
+    held: dict[tuple[Kind, int, int], str] = {}  # what the cell of each action holds
     for rank, row in enumerate(ranks):
+        last_w = {(stage, mb): i for i, (stage, kind, mb, _) in enumerate(row) if kind == "W"}
         order = []
-        for stage, written, mb, step in row:
-            for kind in kinds.get(written, []):  # messages: gpipe places its own
+        for i, (stage, written, mb, step) in enumerate(row):
+            input_half = written == "B" and last_w.get((stage, mb), -1) > i
+            cell = _meaning(stage, written, mb, split, input_half)
+            if written == "B":
+                kinds = [Kind.BACKWARD, Kind.WEIGHT] if split and not input_half else _KINDS["I"]
+            else:
+                kinds = _KINDS.get(written, [])  # messages: gpipe places its own
+            for kind in kinds:
                 key = (kind, stage, mb)
                 if key in steps:
-                    first = steps[key][1]
+                    part = "backward" if kind is Kind.BACKWARD and not split else _PART[kind]
                     raise ScheduleError(
-                        f"{where}: rank {rank}, step {step}: {stage}{written}{mb} runs "
-                        f"{Action(stage, kind, mb)} again (first at step {first})"
+                        f"{where}: rank {rank}, step {step} holds {cell}, which runs the "
+                        f"{part} of stage {stage}, micro-batch {mb} again: step "
+                        f"{steps[key][1]} holds {held[key]}"
                     )
                 steps[key] = (rank, step)
+                held[key] = cell
                 order.append(key)
         orders.append(order)
     return orders, steps
+
+
+_KINDS = {"F": [Kind.FORWARD], "I": [Kind.BACKWARD], "W": [Kind.WEIGHT]}
+_PART = {Kind.FORWARD: "forward", Kind.BACKWARD: "input gradients", Kind.WEIGHT: "weight gradients"}
+
+
+def _meaning(stage: int, written: str, mb: int, split: bool, input_half: bool) -> str:
+    """A cell as written, and what gpipe reads it as."""
+    text = f"{stage}{written}{mb}"
+    if written == "F":
+        return f"{text} (a forward)"
+    if written == "I":
+        return f"{text} (input gradients)"
+    if written == "W":
+        return f"{text} (weight gradients)"
+    if input_half:
+        return f"{text} (input gradients, as {stage}W{mb} follows)"
+    return f"{text} (a whole backward{': input and weight gradients' if split else ''})"
 
 
 def from_csv(

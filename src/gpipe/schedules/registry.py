@@ -8,6 +8,7 @@ new schedule is one generator module plus one ``register`` call here.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,6 +17,7 @@ from gpipe.schedules.interleaved import interleaved, interleaved_zero_bubble
 from gpipe.schedules.ir import Schedule
 from gpipe.schedules.looped_bfs import looped_bfs
 from gpipe.schedules.one_f_one_b import one_f_one_b
+from gpipe.schedules.v_memory import v_half, v_min, v_min_fewest
 from gpipe.schedules.v_shape import dualpipe_v, zero_bubble_v
 from gpipe.schedules.zero_bubble import zero_bubble_h1
 
@@ -65,6 +67,7 @@ class Traits:
     split_backward: bool = False  # B (input gradients) and W (weight gradients) apart
     microbatches_per_round: bool = False  # micro-batches go in rounds of K: M % K == 0
     microbatch_per_stage: bool = False  # at least one micro-batch per stage: M >= K x v
+    fewest: Callable[[int], int] | None = None  # the fewest micro-batches for K ranks
 
     @property
     def several_stages_per_rank(self) -> bool:
@@ -79,6 +82,8 @@ class Traits:
 
     def fewest_microbatches(self, n_ranks: int, virtual_stages: int = 1) -> int:
         """The fewest micro-batches the schedule runs on ``n_ranks`` ranks."""
+        if self.fewest is not None:
+            return self.fewest(n_ranks)
         if self.microbatch_per_stage:
             return n_ranks * self.stages_per_rank(virtual_stages)
         return n_ranks if self.microbatches_per_round else 1
@@ -139,3 +144,5 @@ register("zero-bubble-v", zero_bubble_v, Traits(Placement.V, split_backward=True
 register(
     "dualpipe-v", dualpipe_v, Traits(Placement.V, split_backward=True, microbatch_per_stage=True)
 )
+register("v-half", v_half, Traits(Placement.V, split_backward=True))
+register("v-min", v_min, Traits(Placement.V, split_backward=True, fewest=v_min_fewest))

@@ -79,7 +79,8 @@ class _Chunks:
             self.weight(chunk)
 
 
-def _v_schedule(name: str, n_stages: int, n_microbatches: int, orders: list[Order]) -> Schedule:
+def v_schedule(name: str, n_stages: int, n_microbatches: int, orders: list[Order]) -> Schedule:
+    """A V schedule of split backwards from each rank's order of compute actions."""
     return Schedule(
         name,
         n_stages,
@@ -131,7 +132,7 @@ def zero_bubble_v(n_stages: int, n_microbatches: int, n_ranks: int | None = None
         c.weights_left(1)
         c.weights_left(0)
         orders.append([a for a in c.order if a[2] < n_microbatches])
-    return _v_schedule("zero-bubble-v", n_stages, n_microbatches, orders)
+    return v_schedule("zero-bubble-v", n_stages, n_microbatches, orders)
 
 
 @functools.lru_cache(maxsize=256)
@@ -156,7 +157,7 @@ def dualpipe_v(n_stages: int, n_microbatches: int, n_ranks: int | None = None) -
         c = _Chunks(rank, n_stages)
         _dualpipe_v_rank(rank, k, n_microbatches, c)
         orders.append(c.order)
-    return _v_schedule("dualpipe-v", n_stages, n_microbatches, orders)
+    return v_schedule("dualpipe-v", n_stages, n_microbatches, orders)
 
 
 def _dualpipe_v_rank(rank: int, k: int, m: int, c: _Chunks) -> None:

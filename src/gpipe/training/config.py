@@ -19,6 +19,7 @@ from typing import Any
 
 from gpipe.errors import ConfigError
 from gpipe.training.run_record import check_fields, dataclass_types
+from gpipe.training.trackers import report_to_names
 
 __all__ = [
     "CHOICES",
@@ -93,6 +94,7 @@ class TrainConfig:
     resume: str | None = None  # continue the run in this folder
     force: bool = False  # replace what is in the run folder
     quiet: bool = False  # plain log lines, no progress bar
+    report_to: str | None = None  # none, or tensorboard and/or wandb, comma-separated
     trace: bool = False  # write the last step's timeline into the run folder
 
     def __post_init__(self) -> None:
@@ -105,6 +107,8 @@ class TrainConfig:
             if value is not None and value not in allowed:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.report_to is not None:
+            report_to_names(self.report_to)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], where: str = "TrainConfig") -> TrainConfig:

@@ -52,6 +52,7 @@ class TrainOptions:
     sample_tokens: int = 300
     prompt: str = "def "
     quiet: bool = False
+    report_to: str = "none"  # where metrics.jsonl's records also go: tensorboard, wandb, both
     trace: bool = False  # write the last step's timeline into the run folder
 
     @property

@@ -1,29 +1,35 @@
-"""What a training run shows and logs as it goes: progress, metrics.jsonl, peak memory."""
+"""What a training run shows and logs as it goes: progress, metrics.jsonl (and the trackers of
+``--report-to``), peak memory."""
 
 from __future__ import annotations
 
 import json
 import resource
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gpipe.training.options import TrainOptions
+from gpipe.training.trackers import Tracker, open_trackers
 
 __all__ = ["Reporter", "peak_memory"]
 
 
 class Reporter:
-    """What the user sees (progress bar or plain lines) and the metrics log; rank 0 only."""
+    """What the user sees (progress bar or plain lines), the metrics log and the trackers of
+    ``--report-to``; rank 0 only."""
 
     def __init__(self, opts: TrainOptions, out: Path, first_step: int, enabled: bool) -> None:
         self.opts, self.enabled = opts, enabled
         self.bar = None
         self.log = None
+        self.trackers: list[Tracker] = []
         if not enabled:
             return
         self.log = open(out / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        self.trackers = open_trackers(opts.report_to, out, first_step, asdict(opts))
         if not opts.quiet:
             from tqdm import tqdm
 
@@ -36,6 +42,8 @@ class Reporter:
         assert self.log is not None
         self.log.write(json.dumps(record) + "\n")
         self.log.flush()
+        for tracker in self.trackers:
+            tracker.log(record)
         shown = {
             "loss": f"{record['loss']:.3f}",
             "tok/s": f"{record['tokens_per_s']:.0f}",
@@ -55,6 +63,8 @@ class Reporter:
             self.bar.close()
         if self.log is not None:
             self.log.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def peak_memory(device: torch.device) -> int:

@@ -14,6 +14,7 @@ from gpipe.runtime.recompute import check_checkpoint
 from gpipe.schedules import SCHEDULES, traits
 from gpipe.training.models.resolve import model_layer_count
 from gpipe.training.options import TrainOptions
+from gpipe.training.trackers import check_report_to
 
 if TYPE_CHECKING:
     from gpipe.training.models.sources import TrainModel
@@ -93,6 +94,7 @@ def check_options(model: TrainModel, opts: TrainOptions) -> None:
         raise ConfigError(str(exc)) from None
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda, but this machine has no CUDA device")
+    check_report_to(opts.report_to)
 
 
 def _check_shard(opts: TrainOptions) -> None:

@@ -97,7 +97,7 @@ class JsonTokenizer:
         except ImportError:
             raise ValueError(
                 f"--tokenizer {path}: reading a tokenizer.json needs the `tokenizers` package; "
-                "pip install 'gpipe[hf]'"
+                "pip install 'gpipe-parallel[hf]'"
             ) from None
         try:
             self._tok = _Tokenizers.from_file(str(path))
@@ -131,7 +131,7 @@ class HFTokenizer:
         except ImportError:
             raise ValueError(
                 f"--tokenizer {path}: a Hugging Face tokenizer folder needs `transformers`; "
-                "pip install 'gpipe[hf]' (or give the folder's tokenizer.json)"
+                "pip install 'gpipe-parallel[hf]' (or give the folder's tokenizer.json)"
             ) from None
         try:
             self._tok: Any = AutoTokenizer.from_pretrained(

@@ -141,14 +141,15 @@ class TrainModel:
 
     def load_weights(self, stages: nn.Sequential, pipe: nn.Module) -> None:
         """Give the stages ``pipe`` holds their starting weights: from ``weights`` by the
-        original names, reading only this rank's tensors; a model whose layers were built
-        with real weights needs nothing."""
+        original names (as ``from_pretrained`` maps the saved ones to them), reading only this
+        rank's tensors; a model whose layers were built with real weights needs nothing."""
         if not isinstance(stages, SplitModel) or self.weights is None:
             return
         from gpipe.training.hf.models import LazyWeights, fill_unsaved_buffers
 
-        stages.load_original_state_dict(LazyWeights(self.weights), module=pipe)
-        fill_unsaved_buffers(stages, pipe, getattr(self, "_reference", None))
+        reference = getattr(self, "_reference", None)
+        stages.load_original_state_dict(LazyWeights(self.weights, reference), module=pipe)
+        fill_unsaved_buffers(stages, pipe, reference)
 
 
 def _split(model: nn.Module, example: Any, **how: Any) -> SplitModel:

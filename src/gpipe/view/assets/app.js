@@ -85,6 +85,8 @@
     "interleaved-zero-bubble": "(K−1)(F+B−W)/v / (M(F+B+W)+(K−1)(F+B−W)/v), W ≤ F, B",
     "zero-bubble-v": "I/(M(F+B+W)+I), I = (K−1)·max(B/2, B−W), M ≥ 2K−1, F, W ≤ B",
     "dualpipe-v": "I/(M(F+B+W)+I), I = (K−1)·max(F, F+B−W)/2, B ≤ F ≤ B+W",
+    "v-half": "I/(M(F+B+W)+I), I = (2+⌈M/2⌉)·F/2, K ≤ 2, F = B = W (0 for K = 1)",
+    "v-min": "I/(M(F+B+W)+I), I = (2M+1)·F/2, K ≤ 2, F = B = W (0 for K = 1)",
   };
 
   // closed_form_peak's formulas: the busiest rank's micro-batches held at once.
@@ -97,6 +99,8 @@
     "looped-bfs": "M",
     "zero-bubble-v": "min(M, K), as 1F1B",
     "dualpipe-v": "K+1/2",
+    "v-half": "min(K+1, 2M)/2, half of 1F1B's",
+    "v-min": "min(max(2, ⌈(2K+2)/3⌉), 2M)/2, a third of 1F1B's",
   };
 
   function measuredOn() {

@@ -54,6 +54,10 @@
     if (traits.perStage && chunks < 2 * stages) {
       throw new Error(`${schedule} needs M at least 2K: M = ${chunks}, K = ${stages}`);
     }
+    const fewest = G.fewestMicrobatches(schedule, stages, v);
+    if (chunks < fewest) {
+      throw new Error(`${schedule} needs M at least ${fewest} for K = ${stages}: M = ${chunks}`);
+    }
     return { stages, chunks, schedule, v };
   }
 

@@ -358,6 +358,100 @@
     );
   }
 
+  // gpipe.schedules.v_memory: V-Half and V-Min, each rank capped at `cap` chunk-sized
+  // micro-batches, ordered by a list schedule played in unit time.
+  const vHalfCap = (k) => k + 1;
+  const vMinCap = (k) => Math.max(2, Math.floor((2 * k + 4) / 3));
+  const vMinFewest = (k) => Math.floor(vMinCap(k) / 2) + 1;
+
+  function cappedV(name, nStages, nMicrobatches, nRanks, cap) {
+    checkSizes(nStages, nMicrobatches);
+    const k = checkV(name, nStages, nRanks);
+    const m = nMicrobatches;
+    const never = 12 * m * k + 4 * nStages;
+    const forwardEnd = range(nStages).map(() => range(m).map(() => never));
+    const backwardEnd = range(nStages).map(() => range(m).map(() => never));
+    const ranks = range(k).map((r) => ({
+      stage: [r, nStages - 1 - r], forwards: [0, 0], backwards: [0, 0], weights: [0, 0],
+      live: 0, order: [],
+    }));
+    const fits = (r, chunk) =>
+      chunk === 1 || r.forwards[0] === r.forwards[1] ? r.live < cap : r.live + 1 < cap;
+    // What rank r runs at `step`: [kind, chunk], or null to wait.
+    const next = (r, step) => {
+      let best = null;
+      for (const chunk of [1, 0]) {
+        const mb = r.backwards[chunk];
+        const stage = r.stage[chunk];
+        const ready = stage === nStages - 1 || backwardEnd[stage + 1][mb] <= step;
+        if (mb < r.forwards[chunk] && ready && (best === null || mb < best[0])) best = [mb, chunk];
+      }
+      if (best !== null) return [B, best[1]];
+      for (const chunk of [1, 0]) {
+        const mb = r.forwards[chunk];
+        const stage = r.stage[chunk];
+        if (mb < m && fits(r, chunk) && (stage === 0 || forwardEnd[stage - 1][mb] <= step)) {
+          if (best === null || mb < best[0]) best = [mb, chunk];
+        }
+      }
+      if (best !== null) return [F, best[1]];
+      for (const chunk of [1, 0]) {
+        const mb = r.weights[chunk];
+        if (mb < r.backwards[chunk] && (best === null || mb < best[0])) best = [mb, chunk];
+      }
+      return best === null ? null : [W, best[1]];
+    };
+    let left = 6 * m * k;
+    for (let step = 0; left; step++) {
+      let ran = 0;
+      for (const r of ranks) {
+        const chosen = next(r, step);
+        if (chosen === null) continue;
+        const [kind, chunk] = chosen;
+        const stage = r.stage[chunk];
+        let mb;
+        if (kind === F) {
+          mb = r.forwards[chunk]++;
+          r.live += 1;
+          forwardEnd[stage][mb] = step + 1;
+        } else if (kind === B) {
+          mb = r.backwards[chunk]++;
+          backwardEnd[stage][mb] = step + 1;
+        } else {
+          mb = r.weights[chunk]++;
+          r.live -= 1;
+        }
+        r.order.push([kind, stage, mb]);
+        ran += 1;
+      }
+      if (!ran && step > 0) throw new Error(`${name}: no rank can move at step ${step} (cap ${cap})`);
+      left -= ran;
+    }
+    return schedule(
+      name, nStages, nMicrobatches, programsOf(ranks.map((r) => r.order), nStages),
+      vStageToRank(nStages), true,
+    );
+  }
+
+  function vHalf(nStages, nMicrobatches, nRanks) {
+    const k = checkV("v-half", nStages, nRanks);
+    return cappedV("v-half", nStages, nMicrobatches, nRanks, vHalfCap(k));
+  }
+
+  function vMin(nStages, nMicrobatches, nRanks) {
+    const k = checkV("v-min", nStages, nRanks);
+    checkSizes(nStages, nMicrobatches);
+    const fewest = vMinFewest(k);
+    if (nMicrobatches < fewest) {
+      throw new Error(
+        `v-min needs at least ${fewest} micro-batches for ${k} ranks (with fewer, none ` +
+          `reaches its cap of ${vMinCap(k)} half-stage micro-batches: use zero-bubble-v), ` +
+          `got ${nMicrobatches}`,
+      );
+    }
+    return cappedV("v-min", nStages, nMicrobatches, nRanks, vMinCap(k));
+  }
+
   const SCHEDULES = {
     gpipe,
     "1f1b": oneFOneB,
@@ -367,6 +461,8 @@
     "looped-bfs": loopedBfs,
     "zero-bubble-v": zeroBubbleV,
     "dualpipe-v": dualpipeV,
+    "v-half": vHalf,
+    "v-min": vMin,
   };
 
   // gpipe.schedules.registry's traits: where a schedule's stages sit, and what M it takes.
@@ -379,6 +475,8 @@
     "looped-bfs": { placement: "looped" },
     "zero-bubble-v": { placement: "v", split: true },
     "dualpipe-v": { placement: "v", split: true, perStage: true },
+    "v-half": { placement: "v", split: true },
+    "v-min": { placement: "v", split: true, fewest: vMinFewest },
   };
 
   // How many stages each rank holds when v are asked for (a V holds two, whatever is asked).
@@ -386,6 +484,14 @@
     const placement = TRAITS[name].placement;
     if (placement === "v") return 2;
     return placement === "looped" ? virtualStages : 1;
+  }
+
+  // Traits.fewest_microbatches: the fewest micro-batches a schedule runs on k ranks.
+  function fewestMicrobatches(name, k, virtualStages = 1) {
+    const traits = TRAITS[name];
+    if (traits.fewest) return traits.fewest(k);
+    if (traits.perStage) return k * stagesPerRank(name, virtualStages);
+    return traits.perRound ? k : 1;
   }
 
   // gpipe.schedules.add_recompute: each recomputed micro-batch's forward runs again (R) right
@@ -441,6 +547,7 @@
     SCHEDULES,
     TRAITS,
     dualpipeV,
+    fewestMicrobatches,
     interleavedZeroBubble,
     loopedBfs,
     zeroBubbleV,
@@ -454,6 +561,10 @@
     parseAction,
     scheduleFromData,
     stagesPerRank,
+    vHalf,
+    vHalfCap,
+    vMin,
+    vMinCap,
     withCommunication,
     zeroBubbleH1,
   });

@@ -347,6 +347,12 @@
       const holds = m >= 2 * k && b <= f && f <= b + w;
       return holds ? share(((k - 1) * Math.max(f, f + b - w)) / 2) : null;
     }
+    if (name === "v-half" || name === "v-min") {
+      if (m < api.fewestMicrobatches(name, k, v)) return null;
+      if (k === 1) return 0;
+      if (k > 2 || f !== b || b !== w) return null;
+      return share(((name === "v-half" ? 2 + Math.floor((m + 1) / 2) : 2 * m + 1) * f) / 2);
+    }
     return null;
   }
 
@@ -361,6 +367,8 @@
     "interleaved-zero-bubble": (k, m, v, r) => Math.min(m, k + (k - 1 - r) / v),
     "zero-bubble-v": (k, m, v, r) => Math.min(m, (m + r + 1) / 2, k),
     "dualpipe-v": (k) => k + 1 / 2,
+    "v-half": (k, m) => Math.min(api.vHalfCap(k), 2 * m) / 2,
+    "v-min": (k, m) => Math.min(api.vMinCap(k), 2 * m) / 2,
   };
 
   function closedFormPeak(name, k, m, v = 1) {
@@ -369,7 +377,7 @@
       throw new Error(`virtual_stages must be a positive integer, got ${v}`);
     }
     const traits = api.TRAITS[name];
-    const fewest = traits.perStage ? k * api.stagesPerRank(name, v) : traits.perRound ? k : 1;
+    const fewest = api.fewestMicrobatches(name, k, v);
     const form = PEAKS[name];
     if (!form || (traits.perRound && m % k) || m < fewest) return null;
     return Array.from({ length: k }, (_, r) => form(k, m, v, r));

@@ -1,0 +1,260 @@
+"""The fastest layouts of a model on a cluster: D x T x K x schedule x micro-batch x
+recomputation x sharding enumerated, each estimated in closed form, the most promising
+simulated.
+
+Every layout gets a quick estimate from the closed forms (``gpipe.planning.closed_forms``:
+the schedule's bubble and the micro-batches each process keeps in flight) over its
+``StepModel``: the busiest process's work per micro-batch, stretched by the bubble, plus the
+replicas' collectives that its last backward or first forward cannot hide, and the memory
+of its fullest GPU. Those that fit are ranked by it; the best ``SIMULATED`` (and the best of
+each schedule) are then predicted by the simulator (``gpipe.planning.cluster.predict``),
+which gives the order printed. Layouts that cannot run or do not fit are counted by reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from gpipe.planning.closed_forms import closed_form_bubble, closed_form_peak
+from gpipe.planning.cluster import Prediction, predict
+from gpipe.planning.cluster_layout import Layout, check_layout
+from gpipe.planning.cluster_memory import MemoryParts
+from gpipe.planning.cluster_step import StepModel
+from gpipe.planning.hardware import Cluster
+from gpipe.planning.layer_costs import RECOMPUTE
+from gpipe.planning.transformer import TransformerShape
+from gpipe.schedules import Placement, traits
+
+__all__ = ["SIMULATED", "Estimate", "Search", "SearchSpace", "estimate", "search"]
+
+SIMULATED = 8  # layouts the simulator ranks, besides the best of each schedule
+_SCHEDULES = ("1f1b", "interleaved", "zero-bubble", "interleaved-zero-bubble", "zero-bubble-v")
+_MOST_VIRTUAL = 8  # the most stages per process a looped schedule is searched with
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search tries; None for the sizes means every size that runs: tensor
+    parallel powers of two within a node, as many stages as divide the rest, and stages
+    per process that divide a process's layers (up to ``_MOST_VIRTUAL``)."""
+
+    tensor_parallel: Sequence[int] | None = None
+    stages: Sequence[int] | None = None
+    micro_batches: Sequence[int] = (1, 2, 4, 8)
+    schedules: Sequence[str] = _SCHEDULES
+    virtual_stages: Sequence[int] | None = None
+    recompute: Sequence[str] = RECOMPUTE
+    shards: Sequence[str | None] = (None, "optimizer", "full")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A layout's quick estimate: its step in seconds and its fullest GPU's memory."""
+
+    layout: Layout
+    step_s: float
+    memory: MemoryParts
+
+
+@dataclass
+class Search:
+    """What ``search`` found: the ``best`` layouts that fit, simulated, fastest first; how
+    many were ``searched``, how many fit, and why the others were left (``rejected``: a
+    reason and how many it ruled out); of those that do not fit, the one needing the
+    ``least`` memory."""
+
+    best: list[Prediction]
+    searched: int = 0
+    fitting: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    least: Estimate | None = None
+    seconds: float = 0.0
+
+
+def _divisors(n: int) -> list[int]:
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def _virtual(shape: TransformerShape, k: int, schedule: str, space: SearchSpace) -> list[int]:
+    """Stages per process to try with ``schedule`` on K processes."""
+    placement = traits(schedule).placement
+    if placement is Placement.ONE_PER_RANK:
+        return [1]
+    if placement is Placement.V:
+        return [2] if 2 * k <= shape.layers else []
+    per = shape.layers // k
+    if space.virtual_stages is not None:
+        return [v for v in space.virtual_stages if v >= 2 and k * v <= shape.layers]
+    found = [v for v in _divisors(per) if 2 <= v <= _MOST_VIRTUAL] if shape.layers % k == 0 else []
+    return found or ([2] if 2 * k <= shape.layers else [])
+
+
+def _layouts(
+    shape: TransformerShape,
+    cluster: Cluster,
+    batch: tuple[int, int],
+    space: SearchSpace,
+    software: tuple[str, str | None],
+    rejected: Counter[str],
+) -> Iterator[Layout]:
+    """Every layout of the space that can run; those that cannot are counted by reason."""
+    n, per_node = cluster.gpus, cluster.device.gpus_per_node
+    global_batch, seq_len = batch
+    precision, stack = software
+    tps = space.tensor_parallel or [t for t in _divisors(per_node) if t & (t - 1) == 0]
+    for t in tps:
+        if n % t or shape.heads % t or shape.ffn % t:
+            rejected["T does not divide the GPUs, the heads or the MLP"] += 1
+            continue
+        for k in space.stages or _divisors(n // t):
+            if n % (t * k):
+                rejected["T x K does not divide the GPUs"] += 1
+                continue
+            if k > shape.layers:
+                rejected["more stages than layers"] += 1
+                continue
+            d = n // (t * k)
+            for b in space.micro_batches:
+                if global_batch % (d * b):
+                    rejected["the global batch does not divide into D x micro-batch"] += 1
+                    continue
+                m = global_batch // (d * b)
+                for schedule in space.schedules if k > 1 else space.schedules[:1]:
+                    for v in _virtual(shape, k, schedule, space):
+                        if not traits(schedule).runs(k, m, v):
+                            rejected["the schedule does not run M micro-batches on K"] += 1
+                            continue
+                        for recompute in space.recompute:
+                            for shard in space.shards if d > 1 else (None,):
+                                yield Layout(
+                                    cluster,
+                                    d,
+                                    t,
+                                    k,
+                                    global_batch,
+                                    b,
+                                    seq_len,
+                                    schedule,
+                                    v,
+                                    recompute,
+                                    shard,
+                                    precision,
+                                    stack,
+                                )
+
+
+def _unsharded(layout: Layout) -> tuple[object, ...]:
+    return (
+        layout.data_parallel,
+        layout.tensor_parallel,
+        layout.stages,
+        layout.schedule,
+        layout.virtual_stages,
+        layout.micro_batch,
+        layout.recompute,
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _peaks(schedule: str, k: int, m: int, v: int) -> tuple[float, ...]:
+    return closed_form_peak(schedule, k, m, v) or (float(m),) * k
+
+
+def estimate(shape: TransformerShape, layout: Layout, model: StepModel | None = None) -> Estimate:
+    """A layout's step and memory from the closed forms, without simulating; a layout that
+    does not fit its device gets no step time (infinity). ``model``: the layout's
+    ``StepModel``, if the caller has it."""
+    model = model or StepModel.of(shape, layout)
+    k, m, v = layout.stages, layout.microbatches, layout.virtual_stages
+    held = model.held
+    peaks = _peaks(layout.schedule, k, m, v)
+    stored = [sum(model.stages[s].stored for s in stages) for stages in held]
+    memory = model.peak_memory([p * b for p, b in zip(peaks, stored, strict=True)])
+    if memory.total > layout.cluster.device.memory_bytes:
+        return Estimate(layout, math.inf, memory)
+    costs = model.costs()
+    n = len(model.stages)
+    f, bwd, w, r = (costs.per_stage(x, n) for x in ("forward", "backward", "weight", "recompute"))
+    work = [sum(f[s] + bwd[s] + w[s] + r[s] for s in stages) for stages in held]
+    mean = [sum(x) / k for x in (f, bwd, w)]
+    bubble = closed_form_bubble(layout.schedule, k, m, v, *mean) if k > 1 else 0.0
+    if bubble is None:
+        bubble = (k - 1) / (v * m + k - 1)
+    makespan = m * max(work) / (1 - bubble)
+    # the gradients' reduction past the last backward; the gather past the first forward
+    dp = layout.data_parallel
+    passes = 2 if layout.shard is None else 1
+    grads = costs.per_stage("grad_bytes", n)
+    bandwidth = costs.allreduce_bandwidth or costs.bandwidth
+    ring = [passes * sum(grads[s] for s in stages) * (dp - 1) / dp / bandwidth for stages in held]
+    last = [sum(bwd[s] + w[s] + r[s] for s in stages) / max(1, len(stages)) for stages in held]
+    first = [f[stages[0]] * (1 + i) for i, stages in enumerate(held)]
+    exposed = max(max(0.0, x - y) for x, y in zip(ring, last, strict=True)) if dp > 1 else 0.0
+    gather = max(max(0.0, g - y) for g, y in zip(model.gather_seconds(), first, strict=True))
+    step = makespan + exposed + gather + model.optimizer_seconds()
+    return Estimate(layout, step, memory)
+
+
+def search(
+    shape: TransformerShape,
+    cluster: Cluster,
+    global_batch: int,
+    seq_len: int,
+    space: SearchSpace = SearchSpace(),
+    *,
+    precision: str = "bf16",
+    stack: str | None = None,
+    top: int = 5,
+) -> Search:
+    """The ``top`` fastest layouts of ``shape`` on ``cluster`` that fit, simulated, and why
+    the others were left."""
+    start = time.perf_counter()
+    found = Search(best=[])
+    memory = cluster.device.memory_bytes
+    fitting: list[Estimate] = []
+    batch = (global_batch, seq_len)
+    models: dict[tuple[object, ...], StepModel] = {}
+    for layout in _layouts(shape, cluster, batch, space, (precision, stack), found.rejected):
+        found.searched += 1
+        try:
+            check_layout(shape, layout)
+        except ValueError:
+            found.rejected["the layout cannot run (check_layout)"] += 1
+            continue
+        # the sharding changes memory and collectives, not the stages: one model for all
+        key = _unsharded(layout)
+        if key not in models:
+            models[key] = StepModel.of(shape, layout)
+        guess = estimate(shape, layout, dataclasses.replace(models[key], layout=layout))
+        if guess.memory.total <= memory:
+            fitting.append(guess)
+        else:
+            found.rejected[f"does not fit in {memory / 2**30:.0f} GiB"] += 1
+            if found.least is None or guess.memory.total < found.least.memory.total:
+                found.least = guess
+    found.fitting = len(fitting)
+    fitting.sort(key=lambda e: e.step_s)
+    chosen = fitting[:SIMULATED]
+    for name in space.schedules:  # the best of each schedule too, so the table compares them
+        best_of = next((e for e in fitting if e.layout.schedule == name), None)
+        if best_of is not None and best_of not in chosen:
+            chosen.append(best_of)
+    predicted = sorted(
+        (p for p in (predict(shape, e.layout) for e in chosen) if p.fits()),
+        key=lambda p: (p.step_time_s, p.memory.total),
+    )
+    seen: set[tuple[object, ...]] = set()
+    for p in predicted:  # a layout once: its fastest, least-memory sharding
+        key = _unsharded(p.layout)
+        if key not in seen:
+            seen.add(key)
+            found.best.append(p)
+    found.best = found.best[:top]
+    found.seconds = time.perf_counter() - start
+    return found

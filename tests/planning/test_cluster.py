@@ -1,0 +1,94 @@
+"""A cluster step predicted: the simulator's steady state extended exactly, memory and time
+moving the right way with each setting, and layouts that cannot run refused in one line."""
+
+import dataclasses
+
+import pytest
+
+from gpipe.planning.cluster import predict
+from gpipe.planning.cluster_layout import Layout
+from gpipe.planning.cluster_step import StepModel
+from gpipe.planning.hardware import parse_cluster
+from gpipe.planning.replay import simulate
+from gpipe.planning.transformer import gpt_shape
+from gpipe.schedules import build
+
+SHAPE = gpt_shape(16, 2048, 16, 51200)
+
+
+def _layout(**changes) -> Layout:
+    base = Layout(parse_cluster("64xA100-80GB"), 8, 2, 4, 320, 1, 2048, "1f1b", 1, "full")
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.mark.parametrize(
+    "schedule, v", [("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1), ("zero-bubble-v", 2)]
+)
+def test_a_long_step_is_the_steady_state_extended(schedule, v):
+    """M = 40 micro-batches on K = 4 are simulated at 8 and 12 and extended: the same step
+    time and activations as simulating all 40."""
+    layout = _layout(schedule=schedule, virtual_stages=v, stack="megatron-core")
+    got = predict(SHAPE, layout)
+    model = StepModel.of(SHAPE, layout)
+    whole = simulate(build(schedule, 4, 40, v), model.costs(), data_parallel=8)
+    optimizer = model.optimizer_seconds()
+    assert got.step_time_s - optimizer == pytest.approx(whole.makespan, rel=1e-9)
+    memory = model.peak_memory(list(whole.peak_rank_activation_bytes))
+    assert got.memory.total == pytest.approx(memory.total, rel=1e-9)
+
+
+def test_recomputation_trades_memory_for_time():
+    none, selective, full = (
+        predict(SHAPE, _layout(recompute=r)) for r in ("none", "selective", "full")
+    )
+    assert none.memory.activations > selective.memory.activations > full.memory.activations
+    assert none.step_time_s < selective.step_time_s < full.step_time_s
+    # recomputed FLOPs count in Megatron's TFLOP/s, not in MFU
+    assert full.tflops_per_gpu / full.mfu > none.tflops_per_gpu / none.mfu
+
+
+def test_flash_attention_keeps_no_scores_to_recompute():
+    none, selective = (
+        predict(SHAPE, _layout(recompute=r, stack="megatron-core")) for r in ("none", "selective")
+    )
+    assert none.memory.activations == selective.memory.activations
+    assert none.step_time_s == pytest.approx(selective.step_time_s)
+
+
+def test_sharding_splits_the_optimizer_over_the_replicas():
+    whole = predict(SHAPE, _layout())
+    sharded = predict(SHAPE, _layout(shard="optimizer"))
+    assert sharded.memory.optimizer == pytest.approx(whole.memory.optimizer / 8)
+    assert sharded.memory.weights == whole.memory.weights
+
+
+def test_tensor_parallelism_across_nodes_is_slower_than_within():
+    within = predict(SHAPE, _layout(data_parallel=4, tensor_parallel=8, stages=2))
+    across = predict(SHAPE, _layout(data_parallel=2, tensor_parallel=16, stages=2))
+    assert across.tp_comm_s > 5 * within.tp_comm_s
+
+
+def test_the_figures_are_consistent():
+    p = predict(SHAPE, _layout())
+    hardware, model = StepModel.of(SHAPE, p.layout).flops()
+    assert p.tflops_per_gpu == pytest.approx(hardware / p.step_time_s / 64 / 1e12)
+    assert p.mfu == pytest.approx(model / p.step_time_s / 64 / 312e12)
+    assert p.memory_per_gpu_gib == pytest.approx(p.memory.gib()["total"])
+    assert 0 < p.bubble < 0.3 and p.fits()  # the head makes the last stage the slowest
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"data_parallel": 4}, "D 4 x T 2 x K 4 = 32 GPUs, but the cluster has 64"),
+        ({"global_batch": 300}, "--global-batch 300 does not divide into D 8 replicas"),
+        ({"tensor_parallel": 32, "data_parallel": 1, "stages": 2}, "must divide the 16"),
+        ({"stages": 32, "data_parallel": 1}, "32 pipeline stages"),
+        ({"schedule": "interleaved", "virtual_stages": 2, "global_batch": 48}, "a multiple"),
+        ({"shard": "optimizer", "data_parallel": 1, "stages": 32}, "32 pipeline stages"),
+    ],
+)
+def test_a_layout_that_cannot_run_is_refused_in_one_line(changes, message):
+    with pytest.raises(ValueError, match=message) as error:
+        predict(SHAPE, _layout(**changes))
+    assert "\n" not in str(error.value)
