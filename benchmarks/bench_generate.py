@@ -9,10 +9,14 @@ waiting requests, prefilled in chunks or whole.
    process alone (K = 1, its own group), run with one intra-op thread and with two while the
    second process waits. Each cycle runs each contender once, in an order that rotates, and
    the ratio is taken per cycle.
-2. Time to first token: the same GPT with a context of 1,024, a prompt of 960 tokens first
+2. The ceiling: one decoding step of each stage alone on 8 rows, and of the whole model on
+   16, in one process (the first; the second waits), alternating. Two groups in flight give
+   each stage two such steps per token of every sequence, so the whole model's step over
+   twice the slower stage's is the most the pipeline can gain, with nothing to send.
+3. Time to first token: the same GPT with a context of 1,024, a prompt of 960 tokens first
    and 15 of 16 after it, 16 new tokens each, through the two stages, prefilled whole
    (``prefill_chunk=None``) or in chunks of 64; the long prompt's first token, the short
-   ones' (median), and the longest wait between two tokens of a sequence.
+   ones' (median and slowest), and how long it all took.
 
     python -m benchmarks.bench_generate            # ~5 minutes on 2 cores
     python -m benchmarks.bench_generate --quick    # small sizes, to check that it runs
@@ -29,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe import Pipeline, launch
-from gpipe.models.gpt import PRESETS, build_gpt, config_from_preset
+from gpipe.models.gpt import PRESETS, Embedding, build_gpt, config_from_preset
 
 from .common import machine, quick_or_repeats, write_results
 
@@ -60,9 +64,13 @@ def throughput(repeats: int, new: int) -> dict[str, Any]:
     """Decode tokens/s of each contender, alternating, and the per-cycle ratios."""
     config = PRESETS["small"]
     prompts = _prompts([8 + (i % 9) for i in range(PROMPTS)], config.vocab_size)
-    staged = Pipeline(_model(config.seq_len), chunks=1)
+    staged = Pipeline(_model(config.seq_len), chunks=1, timeout=1800)  # joins the group
     solo_group = dist.new_group([0])
-    whole = Pipeline(_model(config.seq_len), group=solo_group) if dist.get_rank() == 0 else None
+    whole = (
+        Pipeline(_model(config.seq_len), group=solo_group, timeout=1800)
+        if dist.get_rank() == 0
+        else None
+    )
     tokens = PROMPTS * new
 
     def pipelined() -> None:
@@ -101,12 +109,55 @@ def throughput(repeats: int, new: int) -> dict[str, Any]:
     }
 
 
+def _decode_step(layers: list[torch.nn.Module], rows: int, steps: int) -> float:
+    """Seconds of one decoding step of ``layers`` on ``rows`` rows of 16 cached tokens."""
+    from gpipe.engine.generation.lanes import CachedStage, StageCaches
+    from gpipe.engine.generation.scheduler import Piece, Task
+
+    caches = StageCaches(CachedStage(torch.nn.Sequential(*layers), 0, torch.device("cpu"), None))
+    first = isinstance(layers[0], Embedding)
+    width = layers[0].token.embedding_dim if first else layers[0].ln1.normalized_shape[0]
+    with torch.no_grad():
+        for i in range(rows):
+            x = torch.full((1, 16), 5) if first else torch.randn(1, 16, width)
+            caches.run(Task(0, pieces=(Piece(i, 0, (), True),)), None, [x])
+        caches.apply(Task(0, joins=tuple(range(rows)), rows=tuple(range(rows))))
+        x = torch.full((rows, 1), 5) if first else torch.randn(rows, 1, width)
+        start = perf_counter()
+        for _ in range(steps):
+            caches.decode(0, x)
+        return (perf_counter() - start) / steps
+
+
+def ceiling(repeats: int, steps: int) -> dict[str, Any]:
+    """The whole model's decoding step on 16 rows against each stage's on 8 (first rank)."""
+    found: dict[str, list[float]] = {
+        "whole, 16 rows": [],
+        "stage 0, 8 rows": [],
+        "stage 1, 8 rows": [],
+    }
+    if dist.get_rank() == 0:
+        model = _model(PRESETS["small"].seq_len).eval()
+        layers = list(model)
+        half = len(layers) // 2
+        for _ in range(repeats):
+            found["whole, 16 rows"].append(_decode_step(layers, 16, steps))
+            found["stage 0, 8 rows"].append(_decode_step(layers[:half], 8, steps))
+            found["stage 1, 8 rows"].append(_decode_step(layers[half:], 8, steps))
+    dist.barrier()
+    step = {name: statistics.median(times) for name, times in found.items() if times}
+    if not step:
+        return {}
+    slower = max(step["stage 0, 8 rows"], step["stage 1, 8 rows"])
+    return {"seconds": step, "ceiling": step["whole, 16 rows"] / (2 * slower)}
+
+
 def first_tokens(repeats: int, long: int, chunk: int) -> dict[str, Any]:
     """Time to first token of a long prompt and of the short ones behind it, and the longest
     gap between two tokens, prefilled whole or in chunks of ``chunk``."""
     context = long + 64
     prompts = _prompts([long] + [16] * (PROMPTS - 1), 256, seed=1)
-    pipe = Pipeline(_model(context), chunks=1)
+    pipe = Pipeline(_model(context), chunks=1, timeout=1800)
     found: dict[str, dict[str, list[float]]] = {}
     for cycle in range(repeats + 1):
         for chunked in (None, chunk) if cycle % 2 == 0 else (chunk, None):
@@ -117,9 +168,10 @@ def first_tokens(repeats: int, long: int, chunk: int) -> dict[str, Any]:
             if timing is None or cycle == 0:  # the first cycle warms up
                 continue
             first = [t - timing.started for t in timing.first_token if t is not None]
-            row = found.setdefault(name, {"long": [], "short": [], "total": []})
+            row = found.setdefault(name, {"long": [], "short": [], "short_max": [], "total": []})
             row["long"].append(first[0])
             row["short"].append(statistics.median(first[1:]))
+            row["short_max"].append(max(first[1:]))
             row["total"].append(timing.ended - timing.started)
     return {name: {k: statistics.median(v) for k, v in row.items()} for name, row in found.items()}
 
@@ -128,6 +180,7 @@ def run_all(quick: bool, repeats: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     load = os.getloadavg()
     results: dict[str, Any] = {"throughput": throughput(repeats, 8 if quick else 96)}
+    results["ceiling"] = ceiling(repeats, 8 if quick else 64)
     long = 96 if quick else 960
     results["first_token"] = first_tokens(repeats, long, 16 if quick else 64)
     results["load_average"] = {"before": load, "after": os.getloadavg()}
@@ -146,10 +199,13 @@ def main() -> None:
         print(f"{name}: {rate:.0f} tokens/s")
     one, two = tp["ratio_vs_1_thread"], tp["ratio_vs_2_threads"]
     print(f"K=2 / K=1 x 1 thread: {one:.2f}; / K=1 x 2 threads: {two:.2f}")
+    most = found["ceiling"]["ceiling"]
+    print(f"ceiling (the whole model's step over twice the slower stage's): {most:.2f}")
     for name, row in found["first_token"].items():
         print(
             f"{name}: first token of the long prompt {row['long'] * 1e3:.0f} ms, of the short "
-            f"ones {row['short'] * 1e3:.0f} ms (median), all {row['total'] * 1e3:.0f} ms"
+            f"ones {row['short'] * 1e3:.0f} ms (median), {row['short_max'] * 1e3:.0f} ms "
+            f"(slowest), all {row['total'] * 1e3:.0f} ms"
         )
 
 
