@@ -4,15 +4,19 @@ CUDA (CI has none); run them on a GPU machine with
 on CPU: tests/conftest.py)."""
 
 import copy
+import os
+import socket
 
 import pytest
 import torch
-from torch.nn.functional import mse_loss
+import torch.distributed as dist
+from torch import nn
+from torch.nn.functional import cross_entropy, mse_loss
 
-from gpipe import GPipe, launch
+from gpipe import GPipe, Pipeline, launch
 
 from . import distributed_cases as cases
-from .small_models import batch, mlp
+from .small_models import VOCAB, batch, mlp, tied, tokens
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device and GPIPE_TEST_CUDA=1")
@@ -58,3 +62,103 @@ def test_gpipe_copies_between_gpus_on_copy_streams(mode):
         for name, p in pipe.named_parameters():
             torch.testing.assert_close(p.grad.cuda(0), ref[name.split(".", 2)[2]].grad)
     assert pipe.workers.copies.devices == {torch.device("cuda", 0), torch.device("cuda", 1)}
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """This process as a world of one rank, for a Pipeline whose stages all live on it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    env["MASTER_PORT"] = str(port)
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def wide_mlp(seed: int = 0) -> nn.Sequential:
+    """Eight layers wide enough that a stream reading a tensor before it is written (or
+    memory reused while another stream reads it) shows in the gradients."""
+    torch.manual_seed(seed)
+    block = [nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.Tanh()]
+    again = [nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.Tanh()]
+    return nn.Sequential(*block, *again, nn.Linear(256, 256)).double()
+
+
+@needs_gpu
+@pytest.mark.parametrize(
+    "schedule, overlap",
+    [("dualpipe-v", None), ("zero-bubble-v", True), ("v-half", True), ("1f1b", True)],
+)
+@pytest.mark.parametrize("mode", ["never", "always", "except_last"])
+def test_stage_streams_match_unpipelined(world_of_one, schedule, overlap, mode):
+    """Each stage's work on its own CUDA stream (dualpipe-v's default): three optimizer steps
+    over uneven micro-batches equal un-pipelined training in float64."""
+    model = wide_mlp()
+    reference = copy.deepcopy(model).cuda()
+    balance = [9] if schedule == "1f1b" else [5, 4]
+    pipe = Pipeline(
+        model,
+        balance,
+        chunks=8,
+        checkpoint=mode,
+        schedule=schedule,
+        loss_fn=mse_loss,
+        device="cuda",
+        overlap_stages=overlap,
+    )
+    assert pipe.runner.streams is not None
+    assert set(pipe.runner.streams.stages) == set(pipe.stages)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(8 * 96 - 5, 256, dtype=torch.float64, generator=g).cuda()
+        y = torch.randn(8 * 96 - 5, 256, dtype=torch.float64, generator=g).cuda()
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+        loss = pipe.step(x, y)
+        ref_loss = mse_loss(reference(x), y)
+        ref_loss.backward()
+        torch.testing.assert_close(loss.double(), ref_loss.detach(), rtol=1e-12, atol=0)
+        ref = dict(reference.named_parameters())
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-10, atol=1e-14)
+        optimizer.step()
+        ref_optimizer.step()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), reference(x), rtol=1e-10, atol=1e-14)
+
+
+@needs_gpu
+def test_stage_streams_with_a_weight_tied_across_the_v(world_of_one):
+    """The V's first and last stage share the process and a tied weight: the gradient that
+    both streams add to is the sum of both uses."""
+    reference = tied().cuda()
+    pipe = Pipeline(
+        tied(), [2, 2], chunks=4, schedule="dualpipe-v", loss_fn=cross_entropy_of, device="cuda"
+    )
+    assert pipe.runner.streams is not None
+    for step in range(2):
+        x, y = (t.cuda() for t in tokens(7, seed=step))
+        pipe.zero_grad()
+        reference.zero_grad()
+        loss = pipe.step(x, y)
+        ref_loss = cross_entropy_of(reference(x), y)
+        ref_loss.backward()
+        torch.testing.assert_close(loss.double(), ref_loss.detach())
+        ref = dict(reference.named_parameters())
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad, ref[name].grad)
+
+
+def cross_entropy_of(logits, targets):
+    return cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))

@@ -53,6 +53,7 @@ from gpipe.runtime.partitions import as_sequential, check_balance, even_balance
 from gpipe.runtime.precision import Precision
 from gpipe.runtime.recompute import check_autocast, check_checkpoint
 from gpipe.runtime.stage import LossFn
+from gpipe.runtime.stage_streams import check_overlap_stages, overlaps_stages
 from gpipe.runtime.timeline import Event, Recorder, merge
 from gpipe.schedules import Schedule
 from gpipe.skip.skippable import Skip, find_skips
@@ -215,6 +216,10 @@ class Pipeline(nn.Module):
         trace: record what this rank runs when, for ``timeline`` (``self.recorder``).
         memory_budget: bytes a process may hold, for ``schedule="auto"`` (default: the GPU's
             memory, or on CPU this machine's shared by its local processes).
+        overlap_stages: on CUDA, issue the work of each of this rank's stages on a stream of
+            its own, so that a forward of one stage and a backward of another (DualPipeV's
+            pairs) run on the GPU at once (``gpipe.runtime.stage_streams``). ``None``: on
+            for ``"dualpipe-v"`` on CUDA, off otherwise.
 
     Layers may be ``gpipe.skip.skippable``: a skip that crosses stages is sent straight from
     the stage that stashes it to the stage that pops it, and its gradient comes back the same
@@ -254,6 +259,7 @@ class Pipeline(nn.Module):
         timeout: float = 60.0,
         trace: bool = False,
         memory_budget: float | None = None,
+        overlap_stages: bool | None = None,
     ) -> None:
         super().__init__()
         # the configuration, checked before any process group work
@@ -267,6 +273,7 @@ class Pipeline(nn.Module):
         skips = find_skips(module)  # a bad skip too
         self.device = rank_device(device)
         self.autocast = check_autocast(autocast, self.device)
+        check_overlap_stages(overlap_stages, self.device)
         self.deferred_batch_norm = deferred_batch_norm
         dims = check_dimensions(
             module,
@@ -310,7 +317,13 @@ class Pipeline(nn.Module):
             loss_parallel=dims.loss_parallel,
         )
         self._build(
-            module, skips, source, recipe, local_pipes=local_pipes, bucket_bytes=dims.bucket_bytes
+            module,
+            skips,
+            source,
+            recipe,
+            local_pipes=local_pipes,
+            bucket_bytes=dims.bucket_bytes,
+            overlap_stages=overlap_stages,
         )
 
     def _agree_on_cut(
@@ -356,6 +369,7 @@ class Pipeline(nn.Module):
         *,
         local_pipes: bool,
         bucket_bytes: float | None,
+        overlap_stages: bool | None,
     ) -> None:
         """Build this rank's stages out of ``module`` as ``recipe`` says, register their
         layers, and the engine that runs their steps (collective over the pipeline)."""
@@ -392,6 +406,9 @@ class Pipeline(nn.Module):
             local_pipes=local_pipes,
             bucket_bytes=bucket_bytes,
             recorder=self.recorder,
+            overlap_stages=overlaps_stages(
+                overlap_stages, source.name, self.device, len(self.stages)
+            ),
         )
 
     # -- where the stages are ---------------------------------------------------------------

@@ -37,6 +37,7 @@ from gpipe.runtime.microbatch import (
     check_payload,
     gather_payload,
 )
+from gpipe.runtime.stage_streams import StageStreams
 from gpipe.runtime.timeline import Recorder
 from gpipe.schedules import Action, Kind, Schedule
 
@@ -125,7 +126,8 @@ class StepRunner:
 
     Its public attributes are the step's collaborators, there to be read (and, in tests, one
     replaced): ``transport``, ``replicas``, ``buckets`` (each stage's gradient sums over the
-    replicas), ``sharded`` (the stages sharded over them, or None) and ``tied``."""
+    replicas), ``sharded`` (the stages sharded over them, or None), ``tied`` and ``streams``
+    (a CUDA stream per stage with ``overlap_stages``, else None)."""
 
     def __init__(
         self,
@@ -140,6 +142,7 @@ class StepRunner:
         local_pipes: bool,
         bucket_bytes: float | None,
         recorder: Recorder | None,
+        overlap_stages: bool = False,
     ) -> None:
         self.placement = placement
         self.stages = built.stages
@@ -151,6 +154,8 @@ class StepRunner:
         self.replicas = recipe.replicas
         self.deferred_batch_norm = recipe.deferred_batch_norm
         self.recorder = recorder
+        # a CUDA stream per stage, so that independent work of this rank's stages overlaps
+        self.streams = StageStreams(placement.stages, self.device) if overlap_stages else None
         self.transport = connect(
             placement, built.skip_layout.routes, self.device, timeout, local_pipes
         )
@@ -415,6 +420,7 @@ class StepRunner:
                 data,
                 on_action=timed,
                 before_action=before if arm or resharded else None,
+                streams=self.streams,
             )
             if self.sharded is not None and not data.build_graph:
                 self.sharded.reshard()  # a forward alone left the parameters gathered

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -19,7 +20,8 @@ from gpipe.comm.transport import Transport
 from gpipe.errors import PipelineError
 from gpipe.runtime.microbatch import Batch
 from gpipe.runtime.stage import Grads, Stage
-from gpipe.schedules import RECV_KINDS, Action, Kind
+from gpipe.runtime.stage_streams import StageStreams
+from gpipe.schedules import RECV_KINDS, RECV_OF, Action, Kind
 
 __all__ = ["StepData", "run_program"]
 
@@ -134,43 +136,90 @@ def run_program(
     on_action: Callable[[Action, float, float], None] | None = None,
     stop: threading.Event | None = None,
     before_action: Callable[[Action], None] | None = None,
+    streams: StageStreams | None = None,
 ) -> None:
     """Run ``program`` in order.
 
     An exception raised inside a stage reaches the caller as it was raised, with a note
     naming the stage, the pass and the micro-batch. ``stop``, when set by a failing peer,
     ends the program before its next compute action. ``before_action`` and ``on_action``
-    (with the action's start and end) are called around every action.
+    (with the action's start and end) are called around every action. With ``streams``,
+    each stage's work is issued on its own CUDA stream (``stage_streams``).
     """
     held: dict[Action, Any] = {}
     split = any(a.kind is Kind.WEIGHT for a in program)  # backward comes as B, then W
-    for action in program:
-        stage = stages[action.stage]
-        kind = action.kind
-        if before_action is not None:
-            before_action(action)
-        start = perf_counter() if on_action is not None else 0.0
-        if action.is_compute:
-            if stop is not None and stop.is_set():
-                raise PipelineError(f"stage {action.stage}: stopped because another stage failed")
-            try:
-                _compute(action, stage, data, held, split)
-            except PipelineError:
-                raise
-            except Exception as exc:
-                exc.add_note(
-                    f"raised in pipeline stage {action.stage}, {_WHAT[kind]} of micro-batch "
-                    f"{action.microbatch}"
-                )
-                raise
-        elif kind in RECV_KINDS:
-            src = action.other_stage
-            assert src is not None
-            held[action] = transport.recv(src, action.stage, action.microbatch, kind)
-        else:
-            dst = action.other_stage
-            assert dst is not None
-            transport.send(held.pop(action), action.stage, dst, action.microbatch, kind)
-        if on_action is not None:
-            on_action(action, start, perf_counter())
-    transport.flush()
+    if streams is not None:
+        streams.begin()
+    try:
+        for action in program:
+            with _issued_on(streams, action, stages):
+                if before_action is not None:
+                    before_action(action)
+                start = perf_counter() if on_action is not None else 0.0
+                if action.is_compute:
+                    _checked_compute(action, stages[action.stage], data, held, split, stop)
+                else:
+                    _communicate(action, transport, held, streams, stages)
+                if on_action is not None:
+                    on_action(action, start, perf_counter())
+        transport.flush()
+    finally:
+        if streams is not None:
+            streams.end()
+
+
+def _issued_on(
+    streams: StageStreams | None, action: Action, stages: Mapping[int, Stage]
+) -> AbstractContextManager[Any]:
+    """Where ``action``'s work is issued: its stage's stream, but for a receive from another
+    process, which lands on the process's stream (``stage_streams``)."""
+    if streams is None:
+        return nullcontext()
+    if action.kind in RECV_KINDS and action.other_stage not in stages:
+        return nullcontext()
+    return streams.on(action.stage)
+
+
+def _checked_compute(
+    action: Action,
+    stage: Stage,
+    data: StepData,
+    held: dict[Action, Any],
+    split: bool,
+    stop: threading.Event | None,
+) -> None:
+    if stop is not None and stop.is_set():
+        raise PipelineError(f"stage {action.stage}: stopped because another stage failed")
+    try:
+        _compute(action, stage, data, held, split)
+    except PipelineError:
+        raise
+    except Exception as exc:
+        exc.add_note(
+            f"raised in pipeline stage {action.stage}, {_WHAT[action.kind]} of micro-batch "
+            f"{action.microbatch}"
+        )
+        raise
+
+
+def _communicate(
+    action: Action,
+    transport: Transport,
+    held: dict[Action, Any],
+    streams: StageStreams | None,
+    stages: Mapping[int, Stage],
+) -> None:
+    """A send or a receive; with ``streams``, the streams of the two ends meet on it."""
+    peer = action.other_stage
+    assert peer is not None
+    if action.kind in RECV_KINDS:
+        message = transport.recv(peer, action.stage, action.microbatch, action.kind)
+        if streams is not None and peer in stages:
+            streams.taken_over(message, peer, action.stage, action.kind)
+        elif streams is not None:
+            streams.arrived(message, action.stage)
+        held[action] = message
+        return
+    transport.send(held.pop(action), action.stage, peer, action.microbatch, action.kind)
+    if streams is not None and peer in stages:
+        streams.handed_over(action.stage, peer, RECV_OF[action.kind])

@@ -68,6 +68,9 @@ class Traits:
     microbatches_per_round: bool = False  # micro-batches go in rounds of K: M % K == 0
     microbatch_per_stage: bool = False  # at least one micro-batch per stage: M >= K x v
     fewest: Callable[[int], int] | None = None  # the fewest micro-batches for K ranks
+    # a rank runs the forward of one of its stages beside the backward of another (DualPipeV's
+    # pairs), which overlap on a GPU when each stage has a stream of its own
+    pairs_stages: bool = False
 
     @property
     def several_stages_per_rank(self) -> bool:
@@ -142,7 +145,9 @@ register(
 register("looped-bfs", looped_bfs, Traits(Placement.LOOPED))
 register("zero-bubble-v", zero_bubble_v, Traits(Placement.V, split_backward=True))
 register(
-    "dualpipe-v", dualpipe_v, Traits(Placement.V, split_backward=True, microbatch_per_stage=True)
+    "dualpipe-v",
+    dualpipe_v,
+    Traits(Placement.V, split_backward=True, microbatch_per_stage=True, pairs_stages=True),
 )
 register("v-half", v_half, Traits(Placement.V, split_backward=True))
 register("v-min", v_min, Traits(Placement.V, split_backward=True, fewest=v_min_fewest))
