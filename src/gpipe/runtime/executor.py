@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -152,32 +151,31 @@ def run_program(
         streams.begin()
     try:
         for action in program:
-            with _issued_on(streams, action, stages):
-                if before_action is not None:
-                    before_action(action)
-                start = perf_counter() if on_action is not None else 0.0
-                if action.is_compute:
-                    _checked_compute(action, stages[action.stage], data, held, split, stop)
-                else:
-                    _communicate(action, transport, held, streams, stages)
-                if on_action is not None:
-                    on_action(action, start, perf_counter())
+            if streams is not None:
+                streams.issue_on(_issuing_stage(action, stages))
+            if before_action is not None:
+                before_action(action)
+            start = perf_counter() if on_action is not None else 0.0
+            if action.is_compute:
+                _checked_compute(action, stages[action.stage], data, held, split, stop)
+            else:
+                _communicate(action, transport, held, streams, stages)
+            if on_action is not None:
+                on_action(action, start, perf_counter())
+        if streams is not None:
+            streams.issue_on(None)
         transport.flush()
     finally:
         if streams is not None:
             streams.end()
 
 
-def _issued_on(
-    streams: StageStreams | None, action: Action, stages: Mapping[int, Stage]
-) -> AbstractContextManager[Any]:
-    """Where ``action``'s work is issued: its stage's stream, but for a receive from another
+def _issuing_stage(action: Action, stages: Mapping[int, Stage]) -> int | None:
+    """The stage whose stream ``action``'s work is issued on; None for a receive from another
     process, which lands on the process's stream (``stage_streams``)."""
-    if streams is None:
-        return nullcontext()
     if action.kind in RECV_KINDS and action.other_stage not in stages:
-        return nullcontext()
-    return streams.on(action.stage)
+        return None
+    return action.stage
 
 
 def _checked_compute(

@@ -21,9 +21,8 @@ caching allocator does not hand their memory out again while the reader may stil
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 
@@ -67,6 +66,7 @@ class StageStreams:
         self.device = device
         self._origin = torch.cuda.current_stream(device)
         self._streams = {stage: torch.cuda.Stream(device) for stage in stages}
+        self._current = self._origin
         # events of hand-overs between this process's stages, oldest first, by channel
         self._handed: dict[tuple[int, int, Kind], deque[torch.cuda.Event]] = {}
 
@@ -76,21 +76,25 @@ class StageStreams:
 
     def begin(self) -> None:
         """Start a step: every stage's stream waits for what the process's stream has queued."""
-        self._origin = torch.cuda.current_stream(self.device)
+        self._origin = self._current = torch.cuda.current_stream(self.device)
         self._handed.clear()
         for stream in self._streams.values():
             stream.wait_stream(self._origin)
 
     def end(self) -> None:
-        """End a step: the process's stream waits for every stage's work."""
+        """End a step: the process's stream is current again, and waits for every stage's
+        work."""
+        self.issue_on(None)
         for stream in self._streams.values():
             self._origin.wait_stream(stream)
 
-    @contextlib.contextmanager
-    def on(self, stage: int) -> Iterator[None]:
-        """Issue what runs inside on ``stage``'s stream."""
-        with torch.cuda.stream(self._streams[stage]):
-            yield
+    def issue_on(self, stage: int | None) -> None:
+        """Make ``stage``'s stream the current one (None: the process's), switching only when
+        it changes: a step switches at most once per action, for microseconds of host time."""
+        stream = self._origin if stage is None else self._streams[stage]
+        if stream is not self._current:
+            torch.cuda.set_stream(stream)
+            self._current = stream
 
     def handed_over(self, src: int, dst: int, kind: Kind) -> None:
         """Stage ``src`` has just handed a message to stage ``dst`` of this process (on
