@@ -20,3 +20,15 @@ def surroundings(names: list[str]) -> dict:
         "rank": os.environ["RANK"],
         "torch_preloaded": "torch" in sys.modules,
     }
+
+
+def speak(words: str) -> None:
+    """Write ``words`` and the rank to stdout and to stderr, at the level of file descriptors
+    as well as Python's streams."""
+    import os
+    import sys
+
+    rank = os.environ["RANK"]
+    print(f"{words} on stdout from rank {rank}", flush=True)
+    print(f"{words} on stderr from rank {rank}", file=sys.stderr, flush=True)
+    os.write(1, f"{words} written to fd 1 by rank {rank}\n".encode())

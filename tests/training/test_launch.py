@@ -54,6 +54,21 @@ def test_processes_see_the_callers_directory_and_environment_as_they_are_now(
         assert there["torch_preloaded"]
 
 
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_processes_write_where_the_callers_output_goes_now(method, capfd):
+    """A forkserver started before the caller's output was redirected (here, by capfd) still
+    gives each process the caller's stdout and stderr as they are at the launch."""
+    if method == "forkserver":
+        with capfd.disabled():
+            launch(launch_cases.threads, 2, start_method=method)  # the server starts here
+    launch(launch_cases.speak, 2, ("hello",), start_method=method)
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        assert f"hello on stdout from rank {rank}" in out
+        assert f"hello written to fd 1 by rank {rank}" in out
+        assert f"hello on stderr from rank {rank}" in err
+
+
 def test_an_unknown_start_method_is_named():
     with pytest.raises(ValueError, match=r"start_method must be one of \('forkserver', 'spawn', "):
         launch(launch_cases.threads, 2, start_method="thread")

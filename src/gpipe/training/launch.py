@@ -5,9 +5,12 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -15,12 +18,13 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gpipe.comm.process_group import finish_process_group
-from gpipe.errors import PipelineError
+from gpipe.errors import PipelineError, StageError
 
 __all__ = ["LaunchError", "launch", "threads_per_process"]
 
 _OWN_STORES = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # read by torchrun's c10d rendezvous
 START_METHODS = ("forkserver", "spawn", "fork")
+LOST_PEER_GRACE_S = 1.0  # how long a process that lost a peer waits before it ends
 
 # The environment this module was imported with. In a process forked from the forkserver that
 # is the server's, so what differs from it in a launched process is what torchrun's agent set.
@@ -101,15 +105,54 @@ def _take_environment(caller: Mapping[str, str]) -> None:
     os.environ.update(agent)
 
 
+class _CallersStream:
+    """The caller's stdout or stderr (file descriptor 1 or 2) as it is when a process is
+    started: a forkserver's child would otherwise write where the server's went, which is
+    where the caller's went when the server started (a test's captured output, a log file
+    since redirected)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # duplicated for the child as the process is started (only then may it be)
+        return (_DuplicatedStream, (self.fd, reduction.DupFd(self.fd)))
+
+
+class _DuplicatedStream:
+    def __init__(self, fd: int, duplicate: Any) -> None:
+        self.fd, self._duplicate = fd, duplicate
+
+    def install(self) -> None:
+        """Write this process's ``fd`` where the caller's went."""
+        (sys.stdout if self.fd == 1 else sys.stderr).flush()
+        received = self._duplicate.detach()
+        os.dup2(received, self.fd)
+        os.close(received)
+
+
 @record
 def _entry(
-    fn: Callable[..., Any], threads: int | None, caller: Mapping[str, str] | None, *args: Any
+    fn: Callable[..., Any],
+    threads: int | None,
+    caller: Mapping[str, str] | None,
+    streams: tuple[_DuplicatedStream, ...],
+    *args: Any,
 ) -> Any:
+    for stream in streams:
+        stream.install()
     if caller is not None:
         _take_environment(caller)
     if threads is not None:
         torch.set_num_threads(threads)
-    result = fn(*args)
+    try:
+        result = fn(*args)
+    except StageError:
+        # A peer was lost or stalled. The agent names the first process it sees end as the
+        # failure: let the lost one be seen first (a forkserver relays its end a moment later
+        # than the peer that noticed it would otherwise report its own).
+        time.sleep(LOST_PEER_GRACE_S)
+        raise
     finish_process_group()
     return result
 
@@ -141,13 +184,14 @@ def launch(
     (``threads_per_process``), an int sets it, None leaves PyTorch's default. If any process
     fails, the others are stopped; then torchrun's agent starts them all again, up to
     ``max_restarts`` times (each new process finds TORCHELASTIC_RESTART_COUNT above 0), and
-    after that LaunchError names the failed ranks.
+    after that LaunchError names the failed ranks. A process that fails on losing a peer
+    (``StageError``) ends a second later, so that the lost process is the one named.
 
     ``start_method`` ``"forkserver"`` (the default, as in Python 3.14) forks each process
     from a server that imported torch and gpipe once, so processes start in a fraction of a
-    second, restarts included; they see this process's working directory, ``sys.path`` and
-    environment as they are at the call. ``"spawn"`` starts each one from scratch;
-    ``"fork"`` copies this process, which is only safe if it has run no multi-threaded
+    second, restarts included; they see this process's working directory, ``sys.path``,
+    environment, stdout and stderr as they are at the call. ``"spawn"`` starts each one from
+    scratch; ``"fork"`` copies this process, which is only safe if it has run no multi-threaded
     torch work (OpenMP is not fork-safe).
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
@@ -184,9 +228,11 @@ def launch(
     # before it is bound.
     owning = _own_stores.held() if max_restarts > 0 else contextlib.nullcontext()
     with owning:
-        caller = dict(os.environ) if start_method == "forkserver" else None
+        forked = start_method == "forkserver"
+        caller = dict(os.environ) if forked else None
+        streams = (_CallersStream(1), _CallersStream(2)) if forked else ()
         try:
-            return elastic_launch(config, _entry)(fn, threads, caller, *args)
+            return elastic_launch(config, _entry)(fn, threads, caller, streams, *args)
         except ChildFailedError as exc:
             lines = [f"rank {rank}: {_reason(f)}" for rank, f in sorted(exc.failures.items())]
             raise LaunchError("launched processes failed:\n" + "\n".join(lines)) from None

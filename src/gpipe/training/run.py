@@ -317,16 +317,8 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
             raise ConfigError(f"--resume {out}: {exc}") from None
         finish_process_group()
     else:
-        # spawn: the agent then sees a killed process die at once, and names it as the
-        # failure; through a forkserver its exit is relayed and a peer that stopped on losing
-        # it may be reported first
         summary = launch(
-            run_stage,
-            processes,
-            (spec,),
-            threads=threads,
-            max_restarts=config.max_restarts or 0,
-            start_method="spawn",
+            run_stage, processes, (spec,), threads=threads, max_restarts=config.max_restarts or 0
         )[0]
     if summary is not None:
         _print_summary(summary, out)
