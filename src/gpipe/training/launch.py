@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import multiprocessing
 import os
 import sys
@@ -11,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from multiprocessing import reduction
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,9 +92,27 @@ def _preload(fn: Callable[..., Any]) -> None:
     every optimizer's constructor imports it (a second of CPU in each process)."""
     modules = ["torch", "torch._dynamo", "gpipe", __name__]
     module = getattr(fn, "__module__", None)
-    if module and module != "__main__":
+    if module == "__main__":
+        modules += _installed_modules_of(sys.modules["__main__"])
+    elif module:
         modules.append(module)
     multiprocessing.set_forkserver_preload(modules)
+
+
+def _installed_modules_of(main: Any) -> list[str]:
+    """The modules of installed packages that a script's names come from (``from
+    transformers import GPT2LMHeadModel``: its modeling module): each launched process runs
+    the script again, and would import them itself. The script's own modules are left to it
+    (what they run on import stays in the processes that import them)."""
+    found = []
+    for value in vars(main).values():
+        name = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+        if not isinstance(name, str) or name == "__main__":
+            continue
+        path = getattr(sys.modules.get(name), "__file__", None) or ""
+        if any(part in ("site-packages", "dist-packages") for part in Path(path).parts):
+            found.append(name)
+    return sorted(set(found))
 
 
 def _take_environment(caller: Mapping[str, str]) -> None:
