@@ -13,6 +13,7 @@ and ``named_parameters`` read like the original model's.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -48,6 +49,7 @@ from gpipe.parallel.ties import counted as counted_once
 from gpipe.parallel.world import check_dimensions, join
 from gpipe.planning.auto import AutoChoice, agreed_choice, check_auto
 from gpipe.planning.balancing import balance_by_time
+from gpipe.runtime.compiled import check_compile
 from gpipe.runtime.microbatch import Batch, check_chunks
 from gpipe.runtime.partitions import as_sequential, check_balance, even_balance
 from gpipe.runtime.precision import Precision
@@ -220,6 +222,12 @@ class Pipeline(nn.Module):
             its own, so that a forward of one stage and a backward of another (DualPipeV's
             pairs) run on the GPU at once (``gpipe.runtime.stage_streams``). ``None``: on
             for ``"dualpipe-v"`` on CUDA, off otherwise.
+        compile: compile each layer (each child of ``layers``: a block, an embedding, a head)
+            with ``torch.compile``, in place, so names and hooks stay; True for its defaults,
+            or a dict of its keyword arguments (``{"backend": "aot_eager"}``). Works with every
+            schedule and re-materialization; under a split backward (the zero-bubble family)
+            each stage runs its whole backward at B (``gpipe.runtime.compiled`` says why).
+            Not with ``tensor_parallel`` or ``shard`` yet.
 
     Layers may be ``gpipe.skip.skippable``: a skip that crosses stages is sent straight from
     the stage that stashes it to the stage that pops it, and its gradient comes back the same
@@ -260,6 +268,7 @@ class Pipeline(nn.Module):
         trace: bool = False,
         memory_budget: float | None = None,
         overlap_stages: bool | None = None,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
         super().__init__()
         # the configuration, checked before any process group work
@@ -274,6 +283,12 @@ class Pipeline(nn.Module):
         self.device = rank_device(device)
         self.autocast = check_autocast(autocast, self.device)
         check_overlap_stages(overlap_stages, self.device)
+        compiled = check_compile(compile)
+        if compiled is not None and (tensor_parallel > 1 or shard is not None):
+            raise ValueError(
+                "compile=True is not supported with tensor_parallel or shard yet: pass "
+                "compile=False, or train without them"
+            )
         self.deferred_batch_norm = deferred_batch_norm
         dims = check_dimensions(
             module,
@@ -296,6 +311,13 @@ class Pipeline(nn.Module):
         source = self._agree_on_cut(
             module, source, balance, sample, auto, chunks, memory_budget, agreeing_group
         )
+        if compiled is not None and source.splits_backward:
+            warnings.warn(
+                f"compile=True under {source.name!r}, whose backward is split: a compiled "
+                "layer's backward can be neither split nor run twice, so each stage runs its "
+                "whole backward at B and its W slots stay empty",
+                stacklevel=2,
+            )
 
         # this rank's stages, and the engine that runs their steps
         self.recorder = Recorder(self.rank) if trace else None
@@ -315,6 +337,7 @@ class Pipeline(nn.Module):
             tensor_plan=dims.tensor_plan,
             mesh=self.mesh,
             loss_parallel=dims.loss_parallel,
+            compile=compiled,
         )
         self._build(
             module,

@@ -461,6 +461,35 @@ def test_sharded_replicas_train_as_one_pipeline_and_resume_unsharded(trained, tm
     assert "needs data_parallel > 1" in _usage_error(capsys, "train", "--shard", "full")
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_compiled_layers_train_as_eager_ones(tmp_path, schedule):
+    """--compile: the losses of the eager run, within float32 rounding (the graphs of
+    AOTAutograd without generated code: the default backend's compile time is for
+    BENCHMARKS.md)."""
+    runs = {}
+    for compiled in (False, True):
+        out = tmp_path / f"{schedule}-{compiled}"
+        more = ["--compile", "--compile-backend", "aot_eager"] if compiled else []
+        code = main(["train", *TINY, "--stages", "2", "--steps", "4", "--schedule", schedule,
+                     *more, "--out", str(out)])  # fmt: skip
+        assert code == 0
+        runs[compiled] = _losses(out)
+    assert runs[True].keys() == runs[False].keys() == {1, 2, 3, 4}
+    for step, loss in runs[False].items():
+        assert runs[True][step] == pytest.approx(loss, rel=1e-5), step
+    train = json.loads((tmp_path / f"{schedule}-True" / "run.json").read_text())["train"]
+    assert train["compile"] and train["compile_backend"] == "aot_eager"
+
+
+def test_compile_is_refused_where_it_is_not_supported(capsys):
+    assert "--compile is not supported with --tensor-parallel or --shard yet" in _usage_error(
+        capsys, "train", "--compile", "--tensor-parallel", "2"
+    )
+    assert "--compile-backend aot_eager needs --compile" in _usage_error(
+        capsys, "train", "--compile-backend", "aot_eager"
+    )
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains(tmp_path, precision):
     out = tmp_path / precision

@@ -68,6 +68,18 @@ def add_pipeline_options(pipe: Any) -> None:
     pipe.add_argument("--chunks", type=int, help="micro-batches per mini-batch (default 8)")
     pipe.add_argument("--checkpoint", help="re-materialization: always, except_last, never")
     pipe.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile each layer with torch.compile (not with --tensor-parallel or --shard); "
+        "under a zero-bubble schedule each stage's backward then runs whole",
+    )
+    pipe.add_argument(
+        "--compile-backend",
+        metavar="NAME",
+        help="torch.compile's backend for --compile (default inductor; aot_eager compiles "
+        "the same graphs without generating code)",
+    )
+    pipe.add_argument(
         "--schedule",
         help=f"pipeline schedule: {', '.join(SCHEDULES)}, or auto: the schedule, its stages "
         "per process, --chunks (unless given) and the cut that the simulator predicts fastest "

@@ -20,6 +20,7 @@ from gpipe.parallel.sharding import ShardedStages, Sharding
 from gpipe.parallel.tensor import ParallelMesh, TensorPlan
 from gpipe.parallel.ties import Tie, find_ties, untie
 from gpipe.runtime.batchnorm import convert_deferred_batch_norm
+from gpipe.runtime.compiled import CompileOptions, compile_layers
 from gpipe.runtime.partitions import materialize, stage_bounds
 from gpipe.runtime.recompute import Layers, recomputed_layers
 from gpipe.runtime.stage import LossFn, Stage
@@ -122,6 +123,7 @@ class StageRecipe:
     tensor_plan: TensorPlan | None = None  # over the tensor dimension of ``mesh``
     mesh: ParallelMesh | None = None
     loss_parallel: bool = False  # the loss over logits split by vocabulary
+    compile: CompileOptions | None = None  # torch.compile's arguments for each layer
 
 
 class BuiltStages(NamedTuple):
@@ -166,6 +168,8 @@ def build_stages(
         if recipe.tensor_plan is not None and recipe.mesh is not None:
             # before any other wrapping: re-materialization, then sharded replicas
             recipe.tensor_plan.apply(partition, recipe.mesh.tensor)
+        if recipe.compile is not None:
+            compile_layers(partition, recipe.compile)
         stages[stage] = Stage(
             stage,
             placement.n_stages,
@@ -177,6 +181,7 @@ def build_stages(
             recomputed_layers=recomputed[stage],
             payloads=True,
             loss_context=loss_parallel if recipe.loss_parallel else None,
+            compiled=recipe.compile is not None,
         )
     sharded = None
     if recipe.sharding is not None and recipe.replicas is not None:

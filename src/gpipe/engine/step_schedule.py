@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from gpipe.engine.placement import check_stages_per_rank
 from gpipe.runtime.recompute import Layers, should_checkpoint
 from gpipe.schedules import (
+    Kind,
     Placement,
     Schedule,
     add_recompute,
@@ -43,6 +44,13 @@ class ScheduleSource:
             return cls(schedule.name, validate(schedule))
         get_schedule(schedule)
         return cls(schedule)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the backward comes as B and W apart."""
+        if self.fixed is not None:
+            return any(a.kind is Kind.WEIGHT for program in self.fixed.programs for a in program)
+        return traits(self.name).split_backward
 
     def parts(self, n_ranks: int) -> int:
         """The number of stages to cut the model into when no balance is given."""

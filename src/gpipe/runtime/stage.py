@@ -79,6 +79,7 @@ def _recomputed_call(layer: nn.Module, x: Any) -> Any:
     """``layer(x)`` with its forward under ``torch.utils.checkpoint``, inside the call: the
     layer's hooks run as usual around it (and its recomputation, in the backward, runs the
     forward alone, without them)."""
+    own = layer.__dict__.get("forward")  # a compiled forward (``compiled``), kept
     forward = layer.forward
     layer.forward = functools.partial(
         torch.utils.checkpoint.checkpoint, forward, use_reentrant=False
@@ -86,7 +87,10 @@ def _recomputed_call(layer: nn.Module, x: Any) -> Any:
     try:
         return layer(x)
     finally:
-        del layer.forward
+        if own is None:
+            del layer.forward
+        else:
+            layer.forward = own
 
 
 class Stage:
@@ -111,6 +115,7 @@ class Stage:
         recomputed_layers: frozenset[int] = frozenset(),
         payloads: bool = False,
         loss_context: Callable[[], AbstractContextManager[Any]] | None = None,
+        compiled: bool = False,
     ) -> None:
         self.index = index
         self.n_stages = n_stages
@@ -128,6 +133,10 @@ class Stage:
         self._saved: dict[int, _Saved] = {}
         self._first_output: Any = None  # micro-batch 0's, which the others must be shaped like
         self._owners: Owners | None = None  # parameter-holding layers, for a split backward
+        # layers compiled (``runtime.compiled``): a split backward runs whole at B, since a
+        # compiled layer's backward cannot be split nor kept for a second pass
+        self.compiled = compiled
+        self._whole_at_b: set[int] = set()  # micro-batches whose W has nothing left
 
     @property
     def is_last(self) -> bool:
@@ -307,7 +316,10 @@ class Stage:
         skip_grads: Mapping[int, Grads] | None = None,
     ) -> tuple[Grads, dict[int, Grads]]:
         """B of a split backward: only the gradients of the stage's inputs; the graph is kept
-        for ``backward_weight``."""
+        for ``backward_weight``. A compiled stage runs its whole backward here."""
+        if self.compiled:
+            self._whole_at_b.add(microbatch)
+            return self.backward(microbatch, grad_outputs, skip_grads)
         saved = self._graph(microbatch, pop=False)
         if saved.weights is None:
             raise RuntimeError(
@@ -338,6 +350,9 @@ class Stage:
 
     def backward_weight(self, microbatch: int) -> None:
         """W of a split backward: the weight gradients, accumulated into ``.grad``."""
+        if microbatch in self._whole_at_b:
+            self._whole_at_b.discard(microbatch)
+            return
         saved = self._saved.pop(microbatch, None)
         if saved is None or saved.weights is None:
             raise RuntimeError(f"weight gradients of micro-batch {microbatch} before its B")
@@ -348,3 +363,4 @@ class Stage:
     def clear(self) -> None:
         """Drop whatever a failed or abandoned step left behind."""
         self._saved.clear()
+        self._whole_at_b.clear()

@@ -97,6 +97,8 @@ class TrainConfig:
     quiet: bool = False  # plain log lines, no progress bar
     report_to: str | None = None  # none, or tensorboard and/or wandb, comma-separated
     trace: bool = False  # write the last step's timeline into the run folder
+    compile: bool = False  # each layer compiled with torch.compile
+    compile_backend: str | None = None  # torch.compile's backend (default inductor)
 
     def __post_init__(self) -> None:
         try:

@@ -55,6 +55,8 @@ class TrainOptions:
     quiet: bool = False
     report_to: str = "none"  # where metrics.jsonl's records also go: tensorboard, wandb, both
     trace: bool = False  # write the last step's timeline into the run folder
+    compile: bool = False  # each layer compiled with torch.compile
+    compile_backend: str = "inductor"  # torch.compile's backend
 
     @property
     def parts(self) -> int:

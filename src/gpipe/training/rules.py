@@ -62,6 +62,13 @@ def check_options(model: TrainModel, opts: TrainOptions) -> None:
             f"the split (DTensor) state of --tensor-parallel {opts.tensor_parallel}; write by a "
             "thread (--save-writer thread or auto)"
         )
+    if opts.compile and (opts.tensor_parallel > 1 or opts.shard != "none"):
+        raise ConfigError(
+            "--compile is not supported with --tensor-parallel or --shard yet (given, or the "
+            "run's own): leave one of them out"
+        )
+    if opts.compile_backend != "inductor" and not opts.compile:
+        raise ConfigError(f"--compile-backend {opts.compile_backend} needs --compile")
     if opts.keep < 1:
         raise ConfigError(
             f"--keep must be at least 1 (the newest good checkpoint), got {opts.keep}"

@@ -59,7 +59,7 @@ def _train_options(config: TrainConfig, saved: dict[str, Any] | None) -> TrainOp
         given = getattr(config, f.name, None)
         if given is not None and given is not False:
             values[f.name] = given
-    for flag in ("quiet", "trace", "sync_save"):
+    for flag in ("quiet", "trace", "sync_save", "compile"):
         if getattr(config, flag):
             values[flag] = True
     for path in ("data", "val_data", "tokenizer"):  # the run is read from other folders too

@@ -124,6 +124,7 @@ class StageRun:
             seed=opts.seed,
             timeout=opts.timeout,
             trace=opts.trace,
+            compile={"backend": opts.compile_backend} if opts.compile else False,
             **more,
         )
 

@@ -1,0 +1,61 @@
+"""Pipeline(compile=...): every layer compiled in place, under each schedule and mode of
+re-materialization, equal to the eager pipeline and to un-pipelined training in float64,
+across real processes. The tests compile with AOTAutograd's graphs and no code generation
+(backend "aot_eager"); BENCHMARKS.md measures the default backend."""
+
+import pytest
+from torch import nn
+
+from gpipe import Pipeline
+from gpipe.runtime.compiled import check_compile
+
+from ..workers import run
+from . import compiled_cases as cases
+
+V_BALANCE = [2, 2, 2, 3]  # a V of four stages on two processes
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always", "layers"])
+@pytest.mark.parametrize(
+    ("schedule", "balance"),
+    [("gpipe", [4, 5]), ("1f1b", [4, 5]), ("zero-bubble", [4, 5]), ("zero-bubble-v", V_BALANCE)],
+)
+def test_compiled_layers_train_as_eager_ones(schedule, balance, checkpoint):
+    results = run(cases.compiled_against_eager, 2, (schedule, balance, checkpoint), threads=1)
+    # the Probe, the last layer, sits on the last stage: rank 1, or rank 0 at the V's end
+    last = 0 if schedule == "zero-bubble-v" else 1
+    assert results[last]["probe_compiled_calls"][False] == 0
+    assert results[last]["probe_compiled_calls"][True] > 0
+    for result in results.values():
+        assert result["compiled"] and result["eager_untouched"]
+        split = schedule.startswith("zero-bubble")
+        assert len(result["warned"]) == (1 if split else 0)
+        if split:
+            assert (
+                f"compile=True under '{schedule}', whose backward is split" in (result["warned"][0])
+            )
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "words"),
+    [
+        ("yes", TypeError, "compile must be True, False or a dict of torch.compile's keyword"),
+        ({1: "x"}, TypeError, "got dict"),
+    ],
+)
+def test_a_bad_compile_is_refused(value, error, words):
+    with pytest.raises(error, match=words):
+        check_compile(value)
+
+
+def test_what_compile_takes():
+    assert check_compile(False) is None and check_compile(None) is None
+    assert check_compile(True) == {}
+    assert check_compile({"backend": "aot_eager"}) == {"backend": "aot_eager"}
+
+
+def test_compile_with_tensor_parallel_is_refused_before_any_process_group_work(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="compile=True is not supported with tensor_parallel"):
+        Pipeline(nn.Sequential(nn.Linear(2, 2)), [1], compile=True, tensor_parallel=2)
