@@ -13,7 +13,6 @@ and ``named_parameters`` read like the original model's.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -49,7 +48,7 @@ from gpipe.parallel.ties import counted as counted_once
 from gpipe.parallel.world import check_dimensions, join
 from gpipe.planning.auto import AutoChoice, agreed_choice, check_auto
 from gpipe.planning.balancing import balance_by_time
-from gpipe.runtime.compiled import check_compile
+from gpipe.runtime.compiled import check_compile, warn_whole_backward
 from gpipe.runtime.microbatch import Batch, check_chunks
 from gpipe.runtime.partitions import as_sequential, check_balance, even_balance
 from gpipe.runtime.precision import Precision
@@ -283,12 +282,6 @@ class Pipeline(nn.Module):
         self.device = rank_device(device)
         self.autocast = check_autocast(autocast, self.device)
         check_overlap_stages(overlap_stages, self.device)
-        compiled = check_compile(compile)
-        if compiled is not None and (tensor_parallel > 1 or shard is not None):
-            raise ValueError(
-                "compile=True is not supported with tensor_parallel or shard yet: pass "
-                "compile=False, or train without them"
-            )
         self.deferred_batch_norm = deferred_batch_norm
         dims = check_dimensions(
             module,
@@ -301,6 +294,9 @@ class Pipeline(nn.Module):
             loss_parallel=loss_parallel,
         )
         self.tensor_parallel = dims.tensor_parallel
+        compiled = check_compile(
+            compile, split_parameters=dims.tensor_parallel > 1 or shard is not None
+        )
 
         # the processes, and the schedule and cut of the model they agree on
         world = join(self.device, group, dims, self.timeout)
@@ -311,14 +307,6 @@ class Pipeline(nn.Module):
         source = self._agree_on_cut(
             module, source, balance, sample, auto, chunks, memory_budget, agreeing_group
         )
-        if compiled is not None and source.splits_backward:
-            warnings.warn(
-                f"compile=True under {source.name!r}, whose backward is split: a compiled "
-                "layer's backward can be neither split nor run twice, so each stage runs its "
-                "whole backward at B and its W slots stay empty",
-                stacklevel=2,
-            )
-
         # this rank's stages, and the engine that runs their steps
         self.recorder = Recorder(self.rank) if trace else None
         self.last_step: StepTimes | None = None
@@ -396,6 +384,8 @@ class Pipeline(nn.Module):
     ) -> None:
         """Build this rank's stages out of ``module`` as ``recipe`` says, register their
         layers, and the engine that runs their steps (collective over the pipeline)."""
+        if recipe.compile is not None and source.splits_backward:
+            warn_whole_backward(source.name)
         self.placement = RankPlacement(
             tuple(self.balance), self.rank, self.n_ranks, self.group, source.layout()
         )

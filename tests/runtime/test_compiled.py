@@ -58,4 +58,10 @@ def test_compile_with_tensor_parallel_is_refused_before_any_process_group_work(m
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match="compile=True is not supported with tensor_parallel"):
-        Pipeline(nn.Sequential(nn.Linear(2, 2)), [1], compile=True, tensor_parallel=2)
+        Pipeline(
+            nn.Sequential(nn.Linear(2, 2)),
+            [1],
+            compile=True,
+            tensor_parallel=2,
+            tp_plan={"0": "colwise"},
+        )

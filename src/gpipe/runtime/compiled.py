@@ -16,28 +16,47 @@ B and leaves W nothing: exact, each backward run once, at the cost of the schedu
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CompileOptions", "check_compile", "compile_layers"]
+__all__ = ["CompileOptions", "check_compile", "compile_layers", "warn_whole_backward"]
 
 CompileOptions = Mapping[str, Any]
 
 
-def check_compile(compile: object) -> CompileOptions | None:
-    """``compile=`` as ``torch.compile``'s keyword arguments (None: no compilation)."""
+def check_compile(compile: object, *, split_parameters: bool = False) -> CompileOptions | None:
+    """``compile=`` as ``torch.compile``'s keyword arguments (None: no compilation); refused
+    where parameters are split over ranks (``tensor_parallel``, ``shard``), not yet tried."""
     if compile is False or compile is None:
         return None
     if compile is True:
-        return {}
-    if isinstance(compile, Mapping) and all(isinstance(k, str) for k in compile):
-        return dict(compile)
-    raise TypeError(
-        "compile must be True, False or a dict of torch.compile's keyword arguments, "
-        f"got {type(compile).__name__}"
+        options: dict[str, Any] = {}
+    elif isinstance(compile, Mapping) and all(isinstance(k, str) for k in compile):
+        options = dict(compile)
+    else:
+        raise TypeError(
+            "compile must be True, False or a dict of torch.compile's keyword arguments, "
+            f"got {type(compile).__name__}"
+        )
+    if split_parameters:
+        raise ValueError(
+            "compile=True is not supported with tensor_parallel or shard yet: pass "
+            "compile=False, or train without them"
+        )
+    return options
+
+
+def warn_whole_backward(schedule: str) -> None:
+    """Say that under ``schedule``, whose backward is split, each stage runs it whole at B."""
+    warnings.warn(
+        f"compile=True under {schedule!r}, whose backward is split: a compiled layer's "
+        "backward can be neither split nor run twice, so each stage runs its whole backward "
+        "at B and its W slots stay empty",
+        stacklevel=3,
     )
 
 
