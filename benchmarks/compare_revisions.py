@@ -65,6 +65,17 @@ def _model(cfg: dict) -> nn.Sequential:
     )
 
 
+def _meter(package: str) -> type:
+    """A version's ActivationMeter, where that version keeps it (``planning.memory`` since
+    the packages by concern, ``memory`` before)."""
+    for module in ("planning.memory", "memory"):
+        try:
+            return importlib.import_module(f"{package}.{module}").ActivationMeter
+        except ModuleNotFoundError:
+            continue
+    raise ModuleNotFoundError(f"{package} has no ActivationMeter")
+
+
 def run(cfg: dict, path: str, package: str) -> dict[str, dict[str, list[float]]]:
     """Both versions in turn in this process; returns wall and CPU seconds per step of each
     (CPU: all of this process's threads, gloo's included), this rank."""
@@ -73,10 +84,7 @@ def run(cfg: dict, path: str, package: str) -> dict[str, dict[str, list[float]]]
         "before": importlib.import_module(package),
         "after": importlib.import_module("gpipe"),
     }
-    meters = {
-        name: importlib.import_module(f"{module.__name__}.memory").ActivationMeter
-        for name, module in versions.items()
-    }
+    meters = {name: _meter(module.__name__) for name, module in versions.items()}
     from gpipe.pipeline import init_process_group
 
     init_process_group(torch.device("cpu"))
