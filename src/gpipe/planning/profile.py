@@ -155,6 +155,9 @@ class _SkipRecorder:
         self._layer, self._note = layer, note
         self._tensors: dict[Any, tuple[int, Tensor | None]] = {}
         self.skips: list[tuple[int, int, frozenset[int]]] = []
+        # popped tensors stay alive with the run, as every noted tensor does: a freed storage's
+        # key may be taken by a later one, which would then be counted as the same storage
+        self._popped: list[Tensor] = []
 
     def save(self, key: Any, tensor: Tensor | None) -> None:
         self._tensors[key] = (self._layer[0], tensor)
@@ -164,6 +167,8 @@ class _SkipRecorder:
             raise RuntimeError(f"skip {key[1]!r} was popped before it was stashed")
         stashed, tensor = self._tensors.pop(key)
         keys = frozenset() if tensor is None else self._note([tensor])
+        if tensor is not None:
+            self._popped.append(tensor)
         self.skips.append((stashed, self._layer[0], keys))
         return tensor
 
