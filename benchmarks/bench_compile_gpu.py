@@ -7,14 +7,13 @@ micro-batches, float32, checkpoint never. The first two steps of each contender 
 rotating, until 11 cycles or ``budget`` seconds since the start; the per-cycle medians of
 compiled over eager are reported. Needs one CUDA device::
 
-    PYTHONPATH=src python benchmarks/bench_compile_gpu.py 190   # writes $OUT/compile_gpu.json
+    PYTHONPATH=src python -m benchmarks.bench_compile_gpu 190   # writes $OUT/compile_gpu.json
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -22,16 +21,9 @@ import warnings
 
 import torch
 
+from .common import world_of_one
+
 START = time.time()
-
-
-def _world_of_one() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
 
 
 def main(budget: float) -> None:
@@ -104,5 +96,5 @@ def main(budget: float) -> None:
 
 
 if __name__ == "__main__":
-    _world_of_one()
+    world_of_one()
     main(float(sys.argv[1]) if len(sys.argv) > 1 else 190.0)

@@ -10,15 +10,13 @@ Every cycle runs each contender's steps in turn (their order alternating from cy
 cycle); the ratio of each contender to its one-stream twin is taken per cycle, and the
 medians of those ratios are reported. Needs one CUDA device::
 
-    python benchmarks/bench_stage_streams.py --json out.json
+    python -m benchmarks.bench_stage_streams --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -31,14 +29,7 @@ from torch.nn.functional import mse_loss
 from gpipe import Pipeline
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 
-
-def _world_of_one() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+from .common import world_of_one
 
 
 def _mlp(width: int, blocks: int) -> nn.Sequential:
@@ -149,7 +140,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated workload names")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    _world_of_one()
+    world_of_one()
     results = run(args)
     if args.json:
         with open(args.json, "w") as f:

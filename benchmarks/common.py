@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -15,9 +17,20 @@ from gpipe import Pipeline
 from gpipe.bench.report import summary
 from gpipe.bench.run import machine
 
-__all__ = ["RESULTS", "machine", "summary", "timed_step", "write_results"]
+__all__ = ["RESULTS", "machine", "summary", "timed_step", "world_of_one", "write_results"]
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def world_of_one() -> None:
+    """torchrun's variables for a world of this one process (a free local port), so that a
+    ``Pipeline`` whose stages all live here joins it by itself."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
 
 
 def quick_or_repeats(description: str, repeats: int) -> argparse.Namespace:
