@@ -52,7 +52,8 @@ from gpipe.runtime.compiled import check_compile, warn_whole_backward
 from gpipe.runtime.microbatch import Batch, check_chunks
 from gpipe.runtime.partitions import as_sequential, check_balance, even_balance
 from gpipe.runtime.precision import Precision
-from gpipe.runtime.recompute import check_autocast, check_checkpoint
+from gpipe.runtime.recompute import Layers, check_autocast, check_checkpoint
+from gpipe.runtime.seq_chunks import check_seq_chunks, check_seq_setup
 from gpipe.runtime.stage import LossFn
 from gpipe.runtime.stage_streams import check_overlap_stages, overlaps_stages
 from gpipe.runtime.timeline import Event, Recorder, merge
@@ -227,6 +228,16 @@ class Pipeline(nn.Module):
             schedule and re-materialization; under a split backward (the zero-bubble family)
             each stage runs its whole backward at B (``gpipe.runtime.compiled`` says why).
             Not with ``tensor_parallel`` or ``shard`` yet.
+        seq_chunks: S > 1 cuts each micro-batch of a training step along its sequence into S
+            sub-sequences that run through the pipeline one after the other (Seq1F1B); a
+            stage keeps the keys and values of a micro-batch's earlier sub-sequences for the
+            later ones, which attend to them, so it holds a sub-sequence's activations
+            rather than a micro-batch's (``gpipe.runtime.seq_chunks``). For causal models
+            whose layers carry keys and values: the built-in GPT, a Hugging Face causal LM
+            cut by its plan. With ``"gpipe"``, ``"1f1b"`` and ``"zero-bubble"``; evaluation
+            and forwards run whole sequences.
+        seq_split: ``"even"`` (sub-sequences of equal length: S must divide the sequence) or
+            ``"balanced"`` (of equal cost: later ones, attending to more tokens, are shorter).
 
     Layers may be ``gpipe.skip.skippable``: a skip that crosses stages is sent straight from
     the stage that stashes it to the stage that pops it, and its gradient comes back the same
@@ -268,6 +279,8 @@ class Pipeline(nn.Module):
         memory_budget: float | None = None,
         overlap_stages: bool | None = None,
         compile: bool | dict[str, Any] = False,
+        seq_chunks: int = 1,
+        seq_split: str = "even",
     ) -> None:
         super().__init__()
         # the configuration, checked before any process group work
@@ -297,6 +310,17 @@ class Pipeline(nn.Module):
         compiled = check_compile(
             compile, split_parameters=dims.tensor_parallel > 1 or shard is not None
         )
+        seq = check_seq_chunks(seq_chunks, seq_split, module)
+        check_seq_setup(
+            seq,
+            schedule,
+            layers_policy=isinstance(self.checkpoint, Layers),
+            skips=bool(skips),
+            tensor_parallel=dims.tensor_parallel,
+            shard=shard,
+            compiled=compiled is not None,
+        )
+        self.seq_chunks = seq
 
         # the processes, and the schedule and cut of the model they agree on
         world = join(self.device, group, dims, self.timeout)
@@ -326,6 +350,7 @@ class Pipeline(nn.Module):
             mesh=self.mesh,
             loss_parallel=dims.loss_parallel,
             compile=compiled,
+            seq_chunks=seq,
         )
         self._build(
             module,
@@ -407,6 +432,7 @@ class Pipeline(nn.Module):
             self.placement.stage_to_rank,
             self.skip_layout.routes,
             self.checkpoint,
+            recipe.seq_chunks.chunks if recipe.seq_chunks is not None else 1,
         )
         self.runner = StepRunner(
             self.placement,

@@ -23,6 +23,7 @@ from gpipe.runtime.batchnorm import convert_deferred_batch_norm
 from gpipe.runtime.compiled import CompileOptions, compile_layers
 from gpipe.runtime.partitions import materialize, stage_bounds
 from gpipe.runtime.recompute import Layers, recomputed_layers
+from gpipe.runtime.seq_chunks import SeqChunks
 from gpipe.runtime.stage import LossFn, Stage
 from gpipe.schedules import SCHEDULES, Placement, traits
 from gpipe.skip.layout import SkipLayout
@@ -124,6 +125,7 @@ class StageRecipe:
     mesh: ParallelMesh | None = None
     loss_parallel: bool = False  # the loss over logits split by vocabulary
     compile: CompileOptions | None = None  # torch.compile's arguments for each layer
+    seq_chunks: SeqChunks | None = None  # micro-batches cut along their sequence
 
 
 class BuiltStages(NamedTuple):
@@ -182,6 +184,7 @@ def build_stages(
             payloads=True,
             loss_context=loss_parallel if recipe.loss_parallel else None,
             compiled=recipe.compile is not None,
+            seq_chunks=recipe.seq_chunks.chunks if recipe.seq_chunks is not None else 1,
         )
     sharded = None
     if recipe.sharding is not None and recipe.replicas is not None:

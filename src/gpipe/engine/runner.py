@@ -37,6 +37,8 @@ from gpipe.runtime.microbatch import (
     check_payload,
     gather_payload,
 )
+from gpipe.runtime.seq_chunks import join_sequence, sequence_length, split_sequence
+from gpipe.runtime.stage import NO_TARGET
 from gpipe.runtime.stage_streams import StageStreams
 from gpipe.runtime.timeline import Recorder
 from gpipe.schedules import Action, Kind, Schedule
@@ -153,6 +155,8 @@ class StepRunner:
         self.timeout = timeout
         self.replicas = recipe.replicas
         self.deferred_batch_norm = recipe.deferred_batch_norm
+        self.seq_chunks = recipe.seq_chunks  # a training step's micro-batches, cut in units
+        self._microbatch_weights: list[float] = []  # their loss weights before the cut
         self.recorder = recorder
         # a CUDA stream per stage, so that independent work of this rank's stages overlaps
         self.streams = StageStreams(placement.stages, self.device) if overlap_stages else None
@@ -205,23 +209,26 @@ class StepRunner:
         rows, sizes, parts = self._start(inputs, given)
         m = len(sizes)
         schedule = self.schedules.step(m, training)
+        units = schedule.n_microbatches  # m, or m x seq_chunks sub-sequences
         data = self._data(
-            parts,
+            self._sequence_units(parts),
             build_graph=True,
             checkpoint=schedule.recomputed.__contains__,
             keep_outputs=keep_outputs,
         )
         if self.placement.is_last:
             self._targets(targets, rows, sizes, data, scale, counts, given)
+            self._target_units(data, counts)
         busy = self._run(schedule, data, training)
         try:
-            loss = self._loss(data, m) / scale
+            loss = self._loss(data, units) / scale
             waited, buckets, early = self._sum_gradients()
             self.tied.sum()
         except BaseException:
             self._forget_sums()  # a retried step must not take this one's sums
             raise
         times = StepTimes(perf_counter() - started, busy, waited, buckets, early)
+        self._join_units(data, m)
         return self._answer(loss, data, m, keep_outputs), times
 
     def evaluate(
@@ -340,6 +347,57 @@ class StepRunner:
             stage=self.stage_index,
             device=self.device,
         )
+
+    def _sequence_units(self, parts: list[Any] | None) -> list[Any] | None:
+        """With ``seq_chunks``, each micro-batch's inputs cut into its sub-sequences."""
+        if parts is None or self.seq_chunks is None:
+            return parts
+        seq = self.seq_chunks
+        return [
+            unit for part in parts for unit in split_sequence(part, seq.lengths(sequence_length(part)))
+        ]
+
+    def _target_units(self, data: StepData, counts: Any) -> None:
+        """With ``seq_chunks``, each micro-batch's targets cut into its sub-sequences, each
+        with its share of the micro-batch's loss weight (the share of its tokens, for a mean
+        loss; the whole weight, for losses that add up)."""
+        seq = self.seq_chunks
+        if seq is None:
+            return
+        assert data.targets is not None and data.loss_weights is not None
+        if counts is not None:
+            raise ValueError(
+                "counts= weighs whole micro-batches' mean losses, which seq_chunks cuts along "
+                "the sequence: weigh the tokens inside loss_fn instead"
+            )
+        targets, weights = [], []
+        self._microbatch_weights = list(data.loss_weights)
+        for target, weight in zip(data.targets, data.loss_weights, strict=True):
+            if target is NO_TARGET:
+                raise ValueError(
+                    "seq_chunks needs targets: each sub-sequence's loss is taken on its own "
+                    "tokens' targets"
+                )
+            length = sequence_length(target)
+            targets += split_sequence(target, seq.lengths(length))
+            shares = seq.weights(length) if self.loss_reduction == "mean" else [1.0] * seq.chunks
+            weights += [weight * share for share in shares]
+        data.targets, data.loss_weights = targets, weights
+
+    def _join_units(self, data: StepData, m: int) -> None:
+        """With ``seq_chunks``, each micro-batch's outputs and loss from its sub-sequences'."""
+        seq = self.seq_chunks
+        if seq is None or not self.placement.is_last:
+            return
+        s = seq.chunks
+        if data.keep_outputs and data.outputs:
+            data.outputs = {
+                i: join_sequence([data.outputs[i * s + j] for j in range(s)]) for i in range(m)
+            }
+        data.losses = {
+            i: torch.stack([data.losses[i * s + j] for j in range(s)]).sum() for i in range(m)
+        }
+        data.loss_weights = self._microbatch_weights
 
     def _loss(self, data: StepData, m: int) -> Tensor:
         """The mini-batch loss, computed on the last stage and known to every rank."""

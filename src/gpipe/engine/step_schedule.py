@@ -22,6 +22,7 @@ from gpipe.schedules import (
     traits,
     validate,
 )
+from gpipe.schedules.seq_chunked import seq_chunked
 
 __all__ = ["ScheduleSource", "StepSchedules"]
 
@@ -105,7 +106,8 @@ class StepSchedules:
     straight from stage to stage.
 
     ``stage_to_rank`` says which rank (a process, or a device of ``GPipe``) holds each stage;
-    ``checkpoint`` which micro-batches a training step re-materializes.
+    ``checkpoint`` which micro-batches a training step re-materializes; ``seq_chunks`` into
+    how many sub-sequences a training step cuts each micro-batch (``seq_chunked``).
 
     A fixed schedule (``ScheduleSource.fixed``, validated by ``ScheduleSource.of``) runs one
     number of micro-batches, so the training and evaluation steps it runs are known here: those
@@ -119,6 +121,7 @@ class StepSchedules:
     stage_to_rank: tuple[int, ...]
     routes: tuple[tuple[int, int], ...]
     checkpoint: str | Layers
+    seq_chunks: int = 1
 
     def __post_init__(self) -> None:
         fixed = self.source.fixed
@@ -137,12 +140,14 @@ class StepSchedules:
         """The schedule of a training step of ``n_microbatches`` micro-batches; in eval mode
         (``training=False``) nothing is re-materialized."""
         per_rank = self.n_stages // self.n_ranks
-        schedule = self.source.build(self.n_ranks, n_microbatches, per_rank)
+        if self.seq_chunks > 1:
+            schedule = seq_chunked(self.source.name, self.n_stages, n_microbatches, self.seq_chunks)
+        else:
+            schedule = self.source.build(self.n_ranks, n_microbatches, per_rank)
         schedule = add_skips(schedule, self.routes)
         mode = self.checkpoint if training else "never"
-        recomputed = frozenset(
-            i for i in range(n_microbatches) if should_checkpoint(mode, i, n_microbatches)
-        )
+        units = schedule.n_microbatches
+        recomputed = frozenset(i for i in range(units) if should_checkpoint(mode, i, units))
         return add_recompute(schedule, recomputed)
 
     def forward(self, n_microbatches: int) -> Schedule:

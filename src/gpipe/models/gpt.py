@@ -286,7 +286,9 @@ class _Attention(nn.Module):
         """The new tokens against the cached keys and values, which get theirs."""
         q, k, v = self._heads(x)
         k, v = cache.append(k, v)
-        return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=context.attention_mask))
+        p = self.p if self.training and context.every_token else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=context.attention_mask, dropout_p=p)
+        return self._out(y)
 
 
 class _MLP(nn.Module):
@@ -386,8 +388,9 @@ class Head(nn.Module):
         return None
 
     def forward_cached(self, x: Tensor, cache: None, context: CacheContext) -> Tensor:
-        """Generation samples from the last new token alone: only its logits are computed."""
-        return self(x[:, -1:])
+        """Generation samples from the last new token alone: only its logits are computed
+        (every token's for a sub-sequence in training)."""
+        return self(x) if context.every_token else self(x[:, -1:])
 
 
 def build_gpt(

@@ -37,10 +37,13 @@ __all__ = [
 class CacheContext:
     """The new tokens of one forward: ``positions`` ``[rows, new]`` (each token's position in
     its sequence) and ``valid`` ``[rows, past + new]`` (which keys are real: the cached
-    columns, then the new ones)."""
+    columns, then the new ones). ``every_token``: a training run over a sub-sequence
+    (``gpipe.runtime.seq_chunks``), which needs every new token's logits (generation needs
+    only the last's) and the model's training behaviour, dropout included."""
 
     positions: Tensor
     valid: Tensor
+    every_token: bool = False
 
     @property
     def past(self) -> int:
@@ -88,7 +91,9 @@ class CachedLayer(Protocol):
 class KVCache:
     """The keys and values of one attention layer of the built-in GPT, in buffers with room
     for more columns: a new token's keys and values are written in place, not concatenated
-    (which would copy the whole cache at every token); the buffers double when full."""
+    (which would copy the whole cache at every token); the buffers double when full. While
+    autograd records (sub-sequences in training) they are concatenated instead, so that the
+    gradient reaches the keys and values that came before."""
 
     def __init__(self) -> None:
         self._keys: Tensor | None = None
@@ -118,6 +123,14 @@ class KVCache:
     def append(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         """Add the new tokens' keys and values after the cached ones; returns all of them."""
         old, new = self._length, keys.shape[-2]
+        if torch.is_grad_enabled() and self._keys is not None and self._values is not None:
+            self._keys = torch.cat([self._keys[..., :old, :], keys], dim=-2)
+            self._values = torch.cat([self._values[..., :old, :], values], dim=-2)
+            self._length = old + new
+            return self._keys, self._values
+        if torch.is_grad_enabled():
+            self._keys, self._values, self._length = keys, values, new
+            return keys, values
         if self._keys is None or self._values is None:
             self._keys, self._values = self._room(keys, new), self._room(values, new)
         elif old + new > self._keys.shape[-2]:

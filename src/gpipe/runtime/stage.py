@@ -4,6 +4,10 @@ Between a micro-batch's forward and its backward the stage keeps either the auto
 (no re-materialization) or only its input and random state (re-materialization), and nothing
 else. Gradients of parameters accumulate in ``.grad`` across micro-batches.
 
+With ``seq_chunks`` S > 1 a training step's micro-batches come as S units along the sequence
+(``gpipe.runtime.seq_chunks``): unit j of a micro-batch also takes the keys and values that
+unit j-1 left on this stage, and its backward hands their gradients to unit j-1's.
+
 Besides the batch it hands to the next stage, a stage may receive skip tensors from earlier
 stages and send skips to later ones (``gpipe.skip``); their gradients travel back the same
 way, so each stage's backward still ends at its own boundary (``stage_boundary``).
@@ -24,7 +28,9 @@ from torch.distributed.tensor import DTensor
 
 from gpipe.comm.payload import check_same_structure, signature, tensors_of, with_tensors
 from gpipe.runtime.microbatch import Batch, check_batch
+from gpipe.runtime.kv_cache import CachedLayer
 from gpipe.runtime.recompute import AutocastState, RNGState, checkpointing, recomputing
+from gpipe.runtime.seq_chunks import run_cached
 from gpipe.runtime.stage_boundary import Grads, Skips, StageBoundary
 from gpipe.runtime.weight_gradients import Owners, WeightGradients, owners
 from gpipe.skip.layout import StagePorts
@@ -58,6 +64,12 @@ class _Saved:
     b_ran: bool = False  # B went through the graph (it does not if no input needs a gradient)
     roots: list[Tensor] | None = None  # where W starts, after B
     root_grads: list[Tensor] | None = None
+    # a sub-sequence (``seq_chunks``): the tokens before it, the keys and values it took from
+    # the unit before (leaves) and those it leaves for the next (with its graph)
+    chunked: bool = False
+    past: int = 0
+    carried: list[Tensor] = field(default_factory=list)
+    carry_out: list[Tensor] | None = None
 
 
 def _leaf(t: Tensor) -> Tensor:
@@ -116,6 +128,7 @@ class Stage:
         payloads: bool = False,
         loss_context: Callable[[], AbstractContextManager[Any]] | None = None,
         compiled: bool = False,
+        seq_chunks: int = 1,
     ) -> None:
         self.index = index
         self.n_stages = n_stages
@@ -137,6 +150,12 @@ class Stage:
         # compiled layer's backward cannot be split nor kept for a second pass
         self.compiled = compiled
         self._whole_at_b: set[int] = set()  # micro-batches whose W has nothing left
+        # sub-sequences per micro-batch in a training step; what a unit leaves for the next
+        # of its micro-batch (tokens so far, keys and values), and the gradients of those
+        # that a unit's backward hands to the unit before
+        self.seq_chunks = seq_chunks
+        self._carry: dict[int, tuple[int, list[Tensor]]] = {}
+        self._carry_grads: dict[int, list[Tensor | None]] = {}
 
     @property
     def is_last(self) -> bool:
@@ -158,7 +177,11 @@ class Stage:
             else nullcontext()
         )
         with own, use_tracker(tracker):
-            raw = self._layers(inputs)
+            if saved.chunked:
+                layers = cast(list[CachedLayer], list(self.module.children()))
+                raw, saved.carry_out = run_cached(layers, inputs, saved.carried, saved.past)
+            else:
+                raw = self._layers(inputs)
             outputs = self._checked(raw, microbatch)
             exported = self._boundary.exported(tracker.stashed, microbatch)
             loss = None
@@ -227,6 +250,8 @@ class Stage:
         saved = _Saved(inputs=inputs, imported=imported, target=target, weight=weight)
         if split_backward and build_graph:
             saved.weights = WeightGradients()
+        if build_graph and self.seq_chunks > 1:
+            self._take_carry(saved, microbatch)
         if not build_graph:
             with torch.no_grad():
                 outputs, exported, loss = self._run(inputs, imported, saved, microbatch)
@@ -240,20 +265,80 @@ class Stage:
                 outputs, exported, loss = self._run(saved.inputs, saved.imported, saved, microbatch)
             sent = with_tensors(outputs, [_announced(t) for t in tensors_of(outputs)])
             sent_skips = [_maybe(_announced, t) for t in exported]
+            self._leave_carry(saved, microbatch, _announced)
+            saved.carry_out = None  # recomputed with its graph
         else:
             with torch.enable_grad(), self._capturing(saved):
                 outputs, exported, loss = self._run(saved.inputs, saved.imported, saved, microbatch)
             saved.outputs, saved.loss = [*tensors_of(outputs), *exported], loss
             sent = with_tensors(outputs, [_leaf(t) for t in tensors_of(outputs)])
             sent_skips = [_maybe(_leaf, t) for t in exported]
+            self._leave_carry(saved, microbatch, _leaf)
         self._saved[microbatch] = saved
         loss = None if loss is None else loss.detach()
         return sent, self._boundary.by_destination(sent_skips), loss
 
+    def _take_carry(self, saved: _Saved, unit: int) -> None:
+        """Unit ``unit`` is a sub-sequence: it starts from what the unit before left."""
+        microbatch, j = divmod(unit, self.seq_chunks)
+        saved.chunked = True
+        if j == 0:
+            return
+        try:
+            saved.past, saved.carried = self._carry.pop(microbatch)
+        except KeyError:
+            raise RuntimeError(
+                f"stage {self.index}: sub-sequence {j} of micro-batch {microbatch} ran before "
+                f"sub-sequence {j - 1}: a micro-batch's sub-sequences run in order"
+            ) from None
+
+    def _leave_carry(
+        self, saved: _Saved, unit: int, as_leaf: Callable[[Tensor], Tensor]
+    ) -> None:
+        """Keep the keys and values of a sub-sequence, as leaves, for the next one."""
+        if not saved.chunked:
+            return
+        microbatch, j = divmod(unit, self.seq_chunks)
+        if j == self.seq_chunks - 1:
+            return
+        assert saved.carry_out is not None
+        new = tensors_of(saved.inputs)[0].shape[1]
+        leaves = [as_leaf(t.contiguous()) for t in saved.carry_out]
+        self._carry[microbatch] = (saved.past + new, leaves)
+
+    def _with_carry(
+        self, saved: _Saved, unit: int, roots: list[Tensor], grads: list[Tensor] | None
+    ) -> tuple[list[Tensor], Any]:
+        """A backward's roots and their gradients, and where a sub-sequence's backward also
+        starts: its keys and values, with the gradients the next sub-sequence's found."""
+        if not saved.chunked or unit % self.seq_chunks == self.seq_chunks - 1:
+            return roots, grads
+        try:
+            carried = self._carry_grads.pop(unit)
+        except KeyError:
+            raise RuntimeError(
+                f"stage {self.index}: backward of sub-sequence {unit % self.seq_chunks} of "
+                f"micro-batch {unit // self.seq_chunks} before that of the sub-sequence after "
+                "it: a micro-batch's sub-sequences run backward last to first"
+            ) from None
+        assert saved.carry_out is not None
+        pairs = [
+            (t, g) for t, g in zip(saved.carry_out, carried, strict=True) if g is not None
+        ]
+        given = [None] * len(roots) if grads is None else grads  # None: from the loss
+        return [*roots, *(t for t, _ in pairs)], [*given, *(g for _, g in pairs)]
+
+    def _hand_back(
+        self, saved: _Saved, unit: int, grad_of: Callable[[Tensor], Tensor | None]
+    ) -> None:
+        """Keep the gradients of the keys and values a sub-sequence took, for the one before."""
+        if saved.chunked and saved.carried:
+            self._carry_grads[unit - 1] = [grad_of(t) for t in saved.carried]
+
     def _capturing(self, saved: _Saved) -> Any:
         """Note the layer outputs that B stops at for W; not on a stage whose inputs need no
         gradient, where B has nothing to do and W is the whole backward."""
-        leaves = [*tensors_of(saved.inputs), *saved.imported.values()]
+        leaves = [*tensors_of(saved.inputs), *saved.imported.values(), *saved.carried]
         if saved.weights is None or not any(t is not None and t.requires_grad for t in leaves):
             return nullcontext()
         if self._owners is None:
@@ -304,9 +389,11 @@ class Stage:
         roots, grads = self._boundary.roots(
             saved.outputs, saved.loss, microbatch, grad_outputs, skip_grads or {}
         )
+        roots, grads = self._with_carry(saved, microbatch, roots, grads)
         if roots:
             with self._loss_context():
                 torch.autograd.backward(roots, grads)
+        self._hand_back(saved, microbatch, lambda t: t.grad)
         return self._boundary.input_grads(saved.inputs, saved.imported, lambda t: t.grad)
 
     def backward_input(
@@ -329,7 +416,8 @@ class Stage:
         roots, grads = self._boundary.roots(
             saved.outputs, saved.loss, microbatch, grad_outputs, skip_grads or {}
         )
-        leaves = [*tensors_of(saved.inputs), *saved.imported.values()]
+        roots, grads = self._with_carry(saved, microbatch, roots, grads)
+        leaves = [*tensors_of(saved.inputs), *saved.imported.values(), *saved.carried]
         wanted = [t for t in leaves if t is not None and t.requires_grad]
         found: dict[int, Tensor | None] = {}
         if roots and wanted:
@@ -346,6 +434,7 @@ class Stage:
             saved.weights.take(got[len(wanted) :])
             saved.b_ran = True
         saved.roots, saved.root_grads = roots, grads
+        self._hand_back(saved, microbatch, lambda t: found.get(id(t)))
         return self._boundary.input_grads(saved.inputs, saved.imported, lambda t: found.get(id(t)))
 
     def backward_weight(self, microbatch: int) -> None:
@@ -364,3 +453,5 @@ class Stage:
         """Drop whatever a failed or abandoned step left behind."""
         self._saved.clear()
         self._whole_at_b.clear()
+        self._carry.clear()
+        self._carry_grads.clear()

@@ -90,7 +90,9 @@ class Schedule:
     stage's inputs (what the previous stage waits for) and ``W`` those of its weights.
     ``skips`` lists the (source, destination) stage pairs that exchange skip tensors
     (``add_skips``); ``recomputed`` the micro-batches whose forward every stage runs again,
-    as an ``R`` action, before their backward (``add_recompute``).
+    as an ``R`` action, before their backward (``add_recompute``). With ``seq_chunks`` S > 1
+    each micro-batch runs as S units along its sequence (``seq_chunked``): ``n_microbatches``
+    counts the units, and an action's micro-batch ``i * S + j`` is sub-sequence j of i.
     """
 
     name: str
@@ -102,6 +104,7 @@ class Schedule:
     split_backward: bool = False
     skips: tuple[tuple[int, int], ...] = ()
     recomputed: frozenset[int] = frozenset()
+    seq_chunks: int = 1
 
     @property
     def n_ranks(self) -> int:

@@ -353,7 +353,7 @@ class PlanStage(nn.Module):
     def forward_cached(self, x: Tensor, cache: PlanCache, context: CacheContext) -> Tensor:
         """The new tokens (ids on the first stage, the stage before's hidden states on the
         others) through this stage with its cache: hidden states, or on the last stage the
-        logits of each row's last token."""
+        logits of each row's last token (of every token with ``context.every_token``)."""
         shell = self.shell
         shell.training = self.training
         kwargs: dict[str, Any] = {
@@ -370,7 +370,8 @@ class PlanStage(nn.Module):
             self._hand_over.received = x
         try:
             if self.is_last:
-                if "logits_to_keep" in inspect.signature(type(shell).forward).parameters:
+                keeps = "logits_to_keep" in inspect.signature(type(shell).forward).parameters
+                if keeps and not context.every_token:
                     kwargs["logits_to_keep"] = 1
                 logits: Tensor = shell(**kwargs).logits
                 return logits

@@ -1,0 +1,228 @@
+"""Sequence-pipelined micro-batches (Seq1F1B) on a stage: cutting a micro-batch along its
+sequence, and the keys and values one sub-sequence leaves for the next.
+
+A stage runs sub-sequence j of a micro-batch through its layers' cached forward
+(``gpipe.runtime.kv_cache``'s ``CachedLayer``, the protocol generation uses), with each
+attention layer's cache holding the keys and values of sub-sequences 0..j-1. Those come in as
+leaves of this unit's graph, so that its backward ends at them; their gradients go to
+sub-sequence j-1's backward, which starts from its own keys and values with them. Each unit's
+graph is thus its own, and the stage keeps a unit's activations, not a micro-batch's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gpipe.comm.payload import tensors_of, with_tensors
+from gpipe.runtime.kv_cache import CacheContext, CachedLayer
+from gpipe.schedules.seq_chunked import SEQ_CHUNKED
+
+__all__ = [
+    "SEQ_SPLITS",
+    "SeqChunks",
+    "check_seq_chunks",
+    "check_seq_setup",
+    "join_sequence",
+    "run_cached",
+    "seq_chunk_refusal",
+    "sequence_length",
+    "split_sequence",
+]
+
+SEQ_SPLITS = ("even", "balanced")
+
+
+@dataclass(frozen=True)
+class SeqChunks:
+    """Cut every micro-batch into ``chunks`` sub-sequences: of equal length (``"even"``), or
+    of equal cost (``"balanced"``: a later sub-sequence attends to more keys, so it gets fewer
+    tokens; ``width`` is the model's, which sets how much attention weighs against the
+    layers' matrix products)."""
+
+    chunks: int
+    split: str = "even"
+    width: int | None = None
+
+    def lengths(self, length: int) -> list[int]:
+        """The sub-sequences' lengths for a sequence of ``length`` tokens; a sequence that
+        cannot be cut so is refused."""
+        s = self.chunks
+        if self.split == "even":
+            if length % s:
+                raise ValueError(
+                    f"seq_chunks={s} does not divide the sequence of {length} tokens: give "
+                    f"sequences whose length is a multiple of {s}, or seq_split='balanced'"
+                )
+            return [length // s] * s
+        if length < s:
+            raise ValueError(
+                f"seq_chunks={s} cannot cut a sequence of {length} tokens: each sub-sequence "
+                "needs at least one token"
+            )
+        return _balanced(length, s, self.width or 1)
+
+    def weights(self, length: int) -> list[float]:
+        """Each sub-sequence's share of the micro-batch's tokens: its loss's weight."""
+        return [n / length for n in self.lengths(length)]
+
+
+def _balanced(length: int, chunks: int, width: int) -> list[int]:
+    """Lengths of equal cost, a token at position p costing 12 x width (its matrix products)
+    plus p (its attention): the cost up to t is 12 x width x t + t^2."""
+
+    def cost(t: float) -> float:
+        return 12 * width * t + t * t
+
+    total = cost(length)
+    ends = []
+    for j in range(1, chunks):
+        t = -6 * width + math.sqrt(36 * width * width + total * j / chunks)
+        ends.append(round(t))
+    ends.append(length)
+    lengths, start = [], 0
+    for j, end in enumerate(ends):
+        end = min(max(end, start + 1), length - (chunks - 1 - j))
+        lengths.append(end - start)
+        start = end
+    return lengths
+
+
+def check_seq_chunks(
+    seq_chunks: object, seq_split: object, module: nn.Sequential
+) -> SeqChunks | None:
+    """``seq_chunks`` and ``seq_split`` checked, for the layers of ``module`` (None for one
+    chunk: nothing is cut)."""
+    if isinstance(seq_chunks, bool) or not isinstance(seq_chunks, int) or seq_chunks < 1:
+        raise ValueError(f"seq_chunks must be a positive integer, got {seq_chunks!r}")
+    if seq_split not in SEQ_SPLITS:
+        raise ValueError(f"seq_split must be one of {SEQ_SPLITS}, got {seq_split!r}")
+    if seq_chunks == 1:
+        return None
+    refusal = seq_chunk_refusal(module)
+    if refusal is not None:
+        raise ValueError(refusal)
+    width = None
+    if seq_split == "balanced":
+        embedding = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+        if embedding is None:
+            raise ValueError(
+                "seq_split='balanced' weighs attention against the layers by the model's "
+                "width, read from its token embedding, and the model has no nn.Embedding"
+            )
+        width = embedding.embedding_dim
+    return SeqChunks(seq_chunks, str(seq_split), width)
+
+
+def check_seq_setup(
+    seq: SeqChunks | None,
+    schedule: object,
+    *,
+    layers_policy: bool,
+    skips: bool,
+    tensor_parallel: int,
+    shard: object,
+    compiled: bool,
+) -> None:
+    """Refuse, in one line, a setting that sub-sequences do not run with."""
+    if seq is None:
+        return
+    if not isinstance(schedule, str) or schedule not in SEQ_CHUNKED:
+        name = schedule if isinstance(schedule, str) else "a fixed Schedule"
+        raise ValueError(
+            f"seq_chunks={seq.chunks} runs with the schedules {sorted(SEQ_CHUNKED)}, "
+            f"got {name!r}"
+        )
+    conflicts = {
+        "tensor_parallel > 1": tensor_parallel > 1,
+        "shard": shard is not None,
+        "compile": compiled,
+        "checkpoint=Layers(...) (whole micro-batches are recomputed, or none)": layers_policy,
+        "skip connections (gpipe.skip)": skips,
+    }
+    for what, present in conflicts.items():
+        if present:
+            raise ValueError(f"seq_chunks={seq.chunks} does not run with {what} yet")
+
+
+def seq_chunk_refusal(module: nn.Sequential) -> str | None:
+    """Why the layers of ``module`` cannot run sub-sequences; None if they can: each must be
+    causal and carry keys and values (``CachedLayer``)."""
+    for name, layer in module.named_children():
+        if not isinstance(layer, CachedLayer):
+            return (
+                f"seq_chunks needs a causal model whose layers carry keys and values from one "
+                f"sub-sequence to the next (new_cache and forward_cached), but layer {name!r} "
+                f"is a {type(layer).__name__}, which does not: use the built-in GPT "
+                "(gpipe.models.gpt) or a Hugging Face causal LM cut by its plan "
+                "(gpipe.split(model, parts=K, plan='hf'))"
+            )
+    return None
+
+
+def split_sequence(payload: Any, lengths: Sequence[int]) -> list[Any]:
+    """``payload`` cut along its sequence (dimension 1 of every tensor) into ``lengths``."""
+    tensors = tensors_of(payload)
+    for t in tensors:
+        if t.dim() < 2 or t.shape[1] != sum(lengths):
+            raise ValueError(
+                f"seq_chunks cuts every tensor of a micro-batch along dimension 1, the "
+                f"sequence of {sum(lengths)} tokens; got a tensor of shape {list(t.shape)}"
+            )
+    pieces = [t.split(list(lengths), dim=1) for t in tensors]
+    return [with_tensors(payload, [p[j] for p in pieces]) for j in range(len(lengths))]
+
+
+def sequence_length(payload: Any) -> int:
+    """The length of the sequence of a micro-batch's payload (dimension 1 of its tensors)."""
+    tensors = tensors_of(payload)
+    if not tensors or tensors[0].dim() < 2:
+        shape = list(tensors[0].shape) if tensors else "no tensor"
+        raise ValueError(
+            "seq_chunks cuts micro-batches along dimension 1, their sequence; got a payload "
+            f"whose first tensor has shape {shape}"
+        )
+    return int(tensors[0].shape[1])
+
+
+def join_sequence(pieces: Sequence[Any]) -> Any:
+    """A micro-batch's payload from its sub-sequences' (joined along dimension 1)."""
+    columns = zip(*(tensors_of(p) for p in pieces), strict=True)
+    return with_tensors(pieces[0], [torch.cat(list(ts), dim=1) for ts in columns])
+
+
+def run_cached(
+    layers: Sequence[CachedLayer], x: Any, carried: Sequence[Tensor], past: int
+) -> tuple[Any, list[Tensor]]:
+    """Sub-sequence ``x`` (``[rows, tokens, ...]``, after ``past`` tokens) through ``layers``,
+    their attention caches holding ``carried`` (each attention layer's keys, then values, of
+    the tokens before); returns the output (every token's, logits included) and the caches'
+    keys and values after it, in the same order."""
+    caches = [layer.new_cache() for layer in layers]
+    held = [kv for cache in caches if cache is not None for kv in cache.kv_layers()]
+    if carried:
+        if len(carried) != 2 * len(held):
+            raise RuntimeError(
+                f"a sub-sequence brought {len(carried)} keys and values for "
+                f"{len(held)} attention layers"
+            )
+        for kv, keys, values in zip(held, carried[::2], carried[1::2], strict=True):
+            kv.keys, kv.values = keys, values
+    first = tensors_of(x)[0]
+    rows, new = first.shape[0], first.shape[1]
+    positions = torch.arange(past, past + new, device=first.device).expand(rows, new)
+    valid = torch.ones(rows, past + new, dtype=torch.bool, device=first.device)
+    context = CacheContext(positions, valid, every_token=True)
+    for layer, cache in zip(layers, caches, strict=True):
+        x = layer.forward_cached(x, cache, context)
+    after: list[Tensor] = []
+    for kv in held:
+        if kv.keys is None or kv.values is None:
+            raise RuntimeError("an attention layer left no keys and values for the next unit")
+        after += [kv.keys, kv.values]
+    return x, after
