@@ -44,10 +44,81 @@ def gpt_against_unsplit(schedule: str, checkpoint: str, seq_chunks: int, split: 
         expected.backward()
         grads = {n: p.grad for n, p in reference.named_parameters()}
         pipe.zero_grad()
-        loss = pipe.step(inputs, targets)
+        calls = _counting_cached_calls(pipe)
+        loss, outputs, _ = pipe.step(inputs, targets, return_outputs=True)
+        assert calls == [3 * seq_chunks * (2 if checkpoint == "always" else 1)], calls
         torch.testing.assert_close(loss, expected.detach(), **EXACT)
+        if pipe.is_last:  # the sub-sequences' logits, joined
+            torch.testing.assert_close(outputs, reference(inputs), **EXACT)
         for name, p in pipe.named_parameters():
             torch.testing.assert_close(p.grad, grads[name], **EXACT, msg=name)
         optimizer.step()
         ref_optimizer.step()
     return 2
+
+
+def _counting_cached_calls(pipe: Pipeline) -> list[int]:
+    """A list whose one entry counts the cached forwards of this rank's first layer: one
+    per sub-sequence, and one more per recomputation."""
+    calls = [0]
+    stage = pipe.runner.stages[pipe.stage_index]
+    layer = next(iter(stage.module.children()))
+    cached = layer.forward_cached
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return cached(*args, **kwargs)
+
+    layer.forward_cached = counted
+    return calls
+
+
+def _logits_loss(out, targets: torch.Tensor) -> torch.Tensor:
+    logits = out.logits if hasattr(out, "logits") else out
+    return lm_loss(logits, targets)
+
+
+def llama_against_unsplit(schedule: str, checkpoint: str) -> int:
+    """A Hugging Face Llama cut by its plan, with its rotary positions, grouped keys and
+    values and its own cache class, on four sub-sequences per micro-batch: the loss and every
+    gradient of one step equal the unsplit model's in float64."""
+    import gpipe
+
+    from ..splitting.hf_cases import llama_model
+
+    reference = llama_model()
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 64, (5, 21), generator=generator)
+    x, y = ids[:, :-1], ids[:, 1:]
+    split = gpipe.split(copy.deepcopy(reference), parts=2, plan="hf")
+    pipe = Pipeline(
+        split,
+        chunks=2,
+        schedule=schedule,
+        checkpoint=checkpoint,
+        loss_fn=_logits_loss,
+        seq_chunks=4,
+    )
+    expected = _logits_loss(reference(x), y)
+    expected.backward()
+    grads = {n: p.grad for n, p in reference.named_parameters()}
+    calls = _counting_cached_calls(pipe)
+    loss = pipe.step(x, y)
+    assert calls == [2 * 4 * (2 if checkpoint == "always" else 1)], calls
+    torch.testing.assert_close(loss, expected.detach(), **EXACT)
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[split.original_name(name)], **EXACT, msg=name)
+    return 1
+
+
+def refusals() -> list[str]:
+    """Bad input at a step, refused in one line on every rank (none waits for the others)."""
+    model, x, y = _gpt()
+    pipe = Pipeline(model, [2, 3], chunks=2, loss_fn=lm_loss, seq_chunks=4, timeout=20)
+    found = []
+    for inputs, targets in ((x[:, :22], y[:, :22]), (x, None)):
+        try:
+            pipe.step(inputs, targets)
+        except Exception as exc:
+            found.append(f"{type(exc).__name__}: {exc}")
+    return found

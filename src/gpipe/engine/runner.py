@@ -354,7 +354,9 @@ class StepRunner:
             return parts
         seq = self.seq_chunks
         return [
-            unit for part in parts for unit in split_sequence(part, seq.lengths(sequence_length(part)))
+            unit
+            for part in parts
+            for unit in split_sequence(part, seq.lengths(sequence_length(part)))
         ]
 
     def _target_units(self, data: StepData, counts: Any) -> None:

@@ -135,8 +135,7 @@ def check_seq_setup(
     if not isinstance(schedule, str) or schedule not in SEQ_CHUNKED:
         name = schedule if isinstance(schedule, str) else "a fixed Schedule"
         raise ValueError(
-            f"seq_chunks={seq.chunks} runs with the schedules {sorted(SEQ_CHUNKED)}, "
-            f"got {name!r}"
+            f"seq_chunks={seq.chunks} runs with the schedules {sorted(SEQ_CHUNKED)}, got {name!r}"
         )
     conflicts = {
         "tensor_parallel > 1": tensor_parallel > 1,

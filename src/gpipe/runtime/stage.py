@@ -27,8 +27,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from gpipe.comm.payload import check_same_structure, signature, tensors_of, with_tensors
-from gpipe.runtime.microbatch import Batch, check_batch
 from gpipe.runtime.kv_cache import CachedLayer
+from gpipe.runtime.microbatch import Batch, check_batch
 from gpipe.runtime.recompute import AutocastState, RNGState, checkpointing, recomputing
 from gpipe.runtime.seq_chunks import run_cached
 from gpipe.runtime.stage_boundary import Grads, Skips, StageBoundary
@@ -292,9 +292,7 @@ class Stage:
                 f"sub-sequence {j - 1}: a micro-batch's sub-sequences run in order"
             ) from None
 
-    def _leave_carry(
-        self, saved: _Saved, unit: int, as_leaf: Callable[[Tensor], Tensor]
-    ) -> None:
+    def _leave_carry(self, saved: _Saved, unit: int, as_leaf: Callable[[Tensor], Tensor]) -> None:
         """Keep the keys and values of a sub-sequence, as leaves, for the next one."""
         if not saved.chunked:
             return
@@ -322,9 +320,7 @@ class Stage:
                 "it: a micro-batch's sub-sequences run backward last to first"
             ) from None
         assert saved.carry_out is not None
-        pairs = [
-            (t, g) for t, g in zip(saved.carry_out, carried, strict=True) if g is not None
-        ]
+        pairs = [(t, g) for t, g in zip(saved.carry_out, carried, strict=True) if g is not None]
         given = [None] * len(roots) if grads is None else grads  # None: from the loss
         return [*roots, *(t for t, _ in pairs)], [*given, *(g for _, g in pairs)]
 

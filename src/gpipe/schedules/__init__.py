@@ -3,7 +3,8 @@
 ``ir`` holds the actions and the ``Schedule``; one module per family generates schedules
 (``fill_drain``, ``one_f_one_b``, ``zero_bubble``, ``interleaved``, ``looped_bfs``, and
 ``v_shape`` for the schedules that place two stages per rank in a V, ``v_memory`` for
-those of them whose memory is capped); ``csv_format`` reads
+those of them whose memory is capped, ``seq_chunked`` for micro-batches cut along their
+sequence); ``csv_format`` reads
 and writes them as PyTorch's schedule files; ``rewrite`` adds skip and
 recomputation actions to any of them; ``validate`` checks one can run; ``registry`` names
 them and declares their traits. A new schedule is a generator module and a ``register`` call.
@@ -36,6 +37,7 @@ from gpipe.schedules.registry import (
     traits,
 )
 from gpipe.schedules.rewrite import add_recompute, add_skips
+from gpipe.schedules.seq_chunked import SEQ_CHUNKED, seq_chunked
 from gpipe.schedules.v_memory import v_half, v_min
 from gpipe.schedules.v_shape import dualpipe_v, v_stage_to_rank, zero_bubble_v
 from gpipe.schedules.validate import execution_order, validate
@@ -48,6 +50,7 @@ __all__ = [
     "SEND_KINDS",
     "SEND_OF",
     "SCHEDULES",
+    "SEQ_CHUNKED",
     "Action",
     "Generator",
     "Kind",
@@ -71,6 +74,7 @@ __all__ = [
     "one_f_one_b",
     "read_csv",
     "register",
+    "seq_chunked",
     "to_csv",
     "traits",
     "v_half",

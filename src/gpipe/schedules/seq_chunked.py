@@ -25,9 +25,7 @@ Order = list[tuple[Kind, int]]
 def _backward_units(n_microbatches: int, seq_chunks: int) -> list[int]:
     """The units in the order their backwards run: micro-batches in order, each one's
     sub-sequences last to first."""
-    return [
-        i * seq_chunks + j for i in range(n_microbatches) for j in reversed(range(seq_chunks))
-    ]
+    return [i * seq_chunks + j for i in range(n_microbatches) for j in reversed(range(seq_chunks))]
 
 
 def _fill_drain(stage: int, n_stages: int, n_microbatches: int, seq_chunks: int) -> Order:

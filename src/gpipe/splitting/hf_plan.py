@@ -350,10 +350,11 @@ class PlanStage(nn.Module):
                     "layers only"
                 )
 
-    def forward_cached(self, x: Tensor, cache: PlanCache, context: CacheContext) -> Tensor:
+    def forward_cached(self, x: Tensor, cache: PlanCache, context: CacheContext) -> Any:
         """The new tokens (ids on the first stage, the stage before's hidden states on the
         others) through this stage with its cache: hidden states, or on the last stage the
-        logits of each row's last token (of every token with ``context.every_token``)."""
+        logits of each row's last token (with ``context.every_token``, a sub-sequence in
+        training: the model's output of every token's logits, as ``forward`` returns it)."""
         shell = self.shell
         shell.training = self.training
         kwargs: dict[str, Any] = {
@@ -370,8 +371,10 @@ class PlanStage(nn.Module):
             self._hand_over.received = x
         try:
             if self.is_last:
-                keeps = "logits_to_keep" in inspect.signature(type(shell).forward).parameters
-                if keeps and not context.every_token:
+                if context.every_token:  # training on a sub-sequence: output as forward's
+                    out = shell(**kwargs)
+                    return type(out)(logits=out.logits)
+                if "logits_to_keep" in inspect.signature(type(shell).forward).parameters:
                     kwargs["logits_to_keep"] = 1
                 logits: Tensor = shell(**kwargs).logits
                 return logits

@@ -1,0 +1,106 @@
+"""Pipeline(seq_chunks=S): micro-batches cut along their sequence train exactly as the unsplit
+model in float64 (the built-in GPT and a Hugging Face Llama, two processes, gpipe, 1F1B and
+zero-bubble, re-materialized or not), and what cannot be cut is refused in one line."""
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe import Pipeline
+from gpipe.models.gpt import GPTConfig, build_gpt
+from gpipe.runtime.seq_chunks import SeqChunks, join_sequence, split_sequence
+
+from ..workers import run
+from . import seq_chunks_cases as cases
+
+SCHEDULES = ["gpipe", "1f1b", "zero-bubble"]
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(("seq_chunks", "split"), [(4, "even"), (3, "balanced")])
+def test_the_gpt_on_sub_sequences_trains_as_the_unsplit_model(
+    schedule, checkpoint, seq_chunks, split
+):
+    results = run(
+        cases.gpt_against_unsplit, 2, (schedule, checkpoint, seq_chunks, split), threads=1
+    )
+    assert results == {0: 2, 1: 2}
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_hugging_face_llama_on_sub_sequences_trains_as_the_unsplit_model(schedule, checkpoint):
+    pytest.importorskip("transformers", reason="the hf extra installs transformers")
+    assert run(cases.llama_against_unsplit, 2, (schedule, checkpoint), threads=1) == {0: 1, 1: 1}
+
+
+def test_a_sequence_that_cannot_be_cut_or_a_step_without_targets_is_refused():
+    found = run(cases.refusals, 2, (), threads=1)
+    uneven = "ValueError: seq_chunks=4 does not divide the sequence of 22 tokens"
+    assert all(errors[0].startswith(uneven) for errors in found.values()), found
+    assert found[1][1].startswith("ValueError: seq_chunks needs targets"), found
+    assert "stage 1" in found[0][1], found  # the first stage learns it from the last
+
+
+def _gpt() -> nn.Sequential:
+    return build_gpt(GPTConfig(n_layer=2, d_model=16, n_head=2, seq_len=16, vocab_size=32))
+
+
+@pytest.mark.parametrize(
+    ("model", "options", "words"),
+    [
+        (_gpt, {"seq_chunks": 0}, "seq_chunks must be a positive integer, got 0"),
+        (_gpt, {"seq_chunks": 2, "seq_split": "tokens"}, "seq_split must be one of"),
+        (
+            lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+            {"seq_chunks": 2},
+            "seq_chunks needs a causal model whose layers carry keys and values .* but layer "
+            "'0' is a Linear",
+        ),
+        (_gpt, {"seq_chunks": 2, "schedule": "interleaved"}, "seq_chunks=2 runs with the "),
+        (_gpt, {"seq_chunks": 2, "compile": True}, "seq_chunks=2 does not run with compile yet"),
+        (
+            lambda: nn.Sequential(nn.Linear(4, 4)),
+            {"seq_chunks": 2, "seq_split": "balanced"},
+            "seq_chunks needs a causal model",
+        ),
+    ],
+)
+def test_what_sub_sequences_cannot_run_is_refused_before_any_process_group_work(
+    monkeypatch, model, options, words
+):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=words):
+        Pipeline(model(), [len(model())], **options)
+
+
+def test_balanced_sub_sequences_cost_alike_and_later_ones_are_shorter():
+    seq = SeqChunks(4, "balanced", width=16)
+    lengths = seq.lengths(2048)
+    assert sum(lengths) == 2048 and lengths == sorted(lengths, reverse=True)
+
+    def cost(start, end):  # matrix products, 12 x width per token, and attention, p per token
+        return 12 * 16 * (end - start) + end * end - start * start
+
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    costs = [cost(a, b) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    assert max(costs) / min(costs) < 1.01
+    assert SeqChunks(4, "balanced", width=16).lengths(4) == [1, 1, 1, 1]
+    assert SeqChunks(3, "even").lengths(12) == [4, 4, 4]
+    assert SeqChunks(3, "even").weights(12) == [1 / 3] * 3
+    with pytest.raises(ValueError, match="seq_chunks=4 cannot cut a sequence of 3 tokens"):
+        seq.lengths(3)
+
+
+def test_a_payload_is_cut_along_its_sequence_and_joined_back():
+    payload = {"ids": torch.arange(24).view(2, 12), "mask": torch.ones(2, 12, 3)}
+    pieces = split_sequence(payload, [5, 4, 3])
+    assert [p["ids"].shape[1] for p in pieces] == [5, 4, 3]
+    joined = join_sequence(pieces)
+    assert torch.equal(joined["ids"], payload["ids"]) and torch.equal(
+        joined["mask"], payload["mask"]
+    )
+    with pytest.raises(ValueError, match="along dimension 1, the sequence of 12 tokens"):
+        split_sequence(torch.zeros(2, 11), [5, 4, 3])
