@@ -490,6 +490,35 @@ def test_compile_is_refused_where_it_is_not_supported(capsys):
     )
 
 
+def test_sub_sequences_train_to_the_losses_of_whole_micro_batches(tmp_path):
+    """--seq-chunks 4: each micro-batch as four sub-sequences through 1F1B; the losses of the
+    run of whole micro-batches, within float32 rounding."""
+    runs = {}
+    for chunks in (1, 4):
+        out = tmp_path / f"seq-{chunks}"
+        code = main(["train", *TINY, "--stages", "2", "--steps", "4", "--schedule", "1f1b",
+                     "--seq-chunks", str(chunks), "--out", str(out)])  # fmt: skip
+        assert code == 0
+        runs[chunks] = _losses(out)
+    assert runs[4].keys() == runs[1].keys() == {1, 2, 3, 4}
+    for step, loss in runs[1].items():
+        assert runs[4][step] == pytest.approx(loss, rel=1e-5), step
+    train = json.loads((tmp_path / "seq-4" / "run.json").read_text())["train"]
+    assert train["seq_chunks"] == 4 and train["seq_split"] == "even"
+
+
+def test_sub_sequences_are_refused_where_they_cannot_run(capsys):
+    base = ["train", "--preset", "tiny", "--seq-len", "32"]
+    for more, words in (
+        (["--seq-chunks", "3"], "--seq-chunks 3 does not divide --seq-len 32: give a multiple"),
+        (["--seq-chunks", "2", "--schedule", "interleaved"], "--seq-chunks 2 runs with --schedule"),
+        (["--seq-chunks", "2", "--compile"], "--seq-chunks 2 does not run with --compile yet"),
+        (["--seq-split", "balanced"], "--seq-split balanced needs --seq-chunks of 2 or more"),
+        (["--seq-chunks", "0"], "--seq-chunks must be a positive integer, got 0"),
+    ):
+        assert words in _usage_error(capsys, *base, *more), more
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains(tmp_path, precision):
     out = tmp_path / precision

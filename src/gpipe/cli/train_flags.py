@@ -80,6 +80,20 @@ def add_pipeline_options(pipe: Any) -> None:
         "the same graphs without generating code)",
     )
     pipe.add_argument(
+        "--seq-chunks",
+        type=int,
+        metavar="S",
+        help="cut each micro-batch along its sequence into S sub-sequences that follow each "
+        "other through the pipeline (Seq1F1B): a stage keeps a sub-sequence's activations, "
+        "not a micro-batch's; with --schedule gpipe, 1f1b or zero-bubble (default 1)",
+    )
+    pipe.add_argument(
+        "--seq-split",
+        choices=["even", "balanced"],
+        help="with --seq-chunks: sub-sequences of equal length (even, the default; S divides "
+        "--seq-len) or of equal cost (balanced: later ones attend to more tokens, so are shorter)",
+    )
+    pipe.add_argument(
         "--schedule",
         help=f"pipeline schedule: {', '.join(SCHEDULES)}, or auto: the schedule, its stages "
         "per process, --chunks (unless given) and the cut that the simulator predicts fastest "

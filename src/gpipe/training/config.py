@@ -35,6 +35,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision": ("fp32", "bf16", "fp16"),
     "save_writer": ("auto", "process", "thread"),
     "token_dtype": ("uint16", "uint32"),
+    "seq_split": ("even", "balanced"),
 }
 
 
@@ -99,6 +100,8 @@ class TrainConfig:
     trace: bool = False  # write the last step's timeline into the run folder
     compile: bool = False  # each layer compiled with torch.compile
     compile_backend: str | None = None  # torch.compile's backend (default inductor)
+    seq_chunks: int | None = None  # sub-sequences per micro-batch (Seq1F1B; default 1)
+    seq_split: str | None = None  # even, or balanced (equal cost)
 
     def __post_init__(self) -> None:
         try:

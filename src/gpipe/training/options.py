@@ -57,6 +57,8 @@ class TrainOptions:
     trace: bool = False  # write the last step's timeline into the run folder
     compile: bool = False  # each layer compiled with torch.compile
     compile_backend: str = "inductor"  # torch.compile's backend
+    seq_chunks: int = 1  # each micro-batch cut along its sequence into this many (Seq1F1B)
+    seq_split: str = "even"  # sub-sequences of equal length, or of equal cost (balanced)
 
     @property
     def parts(self) -> int:

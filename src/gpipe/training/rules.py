@@ -12,7 +12,7 @@ import torch
 
 from gpipe.errors import ConfigError
 from gpipe.runtime.recompute import check_checkpoint
-from gpipe.schedules import SCHEDULES, traits
+from gpipe.schedules import SCHEDULES, SEQ_CHUNKED, traits
 from gpipe.training.models.resolve import model_layer_count
 from gpipe.training.options import TrainOptions
 from gpipe.training.trackers import check_report_to
@@ -35,6 +35,38 @@ def multi_stage_schedules() -> str:
     return " or ".join(name for name in SCHEDULES if traits(name).several_stages_per_rank)
 
 
+def _check_seq_chunks(opts: TrainOptions, seq_len: int) -> None:
+    """--seq-chunks: a schedule that runs sub-sequences, nothing they do not run with, and a
+    --seq-len they cut evenly."""
+    if opts.seq_chunks == 1:
+        if opts.seq_split != "even":
+            raise ConfigError(f"--seq-split {opts.seq_split} needs --seq-chunks of 2 or more")
+        return
+    s = opts.seq_chunks
+    if opts.schedule not in SEQ_CHUNKED:
+        raise ConfigError(
+            f"--seq-chunks {s} runs with --schedule {', '.join(SEQ_CHUNKED)}, got {opts.schedule}"
+        )
+    conflicts = {
+        "--tensor-parallel": opts.tensor_parallel > 1,
+        "--shard": opts.shard != "none",
+        "--compile": opts.compile,
+        "--pack": opts.pack,
+    }
+    for flag, given in conflicts.items():
+        if given:
+            raise ConfigError(
+                f"--seq-chunks {s} does not run with {flag} yet (given, or the run's own)"
+            )
+    if opts.seq_split == "even" and seq_len % s:
+        raise ConfigError(
+            f"--seq-chunks {s} does not divide --seq-len {seq_len}: give a multiple of {s}, "
+            "or --seq-split balanced"
+        )
+    if seq_len < s:
+        raise ConfigError(f"--seq-chunks {s} is more than --seq-len {seq_len} tokens")
+
+
 def check_options(model: TrainModel, opts: TrainOptions) -> None:
     """ConfigError for the first rule ``opts`` breaks for ``model``."""
     for name in (
@@ -47,6 +79,7 @@ def check_options(model: TrainModel, opts: TrainOptions) -> None:
         "seq_len",
         "eval_every",
         "virtual_stages",
+        "seq_chunks",
     ):
         positive(name.replace("_", "-"), getattr(opts, name))
     if opts.warmup < 0 or opts.save_every < 0 or opts.keep_every < 0:
@@ -69,6 +102,7 @@ def check_options(model: TrainModel, opts: TrainOptions) -> None:
         )
     if opts.compile_backend != "inductor" and not opts.compile:
         raise ConfigError(f"--compile-backend {opts.compile_backend} needs --compile")
+    _check_seq_chunks(opts, opts.seq_len if opts.seq_len is not None else model.seq_len)
     if opts.keep < 1:
         raise ConfigError(
             f"--keep must be at least 1 (the newest good checkpoint), got {opts.keep}"

@@ -125,6 +125,8 @@ class StageRun:
             timeout=opts.timeout,
             trace=opts.trace,
             compile={"backend": opts.compile_backend} if opts.compile else False,
+            seq_chunks=opts.seq_chunks,
+            seq_split=opts.seq_split,
             **more,
         )
 
