@@ -26,7 +26,7 @@ def gpt_against_unsplit(schedule: str, checkpoint: str, seq_chunks: int, split: 
     reference, x, y = _gpt()
     pipe = Pipeline(
         copy.deepcopy(reference),
-        [2, 3],
+        [2, 3] if split == "even" else [4, 1],  # [4, 1]: a last stage without attention
         chunks=3,
         schedule=schedule,
         checkpoint=checkpoint,

@@ -328,7 +328,7 @@ class Stage:
         self, saved: _Saved, unit: int, grad_of: Callable[[Tensor], Tensor | None]
     ) -> None:
         """Keep the gradients of the keys and values a sub-sequence took, for the one before."""
-        if saved.chunked and saved.carried:
+        if saved.chunked and unit % self.seq_chunks:  # none for a stage without attention
             self._carry_grads[unit - 1] = [grad_of(t) for t in saved.carried]
 
     def _capturing(self, saved: _Saved) -> Any:

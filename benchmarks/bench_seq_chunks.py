@@ -1,0 +1,140 @@
+"""Sequence-pipelined micro-batches (Seq1F1B): peak activation memory and step time of the
+GPT under 1F1B with each micro-batch cut into S = 1, 2, 4 sub-sequences.
+
+Memory: each (K, S) in fresh processes of one thread, one warm-up step and one step under
+``ActivationMeter`` (saved tensors and layer inputs and outputs, each storage once, parameters
+left out); K = 2 and 4 (how much a process holds depends only on the order of its actions, so
+K = 4 is measured on this 2-core machine too). Time: S = 1, 2, 4 in one pair of processes of
+one thread each, one step each in turn, the order rotating every cycle; medians, and each
+step over S = 1's in the same cycle.
+
+The workload: ``GPTConfig(n_layer=4, d_model=128, n_head=4)``, sequences of 2048 tokens,
+M = 8 micro-batches of one row, no re-materialization.
+
+    python -m benchmarks.bench_seq_chunks                  # memory, results/seq-chunks.json
+    python -m benchmarks.bench_seq_chunks --time --repeats 7   # results/seq-chunks-time.json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from gpipe import Pipeline, launch
+from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
+from gpipe.planning.memory import ActivationMeter
+
+from .common import machine, summary, timed_step, write_results
+
+SEQ_CHUNKS = (1, 2, 4)
+LAYERS, WIDTH, HEADS, LENGTH, CHUNKS = 4, 128, 4, 2048, 8
+
+
+def _pipeline(k: int, seq_chunks: int, length: int) -> Pipeline:
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=LAYERS, d_model=WIDTH, n_head=HEADS, seq_len=length)
+    layers = LAYERS + 2
+    balance = [layers // k + (1 if s < layers % k else 0) for s in range(k)]
+    return Pipeline(
+        build_gpt(config),
+        balance,
+        chunks=CHUNKS,
+        checkpoint="never",
+        schedule="1f1b",
+        loss_fn=lm_loss,
+        seq_chunks=seq_chunks,
+    )
+
+
+def _batch(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (CHUNKS, length + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def peak(k: int, seq_chunks: int, length: int) -> int:
+    """This process's peak activation bytes in one step."""
+    from gpipe.pipeline import init_process_group
+
+    init_process_group(torch.device("cpu"))
+    pipe = _pipeline(k, seq_chunks, length)
+    x, y = _batch(length)
+    inputs, targets = (x if pipe.is_first else None), (y if pipe.is_last else None)
+    pipe.step(inputs, targets)
+    pipe.zero_grad()
+    with ActivationMeter(pipe) as meter:
+        pipe.step(inputs, targets)
+    return int(meter.peak)
+
+
+def timed(repeats: int, warmup: int, length: int) -> dict[int, list[float]]:
+    """Seconds per step of every S, K = 2, taking turns in one pair of processes."""
+    from gpipe.pipeline import init_process_group
+
+    init_process_group(torch.device("cpu"))
+    pipes = {s: _pipeline(2, s, length) for s in SEQ_CHUNKS}
+    x, y = _batch(length)
+    seconds: dict[int, list[float]] = {s: [] for s in SEQ_CHUNKS}
+    for cycle in range(warmup + repeats):
+        turn = cycle % len(SEQ_CHUNKS)
+        for s in SEQ_CHUNKS[turn:] + SEQ_CHUNKS[:turn]:
+            took = timed_step(pipes[s], x, y)
+            if cycle >= warmup:
+                seconds[s].append(took)
+    return seconds
+
+
+def _time(repeats: int, length: int) -> None:
+    seconds = launch(timed, 2, (repeats, 1, length), threads=1)[0]
+    report: dict = {"machine": machine(), "repeats": repeats, "length": length, "seq_chunks": {}}
+    for s in SEQ_CHUNKS:
+        ratios = [a / b for a, b in zip(seconds[s], seconds[1], strict=True)]
+        report["seq_chunks"][s] = {
+            "seconds": summary(seconds[s]),
+            "over_one_per_cycle": summary(ratios),
+        }
+        print(
+            f"S={s} {summary(seconds[s])['median']:.3f} s/step, over S=1's per cycle "
+            f"{summary(ratios)['median']:.3f} ({min(ratios):.3f} to {max(ratios):.3f})",
+            flush=True,
+        )
+    print(f"written to {write_results('seq-chunks-time', report)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--time", action="store_true", help="step times at K = 2 instead")
+    parser.add_argument("--repeats", type=int, default=7, help="measured cycles of --time")
+    parser.add_argument("--length", type=int, default=LENGTH, help="tokens per sequence")
+    args = parser.parse_args()
+    if args.time:
+        _time(args.repeats, args.length)
+        return
+    report: dict = {
+        "workload": dict(layers=LAYERS, width=WIDTH, length=args.length, chunks=CHUNKS),
+        "machine": machine(),
+        "peaks": {},
+    }
+    for k in (2, 4):
+        peaks = {}
+        for s in SEQ_CHUNKS:
+            per_rank = launch(peak, k, (k, s, args.length), threads=1)
+            peaks[s] = [per_rank[r] for r in range(k)]
+        for s in SEQ_CHUNKS:
+            busiest = max(peaks[s])
+            ratio = busiest / max(peaks[1])
+            report["peaks"][f"K={k}/S={s}"] = {
+                "per_process_mib": [p / 2**20 for p in peaks[s]],
+                "busiest_over_s1": ratio,
+            }
+            print(
+                f"K={k} S={s} busiest {busiest / 2**20:7.1f} MiB = {ratio:.3f} x S=1's; "
+                "per process " + ", ".join(f"{p / 2**20:.1f}" for p in peaks[s]),
+                flush=True,
+            )
+    print(f"written to {write_results('seq-chunks', report)}")
+
+
+if __name__ == "__main__":
+    main()
