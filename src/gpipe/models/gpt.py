@@ -286,8 +286,15 @@ class _Attention(nn.Module):
         """The new tokens against the cached keys and values, which get theirs."""
         q, k, v = self._heads(x)
         k, v = cache.append(k, v)
-        p = self.p if self.training and context.every_token else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=context.attention_mask, dropout_p=p)
+        if not context.every_token:  # generation: rows left-padded to one length
+            mask = context.attention_mask
+            return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        p = self.p if self.training else 0.0  # a sub-sequence in training
+        if context.past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            bias = context.causal_bias(q.dtype)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
         return self._out(y)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -44,6 +44,7 @@ class CacheContext:
     positions: Tensor
     valid: Tensor
     every_token: bool = False
+    _biases: dict[torch.dtype, Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def past(self) -> int:
@@ -61,6 +62,21 @@ class CacheContext:
         queries = torch.arange(self.past, total, device=device)
         causal = torch.arange(total, device=device)[None, :] <= queries[:, None]
         return self.valid[:, None, None, :] & causal[None, None]
+
+    def causal_bias(self, dtype: torch.dtype) -> Tensor:
+        """For a sub-sequence in training (every key real): ``[1, 1, new, past + new]``, 0
+        where a new token sees the key and -inf where not, in ``dtype``. Made once and shared
+        by every layer, so that the attention of each (which keeps its mask for its
+        backward) keeps this one rather than a copy per layer and row."""
+        bias = self._biases.get(dtype)
+        if bias is None:
+            total, device = self.valid.shape[1], self.valid.device
+            queries = torch.arange(self.past, total, device=device)
+            hidden = torch.arange(total, device=device)[None, :] > queries[:, None]
+            bias = torch.zeros(hidden.shape, dtype=dtype, device=device)
+            bias = bias.masked_fill(hidden, float("-inf"))[None, None]
+            self._biases[dtype] = bias
+        return bias
 
 
 class KVLayer(Protocol):
