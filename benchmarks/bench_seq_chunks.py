@@ -12,6 +12,7 @@ The workload: ``GPTConfig(n_layer=4, d_model=128, n_head=4)``, sequences of 2048
 M = 8 micro-batches of one row, no re-materialization.
 
     python -m benchmarks.bench_seq_chunks                  # memory, results/seq-chunks.json
+    python -m benchmarks.bench_seq_chunks --width 512      # results/seq-chunks-width512.json
     python -m benchmarks.bench_seq_chunks --time --repeats 7   # results/seq-chunks-time.json
 """
 
@@ -31,9 +32,9 @@ SEQ_CHUNKS = (1, 2, 4)
 LAYERS, WIDTH, HEADS, LENGTH, CHUNKS = 4, 128, 4, 2048, 8
 
 
-def _pipeline(k: int, seq_chunks: int, length: int) -> Pipeline:
+def _pipeline(k: int, seq_chunks: int, length: int, width: int = WIDTH) -> Pipeline:
     torch.manual_seed(0)
-    config = GPTConfig(n_layer=LAYERS, d_model=WIDTH, n_head=HEADS, seq_len=length)
+    config = GPTConfig(n_layer=LAYERS, d_model=width, n_head=HEADS, seq_len=length)
     layers = LAYERS + 2
     balance = [layers // k + (1 if s < layers % k else 0) for s in range(k)]
     return Pipeline(
@@ -53,12 +54,12 @@ def _batch(length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1], ids[:, 1:]
 
 
-def peak(k: int, seq_chunks: int, length: int) -> int:
+def peak(k: int, seq_chunks: int, length: int, width: int) -> int:
     """This process's peak activation bytes in one step."""
     from gpipe.pipeline import init_process_group
 
     init_process_group(torch.device("cpu"))
-    pipe = _pipeline(k, seq_chunks, length)
+    pipe = _pipeline(k, seq_chunks, length, width)
     x, y = _batch(length)
     inputs, targets = (x if pipe.is_first else None), (y if pipe.is_last else None)
     pipe.step(inputs, targets)
@@ -107,19 +108,20 @@ def main() -> None:
     parser.add_argument("--time", action="store_true", help="step times at K = 2 instead")
     parser.add_argument("--repeats", type=int, default=7, help="measured cycles of --time")
     parser.add_argument("--length", type=int, default=LENGTH, help="tokens per sequence")
+    parser.add_argument("--width", type=int, default=WIDTH, help="d_model of the memory runs")
     args = parser.parse_args()
     if args.time:
         _time(args.repeats, args.length)
         return
     report: dict = {
-        "workload": dict(layers=LAYERS, width=WIDTH, length=args.length, chunks=CHUNKS),
+        "workload": dict(layers=LAYERS, width=args.width, length=args.length, chunks=CHUNKS),
         "machine": machine(),
         "peaks": {},
     }
     for k in (2, 4):
         peaks = {}
         for s in SEQ_CHUNKS:
-            per_rank = launch(peak, k, (k, s, args.length), threads=1)
+            per_rank = launch(peak, k, (k, s, args.length, args.width), threads=1)
             peaks[s] = [per_rank[r] for r in range(k)]
         for s in SEQ_CHUNKS:
             busiest = max(peaks[s])
@@ -133,7 +135,8 @@ def main() -> None:
                 "per process " + ", ".join(f"{p / 2**20:.1f}" for p in peaks[s]),
                 flush=True,
             )
-    print(f"written to {write_results('seq-chunks', report)}")
+    name = "seq-chunks" if args.width == WIDTH else f"seq-chunks-width{args.width}"
+    print(f"written to {write_results(name, report)}")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 
 from gpipe.parallel.ties import sum_local
 from gpipe.runtime.kv_cache import CacheContext, KVCache
+from gpipe.runtime.sub_sequence_attention import sub_sequence_attention
 
 __all__ = [
     "GPTConfig",
@@ -290,11 +291,7 @@ class _Attention(nn.Module):
             mask = context.attention_mask
             return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
         p = self.p if self.training else 0.0  # a sub-sequence in training
-        if context.past == 0:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        else:
-            bias = context.causal_bias(q.dtype)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
+        y = sub_sequence_attention(q, k, v, context.past, dropout_p=p, mask=context.causal_bias)
         return self._out(y)
 
 
