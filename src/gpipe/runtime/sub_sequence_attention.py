@@ -81,6 +81,6 @@ def sub_sequence_attention(
         bias = causal_lower_right(q.shape[-2], k.shape[-2])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
     if _FLASH_CPU and q.device.type == "cpu" and dropout_p == 0.0 and q.dtype in _CPU_DTYPES:
-        out: Tensor = _PastAndOwn.apply(q, k, v, past)
+        out: Tensor = _PastAndOwn.apply(q, k, v, past)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return out
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask(q.dtype), dropout_p=dropout_p)
