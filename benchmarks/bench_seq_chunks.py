@@ -28,11 +28,19 @@ from gpipe.planning.memory import ActivationMeter
 
 from .common import machine, summary, timed_step, write_results
 
-SEQ_CHUNKS = (1, 2, 4)
+# the step-time contenders: (S, seq_split)
+TIMED = {
+    "S=1": (1, "even"),
+    "S=2": (2, "even"),
+    "S=4": (4, "even"),
+    "S=4 balanced": (4, "balanced"),
+}
 LAYERS, WIDTH, HEADS, LENGTH, CHUNKS = 4, 128, 4, 2048, 8
 
 
-def _pipeline(k: int, seq_chunks: int, length: int, width: int = WIDTH) -> Pipeline:
+def _pipeline(
+    k: int, seq_chunks: int, length: int, width: int = WIDTH, split: str = "even"
+) -> Pipeline:
     torch.manual_seed(0)
     config = GPTConfig(n_layer=LAYERS, d_model=width, n_head=HEADS, seq_len=length)
     layers = LAYERS + 2
@@ -45,6 +53,7 @@ def _pipeline(k: int, seq_chunks: int, length: int, width: int = WIDTH) -> Pipel
         schedule="1f1b",
         loss_fn=lm_loss,
         seq_chunks=seq_chunks,
+        seq_split=split,
     )
 
 
@@ -54,12 +63,12 @@ def _batch(length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1], ids[:, 1:]
 
 
-def peak(k: int, seq_chunks: int, length: int, width: int) -> int:
+def peak(k: int, seq_chunks: int, length: int, width: int, split: str) -> int:
     """This process's peak activation bytes in one step."""
     from gpipe.pipeline import init_process_group
 
     init_process_group(torch.device("cpu"))
-    pipe = _pipeline(k, seq_chunks, length, width)
+    pipe = _pipeline(k, seq_chunks, length, width, split)
     x, y = _batch(length)
     inputs, targets = (x if pipe.is_first else None), (y if pipe.is_last else None)
     pipe.step(inputs, targets)
@@ -69,34 +78,35 @@ def peak(k: int, seq_chunks: int, length: int, width: int) -> int:
     return int(meter.peak)
 
 
-def timed(repeats: int, warmup: int, length: int) -> dict[int, list[float]]:
-    """Seconds per step of every S, K = 2, taking turns in one pair of processes."""
+def timed(repeats: int, warmup: int, length: int) -> dict[str, list[float]]:
+    """Seconds per step of every contender, K = 2, taking turns in one pair of processes."""
     from gpipe.pipeline import init_process_group
 
     init_process_group(torch.device("cpu"))
-    pipes = {s: _pipeline(2, s, length) for s in SEQ_CHUNKS}
+    pipes = {name: _pipeline(2, s, length, split=split) for name, (s, split) in TIMED.items()}
     x, y = _batch(length)
-    seconds: dict[int, list[float]] = {s: [] for s in SEQ_CHUNKS}
+    names = list(TIMED)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
     for cycle in range(warmup + repeats):
-        turn = cycle % len(SEQ_CHUNKS)
-        for s in SEQ_CHUNKS[turn:] + SEQ_CHUNKS[:turn]:
-            took = timed_step(pipes[s], x, y)
+        turn = cycle % len(names)
+        for name in names[turn:] + names[:turn]:
+            took = timed_step(pipes[name], x, y)
             if cycle >= warmup:
-                seconds[s].append(took)
+                seconds[name].append(took)
     return seconds
 
 
 def _time(repeats: int, length: int) -> None:
     seconds = launch(timed, 2, (repeats, 1, length), threads=1)[0]
     report: dict = {"machine": machine(), "repeats": repeats, "length": length, "seq_chunks": {}}
-    for s in SEQ_CHUNKS:
-        ratios = [a / b for a, b in zip(seconds[s], seconds[1], strict=True)]
-        report["seq_chunks"][s] = {
-            "seconds": summary(seconds[s]),
+    for name in TIMED:
+        ratios = [a / b for a, b in zip(seconds[name], seconds["S=1"], strict=True)]
+        report["seq_chunks"][name] = {
+            "seconds": summary(seconds[name]),
             "over_one_per_cycle": summary(ratios),
         }
         print(
-            f"S={s} {summary(seconds[s])['median']:.3f} s/step, over S=1's per cycle "
+            f"{name:13s} {summary(seconds[name])['median']:.3f} s/step, over S=1's per cycle "
             f"{summary(ratios)['median']:.3f} ({min(ratios):.3f} to {max(ratios):.3f})",
             flush=True,
         )
@@ -120,19 +130,19 @@ def main() -> None:
     }
     for k in (2, 4):
         peaks = {}
-        for s in SEQ_CHUNKS:
-            per_rank = launch(peak, k, (k, s, args.length, args.width), threads=1)
-            peaks[s] = [per_rank[r] for r in range(k)]
-        for s in SEQ_CHUNKS:
-            busiest = max(peaks[s])
-            ratio = busiest / max(peaks[1])
-            report["peaks"][f"K={k}/S={s}"] = {
-                "per_process_mib": [p / 2**20 for p in peaks[s]],
+        for name, (s, split) in TIMED.items():
+            per_rank = launch(peak, k, (k, s, args.length, args.width, split), threads=1)
+            peaks[name] = [per_rank[r] for r in range(k)]
+        for name in TIMED:
+            busiest = max(peaks[name])
+            ratio = busiest / max(peaks["S=1"])
+            report["peaks"][f"K={k}/{name}"] = {
+                "per_process_mib": [p / 2**20 for p in peaks[name]],
                 "busiest_over_s1": ratio,
             }
             print(
-                f"K={k} S={s} busiest {busiest / 2**20:7.1f} MiB = {ratio:.3f} x S=1's; "
-                "per process " + ", ".join(f"{p / 2**20:.1f}" for p in peaks[s]),
+                f"K={k} {name:13s} busiest {busiest / 2**20:7.1f} MiB = {ratio:.3f} x S=1's; "
+                "per process " + ", ".join(f"{p / 2**20:.1f}" for p in peaks[name]),
                 flush=True,
             )
     name = "seq-chunks" if args.width == WIDTH else f"seq-chunks-width{args.width}"

@@ -194,3 +194,28 @@ def test_stage_streams_with_a_weight_tied_across_the_v(world_of_one):
 
 def cross_entropy_of(logits, targets):
     return cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+@needs_gpu
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+@pytest.mark.parametrize("split", ["even", "balanced"])
+def test_sub_sequences_on_cuda_match_unpipelined(world_of_one, schedule, split):
+    """seq_chunks=4 on one GPU: the GPT's attention on a sub-sequence takes PyTorch's
+    lower-right causal bias there; the loss and gradients of the whole sequence, float32."""
+    from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
+
+    torch.manual_seed(0)
+    model = build_gpt(GPTConfig(n_layer=3, d_model=64, n_head=4, seq_len=256, vocab_size=128))
+    reference = copy.deepcopy(model).cuda()
+    pipe = Pipeline(model, [5], chunks=4, schedule=schedule, loss_fn=lm_loss, device="cuda",
+                    seq_chunks=4, seq_split=split)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (8, 257), generator=g).cuda()
+    x, y = ids[:, :-1], ids[:, 1:]
+    loss = pipe.step(x, y)
+    ref_loss = lm_loss(reference(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss.float(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    ref = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-4, atol=1e-6)
