@@ -8,7 +8,7 @@ from torch import nn
 
 from gpipe import Pipeline
 from gpipe.models.gpt import GPTConfig, build_gpt
-from gpipe.runtime.seq_chunks import SeqChunks, join_sequence, split_sequence
+from gpipe.runtime.seq_chunks import Carries, SeqChunks, join_sequence, split_sequence
 
 from ..workers import run
 from . import seq_chunks_cases as cases
@@ -104,3 +104,22 @@ def test_a_payload_is_cut_along_its_sequence_and_joined_back():
     )
     with pytest.raises(ValueError, match="along dimension 1, the sequence of 12 tokens"):
         split_sequence(torch.zeros(2, 11), [5, 4, 3])
+
+
+def test_sub_sequences_out_of_order_are_refused_naming_the_stage():
+    carries = Carries(3, stage=1)
+    assert carries.take(0) == (0, [])
+    with pytest.raises(RuntimeError, match="stage 1: sub-sequence 1 of micro-batch 0 ran before"):
+        carries.take(1)
+    keys = [torch.zeros(1)]
+    carries.leave(0, 4, keys)
+    assert carries.take(1) == (4, keys)
+    carries.leave(5, 8, keys)  # a micro-batch's last leaves nothing
+    assert carries.gradients(5) == []
+    with pytest.raises(RuntimeError, match="stage 1: backward of sub-sequence 1 of micro-batch 1"):
+        carries.gradients(4)
+    carries.hand_back(5, [None])
+    carries.hand_back(3, [None])  # the first hands nothing back
+    assert carries.gradients(4) == [None]
+    with pytest.raises(RuntimeError, match="backward of sub-sequence 0 of micro-batch 1"):
+        carries.gradients(3)

@@ -25,6 +25,7 @@ from gpipe.schedules.seq_chunked import SEQ_CHUNKED
 
 __all__ = [
     "SEQ_SPLITS",
+    "Carries",
     "SeqChunks",
     "check_seq_chunks",
     "check_seq_setup",
@@ -193,6 +194,62 @@ def join_sequence(pieces: Sequence[Any]) -> Any:
     """A micro-batch's payload from its sub-sequences' (joined along dimension 1)."""
     columns = zip(*(tensors_of(p) for p in pieces), strict=True)
     return with_tensors(pieces[0], [torch.cat(list(ts), dim=1) for ts in columns])
+
+
+class Carries:
+    """What the sub-sequences of a stage's micro-batches hand each other: forward, the tokens
+    so far and the keys and values (as leaves) for the next sub-sequence; backward, the
+    gradients of those for the one before. Unit ``i * chunks + j`` is sub-sequence j of
+    micro-batch i; a unit out of order is an error naming the stage."""
+
+    def __init__(self, chunks: int, stage: int) -> None:
+        self.chunks = chunks
+        self.stage = stage
+        self._forward: dict[int, tuple[int, list[Tensor]]] = {}
+        self._backward: dict[int, list[Tensor | None]] = {}
+
+    def take(self, unit: int) -> tuple[int, list[Tensor]]:
+        """The tokens before ``unit`` and the keys and values it starts from."""
+        microbatch, j = divmod(unit, self.chunks)
+        if j == 0:
+            return 0, []
+        try:
+            return self._forward.pop(microbatch)
+        except KeyError:
+            raise RuntimeError(
+                f"stage {self.stage}: sub-sequence {j} of micro-batch {microbatch} ran before "
+                f"sub-sequence {j - 1}: a micro-batch's sub-sequences run in order"
+            ) from None
+
+    def leave(self, unit: int, tokens: int, leaves: list[Tensor]) -> None:
+        """What ``unit`` leaves for the next sub-sequence: ``tokens`` so far, and ``leaves``."""
+        microbatch, j = divmod(unit, self.chunks)
+        if j < self.chunks - 1:
+            self._forward[microbatch] = (tokens, leaves)
+
+    def gradients(self, unit: int) -> list[Tensor | None]:
+        """The gradients of the keys and values ``unit`` left, from the next sub-sequence's
+        backward (none for a micro-batch's last)."""
+        if unit % self.chunks == self.chunks - 1:
+            return []
+        try:
+            return self._backward.pop(unit)
+        except KeyError:
+            raise RuntimeError(
+                f"stage {self.stage}: backward of sub-sequence {unit % self.chunks} of "
+                f"micro-batch {unit // self.chunks} before that of the sub-sequence after it: "
+                "a micro-batch's sub-sequences run backward last to first"
+            ) from None
+
+    def hand_back(self, unit: int, grads: list[Tensor | None]) -> None:
+        """The gradients of the keys and values ``unit`` took, for the unit before (an empty
+        list from a stage without attention)."""
+        if unit % self.chunks:
+            self._backward[unit - 1] = grads
+
+    def clear(self) -> None:
+        self._forward.clear()
+        self._backward.clear()
 
 
 def run_cached(

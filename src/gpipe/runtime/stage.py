@@ -30,7 +30,7 @@ from gpipe.comm.payload import check_same_structure, signature, tensors_of, with
 from gpipe.runtime.kv_cache import CachedLayer
 from gpipe.runtime.microbatch import Batch, check_batch
 from gpipe.runtime.recompute import AutocastState, RNGState, checkpointing, recomputing
-from gpipe.runtime.seq_chunks import run_cached
+from gpipe.runtime.seq_chunks import Carries, run_cached
 from gpipe.runtime.stage_boundary import Grads, Skips, StageBoundary
 from gpipe.runtime.weight_gradients import Owners, WeightGradients, owners
 from gpipe.skip.layout import StagePorts
@@ -150,12 +150,9 @@ class Stage:
         # compiled layer's backward cannot be split nor kept for a second pass
         self.compiled = compiled
         self._whole_at_b: set[int] = set()  # micro-batches whose W has nothing left
-        # sub-sequences per micro-batch in a training step; what a unit leaves for the next
-        # of its micro-batch (tokens so far, keys and values), and the gradients of those
-        # that a unit's backward hands to the unit before
+        # sub-sequences per micro-batch in a training step, and what they hand each other
         self.seq_chunks = seq_chunks
-        self._carry: dict[int, tuple[int, list[Tensor]]] = {}
-        self._carry_grads: dict[int, list[Tensor | None]] = {}
+        self._carries = Carries(seq_chunks, index)
 
     @property
     def is_last(self) -> bool:
@@ -251,7 +248,8 @@ class Stage:
         if split_backward and build_graph:
             saved.weights = WeightGradients()
         if build_graph and self.seq_chunks > 1:
-            self._take_carry(saved, microbatch)
+            saved.chunked = True
+            saved.past, saved.carried = self._carries.take(microbatch)
         if not build_graph:
             with torch.no_grad():
                 outputs, exported, loss = self._run(inputs, imported, saved, microbatch)
@@ -278,47 +276,22 @@ class Stage:
         loss = None if loss is None else loss.detach()
         return sent, self._boundary.by_destination(sent_skips), loss
 
-    def _take_carry(self, saved: _Saved, unit: int) -> None:
-        """Unit ``unit`` is a sub-sequence: it starts from what the unit before left."""
-        microbatch, j = divmod(unit, self.seq_chunks)
-        saved.chunked = True
-        if j == 0:
-            return
-        try:
-            saved.past, saved.carried = self._carry.pop(microbatch)
-        except KeyError:
-            raise RuntimeError(
-                f"stage {self.index}: sub-sequence {j} of micro-batch {microbatch} ran before "
-                f"sub-sequence {j - 1}: a micro-batch's sub-sequences run in order"
-            ) from None
-
     def _leave_carry(self, saved: _Saved, unit: int, as_leaf: Callable[[Tensor], Tensor]) -> None:
         """Keep the keys and values of a sub-sequence, as leaves, for the next one."""
-        if not saved.chunked:
-            return
-        microbatch, j = divmod(unit, self.seq_chunks)
-        if j == self.seq_chunks - 1:
-            return
-        assert saved.carry_out is not None
-        new = tensors_of(saved.inputs)[0].shape[1]
-        leaves = [as_leaf(t.contiguous()) for t in saved.carry_out]
-        self._carry[microbatch] = (saved.past + new, leaves)
+        if saved.chunked:
+            assert saved.carry_out is not None
+            tokens = saved.past + tensors_of(saved.inputs)[0].shape[1]
+            leaves = [as_leaf(t.contiguous()) for t in saved.carry_out]
+            self._carries.leave(unit, tokens, leaves)
 
     def _with_carry(
         self, saved: _Saved, unit: int, roots: list[Tensor], grads: list[Tensor] | None
     ) -> tuple[list[Tensor], Any]:
         """A backward's roots and their gradients, and where a sub-sequence's backward also
         starts: its keys and values, with the gradients the next sub-sequence's found."""
-        if not saved.chunked or unit % self.seq_chunks == self.seq_chunks - 1:
+        carried = self._carries.gradients(unit) if saved.chunked else []
+        if not carried:
             return roots, grads
-        try:
-            carried = self._carry_grads.pop(unit)
-        except KeyError:
-            raise RuntimeError(
-                f"stage {self.index}: backward of sub-sequence {unit % self.seq_chunks} of "
-                f"micro-batch {unit // self.seq_chunks} before that of the sub-sequence after "
-                "it: a micro-batch's sub-sequences run backward last to first"
-            ) from None
         assert saved.carry_out is not None
         pairs = [(t, g) for t, g in zip(saved.carry_out, carried, strict=True) if g is not None]
         given = [None] * len(roots) if grads is None else grads  # None: from the loss
@@ -328,8 +301,8 @@ class Stage:
         self, saved: _Saved, unit: int, grad_of: Callable[[Tensor], Tensor | None]
     ) -> None:
         """Keep the gradients of the keys and values a sub-sequence took, for the one before."""
-        if saved.chunked and unit % self.seq_chunks:  # none for a stage without attention
-            self._carry_grads[unit - 1] = [grad_of(t) for t in saved.carried]
+        if saved.chunked:
+            self._carries.hand_back(unit, [grad_of(t) for t in saved.carried])
 
     def _capturing(self, saved: _Saved) -> Any:
         """Note the layer outputs that B stops at for W; not on a stage whose inputs need no
@@ -449,5 +422,4 @@ class Stage:
         """Drop whatever a failed or abandoned step left behind."""
         self._saved.clear()
         self._whole_at_b.clear()
-        self._carry.clear()
-        self._carry_grads.clear()
+        self._carries.clear()
