@@ -111,14 +111,18 @@ def llama_against_unsplit(schedule: str, checkpoint: str) -> int:
     return 1
 
 
-def refusals() -> list[str]:
-    """Bad input at a step, refused in one line on every rank (none waits for the others)."""
+def refusal(case: str) -> str:
+    """One step with bad input (``case``), on a pipeline of its own: what this rank raised."""
     model, x, y = _gpt()
     pipe = Pipeline(model, [2, 3], chunks=2, loss_fn=lm_loss, seq_chunks=4, timeout=20)
-    found = []
-    for inputs, targets in ((x[:, :22], y[:, :22]), (x, None)):
-        try:
-            pipe.step(inputs, targets)
-        except Exception as exc:
-            found.append(f"{type(exc).__name__}: {exc}")
-    return found
+    packed = {"input_ids": x, "position_ids": torch.arange(24).expand(7, 24)}
+    inputs, targets = {
+        "uneven": (x[:, :22], y[:, :22]),
+        "no targets": (x, None),
+        "packed": (packed, y),
+    }[case]
+    try:
+        pipe.step(inputs, targets)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

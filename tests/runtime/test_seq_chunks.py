@@ -2,6 +2,8 @@
 model in float64 (the built-in GPT and a Hugging Face Llama, two processes, gpipe, 1F1B and
 zero-bubble, re-materialized or not), and what cannot be cut is refused in one line."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -35,12 +37,23 @@ def test_a_hugging_face_llama_on_sub_sequences_trains_as_the_unsplit_model(sched
     assert run(cases.llama_against_unsplit, 2, (schedule, checkpoint), threads=1) == {0: 1, 1: 1}
 
 
-def test_a_sequence_that_cannot_be_cut_or_a_step_without_targets_is_refused():
-    found = run(cases.refusals, 2, (), threads=1)
-    uneven = "ValueError: seq_chunks=4 does not divide the sequence of 22 tokens"
-    assert all(errors[0].startswith(uneven) for errors in found.values()), found
-    assert found[1][1].startswith("ValueError: seq_chunks needs targets"), found
-    assert "stage 1" in found[0][1], found  # the first stage learns it from the last
+@pytest.mark.parametrize(
+    ("case", "first", "last"),
+    [
+        ("uneven", "ValueError: seq_chunks=4 does not divide the sequence of 22 tokens", None),
+        ("no targets", None, "ValueError: seq_chunks needs targets"),
+        ("packed", r"TypeError: seq_chunks cuts token ids, a tensor \[rows, tokens\]", None),
+    ],
+)
+def test_a_step_whose_micro_batches_cannot_be_cut_is_refused_on_every_rank(case, first, last):
+    """The rank that sees the bad input says why; the other, unless it saw it too, names the
+    stage it lost."""
+    found = run(cases.refusal, 2, (case,), threads=1)
+    for rank, words in ((0, first), (1, last)):
+        lost = f"StageError: stage {rank}: lost stage {1 - rank}"
+        pattern = lost if words is None else f"{words}|{lost}"
+        assert re.match(pattern, found[rank]), found
+    assert any(w is not None and re.match(w, found[r]) for r, w in ((0, first), (1, last)))
 
 
 def _gpt() -> nn.Sequential:

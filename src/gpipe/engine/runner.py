@@ -352,6 +352,12 @@ class StepRunner:
         """With ``seq_chunks``, each micro-batch's inputs cut into its sub-sequences."""
         if parts is None or self.seq_chunks is None:
             return parts
+        if not isinstance(parts[0], Tensor):
+            raise TypeError(
+                "seq_chunks cuts token ids, a tensor [rows, tokens], into sub-sequences; got "
+                f"a {type(parts[0]).__name__}: packed documents and other payloads are not "
+                "supported with seq_chunks yet"
+            )
         seq = self.seq_chunks
         return [
             unit
