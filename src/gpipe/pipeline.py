@@ -45,7 +45,7 @@ from gpipe.engine.generation import Generation, GenerationRefused
 from gpipe.parallel.sharding import Sharding
 from gpipe.parallel.tensor import PlanValue
 from gpipe.parallel.ties import counted as counted_once
-from gpipe.parallel.world import check_dimensions, join
+from gpipe.parallel.world import Dimensions, check_dimensions, join
 from gpipe.planning.auto import AutoChoice, agreed_choice, check_auto
 from gpipe.planning.balancing import balance_by_time
 from gpipe.runtime.compiled import check_compile, warn_whole_backward
@@ -53,7 +53,7 @@ from gpipe.runtime.microbatch import Batch, check_chunks
 from gpipe.runtime.partitions import as_sequential, check_balance, even_balance
 from gpipe.runtime.precision import Precision
 from gpipe.runtime.recompute import Layers, check_autocast, check_checkpoint
-from gpipe.runtime.seq_chunks import check_seq_chunks, check_seq_setup
+from gpipe.runtime.seq_chunks import SeqChunks, check_seq_chunks, check_seq_setup
 from gpipe.runtime.stage import LossFn
 from gpipe.runtime.stage_streams import check_overlap_stages, overlaps_stages
 from gpipe.runtime.timeline import Event, Recorder, merge
@@ -93,6 +93,27 @@ def agreed_balance(
         return balance_by_time(parts, module, sample, timeout=timeout, device=device)
 
     return list(on_first_rank(decide, group, "balancing by time"))
+
+
+def _runs_with(
+    seq: SeqChunks | None,
+    schedule: str | Schedule,
+    checkpoint: str | Layers,
+    skips: list[Skip],
+    dims: Dimensions,
+    compiled: object,
+) -> SeqChunks | None:
+    """``seq``, refused in one line with a setting that sub-sequences do not run with."""
+    check_seq_setup(
+        seq,
+        schedule,
+        layers_policy=isinstance(checkpoint, Layers),
+        skips=bool(skips),
+        tensor_parallel=dims.tensor_parallel,
+        shard=dims.sharding,
+        compiled=compiled is not None,
+    )
+    return seq
 
 
 def _check_step_options(loss_fn: object, loss_reduction: object, timeout: object) -> None:
@@ -311,16 +332,7 @@ class Pipeline(nn.Module):
             compile, split_parameters=dims.tensor_parallel > 1 or shard is not None
         )
         seq = check_seq_chunks(seq_chunks, seq_split, module)
-        check_seq_setup(
-            seq,
-            schedule,
-            layers_policy=isinstance(self.checkpoint, Layers),
-            skips=bool(skips),
-            tensor_parallel=dims.tensor_parallel,
-            shard=shard,
-            compiled=compiled is not None,
-        )
-        self.seq_chunks = seq
+        self.seq_chunks = _runs_with(seq, schedule, self.checkpoint, skips, dims, compiled)
 
         # the processes, and the schedule and cut of the model they agree on
         world = join(self.device, group, dims, self.timeout)

@@ -125,9 +125,9 @@ def test_sub_sequences_out_of_order_are_refused_naming_the_stage():
     with pytest.raises(RuntimeError, match="stage 1: sub-sequence 1 of micro-batch 0 ran before"):
         carries.take(1)
     keys = [torch.zeros(1)]
-    carries.leave(0, 4, keys)
+    carries.leave(0, 4, keys, lambda t: t)
     assert carries.take(1) == (4, keys)
-    carries.leave(5, 8, keys)  # a micro-batch's last leaves nothing
+    carries.leave(5, 8, keys, lambda t: t)  # a micro-batch's last leaves nothing
     assert carries.gradients(5) == []
     with pytest.raises(RuntimeError, match="stage 1: backward of sub-sequence 1 of micro-batch 1"):
         carries.gradients(4)

@@ -12,7 +12,7 @@ graph is thus its own, and the stage keeps a unit's activations, not a micro-bat
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,11 +221,14 @@ class Carries:
                 f"sub-sequence {j - 1}: a micro-batch's sub-sequences run in order"
             ) from None
 
-    def leave(self, unit: int, tokens: int, leaves: list[Tensor]) -> None:
-        """What ``unit`` leaves for the next sub-sequence: ``tokens`` so far, and ``leaves``."""
+    def leave(
+        self, unit: int, tokens: int, keys_values: list[Tensor], as_leaf: Callable[[Tensor], Tensor]
+    ) -> None:
+        """What ``unit`` leaves for the next sub-sequence: ``tokens`` so far, and its keys and
+        values as leaves (``as_leaf``) of the next one's graph."""
         microbatch, j = divmod(unit, self.chunks)
         if j < self.chunks - 1:
-            self._forward[microbatch] = (tokens, leaves)
+            self._forward[microbatch] = (tokens, [as_leaf(t.contiguous()) for t in keys_values])
 
     def gradients(self, unit: int) -> list[Tensor | None]:
         """The gradients of the keys and values ``unit`` left, from the next sub-sequence's
@@ -240,6 +243,19 @@ class Carries:
                 f"micro-batch {unit // self.chunks} before that of the sub-sequence after it: "
                 "a micro-batch's sub-sequences run backward last to first"
             ) from None
+
+    def roots(
+        self, unit: int, keys_values: list[Tensor], roots: list[Tensor], grads: Any
+    ) -> tuple[list[Tensor], Any]:
+        """A backward's ``roots`` and ``grads`` (None: from a loss), and where ``unit``'s
+        backward also starts: its keys and values, with the gradients the next sub-sequence's
+        backward found for them."""
+        found = self.gradients(unit)
+        if not found:  # a micro-batch's last sub-sequence, or a stage without attention
+            return roots, grads
+        pairs = [(t, g) for t, g in zip(keys_values, found, strict=True) if g is not None]
+        given = [None] * len(roots) if grads is None else grads
+        return [*roots, *(t for t, _ in pairs)], [*given, *(g for _, g in pairs)]
 
     def hand_back(self, unit: int, grads: list[Tensor | None]) -> None:
         """The gradients of the keys and values ``unit`` took, for the unit before (an empty

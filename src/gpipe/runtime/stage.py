@@ -281,28 +281,14 @@ class Stage:
         if saved.chunked:
             assert saved.carry_out is not None
             tokens = saved.past + tensors_of(saved.inputs)[0].shape[1]
-            leaves = [as_leaf(t.contiguous()) for t in saved.carry_out]
-            self._carries.leave(unit, tokens, leaves)
+            self._carries.leave(unit, tokens, saved.carry_out, as_leaf)
 
-    def _with_carry(
-        self, saved: _Saved, unit: int, roots: list[Tensor], grads: list[Tensor] | None
-    ) -> tuple[list[Tensor], Any]:
-        """A backward's roots and their gradients, and where a sub-sequence's backward also
-        starts: its keys and values, with the gradients the next sub-sequence's found."""
-        carried = self._carries.gradients(unit) if saved.chunked else []
-        if not carried:
+    def _with_carry(self, saved: _Saved, unit: int, roots: list[Tensor], grads: Any) -> Any:
+        """With a sub-sequence's keys and values among the roots of its backward."""
+        if not saved.chunked:
             return roots, grads
         assert saved.carry_out is not None
-        pairs = [(t, g) for t, g in zip(saved.carry_out, carried, strict=True) if g is not None]
-        given = [None] * len(roots) if grads is None else grads  # None: from the loss
-        return [*roots, *(t for t, _ in pairs)], [*given, *(g for _, g in pairs)]
-
-    def _hand_back(
-        self, saved: _Saved, unit: int, grad_of: Callable[[Tensor], Tensor | None]
-    ) -> None:
-        """Keep the gradients of the keys and values a sub-sequence took, for the one before."""
-        if saved.chunked:
-            self._carries.hand_back(unit, [grad_of(t) for t in saved.carried])
+        return self._carries.roots(unit, saved.carry_out, roots, grads)
 
     def _capturing(self, saved: _Saved) -> Any:
         """Note the layer outputs that B stops at for W; not on a stage whose inputs need no
@@ -362,7 +348,8 @@ class Stage:
         if roots:
             with self._loss_context():
                 torch.autograd.backward(roots, grads)
-        self._hand_back(saved, microbatch, lambda t: t.grad)
+        if saved.chunked:  # the gradients of the keys and values it took, for the unit before
+            self._carries.hand_back(microbatch, [t.grad for t in saved.carried])
         return self._boundary.input_grads(saved.inputs, saved.imported, lambda t: t.grad)
 
     def backward_input(
@@ -403,7 +390,8 @@ class Stage:
             saved.weights.take(got[len(wanted) :])
             saved.b_ran = True
         saved.roots, saved.root_grads = roots, grads
-        self._hand_back(saved, microbatch, lambda t: found.get(id(t)))
+        if saved.chunked:
+            self._carries.hand_back(microbatch, [found.get(id(t)) for t in saved.carried])
         return self._boundary.input_grads(saved.inputs, saved.imported, lambda t: found.get(id(t)))
 
     def backward_weight(self, microbatch: int) -> None:
