@@ -26,7 +26,7 @@ from gpipe import Pipeline, launch
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 from gpipe.planning.memory import ActivationMeter
 
-from .common import machine, summary, timed_step, write_results
+from .common import machine, steps_in_turn, summary, write_results
 
 # the step-time contenders: (S, seq_split)
 TIMED = {
@@ -85,15 +85,7 @@ def timed(repeats: int, warmup: int, length: int) -> dict[str, list[float]]:
     init_process_group(torch.device("cpu"))
     pipes = {name: _pipeline(2, s, length, split=split) for name, (s, split) in TIMED.items()}
     x, y = _batch(length)
-    names = list(TIMED)
-    seconds: dict[str, list[float]] = {name: [] for name in names}
-    for cycle in range(warmup + repeats):
-        turn = cycle % len(names)
-        for name in names[turn:] + names[:turn]:
-            took = timed_step(pipes[name], x, y)
-            if cycle >= warmup:
-                seconds[name].append(took)
-    return seconds
+    return steps_in_turn(pipes, x, y, repeats, warmup)
 
 
 def _time(repeats: int, length: int) -> None:

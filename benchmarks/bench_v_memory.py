@@ -32,7 +32,7 @@ from gpipe.planning.memory import ActivationMeter
 from gpipe.planning.simulate import closed_form_peak
 from gpipe.schedules import Placement, traits
 
-from .common import machine, summary, timed_step, write_results
+from .common import machine, steps_in_turn, summary, write_results
 
 SCHEDULES = ("1f1b", "zero-bubble-v", "v-half", "v-min")
 BLOCKS, WIDTH, HIDDEN, ROWS, CHUNKS = 16, 256, 1024, 256, 8
@@ -66,14 +66,7 @@ def timed(repeats: int, warmup: int) -> dict[str, list[float]]:
         )
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(512, 512, generator=g), torch.randn(512, 512, generator=g)
-    seconds: dict[str, list[float]] = {s: [] for s in SCHEDULES}
-    for cycle in range(warmup + repeats):
-        turn = cycle % len(SCHEDULES)
-        for schedule in SCHEDULES[turn:] + SCHEDULES[:turn]:
-            took = timed_step(pipes[schedule], x, y)
-            if cycle >= warmup:
-                seconds[schedule].append(took)
-    return seconds
+    return steps_in_turn(pipes, x, y, repeats, warmup)
 
 
 def run(k: int, schedule: str) -> int:

@@ -17,7 +17,15 @@ from gpipe import Pipeline
 from gpipe.bench.report import summary
 from gpipe.bench.run import machine
 
-__all__ = ["RESULTS", "machine", "summary", "timed_step", "world_of_one", "write_results"]
+__all__ = [
+    "RESULTS",
+    "machine",
+    "steps_in_turn",
+    "summary",
+    "timed_step",
+    "world_of_one",
+    "write_results",
+]
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -61,6 +69,22 @@ def timed_step(pipe: Pipeline, x: Any, y: Any) -> float:
     took = torch.tensor([perf_counter() - start])
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return float(took)
+
+
+def steps_in_turn(
+    pipes: dict[str, Pipeline], x: Any, y: Any, repeats: int, warmup: int
+) -> dict[str, list[float]]:
+    """Seconds per step of each pipeline, one step each in turn, the order rotating every
+    cycle, the first ``warmup`` cycles left out."""
+    names = list(pipes)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for cycle in range(warmup + repeats):
+        turn = cycle % len(names)
+        for name in names[turn:] + names[:turn]:
+            took = timed_step(pipes[name], x, y)
+            if cycle >= warmup:
+                seconds[name].append(took)
+    return seconds
 
 
 def write_results(name: str, results: dict[str, Any]) -> Path:
