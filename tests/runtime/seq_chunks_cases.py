@@ -126,3 +126,33 @@ def refusal(case: str) -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def with_replicas() -> float:
+    """Two replicas of a two-stage 1F1B pipeline on three sub-sequences per micro-batch, each
+    on its half of the batch: the loss and every gradient of one unsplit step on the whole
+    batch, float64. Returns the largest gradient difference."""
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=2, d_model=32, n_head=4, seq_len=24, vocab_size=64)
+    reference = build_gpt(config).double()
+    pipe = Pipeline(
+        copy.deepcopy(reference),
+        [2, 2],
+        chunks=2,
+        schedule="1f1b",
+        loss_fn=lm_loss,
+        seq_chunks=3,
+        data_parallel=2,
+    )
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 64, (2, 8, 24), generator=generator)
+    assert pipe.replicas is not None
+    half = pipe.replicas.replica
+    loss = pipe.step(x.chunk(2)[half], y.chunk(2)[half])
+    expected = lm_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), **EXACT)
+    grads = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, **EXACT, msg=name)
+    return max(float((p.grad - grads[n].grad).abs().max()) for n, p in pipe.named_parameters())

@@ -37,6 +37,10 @@ def test_a_hugging_face_llama_on_sub_sequences_trains_as_the_unsplit_model(sched
     assert run(cases.llama_against_unsplit, 2, (schedule, checkpoint), threads=1) == {0: 1, 1: 1}
 
 
+def test_replicas_of_a_pipeline_on_sub_sequences_train_as_the_unsplit_model():
+    assert all(gap < 1e-12 for gap in run(cases.with_replicas, 4, threads=1).values())
+
+
 @pytest.mark.parametrize(
     ("case", "first", "last"),
     [

@@ -39,6 +39,23 @@ def test_outputs_and_gradients_are_masked_attentions(past, new, dtype):
         torch.testing.assert_close(a, b, **close)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_in_low_precision_it_keeps_the_queries_dtype_and_is_masked_attention(dtype):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, 6, 16, generator=g).to(dtype).requires_grad_()
+    k, v = (torch.randn(2, 3, 15, 16, generator=g).to(dtype).requires_grad_() for _ in "kv")
+    mask = _mask(9, 6, dtype)
+    got = sub_sequence_attention(q, k, v, 9, mask=lambda d: mask)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    grads = torch.autograd.grad(got.float().sum(), (q, k, v))
+    wanted = torch.autograd.grad(want.float().sum(), (q, k, v))
+    for a, b in zip(grads, wanted, strict=True):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
+
+
 def test_attention_dropout_takes_the_mask():
     q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     asked = []

@@ -40,7 +40,11 @@ class _PastAndOwn(torch.autograd.Function):
         before, before_lse = flash(q, k[..., :past, :], v[..., :past, :], 0.0, False)
         own, own_lse = flash(q, k[..., past:, :], v[..., past:, :], 0.0, True)
         lse = torch.logaddexp(before_lse, own_lse)
-        out = (before_lse - lse).exp()[..., None] * before + (own_lse - lse).exp()[..., None] * own
+        # merged in the log-sum-exps' precision, returned in the queries' (as the kernel's)
+        merged = (before_lse - lse).exp()[..., None] * before + (own_lse - lse).exp()[
+            ..., None
+        ] * own
+        out = merged.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.past = past
         return out
