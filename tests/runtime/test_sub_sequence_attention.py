@@ -71,12 +71,19 @@ def test_attention_dropout_takes_the_mask():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_cuda_the_lower_right_causal_bias_is_masked_attention():
-    q = torch.randn(2, 4, 16, 64, device="cuda", dtype=torch.float16)
-    k, v = (
-        torch.randn(2, 4, 48, 64, device="cuda", dtype=torch.float16),
-        torch.randn(2, 4, 48, 64, device="cuda", dtype=torch.float16),
-    )
-    mask = _mask(32, 16, torch.float16).cuda()
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_on_cuda_outputs_and_gradients_are_masked_attentions(dtype):
+    """Half precisions take the two flash calls merged, float32 the lower-right bias."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 16, 64, generator=g).to("cuda", dtype).requires_grad_()
+    k, v = (torch.randn(2, 4, 48, 64, generator=g).to("cuda", dtype).requires_grad_() for _ in "kv")
+    mask = _mask(32, 16, dtype).cuda()
     got = sub_sequence_attention(q, k, v, 32, mask=lambda d: mask)
-    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    close = {"rtol": 2e-2, "atol": 2e-2} if dtype != torch.float32 else {}
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, **close)
+    grads = torch.autograd.grad(got.float().sum(), (q, k, v))
+    wanted = torch.autograd.grad(want.float().sum(), (q, k, v))
+    for a, b in zip(grads, wanted, strict=True):
+        torch.testing.assert_close(a, b, **({"rtol": 5e-2, "atol": 5e-2} if close else {}))
