@@ -73,7 +73,7 @@ def test_attention_dropout_takes_the_mask():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_on_cuda_outputs_and_gradients_are_masked_attentions(dtype):
-    """Half precisions take the two flash calls merged, float32 the lower-right bias."""
+    """PyTorch's lower-right causal bias, in half precisions and float32."""
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 16, 64, generator=g).to("cuda", dtype).requires_grad_()
     k, v = (torch.randn(2, 4, 48, 64, generator=g).to("cuda", dtype).requires_grad_() for _ in "kv")
