@@ -98,7 +98,7 @@ def test_balanced_sub_sequences_cost_alike_and_later_ones_are_shorter():
     lengths = seq.lengths(2048)
     assert sum(lengths) == 2048 and lengths == sorted(lengths, reverse=True)
 
-    def cost(start, end):  # matrix products, 12 x width per token, and attention, p per token
+    def cost(start, end):  # matrix products, 12 x width per token, and attention, 2p
         return 12 * 16 * (end - start) + end * end - start * start
 
     ends = torch.tensor(lengths).cumsum(0).tolist()

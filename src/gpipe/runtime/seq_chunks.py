@@ -74,8 +74,9 @@ class SeqChunks:
 
 
 def _balanced(length: int, chunks: int, width: int) -> list[int]:
-    """Lengths of equal cost, a token at position p costing 12 x width (its matrix products)
-    plus p (its attention): the cost up to t is 12 x width x t + t^2."""
+    """Lengths of equal cost, a token at position p costing 12 x width (its matrix products,
+    24 x width^2 operations, over 2 x width) plus 2p (its attention, 4 x width x p): the
+    cost up to t is 12 x width x t + t^2."""
 
     def cost(t: float) -> float:
         return 12 * width * t + t * t
