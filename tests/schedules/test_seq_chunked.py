@@ -6,7 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpipe.schedules import Kind, add_recompute, one_f_one_b, validate
+from gpipe.schedules import (
+    Kind,
+    add_recompute,
+    gpipe,
+    one_f_one_b,
+    validate,
+    zero_bubble_h1,
+)
 from gpipe.schedules.seq_chunked import SEQ_CHUNKED, seq_chunked
 
 
@@ -53,10 +60,12 @@ def test_1f1bs_first_stage_holds_k_minus_1_plus_s_units(k, s):
     assert _held(one_f_one_b(k, m).programs[0]) == k  # whole micro-batches, S times larger
 
 
-def test_one_sub_sequence_is_the_schedule_itself():
-    for name in ("1f1b", "gpipe"):
-        assert seq_chunked(name, 3, 5, 1).programs == validate(seq_chunked(name, 3, 5, 1)).programs
-    assert seq_chunked("1f1b", 3, 5, 1).programs == one_f_one_b(3, 5).programs
+@pytest.mark.parametrize(
+    ("name", "whole"), [("gpipe", gpipe), ("1f1b", one_f_one_b), ("zero-bubble", zero_bubble_h1)]
+)
+def test_one_sub_sequence_is_the_schedule_itself(name, whole):
+    for k, m in ((1, 1), (3, 5), (4, 2)):
+        assert seq_chunked(name, k, m, 1).programs == whole(k, m).programs
 
 
 @pytest.mark.parametrize(

@@ -78,10 +78,7 @@ def _balanced(length: int, chunks: int, width: int) -> list[int]:
     24 x width^2 operations, over 2 x width) plus 2p (its attention, 4 x width x p): the
     cost up to t is 12 x width x t + t^2."""
 
-    def cost(t: float) -> float:
-        return 12 * width * t + t * t
-
-    total = cost(length)
+    total = 12 * width * length + length * length
     ends = []
     for j in range(1, chunks):
         t = -6 * width + math.sqrt(36 * width * width + total * j / chunks)
