@@ -26,7 +26,7 @@ from gpipe import Pipeline, launch
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 from gpipe.planning.memory import ActivationMeter
 
-from .common import machine, steps_in_turn, summary, write_results
+from .common import machine, over_baseline, steps_in_turn, write_results
 
 # the step-time contenders: (S, seq_split)
 TIMED = {
@@ -91,17 +91,8 @@ def timed(repeats: int, warmup: int, length: int) -> dict[str, list[float]]:
 def _time(repeats: int, length: int) -> None:
     seconds = launch(timed, 2, (repeats, 1, length), threads=1)[0]
     report: dict = {"machine": machine(), "repeats": repeats, "length": length, "seq_chunks": {}}
-    for name in TIMED:
-        ratios = [a / b for a, b in zip(seconds[name], seconds["S=1"], strict=True)]
-        report["seq_chunks"][name] = {
-            "seconds": summary(seconds[name]),
-            "over_one_per_cycle": summary(ratios),
-        }
-        print(
-            f"{name:13s} {summary(seconds[name])['median']:.3f} s/step, over S=1's per cycle "
-            f"{summary(ratios)['median']:.3f} ({min(ratios):.3f} to {max(ratios):.3f})",
-            flush=True,
-        )
+    for name, (times, ratios) in over_baseline(seconds, "S=1", "S=1").items():
+        report["seq_chunks"][name] = {"seconds": times, "over_one_per_cycle": ratios}
     print(f"written to {write_results('seq-chunks-time', report)}")
 
 

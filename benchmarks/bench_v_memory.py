@@ -32,7 +32,7 @@ from gpipe.planning.memory import ActivationMeter
 from gpipe.planning.simulate import closed_form_peak
 from gpipe.schedules import Placement, traits
 
-from .common import machine, steps_in_turn, summary, write_results
+from .common import machine, over_baseline, steps_in_turn, write_results
 
 SCHEDULES = ("1f1b", "zero-bubble-v", "v-half", "v-min")
 BLOCKS, WIDTH, HIDDEN, ROWS, CHUNKS = 16, 256, 1024, 256, 8
@@ -92,17 +92,8 @@ def run(k: int, schedule: str) -> int:
 def _time(repeats: int) -> None:
     seconds = launch(timed, 2, (repeats, 1), threads=1)[0]
     report: dict = {"machine": machine(), "repeats": repeats, "schedules": {}}
-    for schedule in SCHEDULES:
-        ratios = [a / b for a, b in zip(seconds[schedule], seconds["1f1b"], strict=True)]
-        report["schedules"][schedule] = {
-            "seconds": summary(seconds[schedule]),
-            "over_1f1b_per_cycle": summary(ratios),
-        }
-        print(
-            f"{schedule:14s} {summary(seconds[schedule])['median']:.3f} s/step, over 1F1B's per "
-            f"cycle {summary(ratios)['median']:.3f} ({min(ratios):.3f} to {max(ratios):.3f})",
-            flush=True,
-        )
+    for schedule, (times, ratios) in over_baseline(seconds, "1f1b", "1F1B").items():
+        report["schedules"][schedule] = {"seconds": times, "over_1f1b_per_cycle": ratios}
     print(f"written to {write_results('v-time', report)}")
 
 

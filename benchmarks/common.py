@@ -20,6 +20,7 @@ from gpipe.bench.run import machine
 __all__ = [
     "RESULTS",
     "machine",
+    "over_baseline",
     "steps_in_turn",
     "summary",
     "timed_step",
@@ -85,6 +86,23 @@ def steps_in_turn(
             if cycle >= warmup:
                 seconds[name].append(took)
     return seconds
+
+
+def over_baseline(
+    seconds: dict[str, list[float]], baseline: str, label: str
+) -> dict[str, tuple[dict[str, float], dict[str, float]]]:
+    """Each contender's seconds and its per-cycle ratio over ``baseline``'s (summaries), each
+    printed on one line (``label`` names the baseline there)."""
+    found = {}
+    for name, times in seconds.items():
+        ratios = [a / b for a, b in zip(times, seconds[baseline], strict=True)]
+        found[name] = (summary(times), summary(ratios))
+        print(
+            f"{name:14s} {summary(times)['median']:.3f} s/step, over {label}'s per cycle "
+            f"{summary(ratios)['median']:.3f} ({min(ratios):.3f} to {max(ratios):.3f})",
+            flush=True,
+        )
+    return found
 
 
 def write_results(name: str, results: dict[str, Any]) -> Path:
