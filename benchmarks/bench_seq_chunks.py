@@ -3,16 +3,18 @@ GPT under 1F1B with each micro-batch cut into S = 1, 2, 4 sub-sequences.
 
 Memory: each (K, S) in fresh processes of one thread, one warm-up step and one step under
 ``ActivationMeter`` (saved tensors and layer inputs and outputs, each storage once, parameters
-left out); K = 2 and 4 (how much a process holds depends only on the order of its actions, so
-K = 4 is measured on this 2-core machine too). Time: S = 1, 2, 4 in one pair of processes of
-one thread each, one step each in turn, the order rotating every cycle; medians, and each
-step over S = 1's in the same cycle.
+left out); K = 2 and 4 by default (how much a process holds depends only on the order of its
+actions, so more processes than cores are measured on this 2-core machine too; K = 8 needs
+``--layers 6``: the model's blocks plus its embedding and head, one stage each). Time: S = 1,
+2, 4 in one pair of processes of one thread each, one step each in turn, the order rotating
+every cycle; medians, and each step over S = 1's in the same cycle.
 
 The workload: ``GPTConfig(n_layer=4, d_model=128, n_head=4)``, sequences of 2048 tokens,
 M = 8 micro-batches of one row, no re-materialization.
 
     python -m benchmarks.bench_seq_chunks                  # memory, results/seq-chunks.json
     python -m benchmarks.bench_seq_chunks --width 512      # results/seq-chunks-width512.json
+    python -m benchmarks.bench_seq_chunks --layers 6 --stages 8   # seq-chunks-layers6.json
     python -m benchmarks.bench_seq_chunks --time --repeats 7   # results/seq-chunks-time.json
 """
 
@@ -39,11 +41,16 @@ LAYERS, WIDTH, HEADS, LENGTH, CHUNKS = 4, 128, 4, 2048, 8
 
 
 def _pipeline(
-    k: int, seq_chunks: int, length: int, width: int = WIDTH, split: str = "even"
+    k: int,
+    seq_chunks: int,
+    length: int,
+    width: int = WIDTH,
+    split: str = "even",
+    blocks: int = LAYERS,
 ) -> Pipeline:
     torch.manual_seed(0)
-    config = GPTConfig(n_layer=LAYERS, d_model=width, n_head=HEADS, seq_len=length)
-    layers = LAYERS + 2
+    config = GPTConfig(n_layer=blocks, d_model=width, n_head=HEADS, seq_len=length)
+    layers = blocks + 2
     balance = [layers // k + (1 if s < layers % k else 0) for s in range(k)]
     return Pipeline(
         build_gpt(config),
@@ -63,12 +70,12 @@ def _batch(length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1], ids[:, 1:]
 
 
-def peak(k: int, seq_chunks: int, length: int, width: int, split: str) -> int:
+def peak(k: int, seq_chunks: int, length: int, width: int, split: str, blocks: int) -> int:
     """This process's peak activation bytes in one step."""
     from gpipe.pipeline import init_process_group
 
     init_process_group(torch.device("cpu"))
-    pipe = _pipeline(k, seq_chunks, length, width, split)
+    pipe = _pipeline(k, seq_chunks, length, width, split, blocks)
     x, y = _batch(length)
     inputs, targets = (x if pipe.is_first else None), (y if pipe.is_last else None)
     pipe.step(inputs, targets)
@@ -102,19 +109,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="measured cycles of --time")
     parser.add_argument("--length", type=int, default=LENGTH, help="tokens per sequence")
     parser.add_argument("--width", type=int, default=WIDTH, help="d_model of the memory runs")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="blocks of the memory runs")
+    parser.add_argument(
+        "--stages", default="2,4", help="the memory runs' numbers of processes, comma-separated"
+    )
     args = parser.parse_args()
+    stages = [int(k) for k in args.stages.split(",")]
+    if max(stages) > args.layers + 2:
+        parser.error(f"--stages {args.stages}: the model has {args.layers + 2} layers to cut")
     if args.time:
         _time(args.repeats, args.length)
         return
     report: dict = {
-        "workload": dict(layers=LAYERS, width=args.width, length=args.length, chunks=CHUNKS),
+        "workload": dict(layers=args.layers, width=args.width, length=args.length, chunks=CHUNKS),
         "machine": machine(),
         "peaks": {},
     }
-    for k in (2, 4):
+    for k in stages:
         peaks = {}
         for name, (s, split) in TIMED.items():
-            per_rank = launch(peak, k, (k, s, args.length, args.width, split), threads=1)
+            run = (k, s, args.length, args.width, split, args.layers)
+            per_rank = launch(peak, k, run, threads=1)
             peaks[name] = [per_rank[r] for r in range(k)]
         for name in TIMED:
             busiest = max(peaks[name])
@@ -128,7 +143,8 @@ def main() -> None:
                 "per process " + ", ".join(f"{p / 2**20:.1f}" for p in peaks[name]),
                 flush=True,
             )
-    name = "seq-chunks" if args.width == WIDTH else f"seq-chunks-width{args.width}"
+    name = "seq-chunks" + (f"-width{args.width}" if args.width != WIDTH else "")
+    name += f"-layers{args.layers}" if args.layers != LAYERS else ""
     print(f"written to {write_results(name, report)}")
 
 

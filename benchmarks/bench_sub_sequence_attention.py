@@ -33,19 +33,20 @@ def _mask(past: int, new: int, dtype: torch.dtype, device: torch.device) -> Tens
 
 def _chunked(q: Tensor, k: Tensor, v: Tensor, s: int, masked: bool) -> None:
     c = q.shape[-2] // s
+    qs, ks, vs = (t.split(c, dim=-2) for t in (q, k, v))
     for j in range(s):
-        qj, kj, vj = (
-            q[..., j * c : (j + 1) * c, :],
-            k[..., : (j + 1) * c, :],
-            v[..., : (j + 1) * c, :],
-        )
         if masked and j:
-            y = F.scaled_dot_product_attention(
-                qj, kj, vj, attn_mask=_mask(j * c, c, q.dtype, q.device)
-            )
+            keys, values = k[..., : (j + 1) * c, :], v[..., : (j + 1) * c, :]
+            mask = _mask(j * c, c, q.dtype, q.device)
+            y = F.scaled_dot_product_attention(qs[j], keys, values, attn_mask=mask)
         else:
             y = sub_sequence_attention(
-                qj, kj, vj, j * c, mask=lambda d, j=j: _mask(j * c, c, d, q.device)
+                qs[j],
+                ks[j],
+                vs[j],
+                ks[:j],
+                vs[:j],
+                mask=lambda d, j=j: _mask(j * c, c, d, q.device),
             )
         y.sum().backward()
 

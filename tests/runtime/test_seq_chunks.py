@@ -10,7 +10,13 @@ from torch import nn
 
 from gpipe import Pipeline
 from gpipe.models.gpt import GPTConfig, build_gpt
-from gpipe.runtime.seq_chunks import Carries, SeqChunks, join_sequence, split_sequence
+from gpipe.runtime.seq_chunks import (
+    Carries,
+    SeqChunks,
+    join_sequence,
+    run_cached,
+    split_sequence,
+)
 
 from ..workers import run
 from . import seq_chunks_cases as cases
@@ -140,3 +146,24 @@ def test_sub_sequences_out_of_order_are_refused_naming_the_stage():
     assert carries.gradients(4) == [None]
     with pytest.raises(RuntimeError, match="backward of sub-sequence 0 of micro-batch 1"):
         carries.gradients(3)
+
+
+def test_each_sub_sequence_keys_and_values_are_handed_on_as_they_were_made():
+    """The GPT's blocks hand the next sub-sequence every earlier one's keys and values, each
+    the same tensor as before (kept once, however many sub-sequences attend to it), and the
+    sub-sequences' outputs are those of the whole sequence."""
+    torch.manual_seed(0)
+    model = build_gpt(GPTConfig(n_layer=2, d_model=16, n_head=2, seq_len=12)).double()
+    layers = list(model.children())
+    ids = torch.randint(0, 256, (2, 12))
+    first, handed = run_cached(layers, ids[:, :5], [], 0)
+    assert [list(t.shape) for t in handed] == [[2, 2, 5, 8]] * 4  # 2 blocks: keys, values
+    second, again = run_cached(layers, ids[:, 5:], handed, 5)
+    assert len(again) == 8  # each block: sub-sequence 0's keys and values, then 1's
+    for block in range(2):
+        assert again[4 * block] is handed[2 * block]
+        assert again[4 * block + 1] is handed[2 * block + 1]
+        assert list(again[4 * block + 2].shape) == [2, 2, 7, 8]
+    torch.testing.assert_close(torch.cat([first, second], dim=1), model(ids))
+    with pytest.raises(RuntimeError, match="brought 3 keys and values for 2 attention layers"):
+        run_cached(layers, ids[:, 5:], handed[:3], 5)

@@ -286,12 +286,18 @@ class _Attention(nn.Module):
     def forward_cached(self, x: Tensor, cache: KVCache, context: CacheContext) -> Tensor:
         """The new tokens against the cached keys and values, which get theirs."""
         q, k, v = self._heads(x)
-        k, v = cache.append(k, v)
         if not context.every_token:  # generation: rows left-padded to one length
+            k, v = cache.append(k, v)
             mask = context.attention_mask
             return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-        p = self.p if self.training else 0.0  # a sub-sequence in training
-        y = sub_sequence_attention(q, k, v, context.past, dropout_p=p, mask=context.causal_bias)
+        # a sub-sequence in training: its keys and values laid out once, kept by its own
+        # attention and by every later sub-sequence's
+        k, v = k.contiguous(), v.contiguous()
+        keys_before, values_before = cache.add_sub_sequence(k, v)
+        p = self.p if self.training else 0.0
+        y = sub_sequence_attention(
+            q, k, v, keys_before, values_before, dropout_p=p, mask=context.causal_bias
+        )
         return self._out(y)
 
 

@@ -81,10 +81,16 @@ class CacheContext:
 
 class KVLayer(Protocol):
     """One attention layer's keys and values, ``[rows, heads, columns, head_dim]`` (None
-    before any token)."""
+    before any token). For sub-sequences in training (``gpipe.runtime.seq_chunks``) it also
+    hands on what the next sub-sequence starts from (``carry``) and takes it (``take_carry``):
+    the keys and values of the tokens so far, as tensors in the layer's own layout."""
 
     keys: Tensor | None
     values: Tensor | None
+
+    def carry(self) -> list[Tensor]: ...
+
+    def take_carry(self, carried: Sequence[Tensor]) -> None: ...
 
 
 class LayerCache(Protocol):
@@ -105,16 +111,18 @@ class CachedLayer(Protocol):
 
 
 class KVCache:
-    """The keys and values of one attention layer of the built-in GPT, in buffers with room
-    for more columns: a new token's keys and values are written in place, not concatenated
-    (which would copy the whole cache at every token); the buffers double when full. While
-    autograd records (sub-sequences in training) they are concatenated instead, so that the
-    gradient reaches the keys and values that came before."""
+    """The keys and values of one attention layer of the built-in GPT. In generation they lie
+    in buffers with room for more columns: a new token's keys and values are written in
+    place, not concatenated (which would copy the whole cache at every token); the buffers
+    double when full. Sub-sequences in training keep each sub-sequence's keys and values
+    apart instead (``add_sub_sequence``): the gradient reaches each, and the attention of
+    every later sub-sequence keeps the same tensors rather than a longer copy of its own."""
 
     def __init__(self) -> None:
         self._keys: Tensor | None = None
         self._values: Tensor | None = None
         self._length = 0
+        self._sub_sequences: list[tuple[Tensor, Tensor]] = []
 
     @property
     def keys(self) -> Tensor | None:
@@ -139,14 +147,6 @@ class KVCache:
     def append(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         """Add the new tokens' keys and values after the cached ones; returns all of them."""
         old, new = self._length, keys.shape[-2]
-        if torch.is_grad_enabled() and self._keys is not None and self._values is not None:
-            self._keys = torch.cat([self._keys[..., :old, :], keys], dim=-2)
-            self._values = torch.cat([self._values[..., :old, :], values], dim=-2)
-            self._length = old + new
-            return self._keys, self._values
-        if torch.is_grad_enabled():
-            self._keys, self._values, self._length = keys, values, new
-            return keys, values
         if self._keys is None or self._values is None:
             self._keys, self._values = self._room(keys, new), self._room(values, new)
         elif old + new > self._keys.shape[-2]:
@@ -156,6 +156,21 @@ class KVCache:
         self._values[..., old : old + new, :] = values
         self._length = old + new
         return self._keys[..., : old + new, :], self._values[..., : old + new, :]
+
+    def add_sub_sequence(self, keys: Tensor, values: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """Keep a sub-sequence's own keys and values (in training), apart from those of the
+        sub-sequences before it, which are returned: their keys, and their values, in order."""
+        before = list(self._sub_sequences)
+        self._sub_sequences.append((keys, values))
+        return [k for k, _ in before], [v for _, v in before]
+
+    def carry(self) -> list[Tensor]:
+        """Each sub-sequence's keys and values so far (keys, values; in order)."""
+        return [t for pair in self._sub_sequences for t in pair]
+
+    def take_carry(self, carried: Sequence[Tensor]) -> None:
+        """Start from the sub-sequences ``carry`` handed on."""
+        self._sub_sequences = list(zip(carried[::2], carried[1::2], strict=True))
 
     @staticmethod
     def _room(like: Tensor, columns: int) -> Tensor:

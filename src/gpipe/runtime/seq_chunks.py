@@ -270,19 +270,20 @@ def run_cached(
     layers: Sequence[CachedLayer], x: Any, carried: Sequence[Tensor], past: int
 ) -> tuple[Any, list[Tensor]]:
     """Sub-sequence ``x`` (``[rows, tokens, ...]``, after ``past`` tokens) through ``layers``,
-    their attention caches holding ``carried`` (each attention layer's keys, then values, of
-    the tokens before); returns the output (every token's, logits included) and the caches'
-    keys and values after it, in the same order."""
+    their attention caches starting from ``carried`` (what each attention layer handed on,
+    layer after layer, the same number each); returns the output (every token's, logits
+    included) and what the caches hand on to the next sub-sequence, in the same order."""
     caches = [layer.new_cache() for layer in layers]
     held = [kv for cache in caches if cache is not None for kv in cache.kv_layers()]
     if carried:
-        if len(carried) != 2 * len(held):
+        if not held or len(carried) % len(held):
             raise RuntimeError(
                 f"a sub-sequence brought {len(carried)} keys and values for "
                 f"{len(held)} attention layers"
             )
-        for kv, keys, values in zip(held, carried[::2], carried[1::2], strict=True):
-            kv.keys, kv.values = keys, values
+        each = len(carried) // len(held)
+        for i, kv in enumerate(held):
+            kv.take_carry(carried[i * each : (i + 1) * each])
     first = tensors_of(x)[0]
     rows, new = first.shape[0], first.shape[1]
     positions = torch.arange(past, past + new, device=first.device).expand(rows, new)
@@ -292,7 +293,8 @@ def run_cached(
         x = layer.forward_cached(x, cache, context)
     after: list[Tensor] = []
     for kv in held:
-        if kv.keys is None or kv.values is None:
+        handed = kv.carry()
+        if not handed:
             raise RuntimeError("an attention layer left no keys and values for the next unit")
-        after += [kv.keys, kv.values]
+        after += handed
     return x, after

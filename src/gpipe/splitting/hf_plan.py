@@ -428,6 +428,15 @@ class HeldLayer:
     def values(self, value: Tensor | None) -> None:
         self._set("values", value)
 
+    def carry(self) -> list[Tensor]:
+        """The keys and values of every token so far, for the next sub-sequence in training
+        (the model's cache joins them)."""
+        keys, values = self.keys, self.values
+        return [] if keys is None or values is None else [keys, values]
+
+    def take_carry(self, carried: Sequence[Tensor]) -> None:
+        self.keys, self.values = carried
+
     def _set(self, name: str, value: Tensor | None) -> None:
         setattr(self.layer, name, value)
         if value is not None:  # as the layer's own first update would have left it
