@@ -48,7 +48,7 @@ from gpipe.parallel.ties import counted as counted_once
 from gpipe.parallel.world import Dimensions, check_dimensions, join
 from gpipe.planning.auto import AutoChoice, agreed_choice, check_auto
 from gpipe.planning.balancing import balance_by_time
-from gpipe.runtime.compiled import check_compile, warn_whole_backward
+from gpipe.runtime.compiled import check_compile, warn_eager_training
 from gpipe.runtime.microbatch import Batch, check_chunks
 from gpipe.runtime.partitions import as_sequential, check_balance, even_balance
 from gpipe.runtime.precision import Precision
@@ -247,8 +247,9 @@ class Pipeline(nn.Module):
             with ``torch.compile``, in place, so names and hooks stay; True for its defaults,
             or a dict of its keyword arguments (``{"backend": "aot_eager"}``). Works with every
             schedule and re-materialization; under a split backward (the zero-bubble family)
-            each stage runs its whole backward at B (``gpipe.runtime.compiled`` says why).
-            Not with ``tensor_parallel`` or ``shard`` yet.
+            the layers train eager, keeping the split, and run compiled in evaluation and
+            forward passes (``gpipe.runtime.compiled`` says why). Not with
+            ``tensor_parallel`` or ``shard`` yet.
         seq_chunks: S > 1 cuts each micro-batch of a training step along its sequence into S
             sub-sequences that run through the pipeline one after the other (Seq1F1B); a
             stage keeps the keys and values of a micro-batch's earlier sub-sequences for the
@@ -362,6 +363,7 @@ class Pipeline(nn.Module):
             mesh=self.mesh,
             loss_parallel=dims.loss_parallel,
             compile=compiled,
+            split_backward=source.splits_backward,
             seq_chunks=seq,
         )
         self._build(
@@ -422,7 +424,7 @@ class Pipeline(nn.Module):
         """Build this rank's stages out of ``module`` as ``recipe`` says, register their
         layers, and the engine that runs their steps (collective over the pipeline)."""
         if recipe.compile is not None and source.splits_backward:
-            warn_whole_backward(source.name)
+            warn_eager_training(source.name)
         self.placement = RankPlacement(
             tuple(self.balance), self.rank, self.n_ranks, self.group, source.layout()
         )

@@ -125,6 +125,7 @@ class StageRecipe:
     mesh: ParallelMesh | None = None
     loss_parallel: bool = False  # the loss over logits split by vocabulary
     compile: CompileOptions | None = None  # torch.compile's arguments for each layer
+    split_backward: bool = False  # the schedule runs input and weight gradients apart
     seq_chunks: SeqChunks | None = None  # micro-batches cut along their sequence
 
 
@@ -171,7 +172,7 @@ def build_stages(
             # before any other wrapping: re-materialization, then sharded replicas
             recipe.tensor_plan.apply(partition, recipe.mesh.tensor)
         if recipe.compile is not None:
-            compile_layers(partition, recipe.compile)
+            compile_layers(partition, recipe.compile, split_backward=recipe.split_backward)
         stages[stage] = Stage(
             stage,
             placement.n_stages,
@@ -183,7 +184,6 @@ def build_stages(
             recomputed_layers=recomputed[stage],
             payloads=True,
             loss_context=loss_parallel if recipe.loss_parallel else None,
-            compiled=recipe.compile is not None,
             seq_chunks=recipe.seq_chunks.chunks if recipe.seq_chunks is not None else 1,
         )
     sharded = None

@@ -6,24 +6,28 @@ and its hooks run around the compiled code. Re-materialization works as it does 
 layers: a graph-free forward, then the same compiled forward again with a graph.
 
 A split backward (the zero-bubble family) asks autograd for the input gradients first (B),
-keeping the graph, and for the weight gradients later (W). A compiled layer is one node in the
-autograd graph whose backward computes the gradients of its inputs and of its parameters
-together, and frees what it saved as it runs (AOTAutograd's donated buffers), so it can be
-neither split nor kept for a second pass. A compiled stage therefore runs its whole backward at
-B and leaves W nothing: exact, each backward run once, at the cost of the schedule's split
-(the zero-bubble schedules then run as 1F1B-like schedules with empty W slots).
+keeping the graph, and for the weight gradients later (W), in the slots where the schedule
+has nothing else to run. A compiled layer is one node in the autograd graph whose backward
+computes the gradients of its inputs and of its parameters together, and frees what it saved
+as it runs (AOTAutograd's donated buffers), so it can be neither split nor kept for a second
+pass. Under such a schedule the layers therefore train eager, keeping the split the schedule
+is chosen for (a compiled stage that ran its whole backward at B measured 9 % slower than
+eager zero-bubble on a CPU: BENCHMARKS.md, section 26), and run compiled where no graph is
+built: evaluation and forward passes.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CompileOptions", "check_compile", "compile_layers", "warn_whole_backward"]
+from gpipe.runtime.recompute import is_checkpointing
+
+__all__ = ["CompileOptions", "check_compile", "compile_layers", "warn_eager_training"]
 
 CompileOptions = Mapping[str, Any]
 
@@ -50,17 +54,34 @@ def check_compile(compile: object, *, split_parameters: bool = False) -> Compile
     return options
 
 
-def warn_whole_backward(schedule: str) -> None:
-    """Say that under ``schedule``, whose backward is split, each stage runs it whole at B."""
+def warn_eager_training(schedule: str) -> None:
+    """Say that under ``schedule``, whose backward is split, the layers train eager."""
     warnings.warn(
         f"compile=True under {schedule!r}, whose backward is split: a compiled layer's "
-        "backward can be neither split nor run twice, so each stage runs its whole backward "
-        "at B and its W slots stay empty",
+        "backward computes its input and weight gradients at once, so the layers train "
+        "eager, keeping the schedule's split, and run compiled in evaluation and forward "
+        "passes only",
         stacklevel=3,
     )
 
 
-def compile_layers(layers: nn.Sequential, options: CompileOptions) -> None:
-    """Compile the ``forward`` of each of ``layers``' children in place."""
+def compile_layers(
+    layers: nn.Sequential, options: CompileOptions, *, split_backward: bool = False
+) -> None:
+    """Compile the ``forward`` of each of ``layers``' children in place; under a
+    ``split_backward``, for the passes that build no graph only."""
     for layer in layers:
-        layer.forward = torch.compile(layer.forward, **options)
+        compiled = torch.compile(layer.forward, **options)
+        layer.forward = _graph_free(layer.forward, compiled) if split_backward else compiled
+
+
+def _graph_free(eager: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` where autograd records nothing, ``eager`` in training: there, and in the
+    graph-free first pass of re-materialization, whose recomputation must match it."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() or is_checkpointing():
+            return eager(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    return forward

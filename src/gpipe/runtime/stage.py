@@ -127,7 +127,6 @@ class Stage:
         recomputed_layers: frozenset[int] = frozenset(),
         payloads: bool = False,
         loss_context: Callable[[], AbstractContextManager[Any]] | None = None,
-        compiled: bool = False,
         seq_chunks: int = 1,
     ) -> None:
         self.index = index
@@ -146,10 +145,6 @@ class Stage:
         self._saved: dict[int, _Saved] = {}
         self._first_output: Any = None  # micro-batch 0's, which the others must be shaped like
         self._owners: Owners | None = None  # parameter-holding layers, for a split backward
-        # layers compiled (``runtime.compiled``): a split backward runs whole at B, since a
-        # compiled layer's backward cannot be split nor kept for a second pass
-        self.compiled = compiled
-        self._whole_at_b: set[int] = set()  # micro-batches whose W has nothing left
         # sub-sequences per micro-batch in a training step, and what they hand each other
         self.seq_chunks = seq_chunks
         self._carries = Carries(seq_chunks, index)
@@ -359,10 +354,7 @@ class Stage:
         skip_grads: Mapping[int, Grads] | None = None,
     ) -> tuple[Grads, dict[int, Grads]]:
         """B of a split backward: only the gradients of the stage's inputs; the graph is kept
-        for ``backward_weight``. A compiled stage runs its whole backward here."""
-        if self.compiled:
-            self._whole_at_b.add(microbatch)
-            return self.backward(microbatch, grad_outputs, skip_grads)
+        for ``backward_weight``."""
         saved = self._graph(microbatch, pop=False)
         if saved.weights is None:
             raise RuntimeError(
@@ -396,9 +388,6 @@ class Stage:
 
     def backward_weight(self, microbatch: int) -> None:
         """W of a split backward: the weight gradients, accumulated into ``.grad``."""
-        if microbatch in self._whole_at_b:
-            self._whole_at_b.discard(microbatch)
-            return
         saved = self._saved.pop(microbatch, None)
         if saved is None or saved.weights is None:
             raise RuntimeError(f"weight gradients of micro-batch {microbatch} before its B")
@@ -409,5 +398,4 @@ class Stage:
     def clear(self) -> None:
         """Drop whatever a failed or abandoned step left behind."""
         self._saved.clear()
-        self._whole_at_b.clear()
         self._carries.clear()
