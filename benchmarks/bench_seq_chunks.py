@@ -26,9 +26,8 @@ import torch
 
 from gpipe import Pipeline, launch
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
-from gpipe.planning.memory import ActivationMeter
 
-from .common import machine, over_baseline, steps_in_turn, write_results
+from .common import activation_peak, machine, over_baseline, steps_in_turn, write_results
 
 # the step-time contenders: (S, seq_split)
 TIMED = {
@@ -76,13 +75,7 @@ def peak(k: int, seq_chunks: int, length: int, width: int, split: str, blocks: i
 
     init_process_group(torch.device("cpu"))
     pipe = _pipeline(k, seq_chunks, length, width, split, blocks)
-    x, y = _batch(length)
-    inputs, targets = (x if pipe.is_first else None), (y if pipe.is_last else None)
-    pipe.step(inputs, targets)
-    pipe.zero_grad()
-    with ActivationMeter(pipe) as meter:
-        pipe.step(inputs, targets)
-    return int(meter.peak)
+    return activation_peak(pipe, *_batch(length))
 
 
 def timed(repeats: int, warmup: int, length: int) -> dict[str, list[float]]:

@@ -28,11 +28,10 @@ from torch import nn
 from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline, launch
-from gpipe.planning.memory import ActivationMeter
 from gpipe.planning.simulate import closed_form_peak
 from gpipe.schedules import Placement, traits
 
-from .common import machine, over_baseline, steps_in_turn, write_results
+from .common import activation_peak, machine, over_baseline, steps_in_turn, write_results
 
 SCHEDULES = ("1f1b", "zero-bubble-v", "v-half", "v-min")
 BLOCKS, WIDTH, HIDDEN, ROWS, CHUNKS = 16, 256, 1024, 256, 8
@@ -81,12 +80,7 @@ def run(k: int, schedule: str) -> int:
     )
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, WIDTH, generator=g)
-    inputs, targets = (x if pipe.is_first else None), (y if pipe.is_last else None)
-    pipe.step(inputs, targets)
-    pipe.zero_grad()
-    with ActivationMeter(pipe) as meter:
-        pipe.step(inputs, targets)
-    return int(meter.peak)
+    return activation_peak(pipe, x, y)
 
 
 def _time(repeats: int) -> None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from gpipe import Pipeline
 from gpipe.bench.report import summary
 from gpipe.bench.run import machine
+from gpipe.planning.memory import ActivationMeter
 
 __all__ = [
     "RESULTS",
@@ -70,6 +71,17 @@ def timed_step(pipe: Pipeline, x: Any, y: Any) -> float:
     took = torch.tensor([perf_counter() - start])
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return float(took)
+
+
+def activation_peak(pipe: Pipeline, x: Any, y: Any) -> int:
+    """Peak activation bytes of this rank in one step of ``pipe`` (``ActivationMeter``), after
+    one step to warm up: what a fresh process holds in its steady state."""
+    inputs, targets = (x if pipe.is_first else None), (y if pipe.is_last else None)
+    pipe.step(inputs, targets)
+    pipe.zero_grad()
+    with ActivationMeter(pipe) as meter:
+        pipe.step(inputs, targets)
+    return int(meter.peak)
 
 
 def steps_in_turn(
