@@ -20,6 +20,7 @@ from gpipe.planning.simulate import (
     predict,
     scenario,
     simulate,
+    sub_sequence_costs,
 )
 from gpipe.runtime.timeline import Event
 from gpipe.schedules import (
@@ -494,3 +495,48 @@ def test_layers_recomputed_selectively_lengthen_every_backward():
     again = simulate(gpipe(2, 3), Costs(forward=1.0, backward=2.0, recompute=0.5))
     assert again.makespan == pytest.approx(plain.makespan + 4 * 0.5)  # (M + K - 1) backwards
     assert sum(again.busy) == pytest.approx(sum(plain.busy) + 2 * 3 * 0.5)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("s", [2, 4])
+def test_sub_sequences_shrink_fill_and_drain_and_1f1b_holds_k_minus_1_plus_s_units(k, s):
+    """Micro-batches as S sub-sequences (Pipeline(seq_chunks=S)): units of 1/S a micro-batch,
+    so fill and drain take (K - 1) of them, and 1F1B's first stage holds K - 1 + S units."""
+    m, f, b = 8, 1.0, 2.0
+    costs = Costs(forward=f, backward=b, activation_bytes=1e6)
+    rows = {r["schedule"]: r for r in compare(["gpipe", "1f1b"], k, m, costs, seq_chunks=s)}
+    for row in rows.values():
+        assert row["makespan"] == pytest.approx(m * (f + b) + (k - 1) * (f + b) / s)
+        assert row["closed_form_bubble"] is None and row["closed_form_peak"] is None
+    whole = {r["schedule"]: r for r in compare(["1f1b"], k, m, costs)}["1f1b"]
+    assert rows["1f1b"]["bubble"] < whole["bubble"]
+    held = (k - 1 + s) / s
+    assert rows["1f1b"]["peak_live_per_stage"][0] == pytest.approx(held)
+    assert rows["1f1b"]["peak_activation_bytes"] == pytest.approx(held * 1e6)
+    assert rows["gpipe"]["peak_live_per_stage"] == [m] * k
+
+
+def test_sub_sequence_costs_cut_each_micro_batch_and_the_others_are_noted():
+    costs = Costs(forward=2, backward=4, activation_bytes=[8.0, 4.0], message_bytes=6.0)
+    cut = sub_sequence_costs(costs.with_tokens([1, 3]), 2, 2)
+    assert cut.microbatch_scale == (0.25, 0.25, 0.75, 0.75)
+    assert cut.activation_bytes == (4.0, 2.0) and cut.message_bytes == 3.0
+    assert cut.forward == 2 and cut.backward == 4  # a micro-batch's, scaled per unit
+    (row,) = compare(["interleaved"], 2, 4, costs, seq_chunks=2)
+    assert "seq_chunks runs with the schedules" in row["note"]
+
+
+def test_cli_simulates_sub_sequences_and_refuses_what_does_not_show_them(tmp_path, capsys):
+    assert main(["simulate", "--stages", "2", "--chunks", "8", "--schedule", "1f1b",
+                 "--seq-chunks", "4"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "8 micro-batches, each as 4 sub-sequences" in out
+    row = next(line for line in out.splitlines() if line.startswith("1f1b "))
+    assert row.split()[-2:] == ["1.25", "1"]  # micro-batches' worth held, per stage
+    for bad, words in (
+        (["--seq-chunks", "0"], "--seq-chunks must be a positive integer, got 0"),
+        (["--seq-chunks", "2", "--html", str(tmp_path / "p.html")], "with --html yet"),
+    ):
+        assert main(["simulate", *bad]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err

@@ -81,6 +81,15 @@ def add_parser(sub: Any) -> None:
         help=f"stages per rank for the {multi_stage_schedules()} schedule, each with 1/V of "
         "the rank's costs (default 2)",
     )
+    p.add_argument(
+        "--seq-chunks",
+        type=int,
+        default=1,
+        metavar="S",
+        help="run each micro-batch as S sub-sequences (gpipe train --seq-chunks; with gpipe, "
+        "1f1b and zero-bubble), each costing, holding and sending 1/S of it; peaks then count "
+        "micro-batches' worth of sub-sequences (default 1)",
+    )
     _add_replica_arguments(p)
     p.add_argument(
         "--tensor-parallel",
@@ -153,12 +162,17 @@ def _add_replica_arguments(p: Any) -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     tokens = microbatch_tokens(args)
-    for flag in ("stages", "chunks", "virtual_stages", "data_parallel"):
+    for flag in ("stages", "chunks", "virtual_stages", "data_parallel", "seq_chunks"):
         if getattr(args, flag) < 1:
             raise UsageError(
                 f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}"
             )
     shard = _shard(args)
+    if args.seq_chunks > 1:
+        taken = [f for f in ("schedule_csv", "dump_csv", "html") if getattr(args, f) is not None]
+        if taken:
+            flag = taken[0].replace("_", "-")
+            raise UsageError(f"--seq-chunks {args.seq_chunks} does not run with --{flag} yet")
     if args.schedule_csv is not None:
         return _simulate_file(args)
     names = _schedule_names(args.schedule)
@@ -179,11 +193,13 @@ def _simulate(args: argparse.Namespace) -> int:
         args.data_parallel,
         shard,
         args.reshard_after_forward,
+        args.seq_chunks,
     )
     source = args.costs or "default: forward 1, backward 1, weight 1 per stage"
     replicas = f", {args.data_parallel} replicas" if args.data_parallel > 1 else ""
     replicas += f" sharded {shard}" if shard else ""
     sizes = "" if tokens is None else f" of {args.microbatch_tokens} tokens"
+    sizes += f", each as {args.seq_chunks} sub-sequences" if args.seq_chunks > 1 else ""
     print(f"{args.stages} stages, {args.chunks} micro-batches{sizes}{replicas}, costs {source}")
     if tensor:
         print(tensor)
@@ -191,7 +207,14 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.plot is not None:
         results = [
             simulate(
-                *scenario(row["schedule"], args.stages, args.chunks, costs, args.virtual_stages)
+                *scenario(
+                    row["schedule"],
+                    args.stages,
+                    args.chunks,
+                    costs,
+                    args.virtual_stages,
+                    args.seq_chunks,
+                )
             )
             for row in rows
             if "note" not in row
@@ -370,7 +393,7 @@ def _table(
             f"{row['bubble']:.1%}",
             _maybe(row.get("closed_form_bubble"), "{:.1%}"),
             _maybe(row.get("closed_form_peak"), "{:g}"),
-            " ".join(map(str, row["peak_live_per_stage"])),
+            " ".join(f"{n:g}" for n in row["peak_live_per_stage"]),
         ]
         if memory:
             cells.insert(5, _bytes(row["peak_activation_bytes"]))

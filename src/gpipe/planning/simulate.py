@@ -6,7 +6,7 @@ schedules, ``closed_forms`` gives each one's bubble and peak memory by formula,
 ``measured`` replays a measured step.
 """
 
-from gpipe.planning.bubbles import compare, scenario
+from gpipe.planning.bubbles import compare, scenario, sub_sequence_costs
 from gpipe.planning.closed_forms import analytic_bubble, closed_form_bubble, closed_form_peak
 from gpipe.planning.costs import Costs
 from gpipe.planning.measured import measured_costs, predict
@@ -23,4 +23,5 @@ __all__ = [
     "predict",
     "scenario",
     "simulate",
+    "sub_sequence_costs",
 ]
