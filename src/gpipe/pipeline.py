@@ -109,7 +109,6 @@ def _runs_with(
         schedule,
         layers_policy=isinstance(checkpoint, Layers),
         skips=bool(skips),
-        tensor_parallel=dims.tensor_parallel,
         shard=dims.sharding,
         compiled=compiled is not None,
     )

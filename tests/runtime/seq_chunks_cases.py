@@ -156,3 +156,53 @@ def with_replicas() -> float:
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, **EXACT, msg=name)
     return max(float((p.grad - grads[n].grad).abs().max()) for n, p in pipe.named_parameters())
+
+
+def with_tensor_parallel() -> list[str]:
+    """Two tensor ranks per stage (4 processes), their layers split by the model's own plan,
+    on sub-sequences: the GPT under 1F1B (S = 3) and under zero-bubble re-materialized with
+    its logits split by vocabulary (S = 4, ``loss_parallel``), and a Hugging Face Llama under
+    gpipe (S = 4): the loss and every gathered gradient of one step equal the unsplit
+    model's in float64. Returns the settings compared."""
+    import gpipe
+
+    from ..splitting.hf_cases import llama_model
+
+    compared = []
+    model, x, y = _gpt()
+    for schedule, chunks, options in (
+        ("1f1b", 3, {}),
+        ("zero-bubble", 4, {"checkpoint": "always", "loss_parallel": True}),
+    ):
+        reference = copy.deepcopy(model)
+        pipe = Pipeline(
+            copy.deepcopy(model),
+            [2, 3],
+            chunks=3,
+            schedule=schedule,
+            loss_fn=lm_loss,
+            seq_chunks=chunks,
+            tensor_parallel=2,
+            **options,
+        )
+        _same_step(pipe, reference, x, y, lm_loss, lambda name: name)
+        compared.append(f"gpt {schedule} S={chunks}")
+    reference = llama_model()
+    ids = torch.randint(1, 64, (4, 17), generator=torch.Generator().manual_seed(2))
+    split = gpipe.split(copy.deepcopy(reference), parts=2, plan="hf")
+    pipe = Pipeline(split, chunks=2, loss_fn=_logits_loss, seq_chunks=4, tensor_parallel=2)
+    _same_step(pipe, reference, ids[:, :-1], ids[:, 1:], _logits_loss, split.original_name)
+    return [*compared, "llama gpipe S=4"]
+
+
+def _same_step(pipe, reference, x, y, loss_fn, original_name) -> None:
+    """One step of ``pipe`` against one of ``reference`` on the whole batch: the same loss
+    and, gathered from the tensor ranks, the same gradients."""
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    grads = {n: p.grad for n, p in reference.named_parameters()}
+    loss = pipe.step(x, y)
+    torch.testing.assert_close(loss, expected.detach(), **EXACT)
+    for name, p in pipe.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(grad, grads[original_name(name)], **EXACT, msg=name)

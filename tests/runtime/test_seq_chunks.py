@@ -47,6 +47,12 @@ def test_replicas_of_a_pipeline_on_sub_sequences_train_as_the_unsplit_model():
     assert all(gap < 1e-12 for gap in run(cases.with_replicas, 4, threads=1).values())
 
 
+def test_tensor_parallel_stages_on_sub_sequences_train_as_the_unsplit_model():
+    pytest.importorskip("transformers", reason="the Llama case needs transformers")
+    results = run(cases.with_tensor_parallel, 4, (), threads=1)
+    assert results[0] == ["gpt 1f1b S=3", "gpt zero-bubble S=4", "llama gpipe S=4"]
+
+
 @pytest.mark.parametrize(
     ("case", "first", "last"),
     [

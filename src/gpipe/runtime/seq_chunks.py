@@ -124,7 +124,6 @@ def check_seq_setup(
     *,
     layers_policy: bool,
     skips: bool,
-    tensor_parallel: int,
     shard: object,
     compiled: bool,
 ) -> None:
@@ -137,7 +136,6 @@ def check_seq_setup(
             f"seq_chunks={seq.chunks} runs with the schedules {sorted(SEQ_CHUNKED)}, got {name!r}"
         )
     conflicts = {
-        "tensor_parallel > 1": tensor_parallel > 1,
         "shard": shard is not None,
         "compile": compiled,
         "checkpoint=Layers(...) (whole micro-batches are recomputed, or none)": layers_policy,
