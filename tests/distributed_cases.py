@@ -341,6 +341,45 @@ def measured_memory(name: str) -> dict:
     return out
 
 
+SUB_SEQUENCE_GPT = {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 256, "vocab_size": 128}
+
+
+def sub_sequence_workload() -> tuple[torch.Tensor, torch.Tensor]:
+    """Eight rows of 256 tokens for ``SUB_SEQUENCE_GPT``: inputs and targets."""
+    ids = torch.randint(0, 128, (8, 257), generator=torch.Generator().manual_seed(1))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def measured_sub_sequence_memory() -> dict:
+    """Peak activation bytes of this rank in one step (after one to warm up) of the GPT on
+    four sub-sequences per micro-batch, under gpipe, 1F1B and zero-bubble and every mode."""
+    from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
+    from gpipe.planning.memory import ActivationMeter
+
+    init_process_group(torch.device("cpu"))
+    x, y = sub_sequence_workload()
+    out = {}
+    for schedule in ("gpipe", "1f1b", "zero-bubble"):
+        for checkpoint in ("never", "except_last", "always"):
+            torch.manual_seed(0)
+            pipe = Pipeline(
+                build_gpt(GPTConfig(**SUB_SEQUENCE_GPT)),
+                [3, 3],
+                chunks=4,
+                checkpoint=checkpoint,
+                schedule=schedule,
+                loss_fn=lm_loss,
+                seq_chunks=4,
+            )
+            inputs, targets = (x if pipe.is_first else None), (y if pipe.is_last else None)
+            pipe.step(inputs, targets)
+            pipe.zero_grad()
+            with ActivationMeter(pipe) as meter:
+                pipe.step(inputs, targets)
+            out[f"{schedule}/{checkpoint}"] = meter.peak
+    return out
+
+
 def deferred_batch_norm() -> int:
     """Pipeline(deferred_batch_norm=True) against the same deferred model run micro-batch by
     micro-batch in one piece: running statistics, outputs and gradients, every schedule and

@@ -8,7 +8,13 @@ import torch
 from torch import nn
 
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
-from gpipe.planning.memory import OPTIMIZER_STATES, ActivationMeter, plan, profile
+from gpipe.planning.memory import (
+    OPTIMIZER_STATES,
+    ActivationMeter,
+    plan,
+    profile,
+    sub_sequence_carry,
+)
 from gpipe.runtime.partitions import stage_bounds
 from gpipe.schedules import Placement, traits
 
@@ -50,6 +56,36 @@ def test_predicted_activations_match_a_measured_step(measured, schedule, checkpo
         # exact for the MLP and the GPT; skips shared within a process are approximated
         if abs(want - got) > turn:
             assert want == pytest.approx(got, rel=0.10 if name == "unet" else 0.01)
+
+
+def test_predicted_activations_of_sub_sequences_match_a_measured_step():
+    """seq_chunks=4: profiled on one sub-sequence, with the keys and values each one carries
+    to the next (what a re-materialized one keeps beside its input), predicted per process
+    for gpipe, 1F1B and zero-bubble in every mode, against a measured step."""
+    measured = run(cases.measured_sub_sequence_memory, 2, threads=1)
+    model = build_gpt(GPTConfig(**cases.SUB_SEQUENCE_GPT), device="meta")
+    sub_sequence = torch.zeros(4, 256 // 4, dtype=torch.int64, device="meta")
+    prof = profile(model, sub_sequence, target=sub_sequence, loss_fn=lm_loss)
+    carry = sub_sequence_carry(model, sub_sequence)
+    # each block hands on its keys and values: 2 x 64 tokens x 64 wide, float32, per row
+    assert carry == [0.0, *[2 * 64 * 64 * 4.0] * 4, 0.0]
+    for key, _ in measured[0].items():
+        schedule, checkpoint = key.split("/")
+        predicted = plan(
+            prof,
+            [3, 3],
+            batch_size=8,
+            chunks=4,
+            schedule=schedule,
+            checkpoint=checkpoint,
+            seq_chunks=4,
+            carry_bytes=carry,
+        )
+        for rank in (0, 1):
+            want = predicted.ranks[rank].activation_bytes
+            assert want == pytest.approx(measured[rank][key], rel=0.01), (key, rank)
+    with pytest.raises(ValueError, match="with re-materialization needs carry_bytes="):
+        plan(prof, [3, 3], batch_size=8, chunks=4, schedule="1f1b", seq_chunks=4)
 
 
 def test_recomputation_holds_a_fraction_of_the_activations():

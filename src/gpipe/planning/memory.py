@@ -14,15 +14,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from gpipe.planning.meter import ActivationMeter
 from gpipe.planning.profile import Profile, profile
 from gpipe.planning.shards import ReplicaStates, check_shard
+from gpipe.runtime.kv_cache import CacheContext, CachedLayer
 from gpipe.runtime.microbatch import split_sizes
 from gpipe.runtime.partitions import as_sequential, check_balance, stage_bounds
 from gpipe.runtime.recompute import Layers, check_checkpoint, recomputed_layers, should_checkpoint
 from gpipe.schedules import Kind, Schedule, add_recompute, build, traits
+from gpipe.schedules.seq_chunked import seq_chunked
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -33,6 +36,7 @@ __all__ = [
     "format_bytes",
     "plan",
     "profile",
+    "sub_sequence_carry",
 ]
 
 # Tensors of optimizer state per parameter, each the parameter's size and dtype.
@@ -105,9 +109,19 @@ class MemoryPlan:
         return self.peak_bytes <= device_bytes
 
 
-def _schedule(name: str, n_stages: int, n_ranks: int, chunks: int) -> Schedule:
+def _schedule(name: str, n_stages: int, n_ranks: int, chunks: int, seq_chunks: int) -> Schedule:
     """Schedule ``name`` for ``n_stages`` stages on ``n_ranks`` processes, which its placement
-    must allow: one stage on each, or as many on each."""
+    must allow: one stage on each, or as many on each; over units of ``seq_chunks``
+    sub-sequences per micro-batch."""
+    if seq_chunks != 1:
+        if isinstance(seq_chunks, bool) or not isinstance(seq_chunks, int) or seq_chunks < 1:
+            raise ValueError(f"seq_chunks must be a positive integer, got {seq_chunks!r}")
+        if n_ranks != n_stages:
+            raise ValueError(
+                f"seq_chunks runs one stage per rank: n_ranks must equal n_stages "
+                f"({n_stages}), got {n_ranks}"
+            )
+        return seq_chunked(name, n_stages, chunks, seq_chunks)
     if not traits(name).several_stages_per_rank:
         if n_ranks != n_stages:
             raise ValueError(
@@ -139,6 +153,9 @@ class _Held:
     # its input, where it is the output of the previous stage on the same process (a V's
     # turn): one storage, in both stages' graphs
     shared: float = 0.0
+    # a sub-sequence's keys and values, which the next one keeps as its leaves until the end
+    # of its backward: beside a re-materialized unit's input (in a graph held whole, part of it)
+    carry: float = 0.0
 
 
 def _activation_peak(
@@ -163,7 +180,7 @@ def _activation_peak(
         s, i = a.stage, a.microbatch
         h = held[s][i]
         ckpt = checkpointed(i)
-        inp = h.inp + h.skip_in_ckpt if ckpt else 0.0  # what a recomputed micro-batch keeps
+        inp = h.inp + h.skip_in_ckpt + h.carry if ckpt else 0.0  # a recomputed one keeps
         if a.kind is Kind.FORWARD:
             live += 1
             most = max(most, live)
@@ -184,6 +201,8 @@ def _activation_peak(
             if a.kind is Kind.WEIGHT or not split:  # the end of the backward: all freed
                 live -= 1
                 now -= h.graph + (h.skip_in_ckpt if ckpt else h.skip_in)
+                # the keys and values of the sub-sequence before, which this one held
+                now -= held[s][i - 1].carry if i and checkpointed(i - 1) else 0.0
                 now += _still_shared(held_by, s, i, held)
     return peak, most
 
@@ -233,9 +252,15 @@ def plan(
     data_parallel: int = 1,
     shard: str | None = None,
     reshard_after_forward: bool = False,
+    seq_chunks: int = 1,
+    carry_bytes: Sequence[float] = (),
 ) -> MemoryPlan:
     """Predicted peak memory of every process for a mini-batch of ``batch_size`` rows cut
-    into ``chunks`` micro-batches. ``n_ranks`` below ``len(balance)`` puts several stages on
+    into ``chunks`` micro-batches (each cut along its sequence into ``seq_chunks``
+    sub-sequences, as ``Pipeline(seq_chunks=...)`` does: then ``prof`` is the model's profile
+    on one sub-sequence, its longest for a balanced cut, and under re-materialization
+    ``carry_bytes`` what each layer hands the next sub-sequence, per row:
+    ``sub_sequence_carry``). ``n_ranks`` below ``len(balance)`` puts several stages on
     each process (a schedule that places several per rank). A ``Layers(select=...)`` policy
     needs the model's ``layers`` to apply its predicate to. With ``data_parallel`` replicas,
     ``batch_size`` is the global mini-batch (each replica takes its share, the largest
@@ -251,16 +276,19 @@ def plan(
     n_ranks = n_stages if n_ranks is None else n_ranks
     batch_size = split_sizes(batch_size, data_parallel)[0]  # the largest replica's share
     sizes = split_sizes(batch_size, chunks)
+    sched = _schedule(schedule, n_stages, n_ranks, len(sizes), seq_chunks)
+    units = [rows for rows in sizes for _ in range(seq_chunks)]  # a micro-batch's, in order
     recomputed = frozenset(
-        i for i in range(len(sizes)) if should_checkpoint(checkpoint, i, len(sizes))
+        i for i in range(len(units)) if should_checkpoint(checkpoint, i, len(units))
     )
-    sched = add_recompute(_schedule(schedule, n_stages, n_ranks, len(sizes)), recomputed)
-    held = _held(prof, balance, sched, sizes, checkpoint, layers)
+    sched = add_recompute(sched, recomputed)
+    carried = _carried(carry_bytes, len(prof), balance, seq_chunks, bool(recomputed))
+    held = _held(prof, balance, sched, units, checkpoint, layers, carried)
     replicas = ReplicaStates(
         data_parallel, shard, reshard_after_forward, OPTIMIZER_STATES[optimizer]
     )
     ranks = tuple(
-        _rank_plan(prof, balance, sched, held, rank, recomputed, batch_size, replicas)
+        _rank_plan(prof, balance, sched, held, rank, recomputed, (batch_size, seq_chunks), replicas)
         for rank in range(n_ranks)
     )
     return MemoryPlan(
@@ -297,15 +325,17 @@ def _held(
     sizes: Sequence[int],
     checkpoint: str | Layers,
     layers: nn.Sequential | None,
+    carried: Callable[[int, int, int], float] = lambda stage, unit, rows: 0.0,
 ) -> dict[int, list[_Held]]:
-    """What each stage holds for each micro-batch (of ``sizes`` rows)."""
+    """What each stage holds for each micro-batch (of ``sizes`` rows; ``carried``: the bytes
+    a stage's unit of rows hands the next sub-sequence)."""
     bounds = stage_bounds(balance)
     rank_of = sched.stage_to_rank
     held: dict[int, list[_Held]] = {s: [] for s in range(len(balance))}
     picks = recomputed_layers(
         checkpoint, _LayerNames(len(prof)) if layers is None else as_sequential(layers), balance
     )
-    for rows in sizes:
+    for unit, rows in enumerate(sizes):
         routes = prof.skip_bytes(bounds, rows)
         for s, (start, stop) in enumerate(bounds):
             picked = frozenset(start + position for position in picks[s])
@@ -315,10 +345,66 @@ def _held(
             )
             local_in = sum(n for (a, b), n in routes.items() if b == s and rank_of[a] == rank_of[s])
             turn = s > 0 and rank_of[s - 1] == rank_of[s]
+            shared = inp if turn else 0.0
+            carry = carried(s, unit, rows)
             held[s].append(
-                _Held(graph, inp, out, remote_in, remote_in + local_in, again, inp if turn else 0)
+                _Held(graph, inp, out, remote_in, remote_in + local_in, again, shared, carry)
             )
     return held
+
+
+def _carried(
+    carry_bytes: Sequence[float],
+    n_layers: int,
+    balance: Sequence[int],
+    seq_chunks: int,
+    recomputing: bool,
+) -> Callable[[int, int, int], float]:
+    """The bytes each stage's unit (of a number of rows) hands the next sub-sequence: none
+    from a micro-batch's last sub-sequence, and none without sub-sequences."""
+    if seq_chunks == 1:
+        return lambda stage, unit, rows: 0.0
+    if recomputing and not carry_bytes:
+        raise ValueError(
+            f"plan(seq_chunks={seq_chunks}) with re-materialization needs carry_bytes=, what "
+            "each layer hands the next sub-sequence (gpipe.planning.memory.sub_sequence_carry)"
+        )
+    if carry_bytes and len(carry_bytes) != n_layers:
+        raise ValueError(f"carry_bytes has {len(carry_bytes)} values for {n_layers} layers")
+    per_row = [sum(carry_bytes[a:b]) for a, b in stage_bounds(balance)] if carry_bytes else []
+
+    def carried(stage: int, unit: int, rows: int) -> float:
+        last = unit % seq_chunks == seq_chunks - 1
+        return 0.0 if last or not per_row else per_row[stage] * rows
+
+    return carried
+
+
+def sub_sequence_carry(layers: nn.Sequential | Sequence[nn.Module], sample: Tensor) -> list[float]:
+    """Bytes per row that each layer hands the next sub-sequence (its attention's keys and
+    values; 0 for a layer without) on a sub-sequence like ``sample`` (token ids ``[rows,
+    tokens]``), run through the layers' cached forward on the meta device, which allocates
+    nothing: ``plan``'s ``carry_bytes``."""
+    module = as_sequential(layers)
+    x: Any = sample.to("meta")
+    rows, tokens = x.shape[0], x.shape[1]
+    positions = torch.arange(tokens, device="meta").expand(rows, tokens)
+    valid = torch.ones(rows, tokens, dtype=torch.bool, device="meta")
+    context = CacheContext(positions, valid, every_token=True)
+    per_row = []
+    with torch.no_grad():
+        for layer in module.to("meta"):
+            if not isinstance(layer, CachedLayer):
+                raise ValueError(
+                    f"sub_sequence_carry needs layers with a cached forward, got a "
+                    f"{type(layer).__name__}"
+                )
+            cache = layer.new_cache()
+            x = layer.forward_cached(x, cache, context)
+            kv = [] if cache is None else cache.kv_layers()
+            handed = sum(t.numel() * t.element_size() for layer_kv in kv for t in layer_kv.carry())
+            per_row.append(handed / rows)
+    return per_row
 
 
 def _rank_plan(
@@ -328,12 +414,14 @@ def _rank_plan(
     held: dict[int, list[_Held]],
     rank: int,
     recomputed: frozenset[int],
-    batch_size: int,
+    batch: tuple[int, int],
     replicas: ReplicaStates,
 ) -> StagePlan:
     """The peak of one process: its stages' weights, gradients and optimizer state as
-    ``replicas`` keeps them, the peak of its activations and of the mini-batch it reads, and
+    ``replicas`` keeps them, the peak of its activations and of the mini-batch it reads
+    (``batch``: its rows, and the sub-sequences of the profile's length in its sequence), and
     with replicas its message buffers."""
+    batch_size, sequence = batch
     bounds = stage_bounds(balance)
     stages = tuple(s for s in range(len(balance)) if sched.stage_to_rank[s] == rank)
     layers = [i for s in stages for i in range(*bounds[s])]
@@ -341,7 +429,7 @@ def _rank_plan(
     peak, live = _activation_peak(
         sched.programs[rank], sched.split_backward, held, recomputed.__contains__
     )
-    peak += sum(prof.batch_bytes(*bounds[s], batch_size) for s in stages)
+    peak += sequence * sum(prof.batch_bytes(*bounds[s], batch_size) for s in stages)
     replicated = replicas.data_parallel > 1
     kept = replicas.states(weights, max((prof.param_bytes[i] for i in layers), default=0.0))
     return StagePlan(

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from gpipe.planning.storages import storage_key, tensors_in
+from gpipe.runtime import seq_chunks
 from gpipe.skip.tracker import observe
 
 __all__ = ["ActivationMeter"]
@@ -20,8 +21,9 @@ __all__ = ["ActivationMeter"]
 
 class ActivationMeter:
     """Peak live bytes of activations in a run: tensors autograd saves for backward, the
-    inputs and outputs of ``module``'s layers and the tensors its skippable layers stash and
-    pop, each storage once, parameters and buffers left out. ``with meter: ...`` watches a
+    inputs and outputs of ``module``'s layers (in sub-sequences too) and the tensors its
+    skippable layers stash and pop or its sub-sequences carry, each storage once, parameters
+    and buffers left out. ``with meter: ...`` watches a
     region; ``peak`` and ``saved_peak`` (saved tensors alone) hold the largest values seen.
 
     What the layers save is seen on whichever thread runs them (saved-tensor hooks are
@@ -81,6 +83,8 @@ class ActivationMeter:
         stack = self._stack
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
         stack.enter_context(observe(lambda t: self._track([t], saved=False)))  # skip tensors
+        # sub-sequences: their layers' inputs and outputs, and the keys and values carried
+        stack.enter_context(seq_chunks.observe(lambda ts: self._track(ts, saved=False)))
         for layer in self._module.children():
             stack.callback(layer.register_forward_pre_hook(enter).remove)
             stack.callback(layer.register_forward_hook(leave, always_call=True).remove)

@@ -11,8 +11,9 @@ graph is thus its own, and the stage keeps a unit's activations, not a micro-bat
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "check_seq_chunks",
     "check_seq_setup",
     "join_sequence",
+    "observe",
     "run_cached",
     "seq_chunk_refusal",
     "sequence_length",
@@ -37,6 +39,25 @@ __all__ = [
 ]
 
 SEQ_SPLITS = ("even", "balanced")
+
+_observers: list[Callable[[Sequence[Tensor]], None]] = []
+
+
+@contextlib.contextmanager
+def observe(callback: Callable[[Sequence[Tensor]], None]) -> Iterator[None]:
+    """Call ``callback`` with the tensors a sub-sequence's layers take and return, and with
+    the keys and values it leaves the next one, inside the body (memory meters use it: the
+    cached forward runs no module hooks, and the carried tensors are held by the stage)."""
+    _observers.append(callback)
+    try:
+        yield
+    finally:
+        _observers.remove(callback)
+
+
+def _notify(tensors: Sequence[Tensor]) -> None:
+    for callback in list(_observers):
+        callback(tensors)
 
 
 @dataclass(frozen=True)
@@ -224,7 +245,9 @@ class Carries:
         values as leaves (``as_leaf``) of the next one's graph."""
         microbatch, j = divmod(unit, self.chunks)
         if j < self.chunks - 1:
-            self._forward[microbatch] = (tokens, [as_leaf(t.contiguous()) for t in keys_values])
+            leaves = [as_leaf(t.contiguous()) for t in keys_values]
+            _notify(leaves)
+            self._forward[microbatch] = (tokens, leaves)
 
     def gradients(self, unit: int) -> list[Tensor | None]:
         """The gradients of the keys and values ``unit`` left, from the next sub-sequence's
@@ -288,7 +311,9 @@ def run_cached(
     valid = torch.ones(rows, past + new, dtype=torch.bool, device=first.device)
     context = CacheContext(positions, valid, every_token=True)
     for layer, cache in zip(layers, caches, strict=True):
+        taken = tensors_of(x)
         x = layer.forward_cached(x, cache, context)
+        _notify([*taken, *tensors_of(x)])
     after: list[Tensor] = []
     for kv in held:
         handed = kv.carry()
