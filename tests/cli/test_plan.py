@@ -79,3 +79,49 @@ def test_sizes_and_bad_input():
 def test_bad_options_end_in_one_line(capsys, args, message):
     assert main([*MODEL, *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_sub_sequences_are_planned_as_the_library_plans_them(capsys):
+    """--seq-chunks 4: the model profiled on one sub-sequence, with the keys and values each
+    carries to the next; what the first process holds falls, the table is plan()'s."""
+    import torch
+
+    from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
+    from gpipe.planning.memory import plan, profile, sub_sequence_carry
+
+    options = ["--n-layer", "4", "--stages", "2", "--schedule", "1f1b", "--checkpoint", "always"]
+    activations = {}
+    for s in (1, 4):
+        assert main([*MODEL, *options, "--seq-chunks", str(s)]) == 0
+        out = capsys.readouterr().out
+        assert ("as 4 sub-sequences" in out) == (s == 4)
+        activations[s] = _rows(out)[0][5]
+    model = build_gpt(GPTConfig(n_layer=4, d_model=256, n_head=4, vocab_size=1000), "meta")
+    piece = torch.zeros(2, 32, dtype=torch.int64, device="meta")
+    want = plan(
+        profile(model, piece, target=piece, loss_fn=lm_loss),
+        [3, 3],
+        batch_size=16,
+        chunks=8,
+        schedule="1f1b",
+        checkpoint="always",
+        seq_chunks=4,
+        carry_bytes=sub_sequence_carry(model, piece),
+    ).ranks[0]
+    assert activations[4] == f"{want.activation_bytes / 2**20:.2f} MiB"
+    assert float(activations[4].split()[0]) < float(activations[1].split()[0])
+
+
+@pytest.mark.parametrize(
+    ("more", "message"),
+    [
+        (["--seq-chunks", "3"], "--seq-chunks 3 does not divide --seq-len 128"),
+        (["--seq-chunks", "4", "--schedule", "interleaved"], "runs with --schedule gpipe, 1f1b"),
+        (["--seq-chunks", "4", "--suggest"], "--seq-chunks 4 is not planned with --suggest yet"),
+        (["--seq-chunks", "0"], "--seq-chunks must be a positive integer, got 0"),
+    ],
+)
+def test_sub_sequences_that_cannot_be_planned_end_in_one_line(capsys, more, message):
+    assert main([*MODEL, *more]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err

@@ -39,6 +39,7 @@ from gpipe.planning.memory import (
     format_bytes,
     plan,
     profile,
+    sub_sequence_carry,
 )
 from gpipe.planning.suggest import (
     MAX_STAGES,
@@ -51,6 +52,7 @@ from gpipe.planning.suggest import (
 )
 from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import SCHEDULES, traits
+from gpipe.schedules.seq_chunked import SEQ_CHUNKED
 
 __all__ = ["add_parser", "parse_bytes"]
 
@@ -120,6 +122,14 @@ def add_parser(sub: Any) -> None:
         help="re-materialization (default except_last)",
     )
     p.add_argument(
+        "--seq-chunks",
+        type=int,
+        default=1,
+        metavar="S",
+        help="each micro-batch as S sub-sequences (gpipe train --seq-chunks; the built-in GPT "
+        "under gpipe, 1f1b or zero-bubble): the model profiled on one (default 1)",
+    )
+    p.add_argument(
         "--optimizer", choices=sorted(OPTIMIZER_STATES), default="adam", help="default adam"
     )
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="default float32")
@@ -183,12 +193,24 @@ def _config(args: argparse.Namespace, n_layer: int) -> Any:
 
 
 def _one_block(args: argparse.Namespace, device: str = "meta") -> tuple[Any, torch.Tensor]:
-    """A one-block model on the meta device, and a micro-batch of tokens on ``device``."""
+    """A one-block model on the meta device, and a micro-batch of tokens on ``device`` (of
+    one sub-sequence's, with ``--seq-chunks``)."""
     from gpipe.models.gpt import build_gpt
 
     layers = build_gpt(_config(args, 1), device="meta").to(_DTYPES[args.dtype])
-    tokens = torch.zeros(min(2, args.batch_size), args.seq_len, dtype=torch.int64, device=device)
+    length = args.seq_len // getattr(args, "seq_chunks", 1)
+    tokens = torch.zeros(min(2, args.batch_size), length, dtype=torch.int64, device=device)
     return layers, tokens
+
+
+def _carry_bytes(args: argparse.Namespace, n_layer: int) -> list[float]:
+    """With ``--seq-chunks``, what each layer of an ``n_layer``-block GPT hands the next
+    sub-sequence per row (its blocks' keys and values), as ``plan``'s ``carry_bytes``."""
+    if args.seq_chunks == 1:
+        return []
+    layers, tokens = _one_block(args)
+    embedding, block, head = sub_sequence_carry(layers, tokens)
+    return [embedding, *[block] * n_layer, head]
 
 
 def _template(args: argparse.Namespace) -> Profile:
@@ -228,7 +250,38 @@ def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> Memo
         balance = partition(prof.params, parts)
     else:
         balance = parse_balance(args.balance, parts, len(prof)) or even_balance(len(prof), parts)
-    return plan(prof, balance, **plan_options(args))
+    return plan(
+        prof,
+        balance,
+        **plan_options(args),
+        seq_chunks=args.seq_chunks,
+        carry_bytes=_carry_bytes(args, n_layer),
+    )
+
+
+def _check_seq_chunks(args: argparse.Namespace, gpt: bool) -> None:
+    """``--seq-chunks S``: the built-in GPT's memory plan, under a schedule that runs
+    sub-sequences, whose length S divides."""
+    s = args.seq_chunks
+    if s == 1:
+        return
+    if s < 1:
+        raise UsageError(f"--seq-chunks must be a positive integer, got {s}")
+    given = {
+        "--generate": args.generate,
+        "--suggest": args.suggest,
+        "--tensor-parallel": (args.tensor_parallel or 1) > 1,
+        "--shard": args.shard not in (None, "none"),
+        f"--model {args.model}": not gpt,
+    }
+    for flag, present in given.items():
+        if present:
+            raise UsageError(f"--seq-chunks {s} is not planned with {flag} yet")
+    schedule = args.schedule or _PLAN_DEFAULTS["schedule"]
+    if schedule not in SEQ_CHUNKED:
+        raise UsageError(f"--seq-chunks {s} runs with --schedule {', '.join(SEQ_CHUNKED)}")
+    if args.seq_len % s:
+        raise UsageError(f"--seq-chunks {s} does not divide --seq-len {args.seq_len}")
 
 
 def _check_model(args: argparse.Namespace, *more: str) -> None:
@@ -301,9 +354,12 @@ def _most_layers(args: argparse.Namespace, template: Profile, memory: int) -> in
 
 def _plan(args: argparse.Namespace) -> int:
     if is_cluster_plan(args):
+        if args.seq_chunks != 1:
+            raise UsageError(f"--seq-chunks {args.seq_chunks} is not planned with --cluster yet")
         return plan_cluster(args)
     kind = model_kind(args)
     gpt = kind == "gpt"
+    _check_seq_chunks(args, gpt)
     _check_tensor(args, gpt)
     if args.generate:
         return _generating(args, kind)
@@ -335,6 +391,8 @@ def _plan(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     blocks = "most blocks that fit" if args.max_layers else "blocks"
     heading = f"gpt: {blocks} {n_layer}, d_model {args.d_model}"
+    if args.seq_chunks > 1:
+        heading += f", micro-batches as {args.seq_chunks} sub-sequences"
     print_plan(args, heading, f"balance {list(result.balance)}", result, memory)
     return _advise(args, result, memory)
 
