@@ -109,7 +109,7 @@ class MemoryPlan:
         return self.peak_bytes <= device_bytes
 
 
-def _schedule(name: str, n_stages: int, n_ranks: int, chunks: int, seq_chunks: int) -> Schedule:
+def _schedule(name: str, n_stages: int, n_ranks: int, chunks: int, seq_chunks: int = 1) -> Schedule:
     """Schedule ``name`` for ``n_stages`` stages on ``n_ranks`` processes, which its placement
     must allow: one stage on each, or as many on each; over units of ``seq_chunks``
     sub-sequences per micro-batch."""
