@@ -190,12 +190,17 @@ def test_a_w_before_its_b_deadlocks():
 
 
 def test_a_v_balance_must_be_two_stages_per_process():
-    from gpipe.engine.placement import check_stages_per_rank
-    from gpipe.planning.memory import _schedule
+    import torch
+    from torch import nn
 
+    from gpipe.engine.placement import check_stages_per_rank
+    from gpipe.planning.memory import plan, profile
+
+    layers = nn.Sequential(*(nn.Linear(2, 2) for _ in range(6)))
+    prof = profile(layers, torch.zeros(2, 2))
     for schedule in ("zero-bubble-v", "dualpipe-v", "v-half", "v-min"):
         with pytest.raises(ValueError, match="2K = 4 entries for 2 processes, got 6"):
             check_stages_per_rank(6, 2, schedule)
         with pytest.raises(ValueError, match="2K = 4 entries for 2 processes, got 6"):
-            _schedule(schedule, 6, 2, 4)
+            plan(prof, [1] * 6, batch_size=4, chunks=4, schedule=schedule, n_ranks=2)
         check_stages_per_rank(4, 2, schedule)
