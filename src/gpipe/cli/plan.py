@@ -31,6 +31,7 @@ from gpipe.cli.plan_tensor import (
     tensor_options,
     with_collectives,
 )
+from gpipe.cli.seq_chunk_flags import add_seq_chunks_argument, check_plannable, gpt_carry_bytes
 from gpipe.planning.advice import chunks_advice
 from gpipe.planning.memory import (
     OPTIMIZER_STATES,
@@ -39,7 +40,6 @@ from gpipe.planning.memory import (
     format_bytes,
     plan,
     profile,
-    sub_sequence_carry,
 )
 from gpipe.planning.suggest import (
     MAX_STAGES,
@@ -52,7 +52,6 @@ from gpipe.planning.suggest import (
 )
 from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import SCHEDULES, traits
-from gpipe.schedules.seq_chunked import SEQ_CHUNKED
 
 __all__ = ["add_parser", "parse_bytes"]
 
@@ -121,14 +120,7 @@ def add_parser(sub: Any) -> None:
         choices=CHECKPOINT_MODES,
         help="re-materialization (default except_last)",
     )
-    p.add_argument(
-        "--seq-chunks",
-        type=int,
-        default=1,
-        metavar="S",
-        help="each micro-batch as S sub-sequences (gpipe train --seq-chunks; the built-in GPT "
-        "under gpipe, 1f1b or zero-bubble): the model profiled on one (default 1)",
-    )
+    add_seq_chunks_argument(p, "the built-in GPT profiled on one")
     p.add_argument(
         "--optimizer", choices=sorted(OPTIMIZER_STATES), default="adam", help="default adam"
     )
@@ -203,16 +195,6 @@ def _one_block(args: argparse.Namespace, device: str = "meta") -> tuple[Any, tor
     return layers, tokens
 
 
-def _carry_bytes(args: argparse.Namespace, n_layer: int) -> list[float]:
-    """With ``--seq-chunks``, what each layer of an ``n_layer``-block GPT hands the next
-    sub-sequence per row (its blocks' keys and values), as ``plan``'s ``carry_bytes``."""
-    if args.seq_chunks == 1:
-        return []
-    layers, tokens = _one_block(args)
-    embedding, block, head = sub_sequence_carry(layers, tokens)
-    return [embedding, *[block] * n_layer, head]
-
-
 def _template(args: argparse.Namespace) -> Profile:
     """The profile of one rank's share of a one-block model (of all of it, without tensor
     parallelism); deeper models repeat its block (``Profile.repeat``)."""
@@ -255,33 +237,8 @@ def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> Memo
         balance,
         **plan_options(args),
         seq_chunks=args.seq_chunks,
-        carry_bytes=_carry_bytes(args, n_layer),
+        carry_bytes=gpt_carry_bytes(args, n_layer, _one_block),
     )
-
-
-def _check_seq_chunks(args: argparse.Namespace, gpt: bool) -> None:
-    """``--seq-chunks S``: the built-in GPT's memory plan, under a schedule that runs
-    sub-sequences, whose length S divides."""
-    s = args.seq_chunks
-    if s == 1:
-        return
-    if s < 1:
-        raise UsageError(f"--seq-chunks must be a positive integer, got {s}")
-    given = {
-        "--generate": args.generate,
-        "--suggest": args.suggest,
-        "--tensor-parallel": (args.tensor_parallel or 1) > 1,
-        "--shard": args.shard not in (None, "none"),
-        f"--model {args.model}": not gpt,
-    }
-    for flag, present in given.items():
-        if present:
-            raise UsageError(f"--seq-chunks {s} is not planned with {flag} yet")
-    schedule = args.schedule or _PLAN_DEFAULTS["schedule"]
-    if schedule not in SEQ_CHUNKED:
-        raise UsageError(f"--seq-chunks {s} runs with --schedule {', '.join(SEQ_CHUNKED)}")
-    if args.seq_len % s:
-        raise UsageError(f"--seq-chunks {s} does not divide --seq-len {args.seq_len}")
 
 
 def _check_model(args: argparse.Namespace, *more: str) -> None:
@@ -359,7 +316,7 @@ def _plan(args: argparse.Namespace) -> int:
         return plan_cluster(args)
     kind = model_kind(args)
     gpt = kind == "gpt"
-    _check_seq_chunks(args, gpt)
+    check_plannable(args, gpt, str(_PLAN_DEFAULTS["schedule"]))
     _check_tensor(args, gpt)
     if args.generate:
         return _generating(args, kind)

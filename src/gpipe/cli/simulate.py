@@ -15,6 +15,7 @@ from gpipe.cli.common import (
     read_costs,
 )
 from gpipe.cli.plan_tensor import add_link_argument, link_of
+from gpipe.cli.seq_chunk_flags import add_seq_chunks_argument, check_simulable
 from gpipe.planning.bubbles import split_costs
 from gpipe.planning.simulate import Costs, SimResult, compare, scenario, simulate
 from gpipe.schedules import SCHEDULES, build, from_csv, get_schedule, to_csv
@@ -81,14 +82,8 @@ def add_parser(sub: Any) -> None:
         help=f"stages per rank for the {multi_stage_schedules()} schedule, each with 1/V of "
         "the rank's costs (default 2)",
     )
-    p.add_argument(
-        "--seq-chunks",
-        type=int,
-        default=1,
-        metavar="S",
-        help="run each micro-batch as S sub-sequences (gpipe train --seq-chunks; with gpipe, "
-        "1f1b and zero-bubble), each costing, holding and sending 1/S of it; peaks then count "
-        "micro-batches' worth of sub-sequences (default 1)",
+    add_seq_chunks_argument(
+        p, "each costs, holds and sends 1/S of it; peaks count micro-batches' worth of them"
     )
     _add_replica_arguments(p)
     p.add_argument(
@@ -162,17 +157,13 @@ def _add_replica_arguments(p: Any) -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     tokens = microbatch_tokens(args)
-    for flag in ("stages", "chunks", "virtual_stages", "data_parallel", "seq_chunks"):
+    for flag in ("stages", "chunks", "virtual_stages", "data_parallel"):
         if getattr(args, flag) < 1:
             raise UsageError(
                 f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}"
             )
     shard = _shard(args)
-    if args.seq_chunks > 1:
-        taken = [f for f in ("schedule_csv", "dump_csv", "html") if getattr(args, f) is not None]
-        if taken:
-            flag = taken[0].replace("_", "-")
-            raise UsageError(f"--seq-chunks {args.seq_chunks} does not run with --{flag} yet")
+    check_simulable(args)
     if args.schedule_csv is not None:
         return _simulate_file(args)
     names = _schedule_names(args.schedule)
