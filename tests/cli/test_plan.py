@@ -125,3 +125,23 @@ def test_sub_sequences_that_cannot_be_planned_end_in_one_line(capsys, more, mess
     assert main([*MODEL, *more]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_sub_sequences_of_tensor_parallel_stages_carry_their_ranks_heads(capsys):
+    """With --tensor-parallel 2 each rank's blocks carry their half of the heads' keys and
+    values to the next sub-sequence, and the plan is made with it."""
+    import torch
+
+    from gpipe.models.gpt import GPTConfig, build_gpt
+    from gpipe.planning.memory import sub_sequence_carry
+    from gpipe.planning.tensor_share import local_share
+
+    model = build_gpt(GPTConfig(n_layer=1, d_model=256, n_head=4, vocab_size=1000), "meta")
+    piece = torch.zeros(2, 32, dtype=torch.int64, device="meta")
+    whole = sub_sequence_carry(model, piece)
+    assert sub_sequence_carry(local_share(model, 2), piece) == [b / 2 for b in whole]
+    assert whole[1] == 2 * 32 * 256 * 4  # keys and values of 32 tokens, 256 wide, per row
+    options = [*MODEL, "--n-layer", "4", "--stages", "2", "--schedule", "1f1b", "--seq-chunks",
+               "4", "--checkpoint", "always", "--tensor-parallel", "2"]  # fmt: skip
+    assert main(options) == 0
+    assert "as 4 sub-sequences" in capsys.readouterr().out

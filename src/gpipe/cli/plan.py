@@ -195,6 +195,13 @@ def _one_block(args: argparse.Namespace, device: str = "meta") -> tuple[Any, tor
     return layers, tokens
 
 
+def _one_rank_block(args: argparse.Namespace) -> tuple[Any, torch.Tensor]:
+    """One rank's share of the one-block model (its heads, with tensor parallelism), and a
+    micro-batch of tokens on the meta device."""
+    layers, tokens = _one_block(args)
+    return one_rank(layers, args.tensor_parallel), tokens
+
+
 def _template(args: argparse.Namespace) -> Profile:
     """The profile of one rank's share of a one-block model (of all of it, without tensor
     parallelism); deeper models repeat its block (``Profile.repeat``)."""
@@ -237,7 +244,7 @@ def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> Memo
         balance,
         **plan_options(args),
         seq_chunks=args.seq_chunks,
-        carry_bytes=gpt_carry_bytes(args, n_layer, _one_block),
+        carry_bytes=gpt_carry_bytes(args, n_layer, _one_rank_block),
     )
 
 

@@ -52,7 +52,6 @@ def check_plannable(args: argparse.Namespace, gpt: bool, default_schedule: str) 
     given = {
         "--generate": args.generate,
         "--suggest": args.suggest,
-        "--tensor-parallel": (args.tensor_parallel or 1) > 1,
         "--shard": args.shard not in (None, "none"),
         f"--model {args.model}": not gpt,
     }
@@ -69,8 +68,8 @@ def gpt_carry_bytes(
     args: argparse.Namespace, n_layer: int, one_block: Callable[[argparse.Namespace], Any]
 ) -> list[float]:
     """With ``--seq-chunks``, what each layer of an ``n_layer``-block GPT hands the next
-    sub-sequence per row (its blocks' keys and values): ``plan``'s ``carry_bytes``, from
-    ``one_block(args)``'s one-block model and sub-sequence."""
+    sub-sequence per row (its blocks' keys and values, of the rank's heads): ``plan``'s
+    ``carry_bytes``, from ``one_block(args)``'s one-block model and sub-sequence."""
     if args.seq_chunks == 1:
         return []
     layers, tokens = one_block(args)
