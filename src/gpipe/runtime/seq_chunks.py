@@ -246,7 +246,8 @@ class Carries:
         microbatch, j = divmod(unit, self.chunks)
         if j < self.chunks - 1:
             leaves = [as_leaf(t.contiguous()) for t in keys_values]
-            _notify(leaves)
+            if _observers:
+                _notify(leaves)
             self._forward[microbatch] = (tokens, leaves)
 
     def gradients(self, unit: int) -> list[Tensor | None]:
@@ -311,9 +312,10 @@ def run_cached(
     valid = torch.ones(rows, past + new, dtype=torch.bool, device=first.device)
     context = CacheContext(positions, valid, every_token=True)
     for layer, cache in zip(layers, caches, strict=True):
-        taken = tensors_of(x)
+        taken = tensors_of(x) if _observers else []  # only a meter looks at them
         x = layer.forward_cached(x, cache, context)
-        _notify([*taken, *tensors_of(x)])
+        if _observers:
+            _notify([*taken, *tensors_of(x)])
     after: list[Tensor] = []
     for kv in held:
         handed = kv.carry()
