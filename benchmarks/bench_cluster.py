@@ -34,15 +34,15 @@ def plan_json(args: list[str]) -> tuple[int, dict[str, Any]]:
 def predicted(run: Run) -> tuple[float, dict[str, Any]]:
     """The run's figure as predicted (in its metric's unit), and the whole JSON."""
     _, got = plan_json(run.args)
-    if run.metric == "mfu":
-        return got["mfu"], got
-    return got["tflops_per_gpu"], got
+    return got[run.metric], got
 
 
 def _row(run: Run, value: float, got: dict[str, Any], seconds: float) -> dict[str, Any]:
-    ratio = value / run.published
-    unit = "%" if run.metric == "mfu" else ""
+    ratio = run.ratio(value)
+    unit = {"mfu": "%", "step_time_s": " s"}.get(run.metric, "")
     scale = 100 if run.metric == "mfu" else 1
+    digits = 2 if run.metric == "step_time_s" else 1
+    shown = ".2f" if run.metric == "step_time_s" else "g"
     layout = got["layout"]
     return {
         "name": run.name,
@@ -59,7 +59,7 @@ def _row(run: Run, value: float, got: dict[str, Any], seconds: float) -> dict[st
         "command": run.command(),
         "source": run.source,
         "note": run.note,
-        "text": f"{run.published * scale:g}{unit} | {value * scale:.1f}{unit}",
+        "text": f"{run.published * scale:{shown}}{unit} | {value * scale:.{digits}f}{unit}",
     }
 
 

@@ -19,6 +19,10 @@ _MEGATRON = "Narayanan et al. 2021 (arXiv:2104.04473), Table 1"
 _SC21 = "Megatron-LM examples/sc21/run_table_1.sh (the settings of Table 1's runs)"
 _KORTHIKANTI = "Korthikanti et al. 2022 (arXiv:2205.05198), Tables 3 and 5"
 _MCORE = "Megatron-LM README, Megatron-Core r0.8.0 weak scaling on H100 (images/model_table.png)"
+_NEMOTRON = "Nemotron-4 340B technical report (arXiv:2406.11704), Table 2: iteration time"
+_DGXC = (
+    "NVIDIA DGX Cloud benchmarking recipe, Nemotron4 340B 24.11 (NGC): BF16 step time on 128 H100"
+)
 
 
 def argv(text: str) -> list[str]:
@@ -34,7 +38,8 @@ def _gpt(layers: int, hidden: int, heads: int, vocab: int = 51200) -> str:
 class Run:
     """A published run: its ``gpipe plan`` arguments, the figure published and what it
     counts (``tflops_per_gpu``: Megatron's equation 3; ``mfu``: model FLOPs over the peak),
-    the tolerance it is held to, and a note on what was assumed."""
+    the tolerance it is held to, and a note on what was assumed. ``step_time_s``: seconds a
+    step, compared as a rate (published over predicted), like the other two."""
 
     name: str
     source: str
@@ -47,6 +52,12 @@ class Run:
 
     def command(self) -> str:
         return "gpipe plan " + " ".join(self.args)
+
+    def ratio(self, predicted: float) -> float:
+        """Predicted over published throughput: above 1, the prediction is the faster."""
+        if self.metric == "step_time_s":
+            return self.published / predicted
+        return predicted / self.published
 
 
 def _megatron(row: tuple, tolerance: float) -> Run:
@@ -215,6 +226,47 @@ RUNS: list[Run] = [
             tags=("llama",),
         )
         for gpus, mfu in ((8192, 0.43), (16384, 0.41))
+    ),
+    Run(
+        "Nemotron-4 340B on 6,144 H100",
+        _NEMOTRON,
+        [
+            "--cluster",
+            "6144xH100-SXM",
+            "--model",
+            f"hf:{HERE / 'nemotron-4-340b.json'}",
+            *argv(
+                "--seq-len 4096 --tensor-parallel 8 --stages 12 --global-batch 2304 "
+                "--micro-batch 1 --schedule interleaved --recompute none "
+                "--shard optimizer --precision bf16"
+            ),
+        ],
+        "step_time_s",
+        8.0,
+        note="distributed optimizer; micro-batch 1, no recomputation and the planner's "
+        "stages per process assumed (the report gives TP 8, PP 12 with interleaving)",
+        tags=("nemotron",),
+    ),
+    Run(
+        "Nemotron-4 340B on 128 H100 (NeMo recipe)",
+        _DGXC,
+        [
+            "--cluster",
+            "128xH100-SXM",
+            "--model",
+            f"hf:{HERE / 'nemotron-4-340b.json'}",
+            *argv(
+                "--seq-len 4096 --tensor-parallel 8 --stages 8 --virtual-stages 12 "
+                "--global-batch 32 --micro-batch 1 --schedule interleaved --recompute none "
+                "--shard optimizer --precision bf16"
+            ),
+        ],
+        "step_time_s",
+        4.77,
+        note="the recipe's TP 8, PP 8, VP 12, micro-batch 1; no recomputation assumed, under "
+        "which the planner says 100 GiB per GPU (it does not model the recipe's memory "
+        "settings)",
+        tags=("nemotron",),
     ),
     *(
         Run(
