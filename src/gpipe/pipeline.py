@@ -45,7 +45,7 @@ from gpipe.engine.generation import Generation, GenerationRefused
 from gpipe.parallel.sharding import Sharding
 from gpipe.parallel.tensor import PlanValue
 from gpipe.parallel.ties import counted as counted_once
-from gpipe.parallel.world import Dimensions, check_dimensions, join
+from gpipe.parallel.world import check_dimensions, join
 from gpipe.planning.auto import AutoChoice, agreed_choice, check_auto
 from gpipe.planning.balancing import balance_by_time
 from gpipe.runtime.compiled import check_compile, warn_eager_training
@@ -100,7 +100,6 @@ def _runs_with(
     schedule: str | Schedule,
     checkpoint: str | Layers,
     skips: list[Skip],
-    dims: Dimensions,
     compiled: object,
 ) -> SeqChunks | None:
     """``seq``, refused in one line with a setting that sub-sequences do not run with."""
@@ -109,7 +108,6 @@ def _runs_with(
         schedule,
         layers_policy=isinstance(checkpoint, Layers),
         skips=bool(skips),
-        shard=dims.sharding,
         compiled=compiled is not None,
     )
     return seq
@@ -332,7 +330,7 @@ class Pipeline(nn.Module):
             compile, split_parameters=dims.tensor_parallel > 1 or shard is not None
         )
         seq = check_seq_chunks(seq_chunks, seq_split, module)
-        self.seq_chunks = _runs_with(seq, schedule, self.checkpoint, skips, dims, compiled)
+        self.seq_chunks = _runs_with(seq, schedule, self.checkpoint, skips, compiled)
 
         # the processes, and the schedule and cut of the model they agree on
         world = join(self.device, group, dims, self.timeout)

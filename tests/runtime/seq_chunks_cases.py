@@ -5,7 +5,8 @@ import copy
 import torch
 
 from gpipe import Pipeline
-from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
+from gpipe.models.gpt import Block, GPTConfig, build_gpt, lm_loss
+from gpipe.parallel.sharding import Sharding
 
 EXACT = {"rtol": 1e-10, "atol": 1e-12}
 
@@ -158,6 +159,97 @@ def with_replicas() -> float:
     return max(float((p.grad - grads[n].grad).abs().max()) for n, p in pipe.named_parameters())
 
 
+def with_sharded_replicas() -> list[str]:
+    """Two replicas of a two-stage pipeline sharded over each other (``shard="full"``, 4
+    processes) on sub-sequences, each on its half of the batch: the GPT under gpipe, 1F1B and
+    zero-bubble, never and always re-materialized, for two SGD steps, and a Hugging Face
+    Llama under 1F1B: the loss, every gathered gradient and the updated weights equal those
+    of unsplit training on the whole batch in float64. Returns the settings compared."""
+    import gpipe
+
+    from ..splitting.hf_cases import llama_model
+
+    compared = []
+    model, x, y = _gpt()
+    x, y = x[:6], y[:6]  # 3 rows a replica
+    for schedule in ("gpipe", "1f1b", "zero-bubble"):
+        for checkpoint in ("never", "always"):
+            reference = copy.deepcopy(model)
+            pipe = Pipeline(
+                copy.deepcopy(model),
+                [2, 3],
+                chunks=3,
+                schedule=schedule,
+                checkpoint=checkpoint,
+                loss_fn=lm_loss,
+                seq_chunks=3,
+                data_parallel=2,
+                shard="full",
+            )
+            assert pipe.replicas is not None
+            half = pipe.replicas.replica
+            optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+            ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+            for step in range(2):
+                optimizer.zero_grad()
+                ref_optimizer.zero_grad()
+                length = 24 - 6 * step  # a second sequence length too
+                xs, ys = x[:, :length], y[:, :length]
+                _same_step(
+                    pipe,
+                    reference,
+                    (xs.chunk(2)[half], xs),
+                    (ys.chunk(2)[half], ys),
+                    lm_loss,
+                    lambda name: name,
+                )
+                optimizer.step()
+                ref_optimizer.step()
+            weights = dict(reference.named_parameters())
+            for name, p in pipe.named_parameters():
+                torch.testing.assert_close(p.full_tensor(), weights[name], **EXACT, msg=name)
+            compared.append(f"gpt {schedule} {checkpoint}")
+    reference = llama_model()
+    ids = torch.randint(1, 64, (4, 17), generator=torch.Generator().manual_seed(2))
+    split = gpipe.split(copy.deepcopy(reference), parts=2, plan="hf")
+    pipe = Pipeline(
+        split,
+        chunks=2,
+        schedule="1f1b",
+        loss_fn=_logits_loss,
+        seq_chunks=4,
+        data_parallel=2,
+        shard="full",
+    )
+    assert pipe.replicas is not None
+    half = pipe.replicas.replica
+    x, y = ids[:, :-1], ids[:, 1:]
+    _same_step(
+        pipe,
+        reference,
+        (x.chunk(2)[half], x),
+        (y.chunk(2)[half], y),
+        _logits_loss,
+        split.original_name,
+    )
+    compared.append("llama 1f1b")
+    # units of blocks alone leave the embedding to the stage's own unit, which sub-sequences
+    # never gather: every rank refuses, naming the layer and the stage
+    try:
+        Pipeline(
+            copy.deepcopy(model),
+            [2, 3],
+            chunks=3,
+            loss_fn=lm_loss,
+            seq_chunks=3,
+            data_parallel=2,
+            shard=Sharding(unit=(Block,)),
+        )
+    except ValueError as exc:
+        return [*compared, str(exc)]
+    return compared
+
+
 def with_tensor_parallel() -> list[str]:
     """Two tensor ranks per stage (4 processes), their layers split by the model's own plan,
     on sub-sequences: the GPT under 1F1B (S = 3) and under zero-bubble re-materialized with
@@ -197,11 +289,14 @@ def with_tensor_parallel() -> list[str]:
 
 def _same_step(pipe, reference, x, y, loss_fn, original_name) -> None:
     """One step of ``pipe`` against one of ``reference`` on the whole batch: the same loss
-    and, gathered from the tensor ranks, the same gradients."""
+    and, gathered from the tensor ranks or replicas, the same gradients. ``x`` and ``y`` may
+    be pairs: this replica's share, then the whole batch."""
+    mine, x = x if isinstance(x, tuple) else (x, x)
+    theirs, y = y if isinstance(y, tuple) else (y, y)
     expected = loss_fn(reference(x), y)
     expected.backward()
     grads = {n: p.grad for n, p in reference.named_parameters()}
-    loss = pipe.step(x, y)
+    loss = pipe.step(mine, theirs)
     torch.testing.assert_close(loss, expected.detach(), **EXACT)
     for name, p in pipe.named_parameters():
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad

@@ -47,6 +47,19 @@ def test_replicas_of_a_pipeline_on_sub_sequences_train_as_the_unsplit_model():
     assert all(gap < 1e-12 for gap in run(cases.with_replicas, 4, threads=1).values())
 
 
+def test_sharded_replicas_on_sub_sequences_train_as_the_unsplit_model():
+    pytest.importorskip("transformers", reason="the Llama case needs transformers")
+    results = run(cases.with_sharded_replicas, 4, (), threads=1)
+    expected = [f"gpt {s} {c}" for s in SCHEDULES for c in ("never", "always")]
+    for compared in results.values():
+        *steps, refused = compared
+        assert steps == [*expected, "llama 1f1b"]
+        assert refused.startswith(
+            "seq_chunks with shard: layer 0 (Embedding) of stage 0 has parameters outside "
+            "every fully_shard unit"
+        )
+
+
 def test_tensor_parallel_stages_on_sub_sequences_train_as_the_unsplit_model():
     pytest.importorskip("transformers", reason="the Llama case needs transformers")
     results = run(cases.with_tensor_parallel, 4, (), threads=1)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
-from gpipe.parallel.sharding import ShardedStages, Sharding
+from gpipe.parallel.sharding import ShardedStages, Sharding, check_units_for_sub_sequences
 from gpipe.parallel.tensor import ParallelMesh, TensorPlan
 from gpipe.parallel.ties import Tie, find_ties, untie
 from gpipe.runtime.batchnorm import convert_deferred_batch_norm
@@ -156,6 +156,10 @@ def build_stages(
         stage_layers = [[n for n, _ in children[a:b]] for a, b in stage_bounds(balance)]
         recipe.tensor_plan.check_sharing(module, stage_layers, ties)
     untie(module, ties)
+    if recipe.sharding is not None and recipe.seq_chunks is not None:
+        for stage, (start, stop) in enumerate(stage_bounds(balance)):
+            partition = nn.Sequential(OrderedDict(children[start:stop]))
+            check_units_for_sub_sequences(partition, recipe.sharding, stage)
     layers: dict[str, nn.Module] = {}
     stages: dict[int, Stage] = {}
     for stage in placement.stages:

@@ -11,6 +11,8 @@ backward is split into B and W, the last W is followed by every unit's reduction
 ``Pipeline.parameters()``, then steps on the shards. Parameters keep their names in the
 whole model (``named_parameters``, ``state_dict``, checkpoints); they and their gradients
 are DTensors, whose ``.full_tensor()`` gathers the whole (collective over the replicas).
+A unit's ``forward_cached``, which sub-sequences run (``seq_chunks``), gathers its parameters
+as its ``forward`` does.
 
 The replicas of a stage sum their gradients, as unsharded ones do (each micro-batch's loss is
 already weighted by its share of the global mini-batch), so the reduction divides by 1.
@@ -46,6 +48,7 @@ __all__ = [
     "Sharding",
     "check_shard",
     "check_shardable",
+    "check_units_for_sub_sequences",
 ]
 
 SHARD_MODES = (None, "optimizer", "gradients", "full")
@@ -168,6 +171,23 @@ def check_shardable(module: nn.Sequential, sharding: Sharding) -> None:
         wrapped.add(id(unit))
 
 
+def check_units_for_sub_sequences(partition: nn.Sequential, sharding: Sharding, stage: int) -> None:
+    """Refuse a stage where a layer's parameters would be held by the stage's own unit.
+
+    Sub-sequences (``seq_chunks``) run each layer's cached forward, registered with
+    ``fully_shard`` so that it gathers its unit's parameters; the stage's own forward, which
+    gathers the rest, never runs. Every rank checks every stage, so all refuse alike."""
+    wrapped = {id(unit) for _, unit in _units(partition, sharding.unit)}
+    for name, layer in partition.named_children():
+        if id(layer) not in wrapped and next(_own_parameters(layer, wrapped), None) is not None:
+            raise ValueError(
+                f"seq_chunks with shard: layer {name} ({type(layer).__name__}) of stage "
+                f"{stage} has parameters outside every fully_shard unit (Sharding(unit=...) "
+                "leaves them out, or another layer of the stage shares them), and sub-sequences "
+                "never gather those: make each layer a unit (the default, unit=None)"
+            )
+
+
 def _own_parameters(module: nn.Module, wrapped: set[int]) -> Iterator[nn.Parameter]:
     """``module``'s parameters outside the units already wrapped inside it."""
     seen: set[int] = set()
@@ -182,7 +202,7 @@ def _own_parameters(module: nn.Module, wrapped: set[int]) -> Iterator[nn.Paramet
 
 def _shard_stage(stage: Stage, mesh: Any, sharding: Sharding) -> FSDPModule:
     """Wrap ``stage``'s units, then its partition as the root; returns the root."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
     options: dict[str, Any] = {
         "mesh": mesh,
@@ -202,6 +222,8 @@ def _shard_stage(stage: Stage, mesh: Any, sharding: Sharding) -> FSDPModule:
             raise ValueError(
                 f"shard: {what}{where} cannot be wrapped by fully_shard: {exc}"
             ) from exc
+        if hasattr(module, "forward_cached"):  # what sub-sequences (seq_chunks) call
+            register_fsdp_forward_method(module, "forward_cached")
         wrapped.add(id(module))
     # fully_shard turned each unit into an FSDPModule in place; torch types them as before
     root: FSDPModule = stage.module  # type: ignore[assignment]  # made one in place

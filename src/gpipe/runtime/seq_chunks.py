@@ -145,7 +145,6 @@ def check_seq_setup(
     *,
     layers_policy: bool,
     skips: bool,
-    shard: object,
     compiled: bool,
 ) -> None:
     """Refuse, in one line, a setting that sub-sequences do not run with."""
@@ -157,7 +156,6 @@ def check_seq_setup(
             f"seq_chunks={seq.chunks} runs with the schedules {sorted(SEQ_CHUNKED)}, got {name!r}"
         )
     conflicts = {
-        "shard": shard is not None,
         "compile": compiled,
         "checkpoint=Layers(...) (whole micro-batches are recomputed, or none)": layers_policy,
         "skip connections (gpipe.skip)": skips,

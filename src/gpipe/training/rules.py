@@ -48,7 +48,6 @@ def _check_seq_chunks(opts: TrainOptions, seq_len: int) -> None:
             f"--seq-chunks {s} runs with --schedule {', '.join(SEQ_CHUNKED)}, got {opts.schedule}"
         )
     conflicts = {
-        "--shard": opts.shard != "none",
         "--compile": opts.compile,
         "--pack": opts.pack,
     }
