@@ -16,6 +16,10 @@ M = 8 micro-batches of one row, no re-materialization.
     python -m benchmarks.bench_seq_chunks --width 512      # results/seq-chunks-width512.json
     python -m benchmarks.bench_seq_chunks --layers 6 --stages 8   # seq-chunks-layers6.json
     python -m benchmarks.bench_seq_chunks --time --repeats 7   # results/seq-chunks-time.json
+    python -m benchmarks.bench_seq_chunks --time --compile   # seq-chunks-time-compiled.json
+
+``--compile``: S = 1 and S = 4 balanced, each eager and with ``compile=True`` (torch.compile's
+default backend; the warm-up step compiles).
 """
 
 from __future__ import annotations
@@ -36,6 +40,13 @@ TIMED = {
     "S=4": (4, "even"),
     "S=4 balanced": (4, "balanced"),
 }
+# with --compile: (S, seq_split, compiled)
+COMPILED = {
+    "S=1": (1, "even", False),
+    "S=1 compiled": (1, "even", True),
+    "S=4 balanced": (4, "balanced", False),
+    "S=4 balanced compiled": (4, "balanced", True),
+}
 LAYERS, WIDTH, HEADS, LENGTH, CHUNKS = 4, 128, 4, 2048, 8
 
 
@@ -46,6 +57,7 @@ def _pipeline(
     width: int = WIDTH,
     split: str = "even",
     blocks: int = LAYERS,
+    compiled: bool = False,
 ) -> Pipeline:
     torch.manual_seed(0)
     config = GPTConfig(n_layer=blocks, d_model=width, n_head=HEADS, seq_len=length)
@@ -60,6 +72,7 @@ def _pipeline(
         loss_fn=lm_loss,
         seq_chunks=seq_chunks,
         seq_split=split,
+        compile=compiled,
     )
 
 
@@ -78,28 +91,42 @@ def peak(k: int, seq_chunks: int, length: int, width: int, split: str, blocks: i
     return activation_peak(pipe, *_batch(length))
 
 
-def timed(repeats: int, warmup: int, length: int) -> dict[str, list[float]]:
+def timed(repeats: int, warmup: int, length: int, compiled: bool) -> dict[str, list[float]]:
     """Seconds per step of every contender, K = 2, taking turns in one pair of processes."""
     from gpipe.pipeline import init_process_group
 
     init_process_group(torch.device("cpu"))
-    pipes = {name: _pipeline(2, s, length, split=split) for name, (s, split) in TIMED.items()}
+    contenders = COMPILED if compiled else {n: (*c, False) for n, c in TIMED.items()}
+    pipes = {
+        name: _pipeline(2, s, length, split=split, compiled=c)
+        for name, (s, split, c) in contenders.items()
+    }
     x, y = _batch(length)
     return steps_in_turn(pipes, x, y, repeats, warmup)
 
 
-def _time(repeats: int, length: int) -> None:
-    seconds = launch(timed, 2, (repeats, 1, length), threads=1)[0]
+def _time(repeats: int, length: int, compiled: bool) -> None:
+    seconds = launch(timed, 2, (repeats, 1, length, compiled), threads=1)[0]
     report: dict = {"machine": machine(), "repeats": repeats, "length": length, "seq_chunks": {}}
     for name, (times, ratios) in over_baseline(seconds, "S=1", "S=1").items():
         report["seq_chunks"][name] = {"seconds": times, "over_one_per_cycle": ratios}
-    print(f"written to {write_results('seq-chunks-time', report)}")
+    if compiled:  # each compiled contender over its eager twin, per cycle
+        report["compiled_over_eager_per_cycle"] = {}
+        for eager in ("S=1", "S=4 balanced"):
+            pair = {n: seconds[n] for n in (eager, f"{eager} compiled")}
+            _, ratios = over_baseline(pair, eager, eager)[f"{eager} compiled"]
+            report["compiled_over_eager_per_cycle"][eager] = ratios
+    name = "seq-chunks-time" + ("-compiled" if compiled else "")
+    print(f"written to {write_results(name, report)}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--time", action="store_true", help="step times at K = 2 instead")
     parser.add_argument("--repeats", type=int, default=7, help="measured cycles of --time")
+    parser.add_argument(
+        "--compile", action="store_true", help="--time: eager against compiled layers"
+    )
     parser.add_argument("--length", type=int, default=LENGTH, help="tokens per sequence")
     parser.add_argument("--width", type=int, default=WIDTH, help="d_model of the memory runs")
     parser.add_argument("--layers", type=int, default=LAYERS, help="blocks of the memory runs")
@@ -111,7 +138,7 @@ def main() -> None:
     if max(stages) > args.layers + 2:
         parser.error(f"--stages {args.stages}: the model has {args.layers + 2} layers to cut")
     if args.time:
-        _time(args.repeats, args.length)
+        _time(args.repeats, args.length, args.compile)
         return
     report: dict = {
         "workload": dict(layers=args.layers, width=args.width, length=args.length, chunks=CHUNKS),

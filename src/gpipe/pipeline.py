@@ -53,7 +53,7 @@ from gpipe.runtime.microbatch import Batch, check_chunks
 from gpipe.runtime.partitions import as_sequential, check_balance, even_balance
 from gpipe.runtime.precision import Precision
 from gpipe.runtime.recompute import Layers, check_autocast, check_checkpoint
-from gpipe.runtime.seq_chunks import SeqChunks, check_seq_chunks, check_seq_setup
+from gpipe.runtime.seq_chunks import check_seq_chunks, check_seq_setup
 from gpipe.runtime.stage import LossFn
 from gpipe.runtime.stage_streams import check_overlap_stages, overlaps_stages
 from gpipe.runtime.timeline import Event, Recorder, merge
@@ -93,24 +93,6 @@ def agreed_balance(
         return balance_by_time(parts, module, sample, timeout=timeout, device=device)
 
     return list(on_first_rank(decide, group, "balancing by time"))
-
-
-def _runs_with(
-    seq: SeqChunks | None,
-    schedule: str | Schedule,
-    checkpoint: str | Layers,
-    skips: list[Skip],
-    compiled: object,
-) -> SeqChunks | None:
-    """``seq``, refused in one line with a setting that sub-sequences do not run with."""
-    check_seq_setup(
-        seq,
-        schedule,
-        layers_policy=isinstance(checkpoint, Layers),
-        skips=bool(skips),
-        compiled=compiled is not None,
-    )
-    return seq
 
 
 def _check_step_options(loss_fn: object, loss_reduction: object, timeout: object) -> None:
@@ -245,7 +227,8 @@ class Pipeline(nn.Module):
             or a dict of its keyword arguments (``{"backend": "aot_eager"}``). Works with every
             schedule and re-materialization; under a split backward (the zero-bubble family)
             the layers train eager, keeping the split, and run compiled in evaluation and
-            forward passes (``gpipe.runtime.compiled`` says why). Not with
+            forward passes (``gpipe.runtime.compiled`` says why); with ``seq_chunks``, each
+            layer's cached forward, which sub-sequences run, is compiled too. Not with
             ``tensor_parallel`` or ``shard`` yet.
         seq_chunks: S > 1 cuts each micro-batch of a training step along its sequence into S
             sub-sequences that run through the pipeline one after the other (Seq1F1B); a
@@ -330,7 +313,9 @@ class Pipeline(nn.Module):
             compile, split_parameters=dims.tensor_parallel > 1 or shard is not None
         )
         seq = check_seq_chunks(seq_chunks, seq_split, module)
-        self.seq_chunks = _runs_with(seq, schedule, self.checkpoint, skips, compiled)
+        layers_policy = isinstance(self.checkpoint, Layers)
+        check_seq_setup(seq, schedule, layers_policy=layers_policy, skips=bool(skips))
+        self.seq_chunks = seq
 
         # the processes, and the schedule and cut of the model they agree on
         world = join(self.device, group, dims, self.timeout)

@@ -512,7 +512,7 @@ def test_sub_sequences_are_refused_where_they_cannot_run(capsys):
     for more, words in (
         (["--seq-chunks", "3"], "--seq-chunks 3 does not divide --seq-len 32: give a multiple"),
         (["--seq-chunks", "2", "--schedule", "interleaved"], "--seq-chunks 2 runs with --schedule"),
-        (["--seq-chunks", "2", "--compile"], "--seq-chunks 2 does not run with --compile yet"),
+        (["--seq-chunks", "2", "--pack"], "--seq-chunks 2 does not run with --pack yet"),
         (["--seq-split", "balanced"], "--seq-split balanced needs --seq-chunks of 2 or more"),
         (["--seq-chunks", "0"], "--seq-chunks must be a positive integer, got 0"),
     ):

@@ -1,8 +1,10 @@
 """What the processes of tests/runtime/test_seq_chunks.py run (importable by name)."""
 
 import copy
+import warnings
 
 import torch
+from torch import nn
 
 from gpipe import Pipeline
 from gpipe.models.gpt import Block, GPTConfig, build_gpt, lm_loss
@@ -72,6 +74,82 @@ def _counting_cached_calls(pipe: Pipeline) -> list[int]:
 
     layer.forward_cached = counted
     return calls
+
+
+class CachedProbe(nn.Module):
+    """The identity, also as a cached layer, counting the sub-sequences that ran it compiled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # a tensor, counted inside the compiled graph: an int attribute would be a constant
+        # of the graph, compiled again at every count
+        self.register_buffer("compiled_calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def new_cache(self) -> None:
+        return None
+
+    def forward_cached(self, x: torch.Tensor, cache: None, context: object) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            self.compiled_calls.add_(1)
+        return x
+
+
+def compiled_against_eager(schedule: str) -> dict:
+    """The GPT with a CachedProbe among its blocks on three sub-sequences per micro-batch,
+    compiled (``aot_eager``: the graphs torch.compile's default backend would compile) and
+    eager, never and always re-materialized: two SGD steps each, whose losses and gradients
+    equal un-pipelined training's in float64. Returns, per mode, how many sub-sequences ran
+    the probe compiled, and what the compiled pipeline warned."""
+    torch.compiler.reset()  # these processes are shared: start below the recompilation limit
+    model, x, y = _gpt()
+    layers = list(model)
+    model = nn.Sequential(*layers[:2], CachedProbe(), *layers[2:])
+    found = {}
+    for checkpoint in ("never", "always"):
+        reference = copy.deepcopy(model)
+        pipes = {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for compiled in (False, True):
+                pipes[compiled] = Pipeline(
+                    copy.deepcopy(model),
+                    [3, 3],
+                    chunks=3,
+                    schedule=schedule,
+                    checkpoint=checkpoint,
+                    loss_fn=lm_loss,
+                    seq_chunks=3,
+                    compile={"backend": "aot_eager"} if compiled else False,
+                )
+        optimizers = {c: torch.optim.SGD(p.parameters(), lr=0.5) for c, p in pipes.items()}
+        ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+        for step in range(2):
+            ref_optimizer.zero_grad()
+            expected = lm_loss(reference(x[:, : 24 - 6 * step]), y[:, : 24 - 6 * step])
+            expected.backward()
+            grads = dict(reference.named_parameters())
+            for compiled, pipe in pipes.items():
+                optimizers[compiled].zero_grad()
+                loss = pipe.step(x[:, : 24 - 6 * step], y[:, : 24 - 6 * step])
+                torch.testing.assert_close(loss, expected.detach(), **EXACT)
+                for name, p in pipe.named_parameters():
+                    torch.testing.assert_close(p.grad, grads[name].grad, **EXACT, msg=name)
+                optimizers[compiled].step()
+            ref_optimizer.step()
+        probes = [
+            layer
+            for stage in pipes[True].runner.stages.values()
+            for layer in stage.module
+            if isinstance(layer, CachedProbe)
+        ]
+        found[checkpoint] = {
+            "probe_compiled_calls": sum(int(probe.compiled_calls) for probe in probes),
+            "warned": [str(w.message) for w in caught if "compile=True" in str(w.message)],
+        }
+    return found
 
 
 def _logits_loss(out, targets: torch.Tensor) -> torch.Tensor:
@@ -159,12 +237,18 @@ def with_replicas() -> float:
     return max(float((p.grad - grads[n].grad).abs().max()) for n, p in pipe.named_parameters())
 
 
+# each schedule once, and each mode: what sharding adds is the gathering of the parameters
+# for every sub-sequence's forward and recomputation, whatever the order
+SHARDED_SETTINGS = (("gpipe", "always"), ("1f1b", "never"), ("zero-bubble", "always"))
+
+
 def with_sharded_replicas() -> list[str]:
     """Two replicas of a two-stage pipeline sharded over each other (``shard="full"``, 4
-    processes) on sub-sequences, each on its half of the batch: the GPT under gpipe, 1F1B and
-    zero-bubble, never and always re-materialized, for two SGD steps, and a Hugging Face
-    Llama under 1F1B: the loss, every gathered gradient and the updated weights equal those
-    of unsplit training on the whole batch in float64. Returns the settings compared."""
+    processes) on sub-sequences, each on its half of the batch: the GPT under
+    ``SHARDED_SETTINGS`` for two SGD steps, and a Hugging Face Llama under 1F1B: the loss,
+    every gathered gradient and the updated weights equal those of unsplit training on the
+    whole batch in float64. Returns the settings compared, then what a stage whose embedding
+    is outside every unit is refused with."""
     import gpipe
 
     from ..splitting.hf_cases import llama_model
@@ -172,43 +256,42 @@ def with_sharded_replicas() -> list[str]:
     compared = []
     model, x, y = _gpt()
     x, y = x[:6], y[:6]  # 3 rows a replica
-    for schedule in ("gpipe", "1f1b", "zero-bubble"):
-        for checkpoint in ("never", "always"):
-            reference = copy.deepcopy(model)
-            pipe = Pipeline(
-                copy.deepcopy(model),
-                [2, 3],
-                chunks=3,
-                schedule=schedule,
-                checkpoint=checkpoint,
-                loss_fn=lm_loss,
-                seq_chunks=3,
-                data_parallel=2,
-                shard="full",
+    for schedule, checkpoint in SHARDED_SETTINGS:
+        reference = copy.deepcopy(model)
+        pipe = Pipeline(
+            copy.deepcopy(model),
+            [2, 3],
+            chunks=3,
+            schedule=schedule,
+            checkpoint=checkpoint,
+            loss_fn=lm_loss,
+            seq_chunks=3,
+            data_parallel=2,
+            shard="full",
+        )
+        assert pipe.replicas is not None
+        half = pipe.replicas.replica
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+        ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+        for step in range(2):
+            optimizer.zero_grad()
+            ref_optimizer.zero_grad()
+            length = 24 - 6 * step  # a second sequence length too
+            xs, ys = x[:, :length], y[:, :length]
+            _same_step(
+                pipe,
+                reference,
+                (xs.chunk(2)[half], xs),
+                (ys.chunk(2)[half], ys),
+                lm_loss,
+                lambda name: name,
             )
-            assert pipe.replicas is not None
-            half = pipe.replicas.replica
-            optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
-            ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-            for step in range(2):
-                optimizer.zero_grad()
-                ref_optimizer.zero_grad()
-                length = 24 - 6 * step  # a second sequence length too
-                xs, ys = x[:, :length], y[:, :length]
-                _same_step(
-                    pipe,
-                    reference,
-                    (xs.chunk(2)[half], xs),
-                    (ys.chunk(2)[half], ys),
-                    lm_loss,
-                    lambda name: name,
-                )
-                optimizer.step()
-                ref_optimizer.step()
-            weights = dict(reference.named_parameters())
-            for name, p in pipe.named_parameters():
-                torch.testing.assert_close(p.full_tensor(), weights[name], **EXACT, msg=name)
-            compared.append(f"gpt {schedule} {checkpoint}")
+            optimizer.step()
+            ref_optimizer.step()
+        weights = dict(reference.named_parameters())
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.full_tensor(), weights[name], **EXACT, msg=name)
+        compared.append(f"gpt {schedule} {checkpoint}")
     reference = llama_model()
     ids = torch.randint(1, 64, (4, 17), generator=torch.Generator().manual_seed(2))
     split = gpipe.split(copy.deepcopy(reference), parts=2, plan="hf")

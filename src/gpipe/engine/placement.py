@@ -176,7 +176,12 @@ def build_stages(
             # before any other wrapping: re-materialization, then sharded replicas
             recipe.tensor_plan.apply(partition, recipe.mesh.tensor)
         if recipe.compile is not None:
-            compile_layers(partition, recipe.compile, split_backward=recipe.split_backward)
+            compile_layers(
+                partition,
+                recipe.compile,
+                split_backward=recipe.split_backward,
+                sub_sequences=recipe.seq_chunks is not None,
+            )
         stages[stage] = Stage(
             stage,
             placement.n_stages,

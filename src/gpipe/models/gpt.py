@@ -286,19 +286,32 @@ class _Attention(nn.Module):
     def forward_cached(self, x: Tensor, cache: KVCache, context: CacheContext) -> Tensor:
         """The new tokens against the cached keys and values, which get theirs."""
         q, k, v = self._heads(x)
-        if not context.every_token:  # generation: rows left-padded to one length
-            k, v = cache.append(k, v)
-            mask = context.attention_mask
-            return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-        # a sub-sequence in training: its keys and values laid out once, kept by its own
-        # attention and by every later sub-sequence's
-        k, v = k.contiguous(), v.contiguous()
-        keys_before, values_before = cache.add_sub_sequence(k, v)
         p = self.p if self.training else 0.0
-        y = sub_sequence_attention(
-            q, k, v, keys_before, values_before, dropout_p=p, mask=context.causal_bias
-        )
-        return self._out(y)
+        return self._out(_attend_cached_outside_graphs(q, k, v, cache, context, p))
+
+
+def _attend_cached(
+    q: Tensor, k: Tensor, v: Tensor, cache: KVCache, context: CacheContext, dropout_p: float
+) -> Tensor:
+    """The new tokens' attention, their keys and values added to ``cache``."""
+    if not context.every_token:  # generation: rows left-padded to one length
+        k, v = cache.append(k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=context.attention_mask)
+    # a sub-sequence in training: its keys and values laid out once, kept by its own
+    # attention and by every later sub-sequence's
+    k, v = k.contiguous(), v.contiguous()
+    keys_before, values_before = cache.add_sub_sequence(k, v)
+    return sub_sequence_attention(
+        q, k, v, keys_before, values_before, dropout_p=dropout_p, mask=context.causal_bias
+    )
+
+
+# Outside torch.compile's graphs (compiled layers: gpipe.runtime.compiled): the cache's Python
+# state, its list of sub-sequences and its length, would make it compile the layer again for
+# every sub-sequence and every generated token.
+_attend_cached_outside_graphs: Callable[
+    [Tensor, Tensor, Tensor, KVCache, CacheContext, float], Tensor
+] = torch.compiler.disable(_attend_cached)
 
 
 class _MLP(nn.Module):

@@ -14,6 +14,12 @@ pass. Under such a schedule the layers therefore train eager, keeping the split 
 is chosen for (a compiled stage that ran its whole backward at B measured 9 % slower than
 eager zero-bubble on a CPU: BENCHMARKS.md, section 26), and run compiled where no graph is
 built: evaluation and forward passes.
+
+Sub-sequences (``seq_chunks``) run each layer's ``forward_cached`` rather than its
+``forward``; it is compiled too. What changes from one sub-sequence to the next is the
+cache's Python state (how many earlier sub-sequences it holds), so a layer keeps its cache
+outside the graphs (``torch.compiler.disable``, as the built-in GPT's attention does), or
+it compiles again for each number of earlier sub-sequences.
 """
 
 from __future__ import annotations
@@ -66,13 +72,23 @@ def warn_eager_training(schedule: str) -> None:
 
 
 def compile_layers(
-    layers: nn.Sequential, options: CompileOptions, *, split_backward: bool = False
+    layers: nn.Sequential,
+    options: CompileOptions,
+    *,
+    split_backward: bool = False,
+    sub_sequences: bool = False,
 ) -> None:
-    """Compile the ``forward`` of each of ``layers``' children in place; under a
+    """Compile the ``forward`` of each of ``layers``' children in place, and with
+    ``sub_sequences`` their ``forward_cached`` too (what a sub-sequence runs); under a
     ``split_backward``, for the passes that build no graph only."""
+    methods = ("forward", "forward_cached") if sub_sequences else ("forward",)
     for layer in layers:
-        compiled = torch.compile(layer.forward, **options)
-        layer.forward = _graph_free(layer.forward, compiled) if split_backward else compiled
+        for method in methods:
+            eager = getattr(layer, method, None)
+            if eager is None:
+                continue
+            compiled = torch.compile(eager, **options)
+            setattr(layer, method, _graph_free(eager, compiled) if split_backward else compiled)
 
 
 def _graph_free(eager: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:

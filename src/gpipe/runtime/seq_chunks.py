@@ -145,7 +145,6 @@ def check_seq_setup(
     *,
     layers_policy: bool,
     skips: bool,
-    compiled: bool,
 ) -> None:
     """Refuse, in one line, a setting that sub-sequences do not run with."""
     if seq is None:
@@ -156,7 +155,6 @@ def check_seq_setup(
             f"seq_chunks={seq.chunks} runs with the schedules {sorted(SEQ_CHUNKED)}, got {name!r}"
         )
     conflicts = {
-        "compile": compiled,
         "checkpoint=Layers(...) (whole micro-batches are recomputed, or none)": layers_policy,
         "skip connections (gpipe.skip)": skips,
     }

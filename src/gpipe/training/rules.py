@@ -47,15 +47,10 @@ def _check_seq_chunks(opts: TrainOptions, seq_len: int) -> None:
         raise ConfigError(
             f"--seq-chunks {s} runs with --schedule {', '.join(SEQ_CHUNKED)}, got {opts.schedule}"
         )
-    conflicts = {
-        "--compile": opts.compile,
-        "--pack": opts.pack,
-    }
-    for flag, given in conflicts.items():
-        if given:
-            raise ConfigError(
-                f"--seq-chunks {s} does not run with {flag} yet (given, or the run's own)"
-            )
+    if opts.pack:
+        raise ConfigError(
+            f"--seq-chunks {s} does not run with --pack yet (given, or the run's own)"
+        )
     if opts.seq_split == "even" and seq_len % s:
         raise ConfigError(
             f"--seq-chunks {s} does not divide --seq-len {seq_len}: give a multiple of {s}, "
