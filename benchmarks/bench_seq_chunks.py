@@ -15,6 +15,7 @@ M = 8 micro-batches of one row, no re-materialization.
     python -m benchmarks.bench_seq_chunks                  # memory, results/seq-chunks.json
     python -m benchmarks.bench_seq_chunks --width 512      # results/seq-chunks-width512.json
     python -m benchmarks.bench_seq_chunks --layers 6 --stages 8   # seq-chunks-layers6.json
+    python -m benchmarks.bench_seq_chunks --schedule zero-bubble-v   # ...-zero-bubble-v.json
     python -m benchmarks.bench_seq_chunks --time --repeats 7   # results/seq-chunks-time.json
     python -m benchmarks.bench_seq_chunks --time --compile   # seq-chunks-time-compiled.json
 
@@ -30,6 +31,8 @@ import torch
 
 from gpipe import Pipeline, launch
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
+from gpipe.runtime.partitions import even_balance
+from gpipe.schedules import SEQ_CHUNKED, Placement, traits
 
 from .common import activation_peak, machine, over_baseline, steps_in_turn, write_results
 
@@ -58,17 +61,23 @@ def _pipeline(
     split: str = "even",
     blocks: int = LAYERS,
     compiled: bool = False,
+    schedule: str = "1f1b",
 ) -> Pipeline:
     torch.manual_seed(0)
     config = GPTConfig(n_layer=blocks, d_model=width, n_head=HEADS, seq_len=length)
     layers = blocks + 2
-    balance = [layers // k + (1 if s < layers % k else 0) for s in range(k)]
+    if traits(schedule).placement is Placement.V:  # two stages a process, as many blocks
+        balance = even_balance(blocks, 2 * k)
+        balance[0] += 1  # the embedding, and the head: both on the first process
+        balance[-1] += 1
+    else:
+        balance = [layers // k + (1 if s < layers % k else 0) for s in range(k)]
     return Pipeline(
         build_gpt(config),
         balance,
         chunks=CHUNKS,
         checkpoint="never",
-        schedule="1f1b",
+        schedule=schedule,
         loss_fn=lm_loss,
         seq_chunks=seq_chunks,
         seq_split=split,
@@ -82,32 +91,45 @@ def _batch(length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1], ids[:, 1:]
 
 
-def peak(k: int, seq_chunks: int, length: int, width: int, split: str, blocks: int) -> int:
+def peak(
+    k: int, seq_chunks: int, length: int, width: int, split: str, blocks: int, schedule: str
+) -> int:
     """This process's peak activation bytes in one step."""
     from gpipe.pipeline import init_process_group
 
     init_process_group(torch.device("cpu"))
-    pipe = _pipeline(k, seq_chunks, length, width, split, blocks)
+    pipe = _pipeline(k, seq_chunks, length, width, split, blocks, schedule=schedule)
     return activation_peak(pipe, *_batch(length))
 
 
-def timed(repeats: int, warmup: int, length: int, compiled: bool) -> dict[str, list[float]]:
-    """Seconds per step of every contender, K = 2, taking turns in one pair of processes."""
+def timed(
+    repeats: int, warmup: int, length: int, compiled: bool, schedule: str
+) -> dict[str, list[float]]:
+    """Seconds per step of every contender, K = 2, taking turns in one pair of processes;
+    under another schedule than 1F1B, 1F1B on whole micro-batches too."""
     from gpipe.pipeline import init_process_group
 
     init_process_group(torch.device("cpu"))
     contenders = COMPILED if compiled else {n: (*c, False) for n, c in TIMED.items()}
     pipes = {
-        name: _pipeline(2, s, length, split=split, compiled=c)
+        name: _pipeline(2, s, length, split=split, compiled=c, schedule=schedule)
         for name, (s, split, c) in contenders.items()
     }
+    if schedule != "1f1b":
+        pipes["1f1b S=1"] = _pipeline(2, 1, length)
     x, y = _batch(length)
     return steps_in_turn(pipes, x, y, repeats, warmup)
 
 
-def _time(repeats: int, length: int, compiled: bool) -> None:
-    seconds = launch(timed, 2, (repeats, 1, length, compiled), threads=1)[0]
-    report: dict = {"machine": machine(), "repeats": repeats, "length": length, "seq_chunks": {}}
+def _time(repeats: int, length: int, compiled: bool, schedule: str) -> None:
+    seconds = launch(timed, 2, (repeats, 1, length, compiled, schedule), threads=1)[0]
+    report: dict = {
+        "machine": machine(),
+        "repeats": repeats,
+        "length": length,
+        "schedule": schedule,
+        "seq_chunks": {},
+    }
     for name, (times, ratios) in over_baseline(seconds, "S=1", "S=1").items():
         report["seq_chunks"][name] = {"seconds": times, "over_one_per_cycle": ratios}
     if compiled:  # each compiled contender over its eager twin, per cycle
@@ -117,6 +139,7 @@ def _time(repeats: int, length: int, compiled: bool) -> None:
             _, ratios = over_baseline(pair, eager, eager)[f"{eager} compiled"]
             report["compiled_over_eager_per_cycle"][eager] = ratios
     name = "seq-chunks-time" + ("-compiled" if compiled else "")
+    name += f"-{schedule}" if schedule != "1f1b" else ""
     print(f"written to {write_results(name, report)}")
 
 
@@ -133,22 +156,35 @@ def main() -> None:
     parser.add_argument(
         "--stages", default="2,4", help="the memory runs' numbers of processes, comma-separated"
     )
+    parser.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=sorted(SEQ_CHUNKED),
+        help="the schedule of the memory or time runs (default 1f1b)",
+    )
     args = parser.parse_args()
     stages = [int(k) for k in args.stages.split(",")]
-    if max(stages) > args.layers + 2:
-        parser.error(f"--stages {args.stages}: the model has {args.layers + 2} layers to cut")
     if args.time:
-        _time(args.repeats, args.length, args.compile)
+        _time(args.repeats, args.length, args.compile, args.schedule)
         return
+    per_process = traits(args.schedule).stages_per_rank(1)
+    if max(stages) * per_process > args.layers + 2:
+        parser.error(f"--stages {args.stages}: the model has {args.layers + 2} layers to cut")
     report: dict = {
-        "workload": dict(layers=args.layers, width=args.width, length=args.length, chunks=CHUNKS),
+        "workload": dict(
+            layers=args.layers,
+            width=args.width,
+            length=args.length,
+            chunks=CHUNKS,
+            schedule=args.schedule,
+        ),
         "machine": machine(),
         "peaks": {},
     }
     for k in stages:
         peaks = {}
         for name, (s, split) in TIMED.items():
-            run = (k, s, args.length, args.width, split, args.layers)
+            run = (k, s, args.length, args.width, split, args.layers, args.schedule)
             per_rank = launch(peak, k, run, threads=1)
             peaks[name] = [per_rank[r] for r in range(k)]
         for name in TIMED:
@@ -165,6 +201,7 @@ def main() -> None:
             )
     name = "seq-chunks" + (f"-width{args.width}" if args.width != WIDTH else "")
     name += f"-layers{args.layers}" if args.layers != LAYERS else ""
+    name += f"-{args.schedule}" if args.schedule != "1f1b" else ""
     print(f"written to {write_results(name, report)}")
 
 

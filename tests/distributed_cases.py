@@ -344,6 +344,15 @@ def measured_memory(name: str) -> dict:
 SUB_SEQUENCE_GPT = {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 256, "vocab_size": 128}
 
 
+# the GPT's six layers per schedule: on a V of four stages, rank 0 holds the first and last
+SUB_SEQUENCE_BALANCES = {
+    "gpipe": [3, 3],
+    "1f1b": [3, 3],
+    "zero-bubble": [3, 3],
+    "zero-bubble-v": [2, 1, 1, 2],
+}
+
+
 def sub_sequence_workload() -> tuple[torch.Tensor, torch.Tensor]:
     """Eight rows of 256 tokens for ``SUB_SEQUENCE_GPT``: inputs and targets."""
     ids = torch.randint(0, 128, (8, 257), generator=torch.Generator().manual_seed(1))
@@ -352,19 +361,20 @@ def sub_sequence_workload() -> tuple[torch.Tensor, torch.Tensor]:
 
 def measured_sub_sequence_memory() -> dict:
     """Peak activation bytes of this rank in one step (after one to warm up) of the GPT on
-    four sub-sequences per micro-batch, under gpipe, 1F1B and zero-bubble and every mode."""
+    four sub-sequences per micro-batch, under gpipe, 1F1B, zero-bubble and zero-bubble-v and
+    every mode (``SUB_SEQUENCE_BALANCES``)."""
     from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
     from gpipe.planning.memory import ActivationMeter
 
     init_process_group(torch.device("cpu"))
     x, y = sub_sequence_workload()
     out = {}
-    for schedule in ("gpipe", "1f1b", "zero-bubble"):
+    for schedule, balance in SUB_SEQUENCE_BALANCES.items():
         for checkpoint in ("never", "except_last", "always"):
             torch.manual_seed(0)
             pipe = Pipeline(
                 build_gpt(GPTConfig(**SUB_SEQUENCE_GPT)),
-                [3, 3],
+                balance,
                 chunks=4,
                 checkpoint=checkpoint,
                 schedule=schedule,

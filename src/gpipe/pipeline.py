@@ -236,8 +236,8 @@ class Pipeline(nn.Module):
             later ones, which attend to them, so it holds a sub-sequence's activations
             rather than a micro-batch's (``gpipe.runtime.seq_chunks``). For causal models
             whose layers carry keys and values: the built-in GPT, a Hugging Face causal LM
-            cut by its plan. With ``"gpipe"``, ``"1f1b"`` and ``"zero-bubble"``; evaluation
-            and forwards run whole sequences.
+            cut by its plan. With ``"gpipe"``, ``"1f1b"``, ``"zero-bubble"`` and
+            ``"zero-bubble-v"``; evaluation and forwards run whole sequences.
         seq_split: ``"even"`` (sub-sequences of equal length: S must divide the sequence) or
             ``"balanced"`` (of equal cost: later ones, attending to more tokens, are shorter).
 

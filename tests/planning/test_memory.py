@@ -61,7 +61,7 @@ def test_predicted_activations_match_a_measured_step(measured, schedule, checkpo
 def test_predicted_activations_of_sub_sequences_match_a_measured_step():
     """seq_chunks=4: profiled on one sub-sequence, with the keys and values each one carries
     to the next (what a re-materialized one keeps beside its input), predicted per process
-    for gpipe, 1F1B and zero-bubble in every mode, against a measured step."""
+    for gpipe, 1F1B, zero-bubble and zero-bubble-v in every mode, against a measured step."""
     measured = run(cases.measured_sub_sequence_memory, 2, threads=1)
     model = build_gpt(GPTConfig(**cases.SUB_SEQUENCE_GPT), device="meta")
     sub_sequence = torch.zeros(4, 256 // 4, dtype=torch.int64, device="meta")
@@ -73,7 +73,8 @@ def test_predicted_activations_of_sub_sequences_match_a_measured_step():
         schedule, checkpoint = key.split("/")
         predicted = plan(
             prof,
-            [3, 3],
+            cases.SUB_SEQUENCE_BALANCES[schedule],
+            n_ranks=2,
             batch_size=8,
             chunks=4,
             schedule=schedule,

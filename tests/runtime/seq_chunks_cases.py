@@ -22,6 +22,16 @@ def _gpt() -> tuple[torch.nn.Sequential, torch.Tensor, torch.Tensor]:
     return model, x, y
 
 
+# the GPT's 5 layers; [4, 1]: a last stage without attention; on a V of 4 stages, rank 0
+# holds the embedding and the head, rank 1 the blocks
+_BALANCES = {
+    (False, "even"): [2, 3],
+    (False, "balanced"): [4, 1],
+    (True, "even"): [1, 2, 1, 1],
+    (True, "balanced"): [1, 1, 2, 1],
+}
+
+
 def gpt_against_unsplit(schedule: str, checkpoint: str, seq_chunks: int, split: str) -> int:
     """Two SGD steps of the GPT with sequence-pipelined micro-batches, in float64: the loss,
     every gradient and the updated weights equal those of un-pipelined training on the whole
@@ -29,7 +39,7 @@ def gpt_against_unsplit(schedule: str, checkpoint: str, seq_chunks: int, split: 
     reference, x, y = _gpt()
     pipe = Pipeline(
         copy.deepcopy(reference),
-        [2, 3] if split == "even" else [4, 1],  # [4, 1]: a last stage without attention
+        _BALANCES[schedule == "zero-bubble-v", split],
         chunks=3,
         schedule=schedule,
         checkpoint=checkpoint,
@@ -169,7 +179,8 @@ def llama_against_unsplit(schedule: str, checkpoint: str) -> int:
     generator = torch.Generator().manual_seed(2)
     ids = torch.randint(1, 64, (5, 21), generator=generator)
     x, y = ids[:, :-1], ids[:, 1:]
-    split = gpipe.split(copy.deepcopy(reference), parts=2, plan="hf")
+    parts = 4 if schedule == "zero-bubble-v" else 2  # a V: two stages a process
+    split = gpipe.split(copy.deepcopy(reference), parts=parts, plan="hf")
     pipe = Pipeline(
         split,
         chunks=2,

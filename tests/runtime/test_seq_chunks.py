@@ -25,7 +25,7 @@ SCHEDULES = ["gpipe", "1f1b", "zero-bubble"]
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", [*SCHEDULES, "zero-bubble-v"])
 @pytest.mark.parametrize(("seq_chunks", "split"), [(4, "even"), (3, "balanced")])
 def test_the_gpt_on_sub_sequences_trains_as_the_unsplit_model(
     schedule, checkpoint, seq_chunks, split
@@ -37,7 +37,7 @@ def test_the_gpt_on_sub_sequences_trains_as_the_unsplit_model(
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", [*SCHEDULES, "zero-bubble-v"])
 def test_a_hugging_face_llama_on_sub_sequences_trains_as_the_unsplit_model(schedule, checkpoint):
     pytest.importorskip("transformers", reason="the hf extra installs transformers")
     assert run(cases.llama_against_unsplit, 2, (schedule, checkpoint), threads=1) == {0: 1, 1: 1}

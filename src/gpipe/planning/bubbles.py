@@ -29,10 +29,12 @@ def scenario(
     ``virtual_stages`` stages, each costing its part; the others run one stage per rank.
     ``seq_chunks`` S > 1: each micro-batch runs as S sub-sequences (``Pipeline(seq_chunks=S)``),
     the schedule's units, each costing ``sub_sequence_costs``'s share."""
-    if seq_chunks != 1:
-        schedule = seq_chunked(name, n_ranks, n_microbatches, seq_chunks)
-        return schedule, sub_sequence_costs(costs, seq_chunks, n_microbatches)
     per_rank = traits(name).stages_per_rank(virtual_stages)
+    if seq_chunks != 1:
+        schedule = seq_chunked(name, n_ranks * per_rank, n_microbatches, seq_chunks, n_ranks)
+        return schedule, split_costs(
+            schedule, sub_sequence_costs(costs, seq_chunks, n_microbatches)
+        )
     if per_rank == 1:
         return build(name, n_ranks, n_microbatches), costs
     if not isinstance(per_rank, int) or per_rank < 1:

@@ -112,16 +112,11 @@ class MemoryPlan:
 def _schedule(name: str, n_stages: int, n_ranks: int, chunks: int, seq_chunks: int = 1) -> Schedule:
     """Schedule ``name`` for ``n_stages`` stages on ``n_ranks`` processes, which its placement
     must allow: one stage on each, or as many on each; over units of ``seq_chunks``
-    sub-sequences per micro-batch."""
+    sub-sequences per micro-batch (whose schedules say which placements they take)."""
     if seq_chunks != 1:
         if isinstance(seq_chunks, bool) or not isinstance(seq_chunks, int) or seq_chunks < 1:
             raise ValueError(f"seq_chunks must be a positive integer, got {seq_chunks!r}")
-        if n_ranks != n_stages:
-            raise ValueError(
-                f"seq_chunks runs one stage per rank: n_ranks must equal n_stages "
-                f"({n_stages}), got {n_ranks}"
-            )
-        return seq_chunked(name, n_stages, chunks, seq_chunks)
+        return seq_chunked(name, n_stages, chunks, seq_chunks, n_ranks)
     if not traits(name).several_stages_per_rank:
         if n_ranks != n_stages:
             raise ValueError(

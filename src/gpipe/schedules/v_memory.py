@@ -1,5 +1,6 @@
 """V-Half and V-Min: V schedules whose activation memory is capped (Qi et al., "Pipeline
-Parallelism with Controllable Memory", 2024), on zero-bubble-v's V of 2K stages.
+Parallelism with Controllable Memory", 2024), on zero-bubble-v's V of 2K stages; and the same
+order over sub-sequences (``capped_v(seq_chunks=S)``, zero-bubble-v's sequence-pipelined form).
 
 A rank of a V holds, for each micro-batch between its forward and its last weight gradient,
 one of its two chunks' activations, half a stage of 1F1B's. 1F1B's first rank holds K
@@ -22,6 +23,7 @@ cannot turn back.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 from gpipe.schedules.ir import Kind, Schedule, ScheduleError, check_sizes
 from gpipe.schedules.v_shape import Order, check_v, v_schedule
@@ -48,15 +50,18 @@ def v_min_fewest(n_ranks: int) -> int:
 
 
 class _Rank:
-    """One rank's counters per chunk and what it holds: the n-th forward (B, W) of a chunk
-    is of micro-batch n."""
+    """One rank's counters per chunk and what it holds. The n-th forward of a chunk is of
+    unit n (a micro-batch, or with sub-sequences sub-sequence n % S of micro-batch n // S);
+    its n-th B and W are of unit ``backward_units[n]``: micro-batches in order, each one's
+    sub-sequences last to first."""
 
-    def __init__(self, rank: int, n_stages: int) -> None:
+    def __init__(self, rank: int, n_stages: int, backward_units: list[int]) -> None:
         self.stage = (rank, n_stages - 1 - rank)
+        self.backward_units = backward_units
         self.forwards = [0, 0]
         self.backwards = [0, 0]
         self.weights = [0, 0]
-        self.live = 0  # chunk-sized micro-batches held
+        self.live = 0  # chunk-sized units held
         self.order: Order = []
 
     def run(
@@ -67,56 +72,73 @@ class _Rank:
         forward_end: list[list[int]],
         backward_end: list[list[int]],
     ) -> None:
-        """Append ``kind`` of ``chunk``'s next micro-batch, ending after ``step``."""
+        """Append ``kind`` of ``chunk``'s next unit, ending after ``step``."""
         stage = self.stage[chunk]
         if kind is Kind.FORWARD:
-            mb = self.forwards[chunk]
+            unit = self.forwards[chunk]
             self.forwards[chunk] += 1
             self.live += 1
-            forward_end[stage][mb] = step + 1
+            forward_end[stage][unit] = step + 1
         elif kind is Kind.BACKWARD:
-            mb = self.backwards[chunk]
+            unit = self.backward_units[self.backwards[chunk]]
             self.backwards[chunk] += 1
-            backward_end[stage][mb] = step + 1
+            backward_end[stage][unit] = step + 1
         else:
-            mb = self.weights[chunk]
+            unit = self.backward_units[self.weights[chunk]]
             self.weights[chunk] += 1
             self.live -= 1
-        self.order.append((kind, stage, mb))
+        self.order.append((kind, stage, unit))
 
 
 def capped_v(
-    name: str, n_stages: int, n_microbatches: int, n_ranks: int | None, cap: int
+    name: str,
+    n_stages: int,
+    n_microbatches: int,
+    n_ranks: int | None,
+    cap: int,
+    seq_chunks: int = 1,
+    durations: tuple[int, int, int] = (1, 1, 1),
 ) -> Schedule:
-    """A V of ``n_stages`` stages whose ranks hold at most ``cap`` chunk-sized micro-batches
-    at once, ordered as the module says."""
+    """A V of ``n_stages`` stages whose ranks hold at most ``cap`` chunk-sized units at once,
+    ordered as the module says; a unit is a micro-batch, or with ``seq_chunks`` S > 1 one of
+    its S sub-sequences (numbered ``i * S + j``, forwards in order, each micro-batch's
+    backwards last to first). The order is played with F, B and W taking ``durations``
+    steps each."""
     check_sizes(n_stages, n_microbatches)
     k = check_v(name, n_stages, n_ranks)
-    m = n_microbatches
-    never = 2 * 6 * m * k + 4 * n_stages  # later than any step: not run yet
-    forward_end = [[never] * m for _ in range(n_stages)]
-    backward_end = [[never] * m for _ in range(n_stages)]
-    ranks = [_Rank(r, n_stages) for r in range(k)]
-    left = 6 * m * k
+    s = seq_chunks
+    units = n_microbatches * s
+    backward_units = [i * s + j for i in range(n_microbatches) for j in reversed(range(s))]
+    longest = max(durations)
+    never = 2 * 6 * units * k * longest + 4 * n_stages  # later than any step: not run yet
+    forward_end = [[never] * units for _ in range(n_stages)]
+    backward_end = [[never] * units for _ in range(n_stages)]
+    ranks = [_Rank(r, n_stages, backward_units) for r in range(k)]
+    steps = dict(zip((Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT), durations, strict=True))
+    free = [0] * k  # the step from which each rank is idle
+    left = 6 * units * k
     step = 0
     while left:
-        ran = 0
-        for r in ranks:  # what one runs at this step ends after it: the others don't see it
-            action = _next(r, step, m, cap, forward_end, backward_end)
+        for i, r in enumerate(ranks):  # what one starts at this step ends after it
+            if free[i] > step:
+                continue
+            action = _next(r, step, units, s, cap, forward_end, backward_end)
             if action is not None:
-                r.run(*action, step, forward_end, backward_end)
-                ran += 1
-        if not ran and step > 0:  # nothing runs and nothing is under way: it cannot go on
+                free[i] = step + steps[action[0]]
+                r.run(*action, free[i] - 1, forward_end, backward_end)
+                left -= 1
+        if max(free) <= step and left:  # nothing runs and nothing is under way
             raise ScheduleError(f"{name}: no rank can move at step {step} (cap {cap})")
-        left -= ran
         step += 1
-    return v_schedule(name, n_stages, n_microbatches, [r.order for r in ranks])
+    schedule = v_schedule(name, n_stages, units, [r.order for r in ranks])
+    return schedule if s == 1 else replace(schedule, seq_chunks=s)
 
 
 def _next(
     r: _Rank,
     step: int,
-    m: int,
+    units: int,
+    s: int,
     cap: int,
     forward_end: list[list[int]],
     backward_end: list[list[int]],
@@ -125,34 +147,42 @@ def _next(
     oldest micro-batch's, chunk 1's on a tie (plain loops: this runs for every rank and step
     of schedules of a million actions)."""
     last = len(forward_end) - 1
-    best, chosen = m, -1
+    best, chosen = units, -1
     for chunk in (1, 0):
-        mb, stage = r.backwards[chunk], r.stage[chunk]
-        ready = mb < r.forwards[chunk] and (stage == last or backward_end[stage + 1][mb] <= step)
-        if ready and mb < best:
-            best, chosen = mb, chunk
+        n, stage = r.backwards[chunk], r.stage[chunk]
+        if n == units:
+            continue
+        unit = r.backward_units[n]
+        ready = unit < r.forwards[chunk] and (
+            stage == last or backward_end[stage + 1][unit] <= step
+        )
+        if ready and unit // s < best:
+            best, chosen = unit // s, chunk
     if chosen >= 0:
         return Kind.BACKWARD, chosen
     for chunk in (1, 0):
-        mb, stage = r.forwards[chunk], r.stage[chunk]
-        ready = mb < best and (stage == 0 or forward_end[stage - 1][mb] <= step)
-        if ready and _fits(r, chunk, cap):
-            best, chosen = mb, chunk
+        unit, stage = r.forwards[chunk], r.stage[chunk]
+        ready = (
+            unit < units and unit < best and (stage == 0 or forward_end[stage - 1][unit] <= step)
+        )
+        if ready and _fits(r, chunk, cap, s):
+            best, chosen = unit, chunk
     if chosen >= 0:
         return Kind.FORWARD, chosen
     for chunk in (1, 0):
-        mb = r.weights[chunk]
-        if mb < r.backwards[chunk] and mb < best:
-            best, chosen = mb, chunk
+        n = r.weights[chunk]
+        if n < r.backwards[chunk] and r.backward_units[n] // s < best:
+            best, chosen = r.backward_units[n] // s, chunk
     return (Kind.WEIGHT, chosen) if chosen >= 0 else None
 
 
-def _fits(r: _Rank, chunk: int, cap: int) -> bool:
-    """Whether a forward of ``chunk`` stays under the cap; one of chunk 0 leaves a place for
-    the chunk-1 forward of a micro-batch that has not turned yet."""
+def _fits(r: _Rank, chunk: int, cap: int, s: int) -> bool:
+    """Whether a forward of ``chunk`` stays under the cap; one of chunk 0 leaves room for the
+    chunk-1 forwards that the oldest micro-batch on the way down and back still needs (all
+    its units turn before its first backward)."""
     if chunk == 1 or r.forwards[0] == r.forwards[1]:
         return r.live < cap
-    return r.live + 1 < cap
+    return r.live + 1 + s - r.forwards[1] % s <= cap
 
 
 @functools.lru_cache(maxsize=256)
