@@ -74,6 +74,11 @@ def test_sizes_and_bad_input():
         (["--n-head", "3"], "--d-model 256 must be a multiple of --n-head 3"),
         (["--balance", "1,1"], "--balance must be time, params, even, or 4 positive"),
         (["--stages", "9", "--n-layer", "2"], "--stages 9 x --virtual-stages 1 is more than"),
+        (
+            ["--schedule", "zero-bubble-v", "--virtual-stages", "3"],
+            "--schedule zero-bubble-v places two stages per process in a V: --virtual-stages "
+            "is 2, got 3",
+        ),
     ],
 )
 def test_bad_options_end_in_one_line(capsys, args, message):
@@ -110,6 +115,19 @@ def test_sub_sequences_are_planned_as_the_library_plans_them(capsys):
     ).ranks[0]
     assert activations[4] == f"{want.activation_bytes / 2**20:.2f} MiB"
     assert float(activations[4].split()[0]) < float(activations[1].split()[0])
+
+
+def test_a_v_is_planned_on_two_stages_a_process_unasked_and_on_sub_sequences(capsys):
+    """zero-bubble-v without --virtual-stages: four stages on two processes, as Pipeline
+    places them; --seq-chunks 4 on the V holds less on each process than whole micro-batches."""
+    options = ["--n-layer", "6", "--stages", "2", "--schedule", "zero-bubble-v"]
+    held = {}
+    for s in (1, 4):
+        assert main([*MODEL, *options, "--checkpoint", "never", "--seq-chunks", str(s)]) == 0
+        out = capsys.readouterr().out
+        assert "balance [2, 2, 2, 2]" in out, out
+        held[s] = [float(row[5].split()[0]) for row in _rows(out)]
+    assert all(a < b for a, b in zip(held[4], held[1], strict=True)), held
 
 
 @pytest.mark.parametrize(

@@ -51,7 +51,7 @@ from gpipe.planning.suggest import (
     timed_costs,
 )
 from gpipe.runtime.recompute import CHECKPOINT_MODES
-from gpipe.schedules import SCHEDULES, traits
+from gpipe.schedules import SCHEDULES, Placement, traits
 
 __all__ = ["add_parser", "parse_bytes"]
 
@@ -276,6 +276,13 @@ def _check(args: argparse.Namespace, gpt: bool) -> None:
     schedule = traits(args.schedule)
     if args.virtual_stages > 1 and not schedule.several_stages_per_rank:
         raise UsageError(f"--virtual-stages needs --schedule {multi_stage_schedules()}")
+    if schedule.placement is Placement.V:  # a V holds two stages a process, unasked
+        if args.virtual_stages not in (1, 2):
+            raise UsageError(
+                f"--schedule {args.schedule} places two stages per process in a V: "
+                f"--virtual-stages is 2, got {args.virtual_stages}"
+            )
+        args.virtual_stages = 2
     if schedule.microbatches_per_round and args.chunks % args.stages:
         raise UsageError(
             f"--schedule {args.schedule} needs --chunks a multiple of --stages {args.stages}"
