@@ -260,10 +260,6 @@ def with_sharded_replicas() -> list[str]:
     every gathered gradient and the updated weights equal those of unsplit training on the
     whole batch in float64. Returns the settings compared, then what a stage whose embedding
     is outside every unit is refused with."""
-    import gpipe
-
-    from ..splitting.hf_cases import llama_model
-
     compared = []
     model, x, y = _gpt()
     x, y = x[:6], y[:6]  # 3 rows a replica
@@ -303,29 +299,7 @@ def with_sharded_replicas() -> list[str]:
         for name, p in pipe.named_parameters():
             torch.testing.assert_close(p.full_tensor(), weights[name], **EXACT, msg=name)
         compared.append(f"gpt {schedule} {checkpoint}")
-    reference = llama_model()
-    ids = torch.randint(1, 64, (4, 17), generator=torch.Generator().manual_seed(2))
-    split = gpipe.split(copy.deepcopy(reference), parts=2, plan="hf")
-    pipe = Pipeline(
-        split,
-        chunks=2,
-        schedule="1f1b",
-        loss_fn=_logits_loss,
-        seq_chunks=4,
-        data_parallel=2,
-        shard="full",
-    )
-    assert pipe.replicas is not None
-    half = pipe.replicas.replica
-    x, y = ids[:, :-1], ids[:, 1:]
-    _same_step(
-        pipe,
-        reference,
-        (x.chunk(2)[half], x),
-        (y.chunk(2)[half], y),
-        _logits_loss,
-        split.original_name,
-    )
+    _llama_step(schedule="1f1b", data_parallel=2, shard="full")
     compared.append("llama 1f1b")
     # units of blocks alone leave the embedding to the stage's own unit, which sub-sequences
     # never gather: every rank refuses, naming the layer and the stage
@@ -350,10 +324,6 @@ def with_tensor_parallel() -> list[str]:
     its logits split by vocabulary (S = 4, ``loss_parallel``), and a Hugging Face Llama under
     gpipe (S = 4): the loss and every gathered gradient of one step equal the unsplit
     model's in float64. Returns the settings compared."""
-    import gpipe
-
-    from ..splitting.hf_cases import llama_model
-
     compared = []
     model, x, y = _gpt()
     for schedule, chunks, options in (
@@ -373,12 +343,27 @@ def with_tensor_parallel() -> list[str]:
         )
         _same_step(pipe, reference, x, y, lm_loss, lambda name: name)
         compared.append(f"gpt {schedule} S={chunks}")
+    _llama_step(tensor_parallel=2)
+    return [*compared, "llama gpipe S=4"]
+
+
+def _llama_step(**options) -> None:
+    """A Hugging Face Llama cut by its plan, four sub-sequences per micro-batch, ``options``
+    given to ``Pipeline``: one step equals the unsplit model's on the whole batch (each
+    replica, if there are several, given its half)."""
+    import gpipe
+
+    from ..splitting.hf_cases import llama_model
+
     reference = llama_model()
     ids = torch.randint(1, 64, (4, 17), generator=torch.Generator().manual_seed(2))
     split = gpipe.split(copy.deepcopy(reference), parts=2, plan="hf")
-    pipe = Pipeline(split, chunks=2, loss_fn=_logits_loss, seq_chunks=4, tensor_parallel=2)
-    _same_step(pipe, reference, ids[:, :-1], ids[:, 1:], _logits_loss, split.original_name)
-    return [*compared, "llama gpipe S=4"]
+    pipe = Pipeline(split, chunks=2, loss_fn=_logits_loss, seq_chunks=4, **options)
+    x, y = ids[:, :-1], ids[:, 1:]
+    if pipe.replicas is not None:
+        half = pipe.replicas.replica
+        x, y = (x.chunk(2)[half], x), (y.chunk(2)[half], y)
+    _same_step(pipe, reference, x, y, _logits_loss, split.original_name)
 
 
 def _same_step(pipe, reference, x, y, loss_fn, original_name) -> None:
