@@ -491,18 +491,22 @@ def test_compile_is_refused_where_it_is_not_supported(capsys):
 
 
 def test_sub_sequences_train_to_the_losses_of_whole_micro_batches(tmp_path):
-    """--seq-chunks 4: each micro-batch as four sub-sequences through 1F1B; the losses of the
-    run of whole micro-batches, within float32 rounding."""
+    """--seq-chunks 4: each micro-batch as four sub-sequences through 1F1B, and through
+    zero-bubble-v's V with compiled layers; the losses of the run of whole micro-batches,
+    within float32 rounding."""
     runs = {}
-    for chunks in (1, 4):
-        out = tmp_path / f"seq-{chunks}"
-        code = main(["train", *TINY, "--stages", "2", "--steps", "4", "--schedule", "1f1b",
-                     "--seq-chunks", str(chunks), "--out", str(out)])  # fmt: skip
+    one_f_one_b = ["--schedule", "1f1b"]
+    v = ["--schedule", "zero-bubble-v", "--compile", "--compile-backend", "aot_eager"]
+    for name, chunks, more in (("1", 1, one_f_one_b), ("4", 4, one_f_one_b), ("4-v", 4, v)):
+        out = tmp_path / f"seq-{name}"
+        code = main(["train", *TINY, "--stages", "2", "--steps", "4", "--seq-chunks",
+                     str(chunks), *more, "--out", str(out)])  # fmt: skip
         assert code == 0
-        runs[chunks] = _losses(out)
-    assert runs[4].keys() == runs[1].keys() == {1, 2, 3, 4}
-    for step, loss in runs[1].items():
-        assert runs[4][step] == pytest.approx(loss, rel=1e-5), step
+        runs[name] = _losses(out)
+    assert runs["4"].keys() == runs["4-v"].keys() == runs["1"].keys() == {1, 2, 3, 4}
+    for step, loss in runs["1"].items():
+        assert runs["4"][step] == pytest.approx(loss, rel=1e-5), step
+        assert runs["4-v"][step] == pytest.approx(loss, rel=1e-5), step
     train = json.loads((tmp_path / "seq-4" / "run.json").read_text())["train"]
     assert train["seq_chunks"] == 4 and train["seq_split"] == "even"
 
