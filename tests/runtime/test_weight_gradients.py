@@ -88,3 +88,26 @@ def test_w_covers_every_output_of_a_layer_and_none_on_a_first_stage():
         reference(x).backward(g)
         for p, q in zip(layers.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_w_of_a_sub_sequence_on_a_first_stage_does_not_go_back_through_its_blocks():
+    """A sub-sequence's layers run their cached forward, which runs no module hooks: the
+    embedding's output is noted for W all the same, so W reaches its position table from
+    there rather than by a whole backward again from the stage's output. Reads the stage's
+    saved graph, as the first test does, since what W reaches is the point."""
+    from gpipe.models.gpt import GPTConfig, build_gpt
+
+    torch.manual_seed(0)
+    gpt = build_gpt(GPTConfig(n_layer=1, d_model=16, n_head=2, seq_len=8, vocab_size=32))
+    layers = nn.Sequential(*list(gpt)[:2]).double()  # the embedding and the block
+    stage = Stage(0, 2, layers, torch.device("cpu"), seq_chunks=2)
+    ids = torch.randint(0, 32, (3, 8))
+    for unit in (0, 1):
+        stage.forward(unit, ids[:, 4 * unit : 4 * unit + 4], build_graph=True, split_backward=True)
+    stage.backward_input(1, (torch.randn(3, 4, 16, dtype=torch.float64),))
+    reached = []
+    for output in stage._saved[1].outputs:
+        output.register_hook(reached.append)
+    stage.backward_weight(1)
+    assert reached == []
+    assert all(p.grad is not None for p in layers.parameters())

@@ -285,12 +285,17 @@ class Carries:
 
 
 def run_cached(
-    layers: Sequence[CachedLayer], x: Any, carried: Sequence[Tensor], past: int
+    layers: Sequence[CachedLayer],
+    x: Any,
+    carried: Sequence[Tensor],
+    past: int,
+    on_output: Callable[[Any, Any], None] | None = None,
 ) -> tuple[Any, list[Tensor]]:
     """Sub-sequence ``x`` (``[rows, tokens, ...]``, after ``past`` tokens) through ``layers``,
     their attention caches starting from ``carried`` (what each attention layer handed on,
     layer after layer, the same number each); returns the output (every token's, logits
-    included) and what the caches hand on to the next sub-sequence, in the same order."""
+    included) and what the caches hand on to the next sub-sequence, in the same order.
+    ``on_output(layer, output)`` after each layer: a cached forward runs no module hooks."""
     caches = [layer.new_cache() for layer in layers]
     held = [kv for cache in caches if cache is not None for kv in cache.kv_layers()]
     if carried:
@@ -310,6 +315,8 @@ def run_cached(
     for layer, cache in zip(layers, caches, strict=True):
         taken = tensors_of(x) if _observers else []  # only a meter looks at them
         x = layer.forward_cached(x, cache, context)
+        if on_output is not None:
+            on_output(layer, x)
         if _observers:
             _notify([*taken, *tensors_of(x)])
     after: list[Tensor] = []

@@ -171,7 +171,11 @@ class Stage:
         with own, use_tracker(tracker):
             if saved.chunked:
                 layers = cast(list[CachedLayer], list(self.module.children()))
-                raw, saved.carry_out = run_cached(layers, inputs, saved.carried, saved.past)
+                # a split backward's W needs each layer's output, which hooks do not see here
+                noted = saved.weights.note if saved.weights is not None else None
+                raw, saved.carry_out = run_cached(
+                    layers, inputs, saved.carried, saved.past, on_output=noted
+                )
             else:
                 raw = self._layers(inputs)
             outputs = self._checked(raw, microbatch)

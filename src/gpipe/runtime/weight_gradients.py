@@ -72,22 +72,38 @@ class WeightGradients:
 
     def __init__(self) -> None:
         self._parts: list[_Part] = []
+        self._noted: set[tuple[Any, int]] = set()  # the edges of ``_parts``
+        self._owners: set[int] | None = None  # while capturing: the layers whose outputs count
 
     @contextmanager
     def capturing(self, layers: Owners) -> Iterator[None]:
-        """Run a forward inside this to note the output of every layer of ``layers``."""
+        """Run a forward inside this to note the output of every layer of ``layers``: through
+        their forward hooks, and through ``note`` for calls that run none (a sub-sequence's
+        cached forward)."""
 
-        def note(layer: nn.Module, args: Any, output: Any) -> None:
-            for out in tensors_of(output):  # every leaf, however nested
-                if out.requires_grad:
-                    self._parts.append(_Part(get_gradient_edge(out), layer))
+        def hook(layer: nn.Module, args: Any, output: Any) -> None:
+            self.note(layer, output)
 
-        handles = [layer.register_forward_hook(note) for layer, _ in layers]
+        self._owners = {id(layer) for layer, _ in layers}
+        handles = [layer.register_forward_hook(hook) for layer, _ in layers]
         try:
             yield
         finally:
+            self._owners = None
             for handle in handles:
                 handle.remove()
+
+    def note(self, layer: nn.Module, output: Any) -> None:
+        """Note ``output`` of ``layer`` as a place B stops at, if this is capturing and
+        ``layer`` holds parameters of its own; each edge once."""
+        if self._owners is None or id(layer) not in self._owners:
+            return
+        for out in tensors_of(output):  # every leaf, however nested
+            if out.requires_grad:
+                edge = get_gradient_edge(out)
+                if (edge.node, edge.output_nr) not in self._noted:
+                    self._noted.add((edge.node, edge.output_nr))
+                    self._parts.append(_Part(edge, layer))
 
     @property
     def edges(self) -> list[GradientEdge]:
@@ -134,3 +150,4 @@ class WeightGradients:
         if rest:
             torch.autograd.backward(roots, root_grads, inputs=rest, retain_graph=True)
         self._parts.clear()
+        self._noted.clear()
