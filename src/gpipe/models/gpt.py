@@ -306,12 +306,18 @@ def _attend_cached(
     )
 
 
-# Outside torch.compile's graphs (compiled layers: gpipe.runtime.compiled): the cache's Python
-# state, its list of sub-sequences and its length, would make it compile the layer again for
-# every sub-sequence and every generated token.
-_attend_cached_outside_graphs: Callable[
-    [Tensor, Tensor, Tensor, KVCache, CacheContext, float], Tensor
-] = torch.compiler.disable(_attend_cached)
+def _attend_cached_outside_graphs(
+    q: Tensor, k: Tensor, v: Tensor, cache: KVCache, context: CacheContext, dropout_p: float
+) -> Tensor:
+    """``_attend_cached`` outside torch.compile's graphs (compiled layers:
+    gpipe.runtime.compiled): the cache's Python state, its list of sub-sequences and its
+    length, would make it compile the layer again for every sub-sequence and every generated
+    token. The wrapper is made only while compiling: making it imports torch's compiler,
+    half a second that an eager process need not pay."""
+    if torch.compiler.is_compiling():
+        outside: Callable[..., Tensor] = torch.compiler.disable(_attend_cached)
+        return outside(q, k, v, cache, context, dropout_p)
+    return _attend_cached(q, k, v, cache, context, dropout_p)
 
 
 class _MLP(nn.Module):
