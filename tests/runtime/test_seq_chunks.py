@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import gpipe
 from gpipe import Pipeline
 from gpipe.models.gpt import GPTConfig, build_gpt
 from gpipe.runtime.seq_chunks import (
@@ -130,6 +131,23 @@ def test_what_sub_sequences_cannot_run_is_refused_before_any_process_group_work(
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match=words):
         Pipeline(model(), [len(model())], **options)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "deepseek_v32"])
+def test_a_model_whose_layers_keep_more_than_keys_and_values_is_refused_at_construction(
+    monkeypatch, kind
+):
+    """Linear attention's state, a sparse attention's indexer keys: refused by name before
+    any process group work, as the layers that carry nothing are."""
+    pytest.importorskip("transformers", reason="the test extra installs transformers")
+    from ..splitting.hf_families import build
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    split = gpipe.split(build(kind), parts=2, plan="hf")
+    words = "seq_chunks: layer '0' cannot carry keys and values: .*'s layer 0 keeps a [A-Za-z]+"
+    with pytest.raises(ValueError, match=words):
+        Pipeline(split, seq_chunks=2, loss_fn=lambda out, y: out)
 
 
 def test_balanced_sub_sequences_cost_alike_and_later_ones_are_shorter():

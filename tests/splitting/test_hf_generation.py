@@ -18,9 +18,11 @@ from gpipe.splitting import PlanError
 
 pytest.importorskip("transformers", reason="the test extra installs transformers")
 
-from .hf_families import build
+from .hf_families import build, tiny_config
 
-FAMILIES = ("qwen3", "gemma2", "phi3", "gpt_neox")  # Llama: tests/engine/test_generation.py
+# Llama: tests/engine/test_generation.py; LongCat-Flash: two attention layers, so two places
+# in the cache, in each decoder layer
+FAMILIES = ("qwen3", "gemma2", "phi3", "gpt_neox", "longcat_flash")
 NEW = 6
 
 
@@ -61,7 +63,12 @@ def reference(model, prompts) -> list[list[int]]:
 def wide(kind: str):
     """The family's tiny model in float32, weights drawn wide so that tokens vary."""
     torch.manual_seed(0)
-    model = build(kind, dtype=torch.float32).eval()
+    # Multi-head latent attention expands its keys and values to every head, and real configs
+    # say so (as many key-value heads as heads): the tiny config's 2 of 4 would send the
+    # expanded keys down transformers' grouped-query path, which breaks on them.
+    latent = hasattr(tiny_config(kind), "kv_lora_rank")
+    heads = {"num_key_value_heads": tiny_config(kind).num_attention_heads} if latent else {}
+    model = build(kind, dtype=torch.float32, **heads).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -82,9 +89,17 @@ def test_greedy_through_the_plans_stages_equals_the_models_own_generate(kind):
     assert generated(stages, prompts, lanes=3, chunk=3) == want
 
 
-def test_layers_without_keys_and_values_are_refused():
-    model = build("qwen3_5_text", dtype=torch.float32)
+@pytest.mark.parametrize(
+    ("kind", "state"),
+    [
+        ("qwen3_5_text", "LinearAttentionLayer"),  # linear attention's recurrent state
+        ("inkling_text", "LinearAttentionAndSlidingWindowAttentionLayer"),  # both, one layer
+        ("deepseek_v32", "DynamicIndexedLayer"),  # a sparse attention's indexer keys too
+    ],
+)
+def test_layers_without_keys_and_values_are_refused(kind, state):
+    model = build(kind, dtype=torch.float32)
     stage = gpipe.split(model, parts=2, plan="hf")[0]
-    with pytest.raises(PlanError, match="keeps a .*, not keys and values"):
+    with pytest.raises(PlanError, match=f"keeps a {state}, not keys and values"):
         stage.new_cache()
     assert "cannot keep a KV cache" in (cache_refusal(torch.nn.Sequential(stage), 0) or "")

@@ -175,6 +175,10 @@ def seq_chunk_refusal(module: nn.Sequential) -> str | None:
                 "(gpipe.models.gpt) or a Hugging Face causal LM cut by its plan "
                 "(gpipe.split(model, parts=K, plan='hf'))"
             )
+        try:  # a model's refusal (a layer whose state is not keys and values) comes here
+            layer.new_cache()
+        except (RuntimeError, ValueError, TypeError) as exc:
+            return f"seq_chunks: layer {name!r} cannot carry keys and values: {exc}"
     return None
 
 

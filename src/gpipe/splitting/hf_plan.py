@@ -313,11 +313,12 @@ class PlanStage(nn.Module):
 
     # -- generation (gpipe.runtime.kv_cache) ---------------------------------------------------
     def new_cache(self) -> PlanCache:
-        """The model's own ``DynamicCache`` for one group of sequences: a layer per decoder
-        layer of this stage; the others' places point at the stage's first, since the model
-        sizes its masks by asking the cache about its first layer."""
+        """The model's own ``DynamicCache`` for one group of sequences: a layer for each place
+        this stage's decoder layers update (``_cache_places``); the others' places point at
+        the stage's first, since the model sizes its masks by asking the cache about its
+        first layer."""
         from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
         cache = DynamicCache()
         if not hasattr(cache, "layers"):
@@ -327,27 +328,46 @@ class PlanStage(nn.Module):
                 "generate() through a model cut by its plan needs a transformers whose caches "
                 f"are lists of layers (4.56 or later); this is {transformers.__version__}"
             )
-        self._check_attention_only(DynamicCache, DynamicLayer)
-        held = [DynamicLayer() for _ in range(self.start, self.stop)]
-        n = self.layout.n_layers
-        cache.layers = [
-            held[i - self.start] if self.start <= i < self.stop else held[0] for i in range(n)
-        ]
-        return PlanCache(cache, [HeldLayer(layer) for layer in held])
+        places = self._cache_places()
+        self._check_attention_only(DynamicCache, places, (DynamicLayer, DynamicSlidingWindowLayer))
+        held = {place: DynamicLayer() for place in places}
+        first = held[places[0]]
+        n = max(self.layout.n_layers, max(places) + 1)
+        cache.layers = [held.get(i, first) for i in range(n)]
+        return PlanCache(cache, [HeldLayer(layer) for layer in held.values()])
 
-    def _check_attention_only(self, cache_class: Any, attention: type) -> None:
-        """Refuse layers whose cache is not keys and values (linear attention, state space
-        models): their state cannot be padded, joined and trimmed row by row."""
+    def _cache_places(self) -> list[int]:
+        """The places in the model's cache that this stage's decoder layers update: the
+        ``layer_idx`` of the modules inside each layer (its attention; two in a LongCat-Flash
+        layer, at twice the layer's index and the next), or the layer's own index where no
+        module inside it names one."""
+        layers = self.shell.get_submodule(self.layout.base).get_submodule(self.layout.layers)
+        places: list[int] = []
+        for i in range(self.start, self.stop):
+            inside = {
+                module.layer_idx
+                for name, module in layers[i].named_modules()
+                if name and isinstance(getattr(module, "layer_idx", None), int)
+            }
+            places += sorted(inside) if inside else [i]
+        return places
+
+    def _check_attention_only(
+        self, cache_class: Any, places: Sequence[int], plain: tuple[type, ...]
+    ) -> None:
+        """Refuse layers whose cache holds more than keys and values (linear attention, state
+        space models, a sparse attention's indexer keys): their state cannot be padded,
+        joined and trimmed row by row as keys and values are."""
         try:
             typed = cache_class(config=self.shell.config).layers
         except (TypeError, ValueError, AttributeError, KeyError):
             return  # no layer types to read: every layer is attention
-        for i in range(self.start, min(self.stop, len(typed))):
-            if not isinstance(typed[i], attention):
+        for i in places:
+            if i < len(typed) and type(typed[i]) not in plain:
                 raise PlanError(
                     f"{type(self.shell).__name__}'s layer {i} keeps a {type(typed[i]).__name__}, "
-                    "not keys and values: generation through the pipeline supports attention "
-                    "layers only"
+                    "not keys and values: generate() and seq_chunks carry the caches of "
+                    "attention layers whose state is keys and values only"
                 )
 
     def forward_cached(self, x: Tensor, cache: PlanCache, context: CacheContext) -> Any:
