@@ -90,6 +90,60 @@ def test_w_covers_every_output_of_a_layer_and_none_on_a_first_stage():
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
 
 
+class _Router(nn.Module):
+    """A mixture-of-experts router as Hugging Face's return theirs: the logits, and the scores
+    made from them (``direct``: plus a map of its own input, so that the scores reach a
+    parameter other than through the logits)."""
+
+    def __init__(self, direct: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 6))
+        self.extra = nn.Parameter(torch.randn(2, 6)) if direct else None
+
+    def forward(self, x):
+        logits = x @ self.weight.t()
+        top, _ = torch.topk(logits, 2, dim=-1)
+        scores = torch.softmax(top, dim=-1)
+        if self.extra is not None:
+            scores = scores + torch.tanh(x @ self.extra.t())
+        return logits, scores
+
+
+class _Weighted(nn.Module):
+    """Uses the scores, and the logits only when ``both``."""
+
+    def __init__(self, both: bool):
+        super().__init__()
+        self.both = both
+
+    def forward(self, out):
+        logits, scores = out
+        y = scores.repeat(1, 3)
+        return y + logits[:, :1] if self.both else y
+
+
+@pytest.mark.parametrize("both", [False, True], ids=["scores", "logits-and-scores"])
+@pytest.mark.parametrize("direct", [False, True], ids=["through-logits", "direct-too"])
+def test_outputs_made_from_one_another_are_counted_once(both, direct):
+    """The router's scores are made from its logits, so the gradient B finds at the logits
+    already holds the scores': W starts from the logits alone (an edge less for B); where the
+    scores also reach a parameter directly, the router's weights come from the stage's output.
+    Either way B then W equals one backward (each gradient was twice its value before)."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(_Router(direct), _Weighted(both), nn.Linear(6, 3)).double()
+    reference = copy.deepcopy(layers)
+    x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(5, 3, dtype=torch.float64)
+    stage = Stage(1, 3, layers, torch.device("cpu"))
+    stage.forward(0, x, build_graph=True, split_backward=True)
+    assert len(stage._saved[0].weights.edges) == (1 if direct else 2)  # internal: why W is exact
+    stage.backward_input(0, (g,))
+    stage.backward_weight(0)
+    reference(x.detach()).backward(g)
+    for p, q in zip(layers.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
 def test_w_of_a_sub_sequence_on_a_first_stage_does_not_go_back_through_its_blocks():
     """A sub-sequence's layers run their cached forward, which runs no module hooks: the
     embedding's output is noted for W all the same, so W reaches its position table from

@@ -5,6 +5,13 @@ On its way it passes the output of every layer that holds parameters; B asks aut
 the gradient there too (the forward noted where each such output entered the graph). W then
 needs, per such layer, only one short autograd call from that output to the layer's own
 parameters, so the split costs no recomputation.
+
+A layer may return outputs made from one another (a mixture-of-experts router returns its
+logits and the scores it computed from them): the gradient B finds at the first already holds
+what flowed back through the second, so W starting from both would count it twice. Such an
+output is left out when the paths from it to the layer's inputs all pass through another
+output; where one also reaches a parameter directly, the layer's parameters get their
+gradients from the stage's output instead, as a layer that B did not pass does.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from gpipe.comm.payload import tensors_of
 
@@ -74,6 +81,8 @@ class WeightGradients:
         self._parts: list[_Part] = []
         self._noted: set[tuple[Any, int]] = set()  # the edges of ``_parts``
         self._owners: set[int] | None = None  # while capturing: the layers whose outputs count
+        self._inputs: dict[int, list[set[Node]]] = {}  # per layer, its calls' input nodes
+        self._from_roots: set[int] = set()  # layers W serves from the stage's output
 
     @contextmanager
     def capturing(self, layers: Owners) -> Iterator[None]:
@@ -81,29 +90,54 @@ class WeightGradients:
         their forward hooks, and through ``note`` for calls that run none (a sub-sequence's
         cached forward)."""
 
-        def hook(layer: nn.Module, args: Any, output: Any) -> None:
-            self.note(layer, output)
+        def before(layer: nn.Module, args: Any, kwargs: Any) -> None:
+            made = {
+                get_gradient_edge(t).node for t in tensors_of((args, kwargs)) if t.requires_grad
+            }
+            self._inputs.setdefault(id(layer), []).append(made)
+
+        def hook(layer: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            calls = self._inputs.get(id(layer))
+            self.note(layer, output, calls.pop() if calls else None)
 
         self._owners = {id(layer) for layer, _ in layers}
-        handles = [layer.register_forward_hook(hook) for layer, _ in layers]
+        handles = [
+            handle
+            for layer, _ in layers
+            for handle in (
+                layer.register_forward_pre_hook(before, with_kwargs=True),
+                layer.register_forward_hook(hook, with_kwargs=True),
+            )
+        ]
         try:
             yield
         finally:
             self._owners = None
+            self._inputs.clear()
             for handle in handles:
                 handle.remove()
 
-    def note(self, layer: nn.Module, output: Any) -> None:
+    def note(self, layer: nn.Module, output: Any, inputs: set[Node] | None = None) -> None:
         """Note ``output`` of ``layer`` as a place B stops at, if this is capturing and
-        ``layer`` holds parameters of its own; each edge once."""
+        ``layer`` holds parameters of its own; each edge once. ``inputs``, the graph nodes of
+        the call's inputs, bound the search for outputs made from other outputs."""
         if self._owners is None or id(layer) not in self._owners:
             return
+        edges: dict[tuple[Any, int], GradientEdge] = {}
         for out in tensors_of(output):  # every leaf, however nested
             if out.requires_grad:
                 edge = get_gradient_edge(out)
-                if (edge.node, edge.output_nr) not in self._noted:
-                    self._noted.add((edge.node, edge.output_nr))
-                    self._parts.append(_Part(edge, layer))
+                edges.setdefault((edge.node, edge.output_nr), edge)
+        if len(edges) > 1:
+            kept = _upstream_outputs(edges, inputs or set())
+            if kept is None:
+                self._from_roots.add(id(layer))
+                return
+            edges = {key: edges[key] for key in kept}
+        for key, edge in edges.items():
+            if key not in self._noted:
+                self._noted.add(key)
+                self._parts.append(_Part(edge, layer))
 
     @property
     def edges(self) -> list[GradientEdge]:
@@ -136,7 +170,7 @@ class WeightGradients:
         missed = {
             id(p)
             for part, ps in zip(self._parts, held, strict=True)
-            if part.grad is None
+            if part.grad is None or id(part.layer) in self._from_roots
             for p in ps
         }
         covered: set[int] = set()
@@ -151,3 +185,40 @@ class WeightGradients:
             torch.autograd.backward(roots, root_grads, inputs=rest, retain_graph=True)
         self._parts.clear()
         self._noted.clear()
+        self._from_roots.clear()
+
+
+# how many graph nodes the search for outputs made from other outputs may visit in one layer
+_SEARCH_LIMIT = 1024
+
+
+def _upstream_outputs(
+    edges: dict[tuple[Any, int], GradientEdge], inputs: set[Node]
+) -> list[tuple[Any, int]] | None:
+    """The outputs of one layer call (``edges``) that W starts from: those not made from
+    another; None when one is made from another and from a parameter besides (or the search
+    goes past ``_SEARCH_LIMIT`` nodes), which W cannot split without counting twice."""
+    kept = []
+    for key, edge in edges.items():
+        others = set(edges) - {key}
+        reached_output, reached_parameter = False, False
+        seen: set[Node] = set()
+        stack = [edge.node]
+        while stack:
+            for nxt, nr in stack.pop().next_functions:
+                if nxt is None or nxt in inputs:
+                    continue
+                if (nxt, nr) in others:
+                    reached_output = True
+                elif hasattr(nxt, "variable"):  # a leaf's accumulator: a parameter
+                    reached_parameter = True
+                elif nxt not in seen:
+                    if len(seen) == _SEARCH_LIMIT:
+                        return None
+                    seen.add(nxt)
+                    stack.append(nxt)
+        if reached_output and reached_parameter:
+            return None
+        if not reached_output:
+            kept.append(key)
+    return kept
