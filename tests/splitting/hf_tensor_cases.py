@@ -54,3 +54,34 @@ def exactness(tied: bool = False) -> dict:
                 split_names.append(original)
         cases += 1
     return {"cases": cases, "split": split_names}
+
+
+def families_exactness(kinds: list[str]) -> dict[str, list[str]]:
+    """Each family of ``kinds`` cut by its pipeline plan and its stages split by its own
+    tensor plan, one 1F1B step of its tiny model against the unsplit model's in float64;
+    returns, per family, which of this rank's parameters are split."""
+    from .hf_families import build
+
+    found = {}
+    for kind in kinds:
+        torch.manual_seed(0)
+        reference = build(kind)
+        ids = torch.randint(3, reference.config.vocab_size, (4, 8), generator=torch.Generator())
+        want = next_token_loss(reference(input_ids=ids), ids)
+        want.backward()
+        grads = {n: p.grad for n, p in reference.named_parameters()}
+        split = gpipe.split(copy.deepcopy(reference), parts=2, plan="hf")
+        pipe = Pipeline(
+            split, chunks=2, schedule="1f1b", tensor_parallel=2, loss_fn=next_token_loss
+        )
+        got = pipe.step(ids, ids)
+        if pipe.is_last:
+            torch.testing.assert_close(got, want.detach(), **EXACT)
+        found[kind] = []
+        for name, p in pipe.named_parameters():
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            original = split.original_name(name)
+            torch.testing.assert_close(grad, grads[original], **EXACT, msg=f"{kind} {original}")
+            if isinstance(p, DTensor):
+                found[kind].append(original)
+    return found

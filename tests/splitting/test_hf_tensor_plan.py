@@ -52,6 +52,22 @@ def _llama_stages(**overrides):
     return gpipe.split(model, parts=2, plan="hf")
 
 
+def test_the_other_styles_of_transformers_plans_split_exactly():
+    """Qwen3's per-head norms (``replicated_with_grad_allreduce``: whole, their gradients summed
+    over the tensor ranks), Phi3's fused maps split by columns and gathered, then split by rows
+    again after them (``rowwise_split_input``) and GPT-NeoX's embedding split by vocabulary
+    (``embedding_rowwise``): the loss and every gathered gradient equal the unsplit model's
+    in float64."""
+    kinds = ["qwen3", "phi3", "gpt_neox"]
+    results = run(cases.families_exactness, 4, (kinds,), threads=1)
+    first, last = results[0], results[2]
+    assert "model.layers.0.self_attn.q_norm.weight" not in first["qwen3"]
+    assert "model.layers.0.self_attn.q_proj.weight" in first["qwen3"]
+    assert "model.layers.3.self_attn.o_proj.weight" in last["phi3"]
+    assert "model.layers.3.self_attn.qkv_proj.weight" in last["phi3"]
+    assert "gpt_neox.embed_in.weight" in first["gpt_neox"]
+
+
 def test_each_stage_declares_the_plan_of_the_modules_it_holds():
     first, last = _llama_stages()
     q, down = "model.layers.*.self_attn.q_proj", "model.layers.*.mlp.down_proj"

@@ -341,7 +341,7 @@ class PlanStage(nn.Module):
         ``layer_idx`` of the modules inside each layer (its attention; two in a LongCat-Flash
         layer, at twice the layer's index and the next), or the layer's own index where no
         module inside it names one."""
-        layers = self.shell.get_submodule(self.layout.base).get_submodule(self.layout.layers)
+        layers = _layers(self.shell.get_submodule(self.layout.base), self.layout)
         places: list[int] = []
         for i in range(self.start, self.stop):
             inside = {

@@ -19,13 +19,21 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from gpipe.parallel.summed_gradients import SummedGradients
 
 __all__ = ["HF_STYLES", "held_plan", "model_tp_plan", "torch_plan"]
 
 
 def _gathered_columns() -> ParallelStyle:
     return ColwiseParallel(output_layouts=Replicate())
+
+
+def _rows_of_whole_input() -> ParallelStyle:
+    """Rows split, its input whole on every rank (split there): a map after one that is not
+    split (Phi3's fused attention), or an embedding split by vocabulary."""
+    return RowwiseParallel(input_layouts=Replicate())
 
 
 # Hugging Face's style names and what each is in gpipe.parallel.tensor's terms
@@ -35,6 +43,9 @@ HF_STYLES: dict[str, Callable[[], str | ParallelStyle]] = {
     "sequence_parallel": lambda: "sequence",  # SequenceParallel()
     "colwise_gather_output": _gathered_columns,
     "colwise_rep": _gathered_columns,  # its name in older transformers (4.4x)
+    "rowwise_split_input": _rows_of_whole_input,
+    "embedding_rowwise": _rows_of_whole_input,
+    "replicated_with_grad_allreduce": SummedGradients,
 }
 
 
