@@ -5,7 +5,7 @@ transformers would convert as it loads cannot be read alone, and is refused by n
 import pytest
 import torch
 
-from gpipe.training.hf.models import LazyWeights, build_hf_meta
+from gpipe.training.hf.models import LazyWeights, build_hf_meta, write_initial_weights
 
 transformers = pytest.importorskip("transformers", reason="--model hf: needs transformers")
 
@@ -52,3 +52,26 @@ def test_tensors_transformers_converts_as_it_loads_are_refused_by_name(tmp_path)
         ValueError, match=r"its tensor model\.layers\.0\.\S+\.experts\.0\.w1\.weight"
     ):
         LazyWeights(tmp_path, meta)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_mixture_of_experts_drawn_from_its_config_reads_back_whole(tmp_path, tied):
+    """`gpipe train --model hf:` from a config draws the weights once, into the run folder,
+    under the model's own names, each shared tensor once (a tied head is its embedding):
+    ``save_pretrained`` would write Mixtral's stacked experts one by one, the layout refused
+    above."""
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+        num_experts_per_tok=1, max_position_embeddings=32, tie_word_embeddings=tied,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path / "config")
+    folder = write_initial_weights(tmp_path / "config", tmp_path / "initial", seed=3)
+    meta = build_hf_meta(folder / "config.json")
+    weights = LazyWeights(folder, meta)
+    assert set(weights) == set(meta.state_dict()) - ({"lm_head.weight"} if tied else set())
+    torch.manual_seed(3)
+    drawn = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = drawn.state_dict()
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, state[name]), name

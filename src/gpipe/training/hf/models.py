@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -118,15 +119,36 @@ def build_hf_zeros(path: str | Path) -> nn.Module:
 def write_initial_weights(path: str | Path, out: Path, seed: int) -> Path:
     """Build the model of the config at ``path`` once, with random weights from ``seed``, and
     save it as a Hugging Face folder under ``out`` that every rank then reads its own
-    tensors from; returns the folder (written whole or not at all)."""
+    tensors from; returns the folder (written whole or not at all).
+
+    The tensors keep the names of the model's own state dict, each shared tensor once (a
+    tied head is its embedding): ``save_pretrained`` would write a mixture of experts'
+    stacked experts one expert at a time, a layout that cannot be read tensor by tensor."""
+    from safetensors.torch import save_file
+
     transformers = _transformers()
     config = hf_config(path)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     partial = out.with_name(f".{out.name}.partial")
-    model.save_pretrained(str(partial))
+    shutil.rmtree(partial, ignore_errors=True)
+    model.config.save_pretrained(str(partial))
+    save_file(_each_tensor_once(model.state_dict()), str(partial / _WEIGHTS), {"format": "pt"})
     os.replace(partial, out)
     return out
+
+
+def _each_tensor_once(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` without the later names of a tensor that an earlier name holds too."""
+    kept: dict[str, Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for name, tensor in state.items():
+        offset = int(tensor.storage_offset())
+        place = (tensor.untyped_storage().data_ptr(), offset, tuple(tensor.shape))
+        if place not in seen:
+            seen.add(place)
+            kept[name] = tensor.contiguous()
+    return kept
 
 
 class LazyWeights(Mapping[str, Tensor]):
