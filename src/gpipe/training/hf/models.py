@@ -11,12 +11,14 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from gpipe.training.hf.loaded_names import Merged, names_as_loaded
 
 __all__ = [
     "LazyWeights",
@@ -24,7 +26,6 @@ __all__ = [
     "build_hf_zeros",
     "fill_unsaved_buffers",
     "hf_config",
-    "names_as_loaded",
     "write_initial_weights",
 ]
 
@@ -156,8 +157,9 @@ class LazyWeights(Mapping[str, Tensor]):
     rank reads its own stage's weights and nothing else.
 
     With ``model``, a tensor goes by the name ``from_pretrained`` loads it into ``model``
-    under (``names_as_loaded``: GPT-NeoX saves its ``lm_head`` as ``embed_out``); without
-    one, by the name it is saved under."""
+    under (``names_as_loaded``: GPT-NeoX saves its ``lm_head`` as ``embed_out``), and a
+    mixture of experts saved one expert a tensor is read stacked, as the model holds it;
+    without one, by the name it is saved under."""
 
     def __init__(self, folder: str | Path, model: nn.Module | None = None) -> None:
         from safetensors import safe_open
@@ -172,64 +174,33 @@ class LazyWeights(Mapping[str, Tensor]):
         names = sorted(set(files.values())) if files else [_WEIGHTS]
         self._open = {name: safe_open(str(folder / name), "pt") for name in names}
         saved = files or {k: _WEIGHTS for k in self._open[_WEIGHTS].keys()}  # noqa: SIM118
-        loaded = names_as_loaded(model, saved, folder) if model is not None else {}
-        self._where = {loaded.get(key, key): (file, key) for key, file in saved.items()}
+        loaded: dict[str, str] = {key: key for key in saved}
+        self._merged: dict[str, Merged] = {}
+        if model is not None:
+            loaded, self._merged = names_as_loaded(model, saved, folder)
+        self._file = saved
+        self._where = {name: (saved[key], key) for key, name in loaded.items()}
 
     def __contains__(self, key: object) -> bool:
-        return key in self._where
+        return key in self._where or key in self._merged
 
     def __getitem__(self, key: str) -> Tensor:
+        merged = self._merged.get(key)
+        if merged is not None:
+            return merged.build(self._saved)
         file, saved = self._where[key]
         return self._open[file].get_tensor(saved)
 
+    def _saved(self, key: str) -> Tensor:
+        """A tensor by the name it is saved under."""
+        return self._open[self._file[key]].get_tensor(key)
+
     def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
+        yield from self._where
+        yield from self._merged
 
     def __len__(self) -> int:
-        return len(self._where)
-
-
-def names_as_loaded(model: nn.Module, saved: Iterable[str], folder: Path) -> dict[str, str]:
-    """For each name a tensor is saved under in ``folder``, the name of ``model``'s state
-    dict that ``from_pretrained`` loads it into: transformers' own checkpoint conversion
-    mapping for the model (its renamings, such as GPT-NeoX's ``embed_out`` for ``lm_head``,
-    and the legacy ones), with the base model's prefix added or dropped as it does.
-    ``save_pretrained`` writes the reverse, so a folder it wrote reads back whole.
-
-    A saved tensor that transformers converts as it loads (experts stacked into one tensor)
-    is a ValueError: it cannot be read one tensor at a time. Before transformers 5, which
-    has no conversion mapping, and for a model that is no ``PreTrainedModel``, each tensor
-    keeps its saved name."""
-    try:
-        from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (
-            WeightConverter,
-            WeightRenaming,
-            rename_source_key,
-        )
-    except ImportError:
-        return {key: key for key in saved}
-    if not isinstance(model, PreTrainedModel):
-        return {key: key for key in saved}
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    names = model.state_dict()  # its names, to add or drop the base model's prefix by
-    loaded = {}
-    for key in saved:
-        name, converted = rename_source_key(
-            key, renamings, converters, model.base_model_prefix, names
-        )
-        if converted is not None:
-            raise ValueError(
-                f"{folder}: its tensor {key} is saved in a layout that transformers converts "
-                f"as it loads a {type(model).__name__} ({converted!r} into {name!r}); gpipe "
-                "reads each rank's tensors one at a time as they are saved, so it needs them "
-                "saved under the names of the model's own state dict"
-            )
-        loaded[key] = name
-    return loaded
+        return len(self._where) + len(self._merged)
 
 
 def _weight_map(index: Path) -> dict[str, str]:
