@@ -20,10 +20,16 @@ _CHECKPOINT = {"none": "never", "selective": "never", "full": "always"}
 
 def _model_line(shape: TransformerShape, p: Prediction) -> str:
     layout = p.layout
+    params = f"{shape.params() / 1e9:,.1f} B parameters"
+    blocks = f"{shape.layers} blocks of {shape.hidden}"
+    if shape.is_moe:
+        params += f", {shape.active_params() / 1e9:,.1f} B active"
+        blocks += (
+            f", {shape.moe_blocks} with {shape.experts} experts ({shape.experts_per_token} a token)"
+        )
     return (
-        f"{shape.name}: {shape.params() / 1e9:,.1f} B parameters ({shape.layers} blocks of "
-        f"{shape.hidden}, vocabulary {shape.vocab:,}), {layout.global_batch:,} sequences of "
-        f"{layout.seq_len:,} tokens a step"
+        f"{shape.name}: {params} ({blocks}, vocabulary {shape.vocab:,}), "
+        f"{layout.global_batch:,} sequences of {layout.seq_len:,} tokens a step"
     )
 
 
@@ -105,7 +111,13 @@ def prediction_json(p: Prediction) -> dict[str, Any]:
 
 def print_json(p: Prediction, shape: TransformerShape, choices: dict[str, list[int]]) -> None:
     out = prediction_json(p)
-    out["model"] = {"name": shape.name, "parameters": shape.params()}
+    out["model"] = {
+        "name": shape.name,
+        "parameters": shape.params(),
+        "active_parameters": shape.active_params(),
+    }
+    if shape.is_moe:
+        out["model"] |= {"experts": shape.experts, "experts_per_token": shape.experts_per_token}
     out["chosen"] = {name: {"value": _chosen(p, name), "tried": v} for name, v in choices.items()}
     print(json.dumps(out, indent=2))
 
@@ -212,3 +224,8 @@ def print_search(
         print(f"  {count:>8,}  {reason}{extra}")
     if found.best:
         print(f"run the fastest: {train_command(found.best[0], model)}")
+        if shape.is_moe and found.best[0].layout.tensor_parallel > 1:
+            print(
+                "  (gpipe train does not split experts over tensor-parallel ranks yet: "
+                "--search --tensor-parallel 1 gives the fastest layout it runs)"
+            )

@@ -17,7 +17,14 @@ from gpipe.planning.layer_costs import RECOMPUTE, STACKS, Software
 from gpipe.planning.transformer import TransformerShape
 from gpipe.schedules import traits
 
-__all__ = ["Layout", "check_layout", "layers_per_stage", "stage_params"]
+__all__ = [
+    "Layout",
+    "blocks_per_stage",
+    "check_layout",
+    "layers_per_stage",
+    "splits_over",
+    "stage_params",
+]
 
 
 @dataclass(frozen=True)
@@ -88,11 +95,11 @@ def check_layout(shape: TransformerShape, layout: Layout) -> None:
             f"--global-batch {layout.global_batch} does not divide into D {d} replicas x "
             f"--micro-batch {layout.micro_batch} = {per_round} sequences"
         )
-    kv_split = shape.kv_heads % t == 0 or t % shape.kv_heads == 0
-    if shape.heads % t or not kv_split or shape.ffn % t:
+    if not splits_over(shape, t):
+        widths = " and ".join(str(w) for w in shape.tensor_split_widths())
         raise ValueError(
             f"--tensor-parallel {t} must divide the {shape.heads} attention heads, the "
-            f"{shape.kv_heads} key/value heads and the MLP's width {shape.ffn}"
+            f"{shape.kv_heads} key/value heads and the MLP's width {widths}"
         )
     if layout.n_stages > shape.layers:
         raise ValueError(
@@ -125,6 +132,14 @@ def _check_schedule(layout: Layout) -> None:
         )
 
 
+def splits_over(shape: TransformerShape, t: int) -> bool:
+    """Whether a tensor-parallel group of ``t`` can split the model's heads and MLPs."""
+    kv_split = shape.kv_heads % t == 0 or t % shape.kv_heads == 0
+    return (
+        shape.heads % t == 0 and kv_split and all(w % t == 0 for w in shape.tensor_split_widths())
+    )
+
+
 def layers_per_stage(layers: int, n_stages: int) -> list[int]:
     """Blocks per stage, as even as can be; the extra ones go to the middle stages, away
     from the embedding (first) and the logits (last)."""
@@ -136,12 +151,24 @@ def layers_per_stage(layers: int, n_stages: int) -> list[int]:
     return counts
 
 
+def blocks_per_stage(shape: TransformerShape, n_stages: int) -> tuple[list[int], list[int]]:
+    """Per stage, its dense blocks and its blocks with experts (``layers_per_stage``'s
+    blocks in order)."""
+    dense, moe, start = [], [], 0
+    for n in layers_per_stage(shape.layers, n_stages):
+        experts = sum(shape.is_moe_block(i) for i in range(start, start + n))
+        dense.append(n - experts)
+        moe.append(experts)
+        start += n
+    return dense, moe
+
+
 def stage_params(shape: TransformerShape, layout: Layout) -> list[float]:
     """Parameters per stage on one GPU of its tensor-parallel group; the last stage keeps
     its own copy of a tied embedding when the pipeline has several stages (as Megatron)."""
-    t, layer = layout.tensor_parallel, shape.layer_params()
-    counts = layers_per_stage(shape.layers, layout.n_stages)
-    params = [n * layer / t for n in counts]
+    t, layer, experts = layout.tensor_parallel, shape.layer_params(), shape.layer_params(True)
+    dense, moe = blocks_per_stage(shape, layout.n_stages)
+    params = [(n * layer + e * experts) / t for n, e in zip(dense, moe, strict=True)]
     params[0] += shape.embedding_params() / t
     if not shape.tied or layout.n_stages > 1:
         params[-1] += shape.embedding_params() / t

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from gpipe.planning.closed_forms import closed_form_bubble, closed_form_peak
 from gpipe.planning.cluster import Prediction, predict
-from gpipe.planning.cluster_layout import Layout, check_layout
+from gpipe.planning.cluster_layout import Layout, check_layout, splits_over
 from gpipe.planning.cluster_memory import MemoryParts
 from gpipe.planning.cluster_step import StepModel
 from gpipe.planning.hardware import Cluster
@@ -109,7 +109,7 @@ def _layouts(
     precision, stack = software
     tps = space.tensor_parallel or [t for t in _divisors(per_node) if t & (t - 1) == 0]
     for t in tps:
-        if n % t or shape.heads % t or shape.ffn % t:
+        if n % t or not splits_over(shape, t):
             rejected["T does not divide the GPUs, the heads or the MLP"] += 1
             continue
         for k in space.stages or _divisors(n // t):

@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpipe.planning.cluster_layout import Layout, layers_per_stage, stage_params
+from gpipe.planning.cluster_layout import Layout, blocks_per_stage, stage_params
 from gpipe.planning.cluster_memory import (
     BYTES_PER_PARAM,
     FRAMEWORK_BYTES,
@@ -38,21 +38,33 @@ def step_flops(
     """FLOPs of a step over ``tokens`` tokens: as Megatron-LM's equation 3 counts them
     (forward, backward twice the forward, and the forward again that ``recompute`` redoes;
     the logits three times) and the model's own (without recomputation)."""
-    layer = shape.layer_flops(seq_len)
-    again = {"none": 0.0, "selective": shape.attention_flops(seq_len), "full": layer}[recompute]
-    model = tokens * (3 * shape.layers * layer + 3 * shape.logit_flops())
-    return model + tokens * shape.layers * again, model
+    blocks = shape.blocks_flops(seq_len)
+    selective = shape.layers * shape.attention_flops(seq_len)
+    again = {"none": 0.0, "selective": selective, "full": blocks}[recompute]
+    model = tokens * (3 * blocks + 3 * shape.logit_flops())
+    return model + tokens * again, model
 
 
 def stage_costs(
-    embedding: PassCosts, block: PassCosts, head: PassCosts, counts: Sequence[int]
+    embedding: PassCosts,
+    block: PassCosts,
+    head: PassCosts,
+    counts: Sequence[int],
+    *,
+    moe_block: PassCosts | None = None,
+    moe_counts: Sequence[int] = (),
 ) -> list[PassCosts]:
-    """Each stage's costs per micro-batch: ``counts[s]`` blocks, the embedding on the first
-    stage and the head on the last. The layers' costs may come from the roofline (a
-    cluster plan) or from timing them (``benchmarks.bench_scaling`` on this machine's CPU):
-    the pipeline is assembled the same way from either."""
+    """Each stage's costs per micro-batch: ``counts[s]`` blocks (and ``moe_counts[s]``
+    blocks with experts), the embedding on the first stage and the head on the last. The
+    layers' costs may come from the roofline (a cluster plan) or from timing them
+    (``benchmarks.bench_scaling`` on this machine's CPU): the pipeline is assembled the same
+    way from either."""
     scaled = {n: block.times(n) for n in set(counts)}
     stages = [scaled[n] for n in counts]
+    if moe_block is not None:
+        stages = [
+            s + moe_block.times(n) if n else s for s, n in zip(stages, moe_counts, strict=True)
+        ]
     stages[0] = stages[0] + embedding
     stages[-1] = stages[-1] + head
     return stages
@@ -95,9 +107,9 @@ def pipeline_costs(
 
 
 @functools.lru_cache(maxsize=4096)
-def _block(shape: TransformerShape, work: Work) -> PassCosts:
+def _block(shape: TransformerShape, work: Work, moe: bool = False) -> PassCosts:
     """One block's costs, the same for every layout with this shape of work."""
-    return block_costs(shape, work)
+    return block_costs(shape, work, moe)
 
 
 @dataclass(frozen=True)
@@ -125,11 +137,14 @@ class StepModel:
             layout.recompute,
             layout.software,
         )
+        dense, moe = blocks_per_stage(shape, layout.n_stages)
         stages = stage_costs(
             embedding_costs(shape, work),
             _block(shape, work),
             head_costs(shape, work),
-            layers_per_stage(shape.layers, layout.n_stages),
+            dense,
+            moe_block=_block(shape, work, moe=True) if shape.is_moe else None,
+            moe_counts=moe,
         )
         params = stage_params(shape, layout)
         placement, n, k = traits(layout.schedule).placement, layout.n_stages, layout.stages

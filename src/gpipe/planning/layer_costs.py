@@ -8,7 +8,10 @@ output, MLP up, MLP down; each backward a product for the input gradient and one
 weight gradient), the attention core, the memory-bound kernels (two norms, the activation,
 bias-dropout-residual adds, softmax), and per pass two all-reduces of the block's output
 over the group (with sequence parallelism, an all-gather and a reduce-scatter each, the same
-traffic; the norms and adds then run on 1/T of the tokens).
+traffic; the norms and adds then run on 1/T of the tokens). A block with experts runs a
+router, the shared experts' MLP and each expert's MLP on the tokens routed to it (as many as
+each would get under balanced routing), every expert's matrices split over the T GPUs as a
+dense MLP's are; no expert parallelism, as gpipe has none.
 """
 
 from __future__ import annotations
@@ -147,15 +150,26 @@ class PassCosts:
         )
 
 
-def _products(shape: TransformerShape, t: int) -> list[tuple[int, int]]:
-    """The block's four products as (in, out) widths on one GPU of t."""
-    up = (2 if shape.gated else 1) * shape.ffn
-    return [
-        (shape.hidden, (shape.q_width + 2 * shape.kv_width) // t),
-        (shape.q_width // t, shape.hidden),
-        (shape.hidden, up // t),
-        (shape.ffn // t, shape.hidden),
+def _products(shape: TransformerShape, t: int, moe: bool) -> list[tuple[float, int, int, int]]:
+    """The block's matrix products on one GPU of t, each as (share of the micro-batch's
+    tokens it takes, in width, out width, how many): QKV, the attention output, and the
+    MLP's up and down; with experts, the router (whole on each GPU), the shared experts'
+    MLP, and each expert's on its share of the tokens (routing taken as balanced)."""
+    attention = [
+        (1.0, shape.hidden, (shape.q_width + 2 * shape.kv_width) // t, 1),
+        (1.0, shape.q_width // t, shape.hidden, 1),
     ]
+
+    def mlp(width: int, share: float = 1.0, count: int = 1) -> list[tuple[float, int, int, int]]:
+        up = (2 if shape.gated else 1) * width
+        return [(share, shape.hidden, up // t, count), (share, width // t, shape.hidden, count)]
+
+    if not moe:
+        return attention + mlp(shape.ffn)
+    router = [(1.0, shape.hidden, shape.experts, 1)]
+    shared = mlp(shape.shared_ffn) if shape.shared_ffn else []
+    share = shape.experts_per_token / shape.experts
+    return attention + router + shared + mlp(shape.expert_ffn, share, shape.experts)
 
 
 def _attention(shape: TransformerShape, work: Work) -> tuple[float, float, float, float]:
@@ -181,28 +195,36 @@ def _attention(shape: TransformerShape, work: Work) -> tuple[float, float, float
     return forward, backward, kept, kept
 
 
-def block_costs(shape: TransformerShape, work: Work) -> PassCosts:
-    """One transformer block's costs for one micro-batch on one GPU of the group."""
+def block_costs(shape: TransformerShape, work: Work, moe: bool = False) -> PassCosts:
+    """One transformer block's costs for one micro-batch on one GPU of the group: a dense
+    block's, or (``moe``) one whose MLP is the shape's experts."""
     d, t, n = work.device, work.tensor_parallel, work.tokens
     h, drop = shape.hidden, (1.0 if shape.dropout else 0.0)
-    gemm_f = sum(matmul_seconds(d, n, o, i) for i, o in _products(shape, t))
-    gemm_input = sum(matmul_seconds(d, n, i, o) for i, o in _products(shape, t))
-    gemm_weight = sum(matmul_seconds(d, i, o, n) for i, o in _products(shape, t))
+    products = [(n * share, i, o, c) for share, i, o, c in _products(shape, t, moe)]
+    gemm_f = sum(matmul_seconds(d, m, o, i, c) for m, i, o, c in products)
+    gemm_input = sum(matmul_seconds(d, m, i, o, c) for m, i, o, c in products)
+    gemm_weight = sum(matmul_seconds(d, i, o, m, c) for m, i, o, c in products)
     attn_f, attn_b, attn_kept, scores = _attention(shape, work)
     # per token, 16-bit: two norms (read, write), two residual adds with bias and dropout
-    # (read two, write one, a mask), the MLP's activation (gated: reads two)
+    # (read two, write one, a mask), the MLP's activation (gated: reads two); with experts,
+    # each token's copies sent to its experts and their outputs summed back (read, write)
     rows = n * work.replicated
-    act = (3 if shape.gated else 2) * 2 * shape.ffn / t
-    elementwise = rows * (8 + 2 * (6 + drop)) * h + n * act
+    width = shape.experts_per_token * shape.expert_ffn + shape.shared_ffn if moe else shape.ffn
+    act = (3 if shape.gated else 2) * 2 * width / t
+    routed = 8.0 * shape.experts_per_token * h if moe else 0.0
+    elementwise = rows * (8 + 2 * (6 + drop)) * h + n * (act + routed)
     comm = 2 * work.all_reduce(2.0 * n * h) if t > 1 else 0.0
     comm_f, comm_b = work.exposed(comm, gemm_f), work.exposed(comm, gemm_input)
     forward = gemm_f + attn_f + stream_seconds(d, elementwise) + comm_f
     backward = gemm_input + attn_b + stream_seconds(d, 2 * elementwise) + comm_b
     # kept per token (Korthikanti et al.): norm inputs and outputs feeding the products,
     # dropout masks (replicated unless sequence parallel), Q, K, V, the attention output and
-    # the MLP's activation input and output (split over T)
+    # the MLP's activation input and output (split over T); with experts, the token's copies
+    # that their products read and the router's fp32 probabilities
     replicated = rows * (8 + 2 * drop) * h
-    split = n * (2 * (2 * shape.q_width + 2 * shape.kv_width) / t + act + 2 * shape.ffn / t)
+    split = n * (2 * (2 * shape.q_width + 2 * shape.kv_width) / t + act + 2 * width / t)
+    if moe:
+        split += n * (2.0 * shape.experts_per_token * h + 4.0 * shape.experts)
     full = replicated + split + attn_kept
     if work.recompute == "full":
         stored, again = 2.0 * h * rows, forward

@@ -1,10 +1,13 @@
 """A decoder-only transformer as a cluster plan sees it: its shapes, parameters and FLOPs.
 
 Nothing is built: the shapes come from the built-in GPT's flags or from a Hugging Face
-``config.json`` (GPT-2, Llama, Mistral, Qwen and the like), read as JSON. FLOPs are counted
-as Megatron-LM counts them (Narayanan et al. 2021, arXiv:2104.04473, appendix): the matrix
-products of each layer, attention over the whole ``s x s`` square (no causal halving), and the
-logits, with a backward of twice the forward.
+``config.json`` (GPT-2, Llama, Mistral, Qwen and the like, and mixtures of experts such as
+Mixtral, Qwen-MoE, OLMoE and GPT-OSS), read as JSON. FLOPs are counted as Megatron-LM counts
+them (Narayanan et al. 2021, arXiv:2104.04473, appendix): the matrix products of each layer,
+attention over the whole ``s x s`` square (no causal halving), and the logits, with a
+backward of twice the forward. In a mixture of experts a token runs through the router, the
+shared experts and the ``experts_per_token`` experts it is routed to, so its FLOPs count
+those (the active parameters) while the memory holds every expert.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ __all__ = ["TransformerShape", "from_hf_config", "gpt_shape"]
 # Families whose MLP is gated (SwiGLU/GeGLU: three matrices, gate and up side by side).
 _GATED = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo", "olmo2"}
 _GATED |= {"phi3", "cohere", "internlm2", "granite", "yi", "baichuan", "exaone"}
+_GATED |= {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "gpt_oss", "granitemoe"}
 _GATED_ACTS = {"silu", "swish", "swiglu", "geglu"}
 
 
@@ -27,7 +31,12 @@ class TransformerShape:
     """The shapes that decide a step's cost: ``layers`` blocks of width ``hidden`` with
     ``heads`` query heads of ``head_dim`` and ``kv_heads`` key/value heads (GQA when fewer),
     an MLP of width ``ffn`` (``gated``: SwiGLU's three matrices), and ``vocab`` logits.
-    ``dropout`` says whether the layers keep dropout masks (Megatron's GPT does)."""
+    ``dropout`` says whether the layers keep dropout masks (Megatron's GPT does).
+
+    A mixture of experts (``experts`` > 0) replaces the MLP of its blocks, all but the
+    ``dense_blocks`` (indices; those keep the MLP of width ``ffn``), with a router over
+    ``experts`` MLPs of width ``expert_ffn``, of which each token runs
+    ``experts_per_token``, beside always-run shared experts of width ``shared_ffn`` in all."""
 
     name: str
     layers: int
@@ -41,17 +50,52 @@ class TransformerShape:
     tied: bool = False
     dropout: bool = False
     max_seq_len: int | None = None
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    dense_blocks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{self.name}: {key} must be a positive integer, got {value!r}")
+            _check_count(self.name, key, getattr(self, key), least=1)
         if self.heads % self.kv_heads:
             raise ValueError(
                 f"{self.name}: {self.heads} attention heads do not group over "
                 f"{self.kv_heads} key/value heads"
             )
+        for key in ("experts", "experts_per_token", "expert_ffn", "shared_ffn"):
+            _check_count(self.name, key, getattr(self, key), least=0)
+        if self.experts and not 1 <= self.experts_per_token <= self.experts:
+            raise ValueError(
+                f"{self.name}: each token must go to between 1 and its {self.experts} experts, "
+                f"got experts_per_token={self.experts_per_token}"
+            )
+        if self.experts and self.expert_ffn < 1:
+            raise ValueError(f"{self.name}: expert_ffn must be a positive integer for experts")
+        if any(not 0 <= i < self.layers for i in self.dense_blocks):
+            raise ValueError(
+                f"{self.name}: dense_blocks must be block indices below {self.layers}, "
+                f"got {self.dense_blocks}"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block ``index`` (from 0) holds experts rather than a dense MLP."""
+        return self.is_moe and index not in self.dense_blocks
+
+    @property
+    def moe_blocks(self) -> int:
+        return self.layers - len(set(self.dense_blocks)) if self.is_moe else 0
+
+    def tensor_split_widths(self) -> tuple[int, ...]:
+        """The MLP widths a tensor-parallel group splits, each divisible by its size."""
+        widths = [self.ffn] if self.moe_blocks < self.layers else []
+        widths += [w for w in (self.expert_ffn, self.shared_ffn) if self.is_moe and w]
+        return tuple(widths)
 
     @property
     def q_width(self) -> int:
@@ -61,11 +105,26 @@ class TransformerShape:
     def kv_width(self) -> int:
         return self.kv_heads * self.head_dim
 
-    def layer_params(self) -> int:
-        """One block's matrix parameters (norms and biases are left out: under 0.1 %)."""
+    def mlp_params(self, width: int) -> int:
+        """The matrices of one MLP of ``width`` (gated: three)."""
+        return (3 if self.gated else 2) * self.hidden * width
+
+    def layer_params(self, moe: bool = False) -> int:
+        """One block's matrix parameters, a dense block's or (``moe``) one with experts: the
+        router, every expert and the shared ones (norms and biases are left out: under 0.1 %)."""
         attention = self.hidden * (2 * self.q_width + 2 * self.kv_width)
-        mlp = (3 if self.gated else 2) * self.hidden * self.ffn
-        return attention + mlp
+        if not moe:
+            return attention + self.mlp_params(self.ffn)
+        experts = self.experts * self.mlp_params(self.expert_ffn)
+        return attention + self.hidden * self.experts + experts + self.mlp_params(self.shared_ffn)
+
+    def active_layer_params(self, moe: bool = False) -> int:
+        """Of ``layer_params``, those one token runs through: of the experts, only
+        ``experts_per_token``."""
+        if not moe:
+            return self.layer_params()
+        idle = (self.experts - self.experts_per_token) * self.mlp_params(self.expert_ffn)
+        return self.layer_params(moe=True) - idle
 
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
@@ -73,12 +132,28 @@ class TransformerShape:
     def params(self) -> int:
         """Every parameter: the blocks, the embedding and (untied) the output matrix."""
         head = 0 if self.tied else self.embedding_params()
-        return self.layers * self.layer_params() + self.embedding_params() + head
+        dense = self.layers - self.moe_blocks
+        blocks = dense * self.layer_params() + self.moe_blocks * self.layer_params(moe=True)
+        return blocks + self.embedding_params() + head
 
-    def layer_flops(self, seq_len: int) -> float:
-        """One block's forward FLOPs per token: twice its matrix parameters, and the two
-        products of attention over ``seq_len`` keys (``Q K^T`` and the weighted values)."""
-        return 2.0 * self.layer_params() + 4.0 * seq_len * self.q_width
+    def active_params(self) -> int:
+        """The parameters one token runs through (all of them in a dense model)."""
+        head = 0 if self.tied else self.embedding_params()
+        dense = self.layers - self.moe_blocks
+        blocks = dense * self.layer_params() + self.moe_blocks * self.active_layer_params(True)
+        return blocks + self.embedding_params() + head
+
+    def layer_flops(self, seq_len: int, moe: bool = False) -> float:
+        """One block's forward FLOPs per token: twice the matrix parameters it runs, and the
+        two products of attention over ``seq_len`` keys (``Q K^T`` and the weighted values)."""
+        return 2.0 * self.active_layer_params(moe) + 4.0 * seq_len * self.q_width
+
+    def blocks_flops(self, seq_len: int) -> float:
+        """Every block's forward FLOPs per token, dense and with experts."""
+        dense = self.layers - self.moe_blocks
+        return dense * self.layer_flops(seq_len) + self.moe_blocks * self.layer_flops(
+            seq_len, moe=True
+        )
 
     def attention_flops(self, seq_len: int) -> float:
         """Of ``layer_flops``, the part that grows with the sequence."""
@@ -114,13 +189,20 @@ def gpt_shape(
     )
 
 
+def _check_count(name: str, key: str, value: object, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        kind = "a positive integer" if least else "a non-negative integer"
+        raise ValueError(f"{name}: {key} must be {kind}, got {value!r}")
+
+
 def _first(config: dict[str, Any], *keys: str) -> Any:
     return next((config[k] for k in keys if config.get(k) is not None), None)
 
 
 def from_hf_config(path: str | Path) -> TransformerShape:
-    """The shapes in a Hugging Face ``config.json`` (or a folder holding one). Dense decoders
-    only: a mixture of experts is refused, in one line."""
+    """The shapes in a Hugging Face ``config.json`` (or a folder holding one), of a dense
+    decoder or a mixture of experts; what the planner does not model (latent attention) is
+    refused, in one line."""
     file = Path(path)
     if file.is_dir():
         file = file / "config.json"
@@ -131,11 +213,11 @@ def from_hf_config(path: str | Path) -> TransformerShape:
     if not isinstance(config, dict):
         raise ValueError(f"--model hf:{path}: expected a JSON object")
     config = {**config, **(config.get("text_config") or {})}
-    experts = _first(config, "num_local_experts", "num_experts", "n_routed_experts")
-    if experts:
+    if config.get("kv_lora_rank") is not None:
         raise ValueError(
-            f"--model hf:{path}: a mixture of {experts} experts; the planner models dense "
-            "decoders only"
+            f"--model hf:{path}: multi-head latent attention (kv_lora_rank "
+            f"{config['kv_lora_rank']}) is not modeled; the planner models attention with "
+            "one key and value head per group (MHA, GQA, MQA)"
         )
     layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
     hidden = _first(config, "hidden_size", "n_embd", "d_model")
@@ -154,17 +236,61 @@ def from_hf_config(path: str | Path) -> TransformerShape:
     if kv is None and config.get("multi_query"):
         kv = 1
     dropouts = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "dropout")
-    return TransformerShape(
-        name=str(config.get("_name_or_path") or kind or file.parent.name or "hf model"),
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=kv or heads,
-        head_dim=_first(config, "head_dim") or hidden // heads,
-        ffn=_first(config, "intermediate_size", "n_inner", "ffn_hidden_size") or 4 * hidden,
-        vocab=vocab,
-        gated=kind in _GATED or act.lower() in _GATED_ACTS,
-        tied=bool(config.get("tie_word_embeddings", kind in ("gpt2", "bloom", "opt"))),
-        dropout=any(float(config.get(k) or 0) > 0 for k in dropouts),
-        max_seq_len=_first(config, "max_position_embeddings", "n_positions", "seq_length"),
+    ffn = _first(config, "intermediate_size", "n_inner", "ffn_hidden_size") or 4 * hidden
+    try:
+        return TransformerShape(
+            name=str(config.get("_name_or_path") or kind or file.parent.name or "hf model"),
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv or heads,
+            head_dim=_first(config, "head_dim") or hidden // heads,
+            ffn=ffn,
+            vocab=vocab,
+            gated=kind in _GATED or act.lower() in _GATED_ACTS,
+            tied=bool(config.get("tie_word_embeddings", kind in ("gpt2", "bloom", "opt"))),
+            dropout=any(float(config.get(k) or 0) > 0 for k in dropouts),
+            max_seq_len=_first(config, "max_position_embeddings", "n_positions", "seq_length"),
+            **_experts(config, layers, ffn),
+        )
+    except ValueError as exc:
+        raise ValueError(f"--model hf:{path}: {exc}") from None
+
+
+def _experts(config: dict[str, Any], layers: int, ffn: int) -> dict[str, Any]:
+    """A mixture of experts' fields of ``TransformerShape`` as the families' configs name
+    them (none for a dense model): the routed experts and how many a token takes, their
+    width (``moe_intermediate_size``, else ``intermediate_size``), the shared experts'
+    (Qwen-MoE's one of its own width, DeepSeek-style ``n_shared_experts`` of the experts'),
+    and the blocks that keep a dense MLP (the first ``first_k_dense_replace``, those off
+    ``decoder_sparse_step`` or ``moe_layer_freq``, those in ``mlp_only_layers``, or those
+    not in ``moe_layers``)."""
+    experts = _first(
+        config, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"
     )
+    if not experts:
+        return {}
+    width = _first(config, "moe_intermediate_size") or ffn
+    shared = _first(config, "shared_expert_intermediate_size") or width * (
+        _first(config, "n_shared_experts", "moe_num_shared_experts", "num_shared_experts") or 0
+    )
+    first_dense = _first(config, "first_k_dense_replace") or 0
+    step = _first(config, "decoder_sparse_step", "moe_layer_freq") or 1
+    only_mlp = set(_first(config, "mlp_only_layers") or ())
+    listed = _first(config, "moe_layers")
+
+    def dense(i: int) -> bool:
+        if listed is not None:
+            return i not in listed
+        off_step = (i + 1) % step != 0 if "decoder_sparse_step" in config else i % step != 0
+        return i < first_dense or i in only_mlp or (step > 1 and off_step)
+
+    return {
+        "experts": experts,
+        "experts_per_token": _first(
+            config, "num_experts_per_tok", "experts_per_token", "moe_topk", "moe_k"
+        ),
+        "expert_ffn": width,
+        "shared_ffn": shared,
+        "dense_blocks": tuple(i for i in range(layers) if dense(i)),
+    }
