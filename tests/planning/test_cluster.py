@@ -53,6 +53,8 @@ def test_flash_attention_keeps_no_scores_to_recompute():
     )
     assert none.memory.activations == selective.memory.activations
     assert none.step_time_s == pytest.approx(selective.step_time_s)
+    # and so no recomputed FLOPs count in its TFLOP/s: the same rate at the same speed
+    assert none.tflops_per_gpu == pytest.approx(selective.tflops_per_gpu)
 
 
 def test_sharding_splits_the_optimizer_over_the_replicas():

@@ -233,7 +233,12 @@ class StepModel:
         )
 
     def flops(self) -> tuple[float, float]:
-        """The step's FLOPs: Megatron's count (recomputation included) and the model's."""
+        """The step's FLOPs: Megatron's count (recomputation included) and the model's. With
+        FlashAttention, selective recomputation redoes nothing (``block_costs``: no scores are
+        kept to drop), so it counts none."""
         layout = self.layout
         tokens = layout.global_batch * layout.seq_len
-        return step_flops(self.shape, tokens, layout.seq_len, layout.recompute)
+        recompute = layout.recompute
+        if recompute == "selective" and layout.software.attention == "flash":
+            recompute = "none"
+        return step_flops(self.shape, tokens, layout.seq_len, recompute)
