@@ -238,3 +238,16 @@ def test_search_over_a_mixture_of_experts_says_what_gpipe_train_runs(tmp_path, c
         command, *after = capsys.readouterr().out.split("run the fastest: ")[1].splitlines()
         assert ("--tensor-parallel 1 " not in command) == noted
         assert any(note in line for line in after) == noted
+
+
+def test_deepseek_v3_with_latent_attention_and_dense_first_blocks_is_planned(tmp_path, capsys):
+    from ..planning.test_transformer import DEEPSEEK_V3
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(DEEPSEEK_V3))
+    args = ["plan", "--cluster", "2048xH100-SXM", "--model", f"hf:{path}", "--seq-len", "4096"]
+    layout = ["--global-batch", "1920", "--tensor-parallel", "8", "--stages", "16"]
+    assert main([*args, *layout, "--recompute", "full", "--shard", "optimizer"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("deepseek_v3: 671.0 B parameters, 37.6 B active (61 blocks of 7168, 58")
+    assert "(fits)" in out

@@ -119,6 +119,28 @@ OLMOE_1B_7B = {
     "num_experts": 64,
     "num_experts_per_tok": 8,
 }
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 61,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,
+}
 
 
 def _shape(tmp_path, config):
@@ -134,14 +156,16 @@ def _shape(tmp_path, config):
         (QWEN3_30B_A3B, 30.5, 3.3),
         (QWEN2_57B_A14B, 57.4, 14.2),
         (OLMOE_1B_7B, 6.9, 1.3),
+        (DEEPSEEK_V3, 671, 37),
     ],
-    ids=["mixtral-8x7b", "qwen3-30b-a3b", "qwen2-57b-a14b", "olmoe-1b-7b"],
+    ids=["mixtral-8x7b", "qwen3-30b-a3b", "qwen2-57b-a14b", "olmoe-1b-7b", "deepseek-v3"],
 )
 def test_a_mixture_of_experts_counts_every_expert_held_and_the_routed_ones_run(
     tmp_path, config, total, active
 ):
     shape = _shape(tmp_path, config)
-    assert shape.is_moe and shape.gated and shape.dense_blocks == ()
+    assert shape.is_moe and shape.gated
+    assert shape.dense_blocks == tuple(range(config.get("first_k_dense_replace", 0)))
     assert shape.params() == pytest.approx(total * 1e9, rel=0.01)
     assert shape.active_params() == pytest.approx(active * 1e9, rel=0.03)
 
@@ -190,16 +214,32 @@ def test_shared_experts_are_counted_as_deepseek_and_qwen_name_them(tmp_path):
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (
-            {**MIXTRAL_8X7B, "kv_lora_rank": 512},
-            "multi-head latent attention \\(kv_lora_rank 512\\) is not modeled",
-        ),
         ({**MIXTRAL_8X7B, "num_experts_per_tok": None}, "experts_per_token must be"),
         ({**MIXTRAL_8X7B, "num_experts_per_tok": 9}, "between 1 and its 8 experts, got .*=9"),
     ],
-    ids=["latent attention", "no top-k", "top-k above the experts"],
+    ids=["no top-k", "top-k above the experts"],
 )
 def test_what_a_mixture_of_experts_config_cannot_give_is_one_line(tmp_path, config, message):
     with pytest.raises(ValueError, match="--model hf:.*: .*" + message) as caught:
         _shape(tmp_path, config)
     assert "\n" not in str(caught.value)
+
+
+def test_latent_attention_projects_through_its_latents(tmp_path):
+    """DeepSeek-V3's attention: queries through a latent of 1,536, keys and values through one
+    of 512 (and a shared rotary key of 64), up to 128 heads of 192 (queries, keys) and 128
+    (values); its products and its FLOPs over the sequence follow those widths."""
+    shape = _shape(tmp_path, DEEPSEEK_V3)
+    h, heads = 7168, 128
+    assert shape.latent and (shape.head_dim, shape.v_width) == (192, heads * 128)
+    assert shape.attention_products() == [
+        (h, 1536, None),
+        (1536, heads * 192, "out"),
+        (h, 512 + 64, None),
+        (512, heads * (128 + 128), "out"),
+        (heads * 128, h, "in"),
+    ]
+    # Q K^T over 192 numbers a head, the weighted values over 128
+    assert shape.attention_flops(4096) == 2 * 4096 * heads * (192 + 128)
+    without_q_latent = _shape(tmp_path, {**DEEPSEEK_V3, "q_lora_rank": None})
+    assert without_q_latent.attention_products()[0] == (h, heads * 192, "out")

@@ -156,8 +156,8 @@ def _products(shape: TransformerShape, t: int, moe: bool) -> list[tuple[float, i
     MLP's up and down; with experts, the router (whole on each GPU), the shared experts'
     MLP, and each expert's on its share of the tokens (routing taken as balanced)."""
     attention = [
-        (1.0, shape.hidden, (shape.q_width + 2 * shape.kv_width) // t, 1),
-        (1.0, shape.q_width // t, shape.hidden, 1),
+        (1.0, i // t if split == "in" else i, o // t if split == "out" else o, 1)
+        for i, o, split in shape.attention_products()
     ]
 
     def mlp(width: int, share: float = 1.0, count: int = 1) -> list[tuple[float, int, int, int]]:
@@ -177,17 +177,16 @@ def _attention(shape: TransformerShape, work: Work) -> tuple[float, float, float
     and (unfused) the bytes of the score matrices among them."""
     d, s, b = work.device, work.seq_len, work.micro_batch
     heads = shape.heads / work.tensor_parallel
+    qk, v = shape.head_dim, shape.v_width // shape.heads  # numbers a head multiplies
     if work.software.attention == "flash":
-        executed = 4.0 * b * heads * s * s * shape.head_dim * min(1.0, 0.5 + 64 / s)  # causal
+        executed = 2.0 * b * heads * s * s * (qk + v) * min(1.0, 0.5 + 64 / s)  # causal
         forward = flash_seconds(d, executed)
         backward = flash_seconds(d, 2.5 * executed, backward=True)
         return forward, backward, 4.0 * b * heads * s, 0.0  # the softmax's log-sum-exp
     pairs = b * heads
     scores = pairs * s * s  # elements of one score matrix per head
     drop = 1.0 if shape.dropout else 0.0
-    products = matmul_seconds(d, s, s, shape.head_dim, pairs) + matmul_seconds(
-        d, s, shape.head_dim, s, pairs
-    )
+    products = matmul_seconds(d, s, s, qk, pairs) + matmul_seconds(d, s, v, s, pairs)
     # scale-mask-softmax reads and writes the scores; dropout reads, writes and masks them
     forward = products + stream_seconds(d, (4 + 5 * drop) * scores)
     backward = 2 * products + stream_seconds(d, (6 + 5 * drop) * scores)
@@ -222,7 +221,9 @@ def block_costs(shape: TransformerShape, work: Work, moe: bool = False) -> PassC
     # the MLP's activation input and output (split over T); with experts, the token's copies
     # that their products read and the router's fp32 probabilities
     replicated = rows * (8 + 2 * drop) * h
-    split = n * (2 * (2 * shape.q_width + 2 * shape.kv_width) / t + act + 2 * width / t)
+    attention_split, latents = shape.attention_kept_widths()
+    replicated += n * 2 * latents  # from the whole input, on every GPU of T
+    split = n * (2 * attention_split / t + act + 2 * width / t)
     if moe:
         split += n * (2.0 * shape.experts_per_token * h + 4.0 * shape.experts)
     full = replicated + split + attn_kept

@@ -2,12 +2,13 @@
 
 Nothing is built: the shapes come from the built-in GPT's flags or from a Hugging Face
 ``config.json`` (GPT-2, Llama, Mistral, Qwen and the like, and mixtures of experts such as
-Mixtral, Qwen-MoE, OLMoE and GPT-OSS), read as JSON. FLOPs are counted as Megatron-LM counts
-them (Narayanan et al. 2021, arXiv:2104.04473, appendix): the matrix products of each layer,
-attention over the whole ``s x s`` square (no causal halving), and the logits, with a
-backward of twice the forward. In a mixture of experts a token runs through the router, the
-shared experts and the ``experts_per_token`` experts it is routed to, so its FLOPs count
-those (the active parameters) while the memory holds every expert.
+Mixtral, Qwen-MoE, OLMoE, GPT-OSS and DeepSeek-V3 with its latent attention), read as JSON.
+FLOPs are counted as Megatron-LM counts them (Narayanan et al. 2021, arXiv:2104.04473,
+appendix): the matrix products of each layer, attention over the whole ``s x s`` square (no
+causal halving), and the logits, with a backward of twice the forward. In a mixture of
+experts a token runs through the router, the shared experts and the ``experts_per_token``
+experts it is routed to, so its FLOPs count those (the active parameters) while the memory
+holds every expert.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ class TransformerShape:
     an MLP of width ``ffn`` (``gated``: SwiGLU's three matrices), and ``vocab`` logits.
     ``dropout`` says whether the layers keep dropout masks (Megatron's GPT does).
 
+    Multi-head latent attention (DeepSeek-V2/V3, ``kv_lora_rank`` > 0) projects the
+    block's input down to a latent of ``kv_lora_rank`` (keys and values) and of
+    ``q_lora_rank`` (queries, when given), plus a shared rotary key of ``qk_rope_dim``, and up
+    again per head: queries and keys of ``head_dim`` (rotary part included), values of
+    ``v_head_dim``.
+
     A mixture of experts (``experts`` > 0) replaces the MLP of its blocks, all but the
     ``dense_blocks`` (indices; those keep the MLP of width ``ffn``), with a router over
     ``experts`` MLPs of width ``expert_ffn``, of which each token runs
@@ -50,6 +57,10 @@ class TransformerShape:
     tied: bool = False
     dropout: bool = False
     max_seq_len: int | None = None
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
     experts: int = 0
     experts_per_token: int = 0
     expert_ffn: int = 0
@@ -64,7 +75,8 @@ class TransformerShape:
                 f"{self.name}: {self.heads} attention heads do not group over "
                 f"{self.kv_heads} key/value heads"
             )
-        for key in ("experts", "experts_per_token", "expert_ffn", "shared_ffn"):
+        latent = ("q_lora_rank", "kv_lora_rank", "qk_rope_dim", "v_head_dim")
+        for key in (*latent, "experts", "experts_per_token", "expert_ffn", "shared_ffn"):
             _check_count(self.name, key, getattr(self, key), least=0)
         if self.experts and not 1 <= self.experts_per_token <= self.experts:
             raise ValueError(
@@ -105,6 +117,44 @@ class TransformerShape:
     def kv_width(self) -> int:
         return self.kv_heads * self.head_dim
 
+    @property
+    def latent(self) -> bool:
+        """Whether attention is multi-head latent attention."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def v_width(self) -> int:
+        """The attention core's output width: the heads' values side by side."""
+        return self.heads * (self.v_head_dim or self.head_dim)
+
+    def attention_products(self) -> list[tuple[int, int, str | None]]:
+        """The attention's matrix products as (in width, out width, which of them a
+        tensor-parallel group splits: ``"out"`` by heads, ``"in"``, or None): QKV and the
+        output map; latent attention's down maps run whole on every GPU of T (they are
+        narrow), its up maps and output map split by heads."""
+        h = self.hidden
+        if not self.latent:
+            return [(h, self.q_width + 2 * self.kv_width, "out"), (self.q_width, h, "in")]
+        nope = self.head_dim - self.qk_rope_dim
+        if self.q_lora_rank:
+            queries = [(h, self.q_lora_rank, None), (self.q_lora_rank, self.q_width, "out")]
+        else:
+            queries = [(h, self.q_width, "out")]
+        keys_values = [
+            (h, self.kv_lora_rank + self.qk_rope_dim, None),
+            (self.kv_lora_rank, self.heads * nope + self.v_width, "out"),
+        ]
+        return [*queries, *keys_values, (self.v_width, h, "in")]
+
+    def attention_kept_widths(self) -> tuple[int, int]:
+        """Numbers a token keeps for the backward of attention: split over T (queries,
+        keys, values and the core's output) and whole on every GPU (latent attention's
+        latents)."""
+        if not self.latent:
+            return 2 * self.q_width + 2 * self.kv_width, 0
+        split = 2 * self.q_width + 2 * self.v_width
+        return split, self.q_lora_rank + self.kv_lora_rank + self.qk_rope_dim
+
     def mlp_params(self, width: int) -> int:
         """The matrices of one MLP of ``width`` (gated: three)."""
         return (3 if self.gated else 2) * self.hidden * width
@@ -112,7 +162,7 @@ class TransformerShape:
     def layer_params(self, moe: bool = False) -> int:
         """One block's matrix parameters, a dense block's or (``moe``) one with experts: the
         router, every expert and the shared ones (norms and biases are left out: under 0.1 %)."""
-        attention = self.hidden * (2 * self.q_width + 2 * self.kv_width)
+        attention = sum(i * o for i, o, _ in self.attention_products())
         if not moe:
             return attention + self.mlp_params(self.ffn)
         experts = self.experts * self.mlp_params(self.expert_ffn)
@@ -146,7 +196,7 @@ class TransformerShape:
     def layer_flops(self, seq_len: int, moe: bool = False) -> float:
         """One block's forward FLOPs per token: twice the matrix parameters it runs, and the
         two products of attention over ``seq_len`` keys (``Q K^T`` and the weighted values)."""
-        return 2.0 * self.active_layer_params(moe) + 4.0 * seq_len * self.q_width
+        return 2.0 * self.active_layer_params(moe) + self.attention_flops(seq_len)
 
     def blocks_flops(self, seq_len: int) -> float:
         """Every block's forward FLOPs per token, dense and with experts."""
@@ -157,7 +207,7 @@ class TransformerShape:
 
     def attention_flops(self, seq_len: int) -> float:
         """Of ``layer_flops``, the part that grows with the sequence."""
-        return 4.0 * seq_len * self.q_width
+        return 2.0 * seq_len * (self.q_width + self.v_width)
 
     def logit_flops(self) -> float:
         """The logits' forward FLOPs per token."""
@@ -201,8 +251,8 @@ def _first(config: dict[str, Any], *keys: str) -> Any:
 
 def from_hf_config(path: str | Path) -> TransformerShape:
     """The shapes in a Hugging Face ``config.json`` (or a folder holding one), of a dense
-    decoder or a mixture of experts; what the planner does not model (latent attention) is
-    refused, in one line."""
+    decoder or a mixture of experts, with grouped or latent attention; what does not make a
+    shape is refused, in one line."""
     file = Path(path)
     if file.is_dir():
         file = file / "config.json"
@@ -213,12 +263,6 @@ def from_hf_config(path: str | Path) -> TransformerShape:
     if not isinstance(config, dict):
         raise ValueError(f"--model hf:{path}: expected a JSON object")
     config = {**config, **(config.get("text_config") or {})}
-    if config.get("kv_lora_rank") is not None:
-        raise ValueError(
-            f"--model hf:{path}: multi-head latent attention (kv_lora_rank "
-            f"{config['kv_lora_rank']}) is not modeled; the planner models attention with "
-            "one key and value head per group (MHA, GQA, MQA)"
-        )
     layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
     hidden = _first(config, "hidden_size", "n_embd", "d_model")
     heads = _first(config, "num_attention_heads", "n_head")
@@ -237,14 +281,16 @@ def from_hf_config(path: str | Path) -> TransformerShape:
         kv = 1
     dropouts = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "dropout")
     ffn = _first(config, "intermediate_size", "n_inner", "ffn_hidden_size") or 4 * hidden
+    latent = _latent_attention(config)
     try:
         return TransformerShape(
             name=str(config.get("_name_or_path") or kind or file.parent.name or "hf model"),
             layers=layers,
             hidden=hidden,
             heads=heads,
-            kv_heads=kv or heads,
-            head_dim=_first(config, "head_dim") or hidden // heads,
+            kv_heads=latent.pop("kv_heads", None) or kv or heads,
+            head_dim=latent.pop("head_dim", None) or _first(config, "head_dim") or hidden // heads,
+            **latent,
             ffn=ffn,
             vocab=vocab,
             gated=kind in _GATED or act.lower() in _GATED_ACTS,
@@ -255,6 +301,24 @@ def from_hf_config(path: str | Path) -> TransformerShape:
         )
     except ValueError as exc:
         raise ValueError(f"--model hf:{path}: {exc}") from None
+
+
+def _latent_attention(config: dict[str, Any]) -> dict[str, Any]:
+    """Multi-head latent attention's fields as DeepSeek-V2/V3 and Kimi-K2 name them (none
+    for other attention); a query or key head's width is its part without and its part
+    with rotary positions."""
+    if not config.get("kv_lora_rank"):
+        return {}
+    rope = _first(config, "qk_rope_head_dim") or 0
+    nope = _first(config, "qk_nope_head_dim") or 0
+    return {
+        "head_dim": nope + rope,
+        "kv_heads": config.get("num_attention_heads"),
+        "q_lora_rank": _first(config, "q_lora_rank") or 0,
+        "kv_lora_rank": config["kv_lora_rank"],
+        "qk_rope_dim": rope,
+        "v_head_dim": _first(config, "v_head_dim") or nope + rope,
+    }
 
 
 def _experts(config: dict[str, Any], layers: int, ffn: int) -> dict[str, Any]:
