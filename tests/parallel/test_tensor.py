@@ -2,6 +2,8 @@
 the losses, gradients and weights of the unsplit model (float64, real processes over gloo)."""
 
 import pytest
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 from gpipe.schedules import SCHEDULES
 
@@ -67,3 +69,31 @@ def test_bad_tensor_parallel_input_is_refused_in_one_line():
         in (e["shared in a stage"])
     )
     assert "applies to nn.Linear and nn.Embedding, and 1.ln1 is a LayerNorm" in e["layer type"]
+
+
+def test_a_per_head_norm_left_whole_beside_maps_split_by_heads_is_refused():
+    """Its gradient would be each rank's share of it (it sees only that rank's heads): the
+    plan must sum it over the ranks, as Qwen3's does and some families' plans forget to."""
+    from torch import nn
+
+    from gpipe.parallel.summed_gradients import SummedGradients
+    from gpipe.parallel.tensor import resolve_plan
+
+    class Attention(nn.Module):
+        head_dim = 4
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Linear(8, 8)
+            self.q_norm = nn.RMSNorm(4)
+            self.out_norm = nn.RMSNorm(8)  # as wide as the whole: not one head's
+
+    model = nn.Sequential(Attention())
+    refusal = "tp_plan splits 0.q by heads but leaves 0.q_norm whole, whose parameters are one"
+    with pytest.raises(ValueError, match=refusal) as caught:
+        resolve_plan({"0.q": "colwise"}, model, 2)
+    assert "\n" not in str(caught.value) and "SummedGradients()" in str(caught.value)
+    summed = resolve_plan({"0.q": "colwise", "0.q_norm": SummedGradients()}, model, 2)
+    assert set(summed.styles) == {"0.q", "0.q_norm"}
+    gathered = {"0.q": ColwiseParallel(output_layouts=Replicate())}  # the norm sees every head
+    assert set(resolve_plan(gathered, model, 2).styles) == {"0.q"}

@@ -361,4 +361,36 @@ def resolve_plan(
             style = _style(key, value, modules[name])
             _check_divides(name, modules[name], parent, value, tensor_parallel)
             styles[name] = style
+    _refuse_whole_per_head(modules, styles)
     return TensorPlan(tensor_parallel, styles)
+
+
+def _refuse_whole_per_head(
+    modules: Mapping[str, nn.Module], styles: Mapping[str, ParallelStyle]
+) -> None:
+    """Refuse a module left whole beside maps split by heads whose parameters are one head
+    wide (a per-head norm of the queries or keys): it sees only its rank's heads, so each
+    rank's gradient would be a share of it, never summed; Hugging Face's plans name such a
+    module ``replicated_with_grad_allreduce`` (``SummedGradients``)."""
+    for name, style in styles.items():
+        parent_name, _, _ = name.rpartition(".")
+        parent = modules.get(parent_name)
+        head_dim = getattr(parent, "head_dim", None)
+        gathered = isinstance(style, ColwiseParallel) and tuple(style.output_layouts) == (
+            Replicate(),
+        )
+        if not isinstance(style, ColwiseParallel) or gathered or not isinstance(head_dim, int):
+            continue
+        assert parent is not None
+        for child, module in parent.named_children():
+            full = f"{parent_name}.{child}" if parent_name else child
+            params = list(module.parameters(recurse=False))
+            if full in styles or not params or any(p.numel() != head_dim for p in params):
+                continue
+            raise ValueError(
+                f"tp_plan splits {name} by heads but leaves {full} whole, whose parameters are "
+                f"one head wide ({head_dim}): it sees only each rank's heads, so its gradient "
+                f"would be one rank's share; give it "
+                "gpipe.parallel.summed_gradients.SummedGradients() (Hugging Face's "
+                "'replicated_with_grad_allreduce') or leave the heads whole"
+            )

@@ -6,9 +6,10 @@ and the causal LM class its head's (``{"lm_head": "colwise_gather_output"}``). B
 here from the causal LM, as a stage names its modules, and their style names translated: the
 ones the engine knows by name stay names, so that it checks that ``tensor_parallel`` divides
 every split size and the heads of each attention map (key/value heads included); the head's
-gathered columns become a ``ColwiseParallel`` that replicates its output. Translation waits
-until a plan is asked for, so a model whose plan uses other styles is still cut and run
-without tensor parallelism.
+gathered columns become a ``ColwiseParallel`` that replicates its output; a stacked-experts
+module (``moe_tp_experts``) and its parameters' styles become one ``ExpertsParallel``.
+Translation waits until a plan is asked for, so a model whose plan uses other styles is
+still cut and run without tensor parallelism.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from gpipe.parallel.experts import ExpertsParallel
 from gpipe.parallel.summed_gradients import SummedGradients
 
 __all__ = ["HF_STYLES", "held_plan", "model_tp_plan", "torch_plan"]
@@ -78,14 +80,43 @@ def _holding_tied(model: nn.Module) -> list[str]:
     return [name for names in holders.values() if len(names) > 1 for name in names]
 
 
+# what each of Hugging Face's styles for a stacked-experts parameter is in ExpertsParallel
+_EXPERT_PARAMETER_STYLES = {"packed_colwise": "packed", "colwise": "columns", "rowwise": "rows"}
+
+
+def _experts_styles(plan: Mapping[str, str]) -> tuple[dict[str, ParallelStyle], set[str]]:
+    """The ``moe_tp_experts`` modules of ``plan`` as ``ExpertsParallel`` styles, each with
+    the styles of its own parameters (the plan's ``<module>.<parameter>`` entries), and the
+    keys those take up."""
+    styles: dict[str, ParallelStyle] = {}
+    used: set[str] = set()
+    for key, style in plan.items():
+        if style != "moe_tp_experts":
+            continue
+        kinds: dict[str, list[str]] = {"packed": [], "columns": [], "rows": []}
+        for inner, inner_style in plan.items():
+            owner, _, attr = inner.rpartition(".")
+            if owner == key and inner_style in _EXPERT_PARAMETER_STYLES:
+                kinds[_EXPERT_PARAMETER_STYLES[inner_style]].append(attr)
+                used.add(inner)
+        styles[key] = ExpertsParallel(**kinds)
+        used.add(key)
+    return styles, used
+
+
 def torch_plan(plan: Mapping[str, str], model_name: str) -> dict[str, str | ParallelStyle]:
     """``plan``'s styles translated; refuses, in one line, a style that has no translation."""
-    translated: dict[str, str | ParallelStyle] = {}
+    experts, used = _experts_styles(plan)
+    translated: dict[str, str | ParallelStyle] = dict(experts)
     for key, style in plan.items():
+        if key in used:
+            continue
         if style not in HF_STYLES:
             raise ValueError(
                 f"{model_name}'s tensor plan splits {key!r} as {style!r}, which gpipe does not "
-                f"translate (it takes {sorted(HF_STYLES)}); pass Pipeline(tp_plan=...) instead"
+                f"translate (it takes {sorted(HF_STYLES)}, and {sorted(_EXPERT_PARAMETER_STYLES)} "
+                "for the parameters of a 'moe_tp_experts' module); pass Pipeline(tp_plan=...) "
+                "instead"
             )
         translated[key] = HF_STYLES[style]()
     return translated

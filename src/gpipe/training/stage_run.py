@@ -18,7 +18,11 @@ from gpipe.pipeline import Pipeline
 from gpipe.planning.auto import AUTO
 from gpipe.splitting import SplitModel
 from gpipe.training.balance_choice import choose_balance, held_choice, sample_tokens
-from gpipe.training.checkpoints.format import load_checkpoint, read_run_record
+from gpipe.training.checkpoints.format import (
+    check_checkpointable,
+    load_checkpoint,
+    read_run_record,
+)
 from gpipe.training.checkpoints.resuming import resume_point, trim_metrics
 from gpipe.training.checkpoints.retention import Retention
 from gpipe.training.checkpoints.writer import CheckpointWriter
@@ -58,6 +62,7 @@ class StageRun:
         torch.manual_seed(opts.seed)
         layers = self.model.layers(self.opts.parts, opts.seed, opts.balance)
         self.pipe = self._build_pipeline(layers, saved)
+        check_checkpointable(self.pipe)
         self.model.load_weights(layers, self.pipe)
         self.replica = self.pipe.replicas.replica if self.pipe.replicas is not None else 0
         self.world, self.me = dist.get_world_size(), dist.get_rank()
