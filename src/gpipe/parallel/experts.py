@@ -83,7 +83,7 @@ class ExpertsParallel(ParallelStyle):
             module._parameters[name] = nn.Parameter(shard, requires_grad=param.requires_grad)
         group = device_mesh.get_group()
         module.register_forward_pre_hook(_local_call(split, group), with_kwargs=True)
-        module.register_forward_hook(_summed_output(split, group), always_call=True)
+        module.register_forward_hook(_summed_output(group), always_call=True)
         return module
 
 
@@ -105,7 +105,9 @@ def _local_call(names: Sequence[str], group: dist.ProcessGroup) -> Any:
     return pre_hook
 
 
-def _summed_output(names: Sequence[str], group: dist.ProcessGroup) -> Any:
+def _summed_output(group: dist.ProcessGroup) -> Any:
+    """Put the split parameters back; sum the partial outputs over the ranks."""
+
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         module._parameters.update(module.__dict__.pop("_gpipe_split_parameters", {}))
         if isinstance(output, Tensor):
