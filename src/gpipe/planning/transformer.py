@@ -179,19 +179,20 @@ class TransformerShape:
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
 
+    def _embeddings(self) -> int:
+        """The embedding and, untied, the output matrix."""
+        return self.embedding_params() * (1 if self.tied else 2)
+
     def params(self) -> int:
         """Every parameter: the blocks, the embedding and (untied) the output matrix."""
-        head = 0 if self.tied else self.embedding_params()
-        dense = self.layers - self.moe_blocks
-        blocks = dense * self.layer_params() + self.moe_blocks * self.layer_params(moe=True)
-        return blocks + self.embedding_params() + head
+        dense, moe = self.layers - self.moe_blocks, self.moe_blocks
+        return dense * self.layer_params() + moe * self.layer_params(True) + self._embeddings()
 
     def active_params(self) -> int:
         """The parameters one token runs through (all of them in a dense model)."""
-        head = 0 if self.tied else self.embedding_params()
-        dense = self.layers - self.moe_blocks
-        blocks = dense * self.layer_params() + self.moe_blocks * self.active_layer_params(True)
-        return blocks + self.embedding_params() + head
+        dense, moe = self.layers - self.moe_blocks, self.moe_blocks
+        active = dense * self.layer_params() + moe * self.active_layer_params(True)
+        return active + self._embeddings()
 
     def layer_flops(self, seq_len: int, moe: bool = False) -> float:
         """One block's forward FLOPs per token: twice the matrix parameters it runs, and the
@@ -200,10 +201,8 @@ class TransformerShape:
 
     def blocks_flops(self, seq_len: int) -> float:
         """Every block's forward FLOPs per token, dense and with experts."""
-        dense = self.layers - self.moe_blocks
-        return dense * self.layer_flops(seq_len) + self.moe_blocks * self.layer_flops(
-            seq_len, moe=True
-        )
+        dense, moe = self.layers - self.moe_blocks, self.moe_blocks
+        return dense * self.layer_flops(seq_len) + moe * self.layer_flops(seq_len, moe=True)
 
     def attention_flops(self, seq_len: int) -> float:
         """Of ``layer_flops``, the part that grows with the sequence."""
