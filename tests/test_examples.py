@@ -1,11 +1,14 @@
 """The examples run as a user would run them, and reach what their docstrings promise."""
 
+import argparse
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -30,15 +33,28 @@ def test_resnet_digits_trains_pipelined_as_well_as_without_the_pipeline():
     assert abs(piped - plain) <= 1.0
 
 
-def test_gpt2_finetune_trains_and_saves_weights_the_unsplit_model_loads(tmp_path):
-    pytest.importorskip("transformers", reason="the examples extra installs transformers")
+def test_gpt2_finetune_starts_from_given_weights_and_saves_weights_the_unsplit_model_loads(
+    tmp_path,
+):
+    """One run covers both ends: it loads ``--weights`` into its stages (its first validation
+    loss is the unsplit model's on those weights) and saves what an unsplit model loads (its
+    last validation loss is the unsplit model's on the saved weights)."""
+    transformers = pytest.importorskip("transformers", reason="the examples extra installs it")
+    example = runpy.run_path(str(EXAMPLES / "gpt2_finetune.py"))  # its functions, not its run
+    defaults = argparse.Namespace(seq_len=64, batch_size=16, data_bytes=2_000_000, val_batches=4)
+    torch.manual_seed(1)  # not the example's own seed: weights it could not have made itself
+    start = tmp_path / "start.pt"
+    torch.save(
+        transformers.GPT2LMHeadModel(example["config"](defaults.seq_len)).state_dict(), start
+    )
     out = tmp_path / "gpt2.pt"
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "gpt2_finetune.py"), "--steps", "20", "--out", str(out)],
+        [sys.executable, str(EXAMPLES / "gpt2_finetune.py"), "--steps", "20",
+         "--weights", str(start), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
-    )
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     losses = re.search(r"validation loss ([\d.]+) -> ([\d.]+)", done.stdout)
     unsplit = re.search(r"on the saved weights .*: validation loss ([\d.]+)", done.stdout)
@@ -46,17 +62,8 @@ def test_gpt2_finetune_trains_and_saves_weights_the_unsplit_model_loads(tmp_path
     before, after = float(losses[1]), float(losses[2])
     assert after < before - 1.0, done.stdout  # from about ln 256 = 5.5
     assert abs(float(unsplit[1]) - after) < 2e-3, done.stdout
-    # fine-tune again from the saved weights: it starts where the first run ended
-    again = subprocess.run(
-        [sys.executable, str(EXAMPLES / "gpt2_finetune.py"), "--steps", "2", "--out", "",
-         "--weights", str(out), "--lr", "1e-4"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert again.returncode == 0, again.stderr[-3000:]
-    resumed = re.search(r"validation loss ([\d.]+) ->", again.stdout)
-    assert resumed and abs(float(resumed[1]) - after) < 2e-3, again.stdout
+    on_the_start = example["unsplit_loss"](argparse.Namespace(**vars(defaults), out=str(start)))
+    assert abs(before - on_the_start) < 2e-3, (before, on_the_start)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU cap is Linux's")
@@ -64,7 +71,7 @@ def test_a_model_that_does_not_fit_one_capped_process_trains_in_two():
     """examples/memory_cap.py: one process runs out of memory under the cap; two, each under
     the same cap, train with re-materialization to the losses of the uncapped run."""
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "memory_cap.py"), "--steps", "12"],
+        [sys.executable, str(EXAMPLES / "memory_cap.py"), "--steps", "8"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -76,7 +83,7 @@ def test_a_model_that_does_not_fit_one_capped_process_trains_in_two():
     passes = {
         name: [float(x) for x in losses.split()]
         for name, losses in re.findall(
-            r"^(pipelined|without the pipeline, uncapped).*?trained 12 steps .*? ([\d. ]+)$",
+            r"^(pipelined|without the pipeline, uncapped).*?trained 8 steps .*? ([\d. ]+)$",
             out,
             re.M,
         )
@@ -84,7 +91,7 @@ def test_a_model_that_does_not_fit_one_capped_process_trains_in_two():
     assert set(passes) == {"pipelined", "without the pipeline, uncapped"}, out
     piped, plain = passes["pipelined"], passes["without the pipeline, uncapped"]
     assert piped == pytest.approx(plain, rel=1e-4)
-    assert piped[-1] < 0.6 * piped[0]  # it learns
+    assert piped[-1] < 0.75 * piped[0]  # it learns: two passes over the mini-batches
     worst = float(re.search(r"largest relative difference ([\d.e+-]+)", out).group(1))
     assert worst < 1e-4
 
