@@ -2,6 +2,7 @@
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from gpipe.skip import Namespace, pop, skippable, stash
 
@@ -189,3 +190,24 @@ def tokens(rows: int, length: int = 5, seed: int = 2):
 
 def token_loss(logits, targets):
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class Experts(nn.Module):
+    """Hugging Face's layout: (experts, 2 x width, hidden) and (experts, hidden, width)."""
+
+    def __init__(self, experts: int = 3, hidden: int = 4, width: int = 6, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, width))
+        if bias:
+            self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for k in range(index.shape[1]):
+            for e in range(self.gate_up_proj.shape[0]):
+                rows = index[:, k] == e
+                gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.down_proj[e])
+                out[rows] += weights[rows, k, None] * y
+        return out

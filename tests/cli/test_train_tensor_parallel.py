@@ -9,6 +9,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from gpipe.cli import main
 from gpipe.errors import ConfigError
@@ -115,19 +116,23 @@ def test_under_torchrun_the_tensor_ranks_stay_and_the_pipelines_share_the_rest()
         shape_from_world(TrainConfig(stages=4), TrainOptions(tensor_parallel=2), 12)
 
 
-def test_a_hugging_face_model_trains_by_its_own_tensor_plan_and_exports(tmp_path):
-    """A Llama config at T = 2: its starting weights read into the split parameters, the
-    losses of T = 1, and the run exported as a folder ``from_pretrained`` loads."""
+def test_a_hugging_face_model_trains_by_its_own_tensor_plan_resumes_and_exports(tmp_path):
+    """A Qwen3-MoE config at T = 2 (attention split by heads, the stacked experts' packed
+    gate-and-up maps side by side): its starting weights read into the split parameters, the
+    losses of T = 1; its step-3 checkpoint resumed at T = 1 goes on with the same losses,
+    optimizer included; and the run exported as a folder ``from_pretrained`` loads, with the
+    weights of the run at T = 1."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
     )  # fmt: skip
-    config.save_pretrained(tmp_path / "llama")
+    config.save_pretrained(tmp_path / "moe")
     args = [
-        "--model", f"hf:{tmp_path / 'llama' / 'config.json'}", "--stages", "2", "--steps", "3",
-        "--seq-len", "16", "--batch-size", "4", "--chunks", "2", "--sample-tokens", "0",
-        "--threads", "1", "--quiet",
+        "--model", f"hf:{tmp_path / 'moe' / 'config.json'}", "--stages", "2", "--steps", "4",
+        "--save-every", "2", "--seq-len", "16", "--batch-size", "4", "--chunks", "2",
+        "--sample-tokens", "0", "--threads", "1", "--quiet",
     ]  # fmt: skip
     losses = {}
     for t in (1, 2):
@@ -136,6 +141,17 @@ def test_a_hugging_face_model_trains_by_its_own_tensor_plan_and_exports(tmp_path
             assert main(["train", *args, "--tensor-parallel", str(t), "--out", str(out)]) == 0
         losses[t] = _losses(out)
     _same_losses(losses[2], losses[1])
-    assert main(["export", str(tmp_path / "t2"), "--hf", str(tmp_path / "exported")]) == 0
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
-    assert model.config.num_attention_heads == 4
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "t2", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-000004")
+    with training_on_shared_processes():
+        assert main(["train", "--resume", str(resumed), "--tensor-parallel", "1", "--quiet"]) == 0
+    _same_losses(_losses(resumed), losses[2])
+    exported = {}
+    for t in (1, 2):
+        assert main(["export", str(tmp_path / f"t{t}"), "--hf", str(tmp_path / f"e{t}")]) == 0
+        exported[t] = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"e{t}")
+    assert exported[2].config.num_experts == 4
+    whole = exported[1].state_dict()
+    for name, weight in exported[2].state_dict().items():
+        torch.testing.assert_close(weight, whole[name], rtol=1e-4, atol=1e-5, msg=name)

@@ -28,14 +28,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["ExpertsParallel", "split_packed"]
-
-
-def split_packed(param: Tensor) -> bool:
-    """Whether ``param`` is a packed map split by ``ExpertsParallel`` (a strided placement)."""
-    return isinstance(param, DTensor) and any(
-        isinstance(p, _StridedShard) for p in param.placements
-    )
+__all__ = ["ExpertsParallel"]
 
 
 class ExpertsParallel(ParallelStyle):

@@ -19,7 +19,6 @@ from gpipe.planning.auto import AUTO
 from gpipe.splitting import SplitModel
 from gpipe.training.balance_choice import choose_balance, held_choice, sample_tokens
 from gpipe.training.checkpoints.format import (
-    check_checkpointable,
     load_checkpoint,
     read_run_record,
 )
@@ -62,7 +61,6 @@ class StageRun:
         torch.manual_seed(opts.seed)
         layers = self.model.layers(self.opts.parts, opts.seed, opts.balance)
         self.pipe = self._build_pipeline(layers, saved)
-        check_checkpointable(self.pipe)
         self.model.load_weights(layers, self.pipe)
         self.replica = self.pipe.replicas.replica if self.pipe.replicas is not None else 0
         self.world, self.me = dist.get_world_size(), dist.get_rank()

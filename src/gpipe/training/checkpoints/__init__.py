@@ -2,9 +2,10 @@
 into place, with a manifest of digests), the writer that saves in the background (a thread or
 a helper process per rank), retention, and the choice of checkpoint a run continues from.
 
-``safe_reading``, the reader that opens a checkpoint without running code from it, is imported
-by its own name: it imports torch.distributed.checkpoint, which takes most of a second that a
-process touching no checkpoint need not spend."""
+``safe_reading``, the reader that opens a checkpoint without running code from it, and
+``pieces``, the planners that write and read a shard made of several blocks of its tensor, are
+imported by their own names: they import torch.distributed.checkpoint, which takes most of a
+second that a process touching no checkpoint need not spend."""
 
 from gpipe.training.checkpoints.format import (
     DESCRIPTION,

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from gpipe.parallel.experts import split_packed
 from gpipe.training.checkpoints.manifest import Digest, digest, listed_files, verify, write_manifest
 from gpipe.training.run_record import checked_run_record, read_json
 
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
     from gpipe.pipeline import Pipeline
 
 __all__ = [
-    "check_checkpointable",
     "DESCRIPTION",
     "DamagedCheckpointWarning",
     "begin_save",
@@ -194,22 +192,6 @@ def _optimizer_options() -> Any:
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def check_checkpointable(model: nn.Module) -> None:
-    """Refuse, in one line, parameters that a checkpoint cannot hold: a stacked-experts map
-    whose gate and up halves are split side by side over the tensor ranks
-    (``gpipe.parallel.experts``: PyTorch's strided placement, whose shards
-    ``torch.distributed.checkpoint`` places as overlapping)."""
-    strided = [name for name, param in model.named_parameters() if split_packed(param)]
-    if strided:
-        raise ValueError(
-            f"--tensor-parallel splits {', '.join(strided[:2])}"
-            f"{f' and {len(strided) - 2} more' if len(strided) > 2 else ''} as packed "
-            "gate-and-up maps of stacked experts, which gpipe's checkpoints cannot hold yet; "
-            "train with --tensor-parallel 1, or split it with Pipeline(tensor_parallel=...) "
-            "in a loop of your own"
-        )
-
-
 def saved_state(model: nn.Module, optimizer: Optimizer, extra: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint holds of this rank: its model and optimizer keyed by layer, and
     ``extra``. The tensors are the live ones: a save in the background copies them first."""
@@ -256,8 +238,15 @@ def save_checkpoint(
     """
     import torch.distributed.checkpoint as dcp
 
+    from gpipe.training.checkpoints.pieces import PiecewiseSavePlanner
+
     partial = begin_save(root, step, group)
-    dcp.save(saved_state(model, optimizer, extra), checkpoint_id=partial, process_group=group)
+    dcp.save(
+        saved_state(model, optimizer, extra),
+        checkpoint_id=partial,
+        process_group=group,
+        planner=PiecewiseSavePlanner(),
+    )
     return finish_save(root, step, description, group, on_written=on_written)
 
 

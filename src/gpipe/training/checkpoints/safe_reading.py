@@ -23,9 +23,10 @@ from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, Metadata
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
+
+from gpipe.training.checkpoints.pieces import PiecewiseLoadPlanner
 
 __all__ = [
     "METADATA_FILE",
@@ -167,9 +168,10 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner with the values that are not tensors read by ``torch.load``'s
-    allow-list (``weights_only=True``) rather than by plain unpickling."""
+class SafeLoadPlanner(PiecewiseLoadPlanner):
+    """DCP's load planner (split tensors read by their blocks) with the values that are not
+    tensors read by ``torch.load``'s allow-list (``weights_only=True``) rather than by plain
+    unpickling."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:

@@ -77,12 +77,15 @@ def _write(staged: dict[str, Any], partial: Path, group: dist.ProcessGroup | Non
     has this one's priority), and wait for it."""
     import torch.distributed.checkpoint as dcp
 
+    from gpipe.training.checkpoints.pieces import PiecewiseSavePlanner
+
     pending = dcp.async_save(
         staged,
         checkpoint_id=partial,
         process_group=group,
         async_stager=_AlreadyStaged(),  # type: ignore[arg-type]  # torch's protocol: a private field
         no_dist=not dist.is_initialized(),
+        planner=PiecewiseSavePlanner(),
     )
     done = pending if isinstance(pending, Future) else pending.upload_completion  # newer torch
     done.result()
