@@ -2,9 +2,11 @@
 the losses, gradients and weights of the unsplit model (float64, real processes over gloo)."""
 
 import pytest
+from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel
 
+from gpipe.parallel.tensor import resolve_plan
 from gpipe.schedules import SCHEDULES
 
 from ..workers import run
@@ -69,6 +71,12 @@ def test_bad_tensor_parallel_input_is_refused_in_one_line():
         in (e["shared in a stage"])
     )
     assert "applies to nn.Linear and nn.Embedding, and 1.ln1 is a LayerNorm" in e["layer type"]
+
+
+def test_a_model_without_a_plan_is_told_how_to_give_one_in_its_own_names():
+    model = nn.Sequential(nn.Embedding(3, 4), nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match=r"config's base_model_tp_plan\); pass tp_plan=\{'1\.0'"):
+        resolve_plan(None, model, 2)
 
 
 def test_a_per_head_norm_left_whole_beside_maps_split_by_heads_is_refused():

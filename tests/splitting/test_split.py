@@ -157,6 +157,35 @@ def test_split_on_meta_then_loaded_from_a_state_dict():
     _check_lm(split, reference, batch)
 
 
+class CountsPerExpert(nn.Module):
+    """Routes each row to an expert and scales it by how many rows its expert took, counted
+    as Hugging Face's mixtures of experts count them: ``histc`` of integers except on a CPU
+    (or Apple's GPU), whose kernel takes floats only."""
+
+    def __init__(self, experts: int = 4) -> None:
+        super().__init__()
+        self.router, self.out = nn.Linear(3, experts), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = self.router(x).argmax(-1)
+        on_cpu = chosen.device.type in ("cpu", "mps")
+        counts = torch.histc(chosen.float() if on_cpu else chosen.int(), bins=4, min=0, max=3)
+        return self.out(x) * counts.to(x.dtype)[chosen, None]
+
+
+def test_a_model_split_on_meta_counts_as_it_does_on_the_cpu_it_runs_on():
+    """Traced on meta, the model took the integer branch; the stage still runs on the CPU."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(CountsPerExpert(), CountsPerExpert()).double()
+    with torch.device("meta"):
+        model = nn.Sequential(CountsPerExpert(), CountsPerExpert()).double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    split = gpipe.split(model, (x.to("meta"),), parts=2)
+    split.to_empty(device="cpu")
+    split.load_original_state_dict(reference.state_dict())
+    torch.testing.assert_close(split(x), reference(x), **EXACT)
+
+
 def test_the_memory_planner_works_on_a_split_model_on_meta():
     with torch.device("meta"):
         model = TinyLM(n_blocks=6).double()

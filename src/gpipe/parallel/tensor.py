@@ -340,9 +340,11 @@ def resolve_plan(
     if not isinstance(given, Mapping):
         raise TypeError(f"tp_plan must be a dict of module name to style, got {given!r}")
     if not given and tensor_parallel > 1:
+        linear = next((n for n, m in module.named_modules() if isinstance(m, nn.Linear)), "0")
         raise ValueError(
             f"tensor_parallel={tensor_parallel} needs a tp_plan: none was given and no layer "
-            "declares one (a tp_plan attribute); pass tp_plan={'3.mlp.fc': 'colwise', ...}"
+            "declares one (a tp_plan attribute, or a Hugging Face config's base_model_tp_plan); "
+            f"pass tp_plan={{{linear!r}: 'colwise', ...}}"
         )
     modules = dict(module.named_modules())
     styles: dict[str, ParallelStyle] = {}

@@ -9,6 +9,12 @@ the model does not take another path for one row (a ``if x.size(0) == 1`` branch
 
 A model ``torch.export`` cannot trace ends in a ``TraceError`` of one line: what stopped the
 tracer, the line of the model it stopped at, and what to do.
+
+A model traced on the meta device (the way a model too large for one process is split) takes
+the branches its code takes for a device that is neither a CPU nor Apple's GPU: Hugging Face's
+mixtures of experts count tokens per expert with ``torch.histc`` on integers there, which
+PyTorch's CPU kernel refuses. The trace counts them in float32 instead (exact below 2^24
+tokens), cast back, so its graph runs on every device.
 """
 
 from __future__ import annotations
@@ -102,12 +108,43 @@ def trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) ->
             f"the example inputs do not fit {type(model).__name__}.forward: {exc}"
         ) from None
     try:
-        return torch.export.export(model, args, dict(kwargs), dynamic_shapes=shapes, strict=False)
+        program = torch.export.export(
+            model, args, dict(kwargs), dynamic_shapes=shapes, strict=False
+        )
     except Exception as exc:  # the tracer's errors have no common base
         message = (
             f"torch.export could not trace {type(model).__name__}: {_reason(exc)}; {_advice(exc)}"
         )
         raise TraceError(message, exc) from None
+    _count_in_float(program)
+    return program
+
+
+def _count_in_float(program: ExportedProgram) -> None:
+    """Give every ``histc`` of integers in ``program`` float32 to count, and its counts back
+    in their integer type: the CPU has no kernel for integers (see the module's docstring)."""
+    graph = program.graph_module.graph
+    histc = torch.ops.aten.histc.default
+    changed = False
+    for node in list(graph.nodes):
+        source = node.args[0] if node.target is histc else None
+        value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+        if not isinstance(value, Tensor) or value.dtype.is_floating_point:
+            continue
+        counts = node.meta["val"]
+        with graph.inserting_before(node):
+            as_float = graph.call_function(torch.ops.aten.to.dtype, (source, torch.float32))
+        as_float.meta["val"] = value.to(torch.float32)
+        node.replace_input_with(source, as_float)
+        node.meta["val"] = counts.to(torch.float32)
+        with graph.inserting_after(node):
+            back = graph.call_function(torch.ops.aten.to.dtype, (node, counts.dtype))
+        back.meta["val"] = counts
+        node.replace_all_uses_with(back, delete_user_cb=lambda user, back=back: user is not back)
+        changed = True
+    if changed:
+        graph.lint()
+        program.graph_module.recompile()
 
 
 def check_one_row(
