@@ -186,6 +186,48 @@ def test_a_model_split_on_meta_counts_as_it_does_on_the_cpu_it_runs_on():
     torch.testing.assert_close(split(x), reference(x), **EXACT)
 
 
+class Scaled(nn.Module):
+    """A map whose output is scaled by a buffer no state dict holds, as a rotary
+    embedding's frequencies are held (and moved to its input's device, as they are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.map = nn.Linear(3, 3)
+        self.register_buffer("scale", torch.arange(1.0, 4.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.map(x) * self.scale.to(x.device)
+
+
+def _parameters_to_meta(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            module._parameters[name] = nn.Parameter(param.to("meta"))
+    return model
+
+
+def test_buffers_no_state_dict_holds_are_put_back_as_they_were_when_split():
+    """Built with its parameters alone on meta, the model's unsaved buffers are real when it
+    is split, and loading the stages puts them back after allocation; built wholly on meta,
+    they are refused unless the state dict gives them."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(Scaled(), Scaled())
+    x = torch.randn(4, 3)
+    model = _parameters_to_meta(nn.Sequential(Scaled(), Scaled()))
+    split = gpipe.split(model, (x.to("meta"),), parts=2)
+    split.to_empty(device="cpu")  # what a Pipeline does to a stage on meta
+    split.load_original_state_dict(reference.state_dict())
+    torch.testing.assert_close(split(x), reference(x))
+    with torch.device("meta"):
+        model = nn.Sequential(Scaled(), Scaled())
+    split = gpipe.split(model, (x.to("meta"),), parts=2)
+    split.to_empty(device="cpu")
+    with pytest.raises(ValueError, match="stage 0's buffer 0.scale is in no state dict and was"):
+        split.load_original_state_dict(reference.state_dict())
+    split.load_original_state_dict({**reference.state_dict(), **dict(reference.named_buffers())})
+    torch.testing.assert_close(split(x), reference(x))
+
+
 def test_the_memory_planner_works_on_a_split_model_on_meta():
     with torch.device("meta"):
         model = TinyLM(n_blocks=6).double()

@@ -56,7 +56,7 @@ from gpipe.integrations.hf_stage import (
 )
 from gpipe.runtime.microbatch import scatter_payload, split_sizes
 from gpipe.splitting import SplitModel
-from gpipe.training.hf import LazyWeights, fill_unsaved_buffers
+from gpipe.training.hf import LazyWeights
 
 __all__ = ["PipelineTrainer", "PipelinedModel", "pipelined", "refused_options"]
 
@@ -160,7 +160,6 @@ class _Pipelined:
                 found = weights if isinstance(weights, Mapping) else LazyWeights(Path(weights))
                 split.load_original_state_dict(found, module=self.pipeline)
             check_unsaved_buffers(split, self.pipeline, original)
-            fill_unsaved_buffers(split, self.pipeline, original)
 
         on_every_rank(load, "reading this rank's stage")
         release_other_stages(original, split, self.pipeline)

@@ -70,6 +70,15 @@ class SplitModel(nn.Sequential):
         self.at = at  # where stages begin, by module name
         # every name of a tensor the original model holds under several, to all of them
         self._names = {alias: list(names) for names in aliases.values() for alias in names}
+        # the buffers no state dict holds (a rotary embedding's frequencies), as they were when
+        # split (None: built on meta), to be put back once a stage is allocated and loaded
+        self._unsaved: dict[tuple[int, str], Tensor | None] = {}
+        for index, stage in enumerate(stages):
+            saved = set(stage.state_dict(keep_vars=True))
+            for name, buffer in stage.named_buffers():
+                if name not in saved:
+                    kept = None if buffer.is_meta else buffer.detach().clone()
+                    self._unsaved[(index, name)] = kept
 
     def stages(self) -> list[nn.Module]:
         return list(self)
@@ -133,7 +142,11 @@ class SplitModel(nn.Sequential):
         """Load the stages held by ``module`` (default: all) from a state dict with the
         original model's names, reading only the keys those stages hold, so that each rank
         of a ``Pipeline`` loads its own stage from a lazily read checkpoint. Returns the
-        indices of the stages loaded."""
+        indices of the stages loaded. The buffers no state dict holds (non-persistent ones,
+        such as a rotary embedding's frequencies) are put back as they were when the model
+        was split, unless ``state_dict`` holds them too; one that was on the meta device then
+        (a model built under ``torch.device("meta")``) and is not in ``state_dict`` is
+        refused: nothing could give it its values."""
         loaded = []
         for index, stage in self._held_stages(module):
             wanted = stage.state_dict(keep_vars=True)
@@ -150,8 +163,36 @@ class SplitModel(nn.Sequential):
                     f"the state dict lacks {len(missing)} of stage {index}'s entries: {missing[:5]}"
                 )
             stage.load_state_dict(values, assign=any(t.is_meta for t in wanted.values()))
+            self._put_back_unsaved(index, stage, state_dict)
             loaded.append(index)
         return loaded
+
+    def _put_back_unsaved(
+        self, index: int, stage: nn.Module, state_dict: Mapping[str, Tensor]
+    ) -> None:
+        """Give stage ``index``'s buffers that no state dict holds their values: from
+        ``state_dict`` if it has them, else as they were when the model was split."""
+        device = next((p.device for p in stage.parameters()), None)
+        for name, buffer in list(stage.named_buffers()):
+            if (index, name) not in self._unsaved:
+                continue
+            key = next((a for a in self._names.get(name, [name]) if a in state_dict), None)
+            value = state_dict[key] if key is not None else self._unsaved[(index, name)]
+            if value is None:
+                raise ValueError(
+                    f"stage {index}'s buffer {name} is in no state dict and was on the meta "
+                    "device when the model was split: build the model with its parameters "
+                    "alone on meta (accelerate.init_empty_weights()), or give the buffer in "
+                    "the state dict"
+                )
+            owner_name, _, attr = name.rpartition(".")
+            owner = stage.get_submodule(owner_name) if owner_name else stage
+            if buffer.is_meta:
+                place = device if device is not None and device.type != "meta" else "cpu"
+                owner.register_buffer(attr, value.detach().to(place).clone(), persistent=False)
+            else:
+                with torch.no_grad():
+                    buffer.copy_(value)
 
 
 def _canonical_names(model: nn.Module) -> tuple[dict[int, str], dict[str, list[str]], set[str]]:

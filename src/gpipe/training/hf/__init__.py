@@ -10,7 +10,6 @@ from gpipe.training.hf.models import (
     LazyWeights,
     build_hf_meta,
     build_hf_zeros,
-    fill_unsaved_buffers,
     hf_config,
     write_initial_weights,
 )
@@ -21,7 +20,6 @@ __all__ = [
     "build_hf_meta",
     "build_hf_zeros",
     "export_hf",
-    "fill_unsaved_buffers",
     "hf_config",
     "tokenizer_files",
     "write_initial_weights",

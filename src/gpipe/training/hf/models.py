@@ -24,7 +24,6 @@ __all__ = [
     "LazyWeights",
     "build_hf_meta",
     "build_hf_zeros",
-    "fill_unsaved_buffers",
     "hf_config",
     "write_initial_weights",
 ]
@@ -219,19 +218,3 @@ def _weight_map(index: Path) -> dict[str, str]:
     ):
         raise ValueError(f"{index}: its weight_map must name .safetensors files of its folder")
     return files
-
-
-def fill_unsaved_buffers(stages: nn.Module, pipe: nn.Module, reference: nn.Module | None) -> None:
-    """Copy the buffers no state dict holds (non-persistent ones, such as a rotary
-    embedding's frequencies) into the stages ``pipe`` holds, from the model they were split
-    from, where its buffers are real."""
-    if reference is None:
-        return
-    real = {n: b for n, b in reference.named_buffers() if not b.is_meta}
-    mine = {id(s) for s in stages.children()}
-    for stage in (m for m in pipe.modules() if id(m) in mine):
-        saved = set(stage.state_dict())
-        for name, buffer in stage.named_buffers():
-            if name not in saved and name in real:
-                with torch.no_grad():
-                    buffer.copy_(real[name])

@@ -145,11 +145,10 @@ class TrainModel:
         rank's tensors; a model whose layers were built with real weights needs nothing."""
         if not isinstance(stages, SplitModel) or self.weights is None:
             return
-        from gpipe.training.hf.models import LazyWeights, fill_unsaved_buffers
+        from gpipe.training.hf.models import LazyWeights
 
         reference = getattr(self, "_reference", None)
         stages.load_original_state_dict(LazyWeights(self.weights, reference), module=pipe)
-        fill_unsaved_buffers(stages, pipe, reference)
 
 
 def _split(model: nn.Module, example: Any, **how: Any) -> SplitModel:
