@@ -206,7 +206,7 @@ def _parameters_to_meta(model: nn.Module) -> nn.Module:
     return model
 
 
-def test_buffers_no_state_dict_holds_are_put_back_as_they_were_when_split():
+def test_buffers_no_state_dict_holds_are_put_back_from_the_model_that_was_split():
     """Built with its parameters alone on meta, the model's unsaved buffers are real when it
     is split, and loading the stages puts them back after allocation; built wholly on meta,
     they are refused unless the state dict gives them."""

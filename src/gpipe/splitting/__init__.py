@@ -70,15 +70,15 @@ class SplitModel(nn.Sequential):
         self.at = at  # where stages begin, by module name
         # every name of a tensor the original model holds under several, to all of them
         self._names = {alias: list(names) for names in aliases.values() for alias in names}
-        # the buffers no state dict holds (a rotary embedding's frequencies), as they were when
-        # split (None: built on meta), to be put back once a stage is allocated and loaded
+        # the buffers no state dict holds (a rotary embedding's frequencies): the model's own
+        # tensors (None: built on meta), to be put back once a stage is allocated and loaded;
+        # allocating a stage gives it new ones and leaves these as they are
         self._unsaved: dict[tuple[int, str], Tensor | None] = {}
         for index, stage in enumerate(stages):
             saved = set(stage.state_dict(keep_vars=True))
             for name, buffer in stage.named_buffers():
                 if name not in saved:
-                    kept = None if buffer.is_meta else buffer.detach().clone()
-                    self._unsaved[(index, name)] = kept
+                    self._unsaved[(index, name)] = None if buffer.is_meta else buffer.detach()
 
     def stages(self) -> list[nn.Module]:
         return list(self)
@@ -143,8 +143,8 @@ class SplitModel(nn.Sequential):
         original model's names, reading only the keys those stages hold, so that each rank
         of a ``Pipeline`` loads its own stage from a lazily read checkpoint. Returns the
         indices of the stages loaded. The buffers no state dict holds (non-persistent ones,
-        such as a rotary embedding's frequencies) are put back as they were when the model
-        was split, unless ``state_dict`` holds them too; one that was on the meta device then
+        such as a rotary embedding's frequencies) are put back from the model that was split,
+        unless ``state_dict`` holds them too; one that was on the meta device then
         (a model built under ``torch.device("meta")``) and is not in ``state_dict`` is
         refused: nothing could give it its values."""
         loaded = []
@@ -171,7 +171,7 @@ class SplitModel(nn.Sequential):
         self, index: int, stage: nn.Module, state_dict: Mapping[str, Tensor]
     ) -> None:
         """Give stage ``index``'s buffers that no state dict holds their values: from
-        ``state_dict`` if it has them, else as they were when the model was split."""
+        ``state_dict`` if it has them, else from the model that was split."""
         device = next((p.device for p in stage.parameters()), None)
         for name, buffer in list(stage.named_buffers()):
             if (index, name) not in self._unsaved:
