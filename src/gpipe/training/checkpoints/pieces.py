@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Container
 from typing import Any, NamedTuple
 
 import torch
@@ -142,10 +143,24 @@ def _narrowed(value: DTensor, piece: Piece) -> Tensor:
     return block
 
 
-def _piece_at(pieces: list[Piece], index: MetadataIndex) -> Piece:
+def _by_blocks(
+    state_dict: dict[str, Any], keys: Container[str] | None = None
+) -> dict[str, list[Piece]]:
+    """The blocks of this rank's shard of each value of ``state_dict`` (of ``keys``, if
+    given) that DCP cannot place itself."""
+    return {
+        fqn: found
+        for fqn, value in state_dict.items()
+        if (keys is None or fqn in keys) and (found := local_pieces(value)) is not None
+    }
+
+
+def _block(state_dict: dict[str, Any], pieces: list[Piece], index: MetadataIndex) -> Tensor:
+    """The view of the local tensor of ``state_dict[index.fqn]`` that holds the block at
+    ``index.offset``."""
     for piece in pieces:
         if torch.Size(piece.offsets) == index.offset:
-            return piece
+            return _narrowed(state_dict[index.fqn], piece)
     raise ValueError(f"{index.fqn} has no block at offset {index.offset} on this rank")
 
 
@@ -158,11 +173,7 @@ class PiecewiseSavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
-        self.pieces = {
-            fqn: found
-            for fqn, value in self.state_dict.items()
-            if (found := local_pieces(value)) is not None
-        }
+        self.pieces = _by_blocks(self.state_dict)
         if not self.pieces:
             return plan
         items = [item for item in plan.items if item.index.fqn not in self.pieces]
@@ -190,7 +201,7 @@ class PiecewiseSavePlanner(DefaultSavePlanner):
         pieces = self.pieces.get(index.fqn)
         if pieces is None:
             return super().lookup_object(index)
-        return _narrowed(self.state_dict[index.fqn], _piece_at(pieces, index))
+        return _block(self.state_dict, pieces, index)
 
 
 class PiecewiseLoadPlanner(DefaultLoadPlanner):
@@ -205,12 +216,8 @@ class PiecewiseLoadPlanner(DefaultLoadPlanner):
         plan = super().create_local_plan()
         assert self.metadata is not None  # set up by DCP before it plans
         saved = self.metadata.state_dict_metadata
-        self.pieces = {
-            fqn: found
-            for fqn, value in self.state_dict.items()
-            if isinstance(saved.get(fqn), TensorStorageMetadata)
-            and (found := local_pieces(value)) is not None
-        }
+        tensors = {fqn for fqn, md in saved.items() if isinstance(md, TensorStorageMetadata)}
+        self.pieces = _by_blocks(self.state_dict, tensors)
         if not self.pieces:
             return plan
         items = [item for item in plan.items if item.dest_index.fqn not in self.pieces]
@@ -228,4 +235,4 @@ class PiecewiseLoadPlanner(DefaultLoadPlanner):
         pieces = self.pieces.get(index.fqn)
         if pieces is None:
             return super().lookup_tensor(index)
-        return _narrowed(self.state_dict[index.fqn], _piece_at(pieces, index))
+        return _block(self.state_dict, pieces, index)
