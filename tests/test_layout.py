@@ -169,3 +169,60 @@ def test_the_tests_mirror_the_packages():
     assert top <= TOP_LEVEL_TESTS, (
         f"move into the folder of the package they test: {top - TOP_LEVEL_TESTS}"
     )
+
+
+# The tests that import a private name of the library, each with its reason.
+PRIVATE_IMPORTS_IN_TESTS = {
+    # whether an unbalanced pack must refuse depends on first-fit's own row count
+    ("tests/data/test_packing.py", "gpipe.data.packing._first_fit_rows"),
+}
+
+
+def _private_imports(path: Path) -> list[tuple[str, str]]:
+    """(module, name) of each private gpipe name ``path`` imports (``from m import _x``) or
+    reads from a module it imported (``import m`` then ``m._x``)."""
+    tree = ast.parse(path.read_text())
+    aliases: dict[str, str] = {}  # local name -> gpipe module
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("gpipe"):
+                    aliases[a.asname or a.name] = a.name
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gpipe"):
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append((node.module, a.name))
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            target = ast.unparse(node.value)
+            if target in aliases:
+                found.append((aliases[target], node.attr))
+    return found
+
+
+def _package(module: str) -> str:
+    """gpipe.engine.runner -> gpipe.engine; a top-level module is a package of its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_module_reaches_into_another_packages_private_names():
+    """A name with a leading underscore is its package's own: another package imports what
+    the first exports. Tests too, except those listed with their reason."""
+    reached = []
+    for module, path in _modules().items():
+        for owner, name in _private_imports(path):
+            if _package(owner) != _package(module):
+                reached.append(f"{module} uses {owner}.{name}")
+    assert not reached, reached
+    root = TESTS.parent
+    in_tests = {
+        (str(path.relative_to(root)), f"{owner}.{name}")
+        for path in sorted(TESTS.rglob("*.py"))
+        for owner, name in _private_imports(path)
+    }
+    assert in_tests == PRIVATE_IMPORTS_IN_TESTS, in_tests ^ PRIVATE_IMPORTS_IN_TESTS

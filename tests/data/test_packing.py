@@ -40,6 +40,8 @@ def test_every_document_appears_once_in_order_within_rows_of_max_tokens(lengths,
     max_tokens = 128
     start = iter(range(10**6))
     sequences = [[next(start) + 1 for _ in range(n)] for n in lengths]  # every token unique
+    # first-fit's own row count says whether an unbalanced pack must refuse: nothing public
+    # gives it without packing
     if not balanced and len(_first_fit_rows(lengths, max_tokens)) < chunks:
         return  # too few rows to cut into chunks runs: refused, as another test shows
     packed = pack(sequences, max_tokens, chunks, balanced=balanced)
@@ -61,7 +63,7 @@ def test_every_document_appears_once_in_order_within_rows_of_max_tokens(lengths,
 @given(lengths=st.lists(_LENGTH, min_size=16, max_size=120), chunks=st.integers(2, 8))
 def test_balanced_micro_batches_are_never_less_even_than_first_fit(lengths, chunks):
     balanced = plan(lengths, 128, chunks)
-    if len(_first_fit_rows(lengths, 128)) >= chunks:
+    if len(_first_fit_rows(lengths, 128)) >= chunks:  # first-fit's rows, as above
         assert spread(balanced, lengths) <= spread(
             plan(lengths, 128, chunks, balanced=False), lengths
         )

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import parallelize_module
 
 from gpipe.parallel.experts import ExpertsParallel
 
@@ -23,7 +24,7 @@ def test_the_maps_become_dtensors_and_the_module_computes_as_before(mesh):
     x, index = torch.randn(5, 4), torch.randint(0, 3, (5, 2))
     weights = torch.rand(5, 2, requires_grad=True)
     want = module(x, index, weights)
-    ExpertsParallel(packed=["gate_up_proj"], rows=["down_proj"])._apply(module, mesh)
+    parallelize_module(module, mesh, ExpertsParallel(packed=["gate_up_proj"], rows=["down_proj"]))
     (packed,) = module.gate_up_proj.placements  # gate and up side by side: a strided shard
     assert packed.dim == 1 and packed.split_factor == 2 and packed != Shard(1)
     assert module.down_proj.placements == (Shard(2),)
@@ -37,4 +38,6 @@ def test_the_maps_become_dtensors_and_the_module_computes_as_before(mesh):
 def test_a_parameter_the_plan_does_not_place_is_refused(mesh):
     module = Experts(bias=True)
     with pytest.raises(ValueError, match=r"parameters \['down_proj_bias'\] have no place"):
-        ExpertsParallel(packed=["gate_up_proj"], rows=["down_proj"])._apply(module, mesh)
+        parallelize_module(
+            module, mesh, ExpertsParallel(packed=["gate_up_proj"], rows=["down_proj"])
+        )

@@ -1,5 +1,8 @@
 """A split backward: B gives the input gradients alone, W the weight gradients alone, and
-together they equal one whole backward."""
+together they equal one whole backward.
+
+Some checks read ``Stage._saved``, what a stage keeps between B and W: how far W goes back
+through the graph is a property of what is saved, which no public call shows."""
 
 import copy
 

@@ -51,7 +51,9 @@ def test_pytorchs_own_loader_reads_every_schedule(tmp_path):
     for name, k, m in _cases():
         schedule = build(name, k, m, 2)
         to_csv(schedule, path)
-        loader = multi.__new__(multi)  # the loader alone: no stages, no process group
+        # PyTorch's loader is a private method of its schedule class: built bare (no stages,
+        # no process group), it is given by hand the attributes the loader reads
+        loader = multi.__new__(multi)
         loader.pipeline_order = {}
         loader.pp_group_size, loader._num_stages, loader._n_microbatches = (
             k, schedule.n_stages, m,

@@ -200,6 +200,8 @@ class Scaled(nn.Module):
 
 
 def _parameters_to_meta(model: nn.Module) -> nn.Module:
+    """Every parameter on the meta device, buffers left where they are: ``Module.to`` would
+    move both, so the parameters are replaced in torch's own registry."""
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             module._parameters[name] = nn.Parameter(param.to("meta"))

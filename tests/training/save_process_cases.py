@@ -31,6 +31,7 @@ def saves(root: str, steps: int) -> None:
         optimizer.step()
         writer.save(step, pipe, optimizer, {"step": step}, {"test": "save process"})
         torch.save(pipe.state_dict(), Path(root, f"weights-{rank}-{step}.pt"))
+        # for the test to kill: the writer keeps no public handle on its helper process
         Path(root, f"helper-{rank}").write_text(str(writer._helper._process.pid))
         with torch.no_grad():  # while the helper may still be writing
             for p in pipe.parameters():

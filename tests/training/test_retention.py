@@ -149,7 +149,7 @@ def test_a_helper_process_writes_as_the_thread_does_and_its_death_is_an_error(tm
     model, optimizer = _model()
     writer = CheckpointWriter(tmp_path, process=True)
     writer.save(4, model, optimizer, {"step": 4}, {})
-    writer._helper._process.kill()
+    writer._helper._process.kill()  # the helper dies: the writer keeps no public handle on it
     with pytest.raises(RuntimeError, match="step 4 ended"):
         writer.wait()
     assert _steps(tmp_path) == [2, 3]

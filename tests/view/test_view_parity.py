@@ -24,7 +24,7 @@ from gpipe.planning.simulate import (
 from gpipe.runtime.recompute import should_checkpoint
 from gpipe.schedules import SCHEDULES, Placement, build, from_csv, to_csv, traits
 from gpipe.view import asset_path
-from gpipe.view.page import _costs_json, _schedule_json
+from gpipe.view.page import costs_json, schedule_json
 
 NODE = shutil.which("node")
 pytestmark = pytest.mark.skipif(
@@ -77,7 +77,7 @@ def runs() -> list[tuple[dict, dict]]:
     payload = {
         "scripts": [str(asset_path(name)) for name in SCRIPTS],
         "cases": [
-            {**c, "costs": _costs_json(_costs(c["costs"], c["stages"], c["chunks"]))} for c in cases
+            {**c, "costs": costs_json(_costs(c["costs"], c["stages"], c["chunks"]))} for c in cases
         ],
     }
     done = subprocess.run([NODE, str(RUNNER)], input=json.dumps(payload), capture_output=True,
@@ -229,7 +229,7 @@ def test_schedules_given_as_data_with_skips_and_recomputation_simulate_alike():
     """What a measured run hands the page: skip actions (``0SEND_SKIP3@2``) and R actions
     included, simulated as gpipe.planning.simulate does."""
     from gpipe.schedules import add_recompute, add_skips
-    from gpipe.view.page import _schedule_json
+    from gpipe.view.page import schedule_json
 
     costs = Costs(forward=1.0, backward=2.0, weight=0.5, latency=0.3, message_bytes=2.0,
                   activation_bytes=10.0)  # fmt: skip
@@ -238,7 +238,7 @@ def test_schedules_given_as_data_with_skips_and_recomputation_simulate_alike():
         routes = tuple((s, d) for s in range(k) for d in range(s + 2, k))
         schedule = add_recompute(add_skips(SCHEDULES[name](k, m), routes), frozenset({0, 2}))
         schedules.append(schedule)
-        cases.append({"schedule_data": _schedule_json(schedule), "costs": _costs_json(costs),
+        cases.append({"schedule_data": schedule_json(schedule), "costs": costs_json(costs),
                       "checkpoint": "never"})  # fmt: skip
     payload = {"scripts": [str(asset_path(name)) for name in SCRIPTS], "cases": cases}
     done = subprocess.run([NODE, str(RUNNER)], input=json.dumps(payload), capture_output=True,
@@ -269,8 +269,8 @@ def test_a_schedule_from_a_file_plays_as_the_python_simulator_says(tmp_path):
         schedule = from_csv(path)
         for kind, mode in (("uneven", "always"), ("links", "never"), ("unit", "except_last")):
             costs = _costs(kind, k)
-            cases.append({"schedule_data": _schedule_json(schedule), "split": True,
-                          "costs": _costs_json(costs), "checkpoint": mode})  # fmt: skip
+            cases.append({"schedule_data": schedule_json(schedule), "split": True,
+                          "costs": costs_json(costs), "checkpoint": mode})  # fmt: skip
             expected.append(
                 (f"{name} {kind} {mode}", simulate(schedule, split_costs(schedule, costs), mode))
             )

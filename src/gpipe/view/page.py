@@ -25,8 +25,10 @@ __all__ = [
     "asset",
     "asset_path",
     "check_settings",
+    "costs_json",
     "page_data",
     "render",
+    "schedule_json",
     "write",
 ]
 
@@ -170,15 +172,19 @@ class Measured:
             return Settings(checkpoint=self.checkpoint)
 
 
-def _costs_json(costs: Costs) -> dict[str, Any]:
-    """Costs as JSON, which has no infinity: an unlimited bandwidth is null."""
+def costs_json(costs: Costs) -> dict[str, Any]:
+    """Costs as the page reads them (JSON, which has no infinity: an unlimited bandwidth is
+    null); public so that what is fed to the page's own simulator can be checked against
+    Python's."""
     data = costs.to_dict()
     if math.isinf(data["bandwidth"]):
         data["bandwidth"] = None
     return data
 
 
-def _schedule_json(schedule: Schedule) -> dict[str, Any]:
+def schedule_json(schedule: Schedule) -> dict[str, Any]:
+    """A schedule as the page reads it: its programs as action strings (``0F1``), with what
+    the page needs to place and simulate them."""
     return {
         "name": schedule.name,
         "n_stages": schedule.n_stages,
@@ -214,16 +220,16 @@ def page_data(
             "schedule": settings.schedule,
             "virtual_stages": settings.virtual_stages,
             "checkpoint": settings.checkpoint,
-            "costs": _costs_json(settings.costs),
+            "costs": costs_json(settings.costs),
         },
         "measured": None,
-        "fixed": None if fixed is None else _schedule_json(fixed),
+        "fixed": None if fixed is None else schedule_json(fixed),
     }
     if measured is not None:
         data["measured"] = {
-            "schedule": _schedule_json(measured.schedule),
+            "schedule": schedule_json(measured.schedule),
             "checkpoint": measured.checkpoint,
-            "costs": _costs_json(measured_costs(measured.schedule, measured.events)),
+            "costs": costs_json(measured_costs(measured.schedule, measured.events)),
             "events": [
                 [e.rank, e.stage, e.kind, e.microbatch, e.start, e.end] for e in measured.events
             ],
