@@ -69,22 +69,38 @@ def _measure(sizes: dict[str, int], cycles: int, out: str) -> dict[str, Any]:
 
     hidden, vocab = sizes["hidden"], 256
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
-        num_hidden_layers=sizes["layers"], num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=sizes["seq"], use_cache=False,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=sizes["layers"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=sizes["seq"],
+        use_cache=False,
+    )
     torch.manual_seed(0)
     steps = WARMUP + cycles
     args = TrainingArguments(
-        output_dir=out, max_steps=steps, per_device_train_batch_size=sizes["batch"],
-        learning_rate=1e-4, max_grad_norm=1.0, logging_steps=10, save_strategy="no",
-        report_to=[], use_cpu=True, disable_tqdm=True, log_level="error",
-    )  # fmt: skip
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=sizes["batch"],
+        learning_rate=1e-4,
+        max_grad_norm=1.0,
+        logging_steps=10,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        log_level="error",
+    )
     data = _rows(sizes["batch"] * steps, sizes["seq"], vocab)
     trainer = PipelineTrainer(
-        model=LlamaForCausalLM(config), args=args, train_dataset=data, data_collator=_collate,
+        model=LlamaForCausalLM(config),
+        args=args,
+        train_dataset=data,
+        data_collator=_collate,
         chunks=sizes["chunks"],
-    )  # fmt: skip
+    )
     # by hand: the same model (seeded alike) cut the same way, the same micro-batches
     torch.manual_seed(0)
     split = gpipe.split(LlamaForCausalLM(config), parts=2)

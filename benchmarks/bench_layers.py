@@ -99,10 +99,14 @@ def main() -> None:
     cycles = found[0]["cycles"]
     plans = predicted(cfg, found[0]["balance"])
     rows = {}
-    print(f"GPT {model['n_layer']} blocks, d_model {model['d_model']}, K = 2, "
-          f"{cfg['chunks']} micro-batches of {cfg['batch'] // cfg['chunks']}")  # fmt: skip
-    print(f"{'policy':>10} {'step ms':>8} {'/ never':>8} {'peak MiB (rank 0, 1)':>22} "
-          f"{'planned MiB':>14}")  # fmt: skip
+    print(
+        f"GPT {model['n_layer']} blocks, d_model {model['d_model']}, K = 2, "
+        f"{cfg['chunks']} micro-batches of {cfg['batch'] // cfg['chunks']}"
+    )
+    print(
+        f"{'policy':>10} {'step ms':>8} {'/ never':>8} {'peak MiB (rank 0, 1)':>22} "
+        f"{'planned MiB':>14}"
+    )
     for name in POLICIES:
         seconds = statistics.median(c[name] for c in cycles)
         ratio = statistics.median(c[name] / c["never"] for c in cycles)

@@ -94,10 +94,16 @@ def llama(cfg: dict):
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=cfg["vocab"], hidden_size=cfg["width"], intermediate_size=2 * cfg["width"],
-        num_hidden_layers=cfg["layers"], num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=MAX_TOKENS, use_cache=False, attn_implementation="sdpa",
-    )  # fmt: skip
+        vocab_size=cfg["vocab"],
+        hidden_size=cfg["width"],
+        intermediate_size=2 * cfg["width"],
+        num_hidden_layers=cfg["layers"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_TOKENS,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config)
 
 

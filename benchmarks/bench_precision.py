@@ -59,13 +59,17 @@ def main() -> None:
         p: {key: statistics.median(r[key] for r in found) for key in found[0]}
         for p, found in runs.items()
     }
-    print(f"gpipe train{' ' + ' '.join(more) if more else ''}, {steps} steps, "
-          f"{args.rounds} rounds (medians)")  # fmt: skip
+    print(
+        f"gpipe train{' ' + ' '.join(more) if more else ''}, {steps} steps, "
+        f"{args.rounds} rounds (medians)"
+    )
     print(f"{'precision':>9} {'tokens/s':>9} {'/ fp32':>7} {'train loss':>11} {'val loss':>9}")
     for p, s in summary.items():
         ratio = s["tokens_per_s"] / summary["fp32"]["tokens_per_s"]
-        print(f"{p:>9} {s['tokens_per_s']:9.0f} {ratio:7.3f} {s['train_loss']:11.3f} "
-              f"{s['val_loss']:9.3f}")  # fmt: skip
+        print(
+            f"{p:>9} {s['tokens_per_s']:9.0f} {ratio:7.3f} {s['train_loss']:11.3f} "
+            f"{s['val_loss']:9.3f}"
+        )
     path = write_results(
         "precision-quick" if args.quick else "precision",
         {"machine": machine(), "steps": steps, "more": more, "runs": runs, "summary": summary},

@@ -133,22 +133,37 @@ def main() -> None:
         cfg = {"model": model, "batch": 8, "chunks": 4, "repeats": args.repeats, "root": tmp}
         found = launch(side_by_side, 2, (cfg,), threads=1)[0]
     summary = _summary(found["cycles"])
-    print(f"GPT {model}, 2 stages, batch {cfg['batch']} in {cfg['chunks']} micro-batches, "
-          f"{args.repeats} cycles (medians)")  # fmt: skip
-    print(f"weights per rank: {[round(b / 2**20) for b in found['model_bytes_per_rank']]} MiB "
-          "(AdamW's state twice that)")  # fmt: skip
+    print(
+        f"GPT {model}, 2 stages, batch {cfg['batch']} in {cfg['chunks']} micro-batches, "
+        f"{args.repeats} cycles (medians)"
+    )
+    print(
+        f"weights per rank: {[round(b / 2**20) for b in found['model_bytes_per_rank']]} MiB "
+        "(AdamW's state twice that)"
+    )
     for mode in MODES:
         m = summary[mode]
-        print(f"{mode:>11}: a step {m['step_s'] * 1000:.0f} ms; a save costs "
-              f"{m['cost_s'] * 1000:.0f} ms (held {m['held_s'] * 1000:.0f}, steps slower by "
-              f"{m['slower_s'] * 1000:.0f} over {m['steps_overlapped']:.0f}, waited "
-              f"{m['waited_s'] * 1000:.0f})")  # fmt: skip
-    print(f"background / foreground (median of per-cycle ratios): "
-          f"{summary['ratio_background_to_foreground']:.3f}; by a thread instead of a process: "
-          f"{summary['ratio_thread_to_foreground']:.3f}")  # fmt: skip
+        print(
+            f"{mode:>11}: a step {m['step_s'] * 1000:.0f} ms; a save costs "
+            f"{m['cost_s'] * 1000:.0f} ms (held {m['held_s'] * 1000:.0f}, steps slower by "
+            f"{m['slower_s'] * 1000:.0f} over {m['steps_overlapped']:.0f}, waited "
+            f"{m['waited_s'] * 1000:.0f})"
+        )
+    print(
+        f"background / foreground (median of per-cycle ratios): "
+        f"{summary['ratio_background_to_foreground']:.3f}; by a thread instead of a process: "
+        f"{summary['ratio_thread_to_foreground']:.3f}"
+    )
     name = "saves-quick" if args.quick else "saves"
-    path = write_results(name, {"machine": machine(), "config": cfg | {"root": None},
-                                "cycles": found["cycles"], "summary": summary})  # fmt: skip
+    path = write_results(
+        name,
+        {
+            "machine": machine(),
+            "config": cfg | {"root": None},
+            "cycles": found["cycles"],
+            "summary": summary,
+        },
+    )
     print(f"written to {path}")
 
 

@@ -201,8 +201,10 @@ def main() -> None:
     for m, seconds in measured.items():
         predicted = predict(costs, latency, bandwidth, model["n_layer"], 2, m, batch, bytes_per_row)
         check[m] = {"measured": seconds, "predicted": predicted, "ratio": seconds / predicted}
-        print(f"K=2, M={m}: measured {seconds:.3f} s, predicted {predicted:.3f} s, "
-              f"measured / predicted {seconds / predicted:.3f}")  # fmt: skip
+        print(
+            f"K=2, M={m}: measured {seconds:.3f} s, predicted {predicted:.3f} s, "
+            f"measured / predicted {seconds / predicted:.3f}"
+        )
     report = {
         "machine": machine(),
         "workload": cfg,

@@ -105,10 +105,14 @@ def run(cfg: dict) -> dict:
     for name in SCHEDULES:
         model = _model(cfg["width"], cfg["hidden"], cfg["blocks"])
         pipes[name] = Pipeline(
-            model, [cfg["blocks"] // _stages(name)] * _stages(name), chunks=cfg["chunks"],
+            model,
+            [cfg["blocks"] // _stages(name)] * _stages(name),
+            chunks=cfg["chunks"],
             checkpoint="never",
-            schedule=name, loss_fn=mse_loss, trace=True,
-        )  # fmt: skip
+            schedule=name,
+            loss_fn=mse_loss,
+            trace=True,
+        )
         meters[name] = _SavedBytes(list(pipes[name].parameters()))
     out: dict = {name: {"seconds": [], "busy": [], "events": None} for name in SCHEDULES}
     for cycle in range(cfg["warmup"] + cfg["steps"]):

@@ -48,9 +48,14 @@ def _contender(config: GPTConfig, chunks: int, name: str) -> tuple[Pipeline, tor
     torch.manual_seed(0)  # the same weights in both
     shard_ = "full" if name == "sharded" else None
     pipe = Pipeline(
-        build_gpt(config), [config.n_layer + 2], chunks=chunks, checkpoint="never",
-        loss_fn=lm_loss, data_parallel=2, shard=shard_,
-    )  # fmt: skip
+        build_gpt(config),
+        [config.n_layer + 2],
+        chunks=chunks,
+        checkpoint="never",
+        loss_fn=lm_loss,
+        data_parallel=2,
+        shard=shard_,
+    )
     return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-4)
 
 
@@ -158,8 +163,15 @@ def planned(cfg: dict) -> dict[str, float]:
     prof = profile(model, tokens, target=tokens, loss_fn=lm_loss)
     out = {}
     for name, shard_ in (("whole", None), ("sharded", "full")):
-        found = plan(prof, [len(model)], batch_size=cfg["batch"], chunks=cfg["chunks"],
-                     checkpoint="never", data_parallel=2, shard=shard_)  # fmt: skip
+        found = plan(
+            prof,
+            [len(model)],
+            batch_size=cfg["batch"],
+            chunks=cfg["chunks"],
+            checkpoint="never",
+            data_parallel=2,
+            shard=shard_,
+        )
         out[name] = found.ranks[0].held_bytes
     return out
 
@@ -178,11 +190,14 @@ def predicted(found: dict, cfg: dict, name: str) -> float:
     rows = cfg["batch"] // 2 // cfg["chunks"]
     f, b = _stage_costs(found["costs"], config.n_layer, 1)
     costs = Costs(
-        forward=f, backward=b, latency=found["latency"], bandwidth=found["bandwidth"],
+        forward=f,
+        backward=b,
+        latency=found["latency"],
+        bandwidth=found["bandwidth"],
         message_bytes=rows * config.seq_len * config.d_model * 4,
         grad_bytes=[found["grad_bytes"]],
         allreduce_bandwidth=_bandwidth(found, name),
-    )  # fmt: skip
+    )
     shard_ = "full" if name == "sharded" else None
     return simulate(gpipe(1, cfg["chunks"]), costs, data_parallel=2, shard=shard_).makespan
 
@@ -221,12 +236,18 @@ def main() -> None:
     write_results(
         "sharding-quick" if args.quick else "sharding",
         {
-            "machine": machine(), "workload": cfg, "median": median, "ratio_per_cycle": ratios,
-            "held": held, "held_parts": [r["held"] for r in found.values()], "planned": plans,
-            "simulated": sims, "peak_resident": peaks,
+            "machine": machine(),
+            "workload": cfg,
+            "median": median,
+            "ratio_per_cycle": ratios,
+            "held": held,
+            "held_parts": [r["held"] for r in found.values()],
+            "planned": plans,
+            "simulated": sims,
+            "peak_resident": peaks,
             "link": {k: found[0][k] for k in LINK},
         },
-    )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

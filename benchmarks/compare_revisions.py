@@ -151,8 +151,10 @@ def main() -> None:
         for rank, got in sorted(per_rank.items()):
             peaks = got["activation_peak"]
             change = peaks["after"] / peaks["before"] - 1
-            print(f"rank {rank}: activation peak before {peaks['before']:,} B, after "
-                  f"{peaks['after']:,} B ({change:+.1%})")  # fmt: skip
+            print(
+                f"rank {rank}: activation peak before {peaks['before']:,} B, after "
+                f"{peaks['after']:,} B ({change:+.1%})"
+            )
         return
     # a step takes as long as its slowest process; its CPU time is both processes'
     ranks = list(per_rank.values())

@@ -166,8 +166,10 @@ def main() -> None:
         wall = max(v["wall"] for v in ranks.values())
         actions = max(v["actions"] for v in ranks.values())
         over = (wall - ideal) / actions * 1e6
-        print(f"\n{case}: {wall * 1e3:.2f} ms/step, {wall / ideal:.3f} x ideal, "
-              f"{over:.0f} us per action over the ideal ({actions} actions/rank)")  # fmt: skip
+        print(
+            f"\n{case}: {wall * 1e3:.2f} ms/step, {wall / ideal:.3f} x ideal, "
+            f"{over:.0f} us per action over the ideal ({actions} actions/rank)"
+        )
         print(f"  rank{header}")
         for r, v in ranks.items():
             print(f"  {r:4d}" + "".join(f"{v[c] * 1e3:10.2f}ms" for c in CATEGORIES))

@@ -130,16 +130,23 @@ def train(out: Path, args: list[str], kills: list[dict] | None = None, *,
         env["GPIPE_TEST_KILL"] = json.dumps(kills)
     command = [sys.executable, "-m", "gpipe.cli", "train", *args, "--out", str(out)]
     started = time.monotonic()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=env)  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     samples: list[dict[str, Any]] = []
     done = threading.Event()
 
     def sample() -> None:
         while not done.wait(interval):
             size, folders = _disk(out / "checkpoints")
-            samples.append({"t": time.monotonic() - started, "rss": _worker_rss(process.pid),
-                            "disk_bytes": size, "checkpoints": folders})  # fmt: skip
+            samples.append(
+                {
+                    "t": time.monotonic() - started,
+                    "rss": _worker_rss(process.pid),
+                    "disk_bytes": size,
+                    "checkpoints": folders,
+                }
+            )
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -236,22 +243,36 @@ def main() -> None:
         assert alone.returncode == 0, alone.stderr[-3000:]
         verdict = judge(hurt, Path(tmp) / "hurt", alone, Path(tmp) / "alone", kills, args.keep)
         series = {"hurt": hurt.samples, "alone": alone.samples}
-    print(f"{verdict['steps']} steps in {verdict['seconds']:.0f} s (alone: {alone.seconds:.0f} s)"
-          f", {verdict['restarts']} restarts for {len(kills)} kills, resumed from "
-          f"{verdict['resumed_from']}")  # fmt: skip
-    print(f"checkpoints on disk: at most {verdict['max_checkpoint_folders']} folders, "
-          f"{verdict['max_disk_bytes'] / 2**20:.1f} MiB")  # fmt: skip
+    print(
+        f"{verdict['steps']} steps in {verdict['seconds']:.0f} s (alone: {alone.seconds:.0f} s)"
+        f", {verdict['restarts']} restarts for {len(kills)} kills, resumed from "
+        f"{verdict['resumed_from']}"
+    )
+    print(
+        f"checkpoints on disk: at most {verdict['max_checkpoint_folders']} folders, "
+        f"{verdict['max_disk_bytes'] / 2**20:.1f} MiB"
+    )
     for run in ("memory_alone", "memory"):
         for pid, m in verdict[run].items():
             growth = "n/a" if m["growth"] is None else f"{m['growth']:.3f}"
-            print(f"{'alone' if run == 'memory_alone' else 'hurt'} process {pid}: "
-                  f"{m['samples']} samples, peak {m['peak'] / 2**20:.0f} MiB, "
-                  f"late / early {growth}")  # fmt: skip
+            print(
+                f"{'alone' if run == 'memory_alone' else 'hurt'} process {pid}: "
+                f"{m['samples']} samples, peak {m['peak'] / 2**20:.0f} MiB, "
+                f"late / early {growth}"
+            )
     for key, value in verdict.items():
         if key.startswith("ok_"):
             print(f"{key[3:]}: {'yes' if value else 'NO'}")
-    path = write_results("soak", {"machine": machine(), "args": vars(args), "kills": kills,
-                                  "verdict": verdict, "samples": series})  # fmt: skip
+    path = write_results(
+        "soak",
+        {
+            "machine": machine(),
+            "args": vars(args),
+            "kills": kills,
+            "verdict": verdict,
+            "samples": series,
+        },
+    )
     print(f"written to {path}")
     sys.exit(0 if all(v for k, v in verdict.items() if k.startswith("ok_")) else 1)
 

@@ -93,25 +93,46 @@ def main() -> None:
     )
     collate = DataCollatorForLanguageModeling(tokenizer, mlm=False)  # pads; -100 on padding
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=96, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, use_cache=False,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=96,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)  # the same on every rank
     training = TrainingArguments(
-        output_dir=f"{args.out}-checkpoints", max_steps=args.steps,
-        per_device_train_batch_size=16, per_device_eval_batch_size=16,
-        learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=4, max_grad_norm=1.0,
-        logging_steps=10, save_strategy="no", report_to=[], seed=0, disable_tqdm=True,
+        output_dir=f"{args.out}-checkpoints",
+        max_steps=args.steps,
+        per_device_train_batch_size=16,
+        per_device_eval_batch_size=16,
+        learning_rate=3e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=4,
+        max_grad_norm=1.0,
+        logging_steps=10,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
         use_cpu=not torch.cuda.is_available(),  # a plain Trainer needs it too on CPU processes
-    )  # fmt: skip
+    )
     trainer = PipelineTrainer(  # 2: chunks, the micro-batches of each batch
-        model=model, args=training, train_dataset=train, eval_dataset=held_out,
-        data_collator=collate, processing_class=tokenizer, chunks=args.chunks,
+        model=model,
+        args=training,
+        train_dataset=train,
+        eval_dataset=held_out,
+        data_collator=collate,
+        processing_class=tokenizer,
+        chunks=args.chunks,
         data_parallel=args.data_parallel,
-    )  # fmt: skip
+    )
     before = trainer.evaluate()["eval_loss"]
     trainer.train()
     after = trainer.evaluate()["eval_loss"]

@@ -185,8 +185,14 @@ def predicted(args: argparse.Namespace) -> str:
     mib = []
     for stages in (1, 2):
         balance = balance_by_params(stages, layers)
-        p = plan(prof, balance, batch_size=args.batch_size, chunks=args.chunks,
-                 checkpoint="always", optimizer="adam")  # fmt: skip
+        p = plan(
+            prof,
+            balance,
+            batch_size=args.batch_size,
+            chunks=args.chunks,
+            checkpoint="always",
+            optimizer="adam",
+        )
         mib.append(" and ".join(f"{r.total_bytes / 2**20:.0f}" for r in p.ranks))
     return f"one process {mib[0]} MiB; two processes {mib[1]} MiB"
 

@@ -37,10 +37,16 @@ from gpipe.data import check_packed, counts_of, pack, stdlib_corpus
 def config(max_tokens: int) -> LlamaConfig:
     """A small Llama over bytes: 256 tokens, 4 blocks of width 128."""
     return LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_tokens,
-        use_cache=False, attn_implementation="sdpa",
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_tokens,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
 
 
 def documents(max_bytes: int, max_tokens: int) -> list[torch.Tensor]:

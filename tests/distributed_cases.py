@@ -403,9 +403,14 @@ def deferred_batch_norm() -> int:
         for mode in MODES:
             reference = convert_deferred_batch_norm(bn_model(), chunks=4)
             pipe = Pipeline(
-                bn_model(), balance, chunks=4, checkpoint=mode, schedule=schedule,
-                loss_fn=lambda out, y: out.pow(2).mean(), deferred_batch_norm=True,
-            )  # fmt: skip
+                bn_model(),
+                balance,
+                chunks=4,
+                checkpoint=mode,
+                schedule=schedule,
+                loss_fn=lambda out, y: out.pow(2).mean(),
+                deferred_batch_norm=True,
+            )
             for step, rows in enumerate([16, 4 if schedule == "interleaved" else 3]):
                 generator = torch.Generator().manual_seed(step)
                 x = torch.randn(rows, 5, 3, dtype=torch.float64, generator=generator)
@@ -471,18 +476,28 @@ def data_parallel(d: int) -> dict:
         for mode in MODES:
             for uneven in (False, True):
                 pipe = Pipeline(
-                    mlp(), BALANCES[k], chunks=4, checkpoint=mode, schedule=schedule,
-                    loss_fn=mse_loss, data_parallel=d, timeout=10,
-                )  # fmt: skip
+                    mlp(),
+                    BALANCES[k],
+                    chunks=4,
+                    checkpoint=mode,
+                    schedule=schedule,
+                    loss_fn=mse_loss,
+                    data_parallel=d,
+                    timeout=10,
+                )
                 xs, ys, ref_loss = _replicated_step_is_exact(pipe, replica, d, uneven)
                 torch.testing.assert_close(pipe.evaluate(xs, ys), ref_loss.double(), **exact)
                 cases += 1
     # BatchNorm: the statistics of the global mini-batch, equal on every replica
     reference = convert_deferred_batch_norm(bn_model(), chunks=2, auto_commit=False)
     pipe = Pipeline(
-        bn_model(), [2, 4] if k == 2 else [6], chunks=2, loss_fn=lambda o, t: o.pow(2).mean(),
-        deferred_batch_norm=True, data_parallel=d,
-    )  # fmt: skip
+        bn_model(),
+        [2, 4] if k == 2 else [6],
+        chunks=2,
+        loss_fn=lambda o, t: o.pow(2).mean(),
+        deferred_batch_norm=True,
+        data_parallel=d,
+    )
     x = torch.randn(8, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     xs, _ = _shards(x, x, replica, d, uneven=False)
     pipe.step(xs, xs)
@@ -502,8 +517,13 @@ def data_parallel(d: int) -> dict:
     found = {"cases": cases, "buckets": times.allreduce_buckets, "early": times.allreduce_early}
     # buckets of one parameter each: still exact, and each starts during the last backward
     pipe = Pipeline(
-        mlp(), BALANCES[k], chunks=4, loss_fn=mse_loss, data_parallel=d, bucket_bytes=1,
-    )  # fmt: skip
+        mlp(),
+        BALANCES[k],
+        chunks=4,
+        loss_fn=mse_loss,
+        data_parallel=d,
+        bucket_bytes=1,
+    )
     _replicated_step_is_exact(pipe, replica, d, uneven=True)
     found["small"] = (pipe.last_step.allreduce_buckets, pipe.last_step.allreduce_early)
     found["held"] = sum(1 for p in pipe.parameters() if p.requires_grad)
@@ -542,9 +562,14 @@ def autocast() -> int:
         balance = INTERLEAVED_MLP if schedule == "interleaved" else BALANCES[2]
         for mode in MODES:
             pipe = Pipeline(
-                mlp(torch.float32), balance, chunks=4, checkpoint=mode, schedule=schedule,
-                loss_fn=lambda o, t: mse_loss(o.float(), t), autocast=torch.bfloat16,
-            )  # fmt: skip
+                mlp(torch.float32),
+                balance,
+                chunks=4,
+                checkpoint=mode,
+                schedule=schedule,
+                loss_fn=lambda o, t: mse_loss(o.float(), t),
+                autocast=torch.bfloat16,
+            )
             reference = mlp(torch.float32)
             x, y = batch(16, torch.float32)
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -621,8 +646,9 @@ def layer_checkpoint() -> int:
     for schedule in ("gpipe", "1f1b", "zero-bubble", "interleaved"):
         balance = INTERLEAVED_MLP if schedule == "interleaved" else BALANCES[2]
         for policy in (Layers(every=2), Layers(select=lambda name, layer: name in ("2", "5"))):
-            pipe = Pipeline(mlp(), balance, chunks=4, checkpoint=policy, schedule=schedule,
-                            loss_fn=mse_loss)  # fmt: skip
+            pipe = Pipeline(
+                mlp(), balance, chunks=4, checkpoint=policy, schedule=schedule, loss_fn=mse_loss
+            )
             _check_step(pipe, *batch(16), rtol=1e-12, atol=1e-14)
             cases += 1
     return cases
@@ -642,8 +668,14 @@ def measured_layer_memory(name: str) -> dict:
     for schedule in ("gpipe", "1f1b"):
         for policy, every in LAYER_POLICIES.items():
             balance = memory_balance(len(model), schedule)
-            pipe = Pipeline(model, balance, chunks=8, checkpoint=Layers(every=every),
-                            schedule=schedule, loss_fn=loss_fn)  # fmt: skip
+            pipe = Pipeline(
+                model,
+                balance,
+                chunks=8,
+                checkpoint=Layers(every=every),
+                schedule=schedule,
+                loss_fn=loss_fn,
+            )
             with ActivationMeter(pipe) as meter:
                 pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
             out[f"{schedule}/{policy}"] = meter.peak

@@ -68,9 +68,13 @@ def _scaled_step(data_parallel: int) -> tuple[Pipeline, torch.amp.GradScaler, to
     init_process_group(torch.device("cpu"))
     k = dist.get_world_size() // data_parallel
     pipe = Pipeline(
-        mlp(), BALANCES[k], chunks=2, loss_fn=mse_loss, data_parallel=data_parallel,
+        mlp(),
+        BALANCES[k],
+        chunks=2,
+        loss_fn=mse_loss,
+        data_parallel=data_parallel,
         timeout=TIMEOUT,
-    )  # fmt: skip
+    )
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
     x, y = batch(8)
@@ -102,9 +106,14 @@ def batch_norm(folder: str) -> dict:
     last replica runs its step, then is silent at the merge."""
     init_process_group(torch.device("cpu"))
     pipe = Pipeline(
-        bn_model(), [6], chunks=2, loss_fn=lambda o, t: o.pow(2).mean(),
-        deferred_batch_norm=True, data_parallel=dist.get_world_size(), timeout=TIMEOUT,
-    )  # fmt: skip
+        bn_model(),
+        [6],
+        chunks=2,
+        loss_fn=lambda o, t: o.pow(2).mean(),
+        deferred_batch_norm=True,
+        data_parallel=dist.get_world_size(),
+        timeout=TIMEOUT,
+    )
     x = torch.randn(4, 5, 3, dtype=torch.float64)
     if dist.get_rank() < dist.get_world_size() - 1:
         return _report(folder, lambda: pipe.step(x, x))
@@ -154,9 +163,14 @@ def sends(folder: str) -> dict:
     group = dist.new_group([0, 1])
     model = nn.Sequential(nn.Linear(4, 4), _Stalls(folder), nn.Linear(4, 4)).double()
     pipe = Pipeline(
-        model, [2, 1], chunks=3, loss_fn=mse_loss, group=group, local_pipes=False,
+        model,
+        [2, 1],
+        chunks=3,
+        loss_fn=mse_loss,
+        group=group,
+        local_pipes=False,
         timeout=TIMEOUT,
-    )  # fmt: skip
+    )
     x = torch.randn(6, 4, dtype=torch.float64)
     if pipe.is_last:
         return _report(folder, lambda: pipe.step(x, x))

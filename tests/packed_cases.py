@@ -28,10 +28,16 @@ def llama(attention: str = "sdpa"):
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False, attn_implementation=attention,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        attn_implementation=attention,
+    )
     return LlamaForCausalLM(config).double()
 
 
@@ -135,9 +141,12 @@ def equivalence() -> int:
     for schedule in SCHEDULES:
         for mode in ("never", "always"):
             pipe = Pipeline(
-                copy.deepcopy(split), schedule=schedule, checkpoint=mode, loss_fn=summed,
+                copy.deepcopy(split),
+                schedule=schedule,
+                checkpoint=mode,
+                loss_fn=summed,
                 loss_reduction="sum",
-            )  # fmt: skip
+            )
             _check(pipe, split, reference, unpacked(reference, docs), microbatches)
             cases += 1
     counts = counts_of(packed)
@@ -174,14 +183,19 @@ def gpt_equivalence() -> int:
     for schedule in ("gpipe", "1f1b"):
         for mode in ("never", "always"):
             pipe = Pipeline(
-                copy.deepcopy(reference), [2, 2], schedule=schedule, checkpoint=mode,
-                loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten(),
-                                                       reduction="sum"),
+                copy.deepcopy(reference),
+                [2, 2],
+                schedule=schedule,
+                checkpoint=mode,
+                loss_fn=lambda out, y: F.cross_entropy(
+                    out.flatten(0, 1), y.flatten(), reduction="sum"
+                ),
                 loss_reduction="sum",
-            )  # fmt: skip
+            )
             pipe.zero_grad()
-            torch.testing.assert_close(pipe.step(microbatches=microbatches), alone.detach(),
-                                       **EXACT)  # fmt: skip
+            torch.testing.assert_close(
+                pipe.step(microbatches=microbatches), alone.detach(), **EXACT
+            )
             for name, p in pipe.named_parameters():
                 torch.testing.assert_close(p.grad, grads[name].grad, **EXACT)
             cases += 1

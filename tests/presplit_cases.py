@@ -72,9 +72,14 @@ def equivalence(k: int) -> int:
         chunks = traits(schedule).fewest_microbatches(k)  # the steps give their own, 4
         for mode in ("never", "always"):
             pipe = Pipeline(
-                token_model(), balance, chunks=chunks, checkpoint=mode, schedule=schedule,
-                loss_fn=summed, loss_reduction="sum",
-            )  # fmt: skip
+                token_model(),
+                balance,
+                chunks=chunks,
+                checkpoint=mode,
+                schedule=schedule,
+                loss_fn=summed,
+                loss_reduction="sum",
+            )
             _check(pipe, token_model(), given)
             cases += 1
     pipe = Pipeline(token_model(), [8 // k] * k, schedule="1f1b", loss_fn=token_mean)

@@ -30,9 +30,13 @@ def equivalence(k: int, schedule: str) -> int:
     for rows, chunks in SPLITS:
         for mode in MODES:
             pipe = Pipeline(
-                mlp(), BALANCES[k], chunks=chunks, checkpoint=mode, schedule=schedule,
+                mlp(),
+                BALANCES[k],
+                chunks=chunks,
+                checkpoint=mode,
+                schedule=schedule,
                 loss_fn=mse_loss,
-            )  # fmt: skip
+            )
             _check_step(pipe, *batch(rows), **EXACT)
             cases += 1
     pipe = Pipeline(mlp(), BALANCES[k], chunks=4, schedule=schedule, loss_fn=mse_loss)
@@ -43,9 +47,13 @@ def equivalence(k: int, schedule: str) -> int:
     grads = {}
     for mode in MODES:
         pipe = Pipeline(
-            mlp(dropout=0.5), BALANCES[k], chunks=4, checkpoint=mode, schedule=schedule,
+            mlp(dropout=0.5),
+            BALANCES[k],
+            chunks=4,
+            checkpoint=mode,
+            schedule=schedule,
             loss_fn=mse_loss,
-        )  # fmt: skip
+        )
         torch.manual_seed(99 + dist.get_rank())
         pipe.step(*batch(16))
         grads[mode] = [p.grad for p in pipe.parameters()]
@@ -64,9 +72,13 @@ def interleaved(k: int) -> dict:
     for rows, chunks in [(16, k), (10, 2 * k), (2 * k, 2 * k)]:
         for mode in MODES:
             pipe = Pipeline(
-                mlp(), INTERLEAVED[k], chunks=chunks, checkpoint=mode, schedule="interleaved",
+                mlp(),
+                INTERLEAVED[k],
+                chunks=chunks,
+                checkpoint=mode,
+                schedule="interleaved",
                 loss_fn=mse_loss,
-            )  # fmt: skip
+            )
             _check_step(pipe, *batch(rows), **EXACT)
             cases += 1
     return {
@@ -109,9 +121,13 @@ def skips(k: int) -> dict:
         for rows, chunks in splits:
             for mode in MODES:
                 pipe = Pipeline(
-                    unet(), balance, chunks=chunks, checkpoint=mode, schedule=schedule,
+                    unet(),
+                    balance,
+                    chunks=chunks,
+                    checkpoint=mode,
+                    schedule=schedule,
                     loss_fn=mse_loss,
-                )  # fmt: skip
+                )
                 names.update(_check_unet_step(pipe, *unet_batch(rows)))
                 cases += 1
         # shapes that change between steps: (B, T, features)
@@ -143,13 +159,20 @@ def separate_envelopes(k: int) -> int:
     ]:
         for mode in MODES:
             pipe = Pipeline(
-                unet(), balance, chunks=chunks, checkpoint=mode, schedule=schedule,
-                loss_fn=mse_loss, group=dist.new_group(list(range(k))),
-            )  # fmt: skip
+                unet(),
+                balance,
+                chunks=chunks,
+                checkpoint=mode,
+                schedule=schedule,
+                loss_fn=mse_loss,
+                group=dist.new_group(list(range(k))),
+            )
             pipe.runner.transport = DistributedTransport(
-                [s % k for s in range(len(balance))], pipe.device, pipe.group,
+                [s % k for s in range(len(balance))],
+                pipe.device,
+                pipe.group,
                 envelope_group=side,
-            )  # fmt: skip
+            )
             _check_unet_step(pipe, *unet_batch(rows))
             cases += 1
     return cases

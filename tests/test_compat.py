@@ -44,8 +44,9 @@ class _RaiseInBackward(torch.autograd.Function):
 
 @pytest.mark.parametrize("devices", [["cpu"] * 3, THREADED[:3]], ids=["one-thread", "threads"])
 def test_an_error_in_a_partition_keeps_its_type_and_notes_the_stage(devices):
-    model = GPipe(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), Raise()), [1, 1, 1], devices=devices,
-                  chunks=2)  # fmt: skip
+    model = GPipe(
+        nn.Sequential(nn.Linear(2, 2), nn.Tanh(), Raise()), [1, 1, 1], devices=devices, chunks=2
+    )
     with pytest.raises(UserError, match="from the user's layer") as caught:
         model(torch.randn(4, 2))
     assert caught.value.__notes__ == ["raised in pipeline stage 2, forward of micro-batch 0"]
@@ -53,8 +54,13 @@ def test_an_error_in_a_partition_keeps_its_type_and_notes_the_stage(devices):
 
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
 def test_an_error_in_the_backward_keeps_its_type_too(checkpoint):
-    model = GPipe(nn.Sequential(nn.Linear(2, 2), Raise("backward"), nn.Linear(2, 2)), [1, 1, 1],
-                  devices=THREADED[:3], chunks=3, checkpoint=checkpoint)  # fmt: skip
+    model = GPipe(
+        nn.Sequential(nn.Linear(2, 2), Raise("backward"), nn.Linear(2, 2)),
+        [1, 1, 1],
+        devices=THREADED[:3],
+        chunks=3,
+        checkpoint=checkpoint,
+    )
     out = model(torch.randn(6, 2))
     with pytest.raises(UserError, match="from the user's backward") as caught:
         out.sum().backward()
@@ -73,16 +79,25 @@ def test_other_partitions_stop_at_the_failing_clock_cycle(devices):
             seen.append(threading.get_ident())
             return x
 
-    model = GPipe(nn.Sequential(nn.Identity(), nn.Identity(), Slow(), Raise()), [1, 1, 1, 1],
-                  devices=devices, chunks=3)  # fmt: skip
+    model = GPipe(
+        nn.Sequential(nn.Identity(), nn.Identity(), Slow(), Raise()),
+        [1, 1, 1, 1],
+        devices=devices,
+        chunks=3,
+    )
     with pytest.raises(UserError):
         model(torch.randn(3, 2))
     assert len(seen) <= 2
 
 
 def test_nothing_hangs_when_the_first_of_several_threads_fails():
-    model = GPipe(nn.Sequential(Raise(), nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1, 1],
-                  devices=THREADED[:3], chunks=4, timeout=30)  # fmt: skip
+    model = GPipe(
+        nn.Sequential(Raise(), nn.Linear(2, 2), nn.Linear(2, 2)),
+        [1, 1, 1],
+        devices=THREADED[:3],
+        chunks=4,
+        timeout=30,
+    )
     start = time.monotonic()
     with pytest.raises(UserError):
         model(torch.randn(8, 2))
@@ -146,8 +161,9 @@ def test_arguments_are_coerced_as_torchgpipe_does():
         def __str__(self):
             return "always"
 
-    model = GPipe(nn.Sequential(nn.Linear(1, 1)), (1,), devices=("cpu",), chunks=42.0,
-                  checkpoint=Mode())  # fmt: skip
+    model = GPipe(
+        nn.Sequential(nn.Linear(1, 1)), (1,), devices=("cpu",), chunks=42.0, checkpoint=Mode()
+    )
     assert model.balance == [1]
     assert model.chunks == 42 and type(model.chunks) is int
     assert model.checkpoint == "always" and type(model.checkpoint) is str

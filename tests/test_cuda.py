@@ -50,8 +50,9 @@ def test_gpipe_copies_between_gpus_on_copy_streams(mode):
     still equals the unpipelined one (a copy read before it is written, or memory reused
     while a copy reads it, would show as wrong gradients)."""
     reference = mlp().cuda(0)
-    pipe = GPipe(copy.deepcopy(reference), [4, 4], devices=["cuda:0", "cuda:1"], chunks=8,
-                 checkpoint=mode)  # fmt: skip
+    pipe = GPipe(
+        copy.deepcopy(reference), [4, 4], devices=["cuda:0", "cuda:1"], chunks=8, checkpoint=mode
+    )
     for step in range(3):
         x, y = (t.cuda(0) for t in batch(64, seed=step))
         pipe.zero_grad()
@@ -207,8 +208,16 @@ def test_sub_sequences_on_cuda_match_unpipelined(world_of_one, schedule, split):
     torch.manual_seed(0)
     model = build_gpt(GPTConfig(n_layer=3, d_model=64, n_head=4, seq_len=256, vocab_size=128))
     reference = copy.deepcopy(model).cuda()
-    pipe = Pipeline(model, [5], chunks=4, schedule=schedule, loss_fn=lm_loss, device="cuda",
-                    seq_chunks=4, seq_split=split)  # fmt: skip
+    pipe = Pipeline(
+        model,
+        [5],
+        chunks=4,
+        schedule=schedule,
+        loss_fn=lm_loss,
+        device="cuda",
+        seq_chunks=4,
+        seq_split=split,
+    )
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 128, (8, 257), generator=g).cuda()
     x, y = ids[:, :-1], ids[:, 1:]

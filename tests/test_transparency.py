@@ -127,9 +127,12 @@ def test_skips_across_partitions_match_unpipelined(k, rows, chunks, mode):
     stashed None: outputs and every gradient as without the pipeline."""
     reference = unet()
     pipe = GPipe(
-        copy.deepcopy(reference), UNET_BALANCES[k], devices=["cpu"] * k, chunks=chunks,
+        copy.deepcopy(reference),
+        UNET_BALANCES[k],
+        devices=["cpu"] * k,
+        chunks=chunks,
         checkpoint=mode,
-    )  # fmt: skip
+    )
     x, y = unet_batch(rows)
     _assert_same(pipe, reference, x, y, rtol=1e-12, atol=1e-14)
     # shapes that change between steps: (B, T, features)
@@ -153,8 +156,9 @@ def test_recomputed_skips_replay_dropout_and_are_sent_once(mode, monkeypatch):
 
     def run(checkpoint):
         sent.clear()
-        pipe = GPipe(unet(dropout=0.5), [3, 3, 3], devices=["cpu"] * 3, chunks=4,
-                     checkpoint=checkpoint)  # fmt: skip
+        pipe = GPipe(
+            unet(dropout=0.5), [3, 3, 3], devices=["cpu"] * 3, chunks=4, checkpoint=checkpoint
+        )
         torch.manual_seed(7)
         out, _, x_grad = _step(pipe, x, y)
         # routes 0 -> 1 and 0 -> 2, four micro-batches: each skip and its gradient moves once
@@ -180,14 +184,14 @@ def test_recomputed_skips_replay_dropout_and_are_sent_once(mode, monkeypatch):
 def test_layers_recomputed_selectively_match_unpipelined(policy):
     """Some layers recomputed in the backward, dropout replayed: every gradient exact."""
     reference = mlp(dropout=0.3)
-    pipe = GPipe(copy.deepcopy(reference), [4, 4], devices=["cpu"] * 2, chunks=4,
-                 checkpoint=policy)  # fmt: skip
+    pipe = GPipe(copy.deepcopy(reference), [4, 4], devices=["cpu"] * 2, chunks=4, checkpoint=policy)
     x, y = batch(12)
     torch.manual_seed(11)
     out, _, x_grad = _step(pipe, x, y)
     torch.manual_seed(11)
-    never = GPipe(copy.deepcopy(reference), [4, 4], devices=["cpu"] * 2, chunks=4,
-                  checkpoint="never")  # fmt: skip
+    never = GPipe(
+        copy.deepcopy(reference), [4, 4], devices=["cpu"] * 2, chunks=4, checkpoint="never"
+    )
     ref_out, _, ref_grad = _step(never, x, y)
     assert torch.equal(out, ref_out) and torch.equal(x_grad, ref_grad)
     for a, b in zip(pipe.parameters(), never.parameters(), strict=True):

@@ -22,8 +22,13 @@ def llama_config(folder, vocab_size: int, max_positions: int):
     from transformers import LlamaConfig
 
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_positions,
+    )
     config.save_pretrained(folder)
     return folder / "config.json"

@@ -32,18 +32,26 @@ def equivalence(k: int, schedule: str) -> dict:
     for chunks in sorted({fewest_microbatches(schedule, k), 2 * k, 4 * k}):
         for mode in modes:
             pipe = Pipeline(
-                mlp(), BALANCE[k], chunks=chunks, checkpoint=mode, schedule=schedule,
+                mlp(),
+                BALANCE[k],
+                chunks=chunks,
+                checkpoint=mode,
+                schedule=schedule,
                 loss_fn=mse_loss,
-            )  # fmt: skip
+            )
             _check_step(pipe, *batch(2 * chunks - 1), **EXACT)
             cases += 1
     # dropout replayed in the recomputation: the same gradients with and without it
     grads = {}
     for mode in MODES:
         pipe = Pipeline(
-            mlp(dropout=0.5), BALANCE[k], chunks=2 * k, checkpoint=mode, schedule=schedule,
+            mlp(dropout=0.5),
+            BALANCE[k],
+            chunks=2 * k,
+            checkpoint=mode,
+            schedule=schedule,
             loss_fn=mse_loss,
-        )  # fmt: skip
+        )
         torch.manual_seed(99 + dist.get_rank())
         pipe.step(*batch(4 * k))
         grads[mode] = [p.grad for p in pipe.parameters()]
@@ -63,15 +71,23 @@ def memory_capped(k: int) -> dict:
         for chunks in sorted({v_min_fewest(k), 2 * k + 1}):
             for mode in ("never", "always"):
                 pipe = Pipeline(
-                    mlp(), BALANCE[k], chunks=chunks, checkpoint=mode, schedule=schedule,
+                    mlp(),
+                    BALANCE[k],
+                    chunks=chunks,
+                    checkpoint=mode,
+                    schedule=schedule,
                     loss_fn=mse_loss,
-                )  # fmt: skip
+                )
                 _check_step(pipe, *batch(2 * chunks - 1), **EXACT)
                 cases += 1
         pipe = Pipeline(
-            unet(), UNET_INTERLEAVED[k], chunks=2 * k, checkpoint="except_last",
-            schedule=schedule, loss_fn=mse_loss,
-        )  # fmt: skip
+            unet(),
+            UNET_INTERLEAVED[k],
+            chunks=2 * k,
+            checkpoint="except_last",
+            schedule=schedule,
+            loss_fn=mse_loss,
+        )
         _check_unet_step(pipe, *unet_batch(4 * k - 1))
         cases += 1
     try:
@@ -89,9 +105,13 @@ def skips(k: int) -> int:
     for schedule in TWO_PER_RANK:
         for mode in MODES:
             pipe = Pipeline(
-                unet(), UNET_INTERLEAVED[k], chunks=2 * k, checkpoint=mode, schedule=schedule,
+                unet(),
+                UNET_INTERLEAVED[k],
+                chunks=2 * k,
+                checkpoint=mode,
+                schedule=schedule,
                 loss_fn=mse_loss,
-            )  # fmt: skip
+            )
             _check_unet_step(pipe, *unet_batch(4 * k - 1))
             cases += 1
     return cases
@@ -111,9 +131,15 @@ def data_parallel(d: int) -> int:
         any_m = schedule in ("zero-bubble-v", "looped-bfs")
         for uneven in (False, True) if any_m else (False,):
             pipe = Pipeline(
-                mlp(), BALANCE[k], chunks=2 * k, checkpoint="except_last", schedule=schedule,
-                loss_fn=mse_loss, data_parallel=d, timeout=10,
-            )  # fmt: skip
+                mlp(),
+                BALANCE[k],
+                chunks=2 * k,
+                checkpoint="except_last",
+                schedule=schedule,
+                loss_fn=mse_loss,
+                data_parallel=d,
+                timeout=10,
+            )
             _replicated_step_is_exact(pipe, replica, d, uneven)
             cases += 1
     return cases
@@ -134,9 +160,13 @@ def schedule_file(path: str) -> dict:
     k = schedule.n_ranks
     for mode in MODES:
         pipe = Pipeline(
-            mlp(), BALANCE[k], chunks=schedule.n_microbatches, checkpoint=mode,
-            schedule=schedule, loss_fn=mse_loss,
-        )  # fmt: skip
+            mlp(),
+            BALANCE[k],
+            chunks=schedule.n_microbatches,
+            checkpoint=mode,
+            schedule=schedule,
+            loss_fn=mse_loss,
+        )
         _check_step(pipe, *batch(2 * schedule.n_microbatches - 1), **EXACT)
     errors = {}
     try:
@@ -167,8 +197,15 @@ def large_messages() -> int:
     expected = dict(reference.named_parameters())
     cases = 0
     for schedule in TWO_PER_RANK:
-        pipe = Pipeline(copy.deepcopy(model), [1, 1, 1, 1], chunks=4, checkpoint="never",
-                        schedule=schedule, loss_fn=mse_loss, timeout=20)  # fmt: skip
+        pipe = Pipeline(
+            copy.deepcopy(model),
+            [1, 1, 1, 1],
+            chunks=4,
+            checkpoint="never",
+            schedule=schedule,
+            loss_fn=mse_loss,
+            timeout=20,
+        )
         pipe.step(x, y)
         for name, p in pipe.named_parameters():
             torch.testing.assert_close(p.grad, expected[name].grad, **EXACT)

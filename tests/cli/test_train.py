@@ -375,14 +375,20 @@ def test_every_schedule_trains_and_traces(tmp_path, schedule, more, balance):
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"F0", "B0"} <= names
     assert ("W0" in names) == (schedule == "zero-bubble")
-    assert any(e["args"].get("name", "").startswith("predicted") for e in trace["traceEvents"]
-               if e["ph"] == "M")  # fmt: skip
+    assert any(
+        e["args"].get("name", "").startswith("predicted")
+        for e in trace["traceEvents"]
+        if e["ph"] == "M"
+    )
     if importlib.util.find_spec("matplotlib"):
         assert (out / "timeline.png").stat().st_size > 0
     page = (out / "view.html").read_text()  # the interactive page, for the same step
     data = json.loads(re.search(r'id="gpipe-data">(.*?)</script>', page, re.S).group(1))
-    ranks = {e["pid"] for e in trace["traceEvents"]
-             if e["ph"] == "M" and e["args"].get("name", "").startswith("rank")}  # fmt: skip
+    ranks = {
+        e["pid"]
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["args"].get("name", "").startswith("rank")
+    }
     measured = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] in ranks]
     assert len(data["measured"]["events"]) == len(measured)
     assert data["measured"]["schedule"]["name"] == schedule
@@ -413,8 +419,10 @@ def test_auto_announces_its_choice_and_a_resumed_run_keeps_it(tmp_path, capfd):
     assert json.loads((out / "run.json").read_text())["train"]["schedule"] == "auto"
     resumed = held_choice(TrainOptions(schedule="auto", chunks=None), saved)
     assert (resumed.schedule, resumed.chunks, resumed.virtual_stages) == (
-        chosen["schedule"], chosen["chunks"], chosen["virtual_stages"]
-    )  # fmt: skip
+        chosen["schedule"],
+        chosen["chunks"],
+        chosen["virtual_stages"],
+    )
     assert held_choice(TrainOptions(schedule="1f1b"), saved).schedule == "1f1b"
 
 

@@ -124,10 +124,18 @@ def test_a_hugging_face_model_trains_by_its_own_tensor_plan_resumes_and_exports(
     weights of the run at T = 1."""
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen3MoeConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     config.save_pretrained(tmp_path / "moe")
     args = [
         "--model", f"hf:{tmp_path / 'moe' / 'config.json'}", "--stages", "2", "--steps", "4",

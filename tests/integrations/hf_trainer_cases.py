@@ -20,10 +20,17 @@ def model(seed: int = 0) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=True, use_cache=False, attention_dropout=0.0,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        use_cache=False,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
@@ -168,20 +175,38 @@ def sft_run(out: str) -> list[float]:
         }
     )
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        use_cache=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-    )  # fmt: skip
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        use_cache=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     args = SFTConfig(
-        output_dir=out, max_steps=16, per_device_train_batch_size=8, learning_rate=3e-3,
-        logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
-        max_length=16, ddp_timeout=60,
-    )  # fmt: skip
+        output_dir=out,
+        max_steps=16,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        max_length=16,
+        ddp_timeout=60,
+    )
     assert args.gradient_checkpointing and args.bf16  # TRL's defaults, honoured
     trainer = pipelined(SFTTrainer)(
-        model=LlamaForCausalLM(config), args=args, train_dataset=pairs, processing_class=tok,
+        model=LlamaForCausalLM(config),
+        args=args,
+        train_dataset=pairs,
+        processing_class=tok,
         chunks=2,
-    )  # fmt: skip
+    )
     trainer.train()
     return losses(trainer)

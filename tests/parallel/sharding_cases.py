@@ -43,8 +43,15 @@ def _mine(x: torch.Tensor, pipe: Pipeline, first: bool) -> torch.Tensor | None:
 def _pipelines(schedule: str, mode: str, **more) -> tuple[Pipeline, Pipeline]:
     k = dist.get_world_size() // D
     balance, chunks = _setting(schedule, k)
-    common = dict(chunks=chunks, checkpoint=mode, schedule=schedule, loss_fn=mse_loss,
-                  data_parallel=D, timeout=20, **more)  # fmt: skip
+    common = dict(
+        chunks=chunks,
+        checkpoint=mode,
+        schedule=schedule,
+        loss_fn=mse_loss,
+        data_parallel=D,
+        timeout=20,
+        **more,
+    )
     return Pipeline(mlp(), balance, shard="full", **common), Pipeline(mlp(), balance, **common)
 
 
@@ -191,31 +198,83 @@ def compositions() -> dict:
     freed = Sharding(reshard_after_forward=True)
     for schedule in ("zero-bubble", "interleaved-zero-bubble"):
         balance = [4, 4] if schedule == "zero-bubble" else [2, 2, 2, 2]
-        pipe, messages = _twins(mlp, balance, data, chunks=4, schedule=schedule, shard=freed,
-                                checkpoint="except_last", loss_fn=mse_loss)  # fmt: skip
+        pipe, messages = _twins(
+            mlp,
+            balance,
+            data,
+            chunks=4,
+            schedule=schedule,
+            shard=freed,
+            checkpoint="except_last",
+            loss_fn=mse_loss,
+        )
         out[f"freed {schedule}"] = (messages.gathers, messages.scatters)
-    _twins(mlp, [4, 4], data, chunks=4, schedule="zero-bubble", loss_fn=mse_loss,
-           checkpoint=Layers(every=2))  # fmt: skip
+    _twins(
+        mlp,
+        [4, 4],
+        data,
+        chunks=4,
+        schedule="zero-bubble",
+        loss_fn=mse_loss,
+        checkpoint=Layers(every=2),
+    )
     # units of one's choosing: the rest of each stage's parameters in the stage's own unit
     chosen = Sharding(unit=lambda name, module: name in ("0", "5"))
-    pipe, messages = _twins(mlp, [4, 4], data, chunks=4, schedule="1f1b", shard=chosen,
-                            loss_fn=mse_loss)  # fmt: skip
-    out["chosen"] = (len(pipe.sharded.gradients[pipe.stage_index].buckets),
-                     messages.gathers, messages.scatters)  # fmt: skip
-    _twins(mlp, [4, 4], data, chunks=4, schedule="gpipe", shard=Sharding(unit=(nn.Linear,)),
-           loss_fn=mse_loss)  # fmt: skip
+    pipe, messages = _twins(
+        mlp, [4, 4], data, chunks=4, schedule="1f1b", shard=chosen, loss_fn=mse_loss
+    )
+    out["chosen"] = (
+        len(pipe.sharded.gradients[pipe.stage_index].buckets),
+        messages.gathers,
+        messages.scatters,
+    )
+    _twins(
+        mlp,
+        [4, 4],
+        data,
+        chunks=4,
+        schedule="gpipe",
+        shard=Sharding(unit=(nn.Linear,)),
+        loss_fn=mse_loss,
+    )
     single = _rows(lambda rows, seed: batch(rows, torch.float32, seed), 11)
-    _twins(lambda: mlp(torch.float32), [4, 4], single, chunks=4, schedule="zero-bubble",
-           autocast=torch.bfloat16, loss_fn=lambda o, t: mse_loss(o.float(), t),
-           tol={"rtol": 1e-6, "atol": 1e-7})  # fmt: skip
+    _twins(
+        lambda: mlp(torch.float32),
+        [4, 4],
+        single,
+        chunks=4,
+        schedule="zero-bubble",
+        autocast=torch.bfloat16,
+        loss_fn=lambda o, t: mse_loss(o.float(), t),
+        tol={"rtol": 1e-6, "atol": 1e-7},
+    )
     _twins(mlp, [4, 4], data, chunks=4, schedule="1f1b", loss_fn=mse_loss, scaled=True, clip=0.05)
     x = torch.randn(8, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    _twins(bn_model, [2, 4], lambda step: (x, x), chunks=2, deferred_batch_norm=True,
-           loss_fn=lambda o, t: o.pow(2).mean())  # fmt: skip
-    _twins(unet, UNET_BALANCES[2], _rows(unet_batch, 11), chunks=4, schedule="zero-bubble",
-           loss_fn=mse_loss)  # fmt: skip
-    _twins(unet, UNET_INTERLEAVED[2], _rows(unet_batch, 8), chunks=4, schedule="interleaved",
-           loss_fn=mse_loss, checkpoint="always")  # fmt: skip
+    _twins(
+        bn_model,
+        [2, 4],
+        lambda step: (x, x),
+        chunks=2,
+        deferred_batch_norm=True,
+        loss_fn=lambda o, t: o.pow(2).mean(),
+    )
+    _twins(
+        unet,
+        UNET_BALANCES[2],
+        _rows(unet_batch, 11),
+        chunks=4,
+        schedule="zero-bubble",
+        loss_fn=mse_loss,
+    )
+    _twins(
+        unet,
+        UNET_INTERLEAVED[2],
+        _rows(unet_batch, 8),
+        chunks=4,
+        schedule="interleaved",
+        loss_fn=mse_loss,
+        checkpoint="always",
+    )
     ids = _rows(lambda rows, seed: tokens(rows, seed=seed), 7)
     _twins(tied, [2, 2], ids, chunks=3, loss_fn=token_loss, clip=0.5)
     _twins(tied, [1, 1, 1, 1], ids, chunks=4, schedule="zero-bubble-v", loss_fn=token_loss)
@@ -316,8 +375,13 @@ def mixed_precision() -> float:
 
     init_process_group(torch.device("cpu"))
     policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
-    common = dict(chunks=4, schedule="zero-bubble", data_parallel=D, timeout=20,
-                  loss_fn=lambda o, t: mse_loss(o.double(), t))  # fmt: skip
+    common = dict(
+        chunks=4,
+        schedule="zero-bubble",
+        data_parallel=D,
+        timeout=20,
+        loss_fn=lambda o, t: mse_loss(o.double(), t),
+    )
     sharded = Pipeline(mlp(), [4, 4], shard=Sharding(mp_policy=policy), **common)
     whole = Pipeline(mlp(), [4, 4], **common)
     x, y = batch(11)

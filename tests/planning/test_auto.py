@@ -30,9 +30,15 @@ def test_the_choice_is_the_searchs_fastest_and_the_runner_up_another_schedule(gp
     layers, tokens = gpt
     costs = _costs(len(layers), 1e-4, 1e-3)
     choice = choose(layers, tokens, n_ranks=2, device_bytes=2**40, costs=costs)
-    found = search(profile(layers, tokens[: ROWS // 2].to("meta")), costs, batch_size=ROWS,
-                   device_bytes=2**40, stages=[2], checkpoints=["except_last"],
-                   virtual_stages=VIRTUAL_STAGES)  # fmt: skip
+    found = search(
+        profile(layers, tokens[: ROWS // 2].to("meta")),
+        costs,
+        batch_size=ROWS,
+        device_bytes=2**40,
+        stages=[2],
+        checkpoints=["except_last"],
+        virtual_stages=VIRTUAL_STAGES,
+    )
     assert choice.chosen == found.ranked[0]
     assert choice.searched == found.searched
     up = choice.runner_up
@@ -48,16 +54,29 @@ def test_the_choice_is_the_searchs_fastest_and_the_runner_up_another_schedule(gp
 
 def test_rows_that_cost_ask_for_many_micro_batches_calls_that_cost_for_few(gpt):
     layers, tokens = gpt
-    by_rows = choose(layers, tokens, n_ranks=2, device_bytes=2**40, checkpoint="never",
-                     costs=_costs(len(layers), 0.0, 1e-3))  # fmt: skip
+    by_rows = choose(
+        layers,
+        tokens,
+        n_ranks=2,
+        device_bytes=2**40,
+        checkpoint="never",
+        costs=_costs(len(layers), 0.0, 1e-3),
+    )
     assert by_rows.chunks == ROWS  # the bubble shrinks as M grows, and nothing else costs
     # recomputing all but the last micro-batch costs a forward each: fewer of them pay
-    recomputed = choose(layers, tokens, n_ranks=2, device_bytes=2**40,
-                        costs=_costs(len(layers), 0.0, 1e-3))  # fmt: skip
+    recomputed = choose(
+        layers, tokens, n_ranks=2, device_bytes=2**40, costs=_costs(len(layers), 0.0, 1e-3)
+    )
     assert recomputed.chunks < ROWS
     assert traits(by_rows.schedule).split_backward  # a zero-bubble schedule fills it best
-    by_calls = choose(layers, tokens, n_ranks=2, device_bytes=2**40, checkpoint="never",
-                      costs=_costs(len(layers), 1e-3, 0.0))  # fmt: skip
+    by_calls = choose(
+        layers,
+        tokens,
+        n_ranks=2,
+        device_bytes=2**40,
+        checkpoint="never",
+        costs=_costs(len(layers), 1e-3, 0.0),
+    )
     assert by_calls.chunks == min(m for m in (1, 2, 4) if traits(by_calls.schedule).runs(2, m, 2))
 
 
@@ -94,15 +113,29 @@ def test_a_budget_only_v_min_fits_chooses_v_min(gpt):
     fits, auto takes it."""
     layers, tokens = gpt
     costs = _costs(len(layers), 0.0, 1e-3)
-    found = search(profile(layers, tokens[: ROWS // 2].to("meta")), costs, batch_size=ROWS,
-                   device_bytes=2**40, stages=[2], chunks=[8], checkpoints=["never"],
-                   virtual_stages=VIRTUAL_STAGES)  # fmt: skip
+    found = search(
+        profile(layers, tokens[: ROWS // 2].to("meta")),
+        costs,
+        batch_size=ROWS,
+        device_bytes=2**40,
+        stages=[2],
+        chunks=[8],
+        checkpoints=["never"],
+        virtual_stages=VIRTUAL_STAGES,
+    )
     least = {}
     for c in found.ranked:
         least[c.schedule] = min(least.get(c.schedule, c.peak_bytes), c.peak_bytes)
     assert {"v-half", "v-min"} <= least.keys()
     others = min(peak for name, peak in least.items() if name != "v-min")
     assert least["v-min"] < others
-    choice = choose(layers, tokens, n_ranks=2, device_bytes=(least["v-min"] + others) / 2,
-                    chunks=8, checkpoint="never", costs=costs)  # fmt: skip
+    choice = choose(
+        layers,
+        tokens,
+        n_ranks=2,
+        device_bytes=(least["v-min"] + others) / 2,
+        chunks=8,
+        checkpoint="never",
+        costs=costs,
+    )
     assert choice.schedule == "v-min" and choice.runner_up is None

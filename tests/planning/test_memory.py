@@ -134,9 +134,11 @@ def test_a_meta_profile_matches_a_real_one():
     tokens = torch.randint(0, 256, (4, 32))
     real = profile(build_gpt(config), tokens, target=tokens, loss_fn=lm_loss)
     meta = profile(
-        build_gpt(config, device="meta"), tokens.to("meta"), target=tokens.to("meta"),
+        build_gpt(config, device="meta"),
+        tokens.to("meta"),
+        target=tokens.to("meta"),
         loss_fn=lm_loss,
-    )  # fmt: skip
+    )
     for start, stop in [(0, 1), (0, 4), (1, 3), (3, 4)]:
         assert meta.held(start, stop, 8) == real.held(start, stop, 8)
 
@@ -231,8 +233,15 @@ def test_layers_recomputed_selectively_hold_what_the_planner_says(measured_layer
         got = [measured_layers[rank][f"{schedule}/every-{k}"] for k in (1, 2)]
         assert got[0] < got[1]
         for k, measured in zip((1, 2), got, strict=True):
-            predicted = plan(prof, balance, batch_size=x.size(0), chunks=8, schedule=schedule,
-                             checkpoint=Layers(every=k), n_ranks=2).ranks[rank]  # fmt: skip
+            predicted = plan(
+                prof,
+                balance,
+                batch_size=x.size(0),
+                chunks=8,
+                schedule=schedule,
+                checkpoint=Layers(every=k),
+                n_ranks=2,
+            ).ranks[rank]
             start = sum(balance[:rank])
             picked = frozenset(i for i in range(start, start + balance[rank]) if i % k == 0)
             again = prof.held(start, start + balance[rank], rows, picked)[3]

@@ -161,15 +161,19 @@ def test_simulate_refuses_sharding_without_replicas():
 
 def test_simulate_cli_prints_the_gathers(tmp_path, capsys):
     costs = tmp_path / "costs.json"
-    costs.write_text('{"forward": 1, "backward": 2, "grad_bytes": 4, "bandwidth": 1, '
-                     '"latency": 0.25}')  # fmt: skip
+    costs.write_text(
+        '{"forward": 1, "backward": 2, "grad_bytes": 4, "bandwidth": 1, "latency": 0.25}'
+    )
     args = ["simulate", "--stages", "2", "--chunks", "2", "--schedule", "gpipe"]
     assert main([*args, "--costs", str(costs), "--data-parallel", "2", "--shard", "full"]) == 0
     out = capsys.readouterr().out
     assert "2 replicas sharded full" in out
     header, row = out.splitlines()[1:3]
-    assert re.split(r"\s{2,}", header)[1:4] == ["makespan", "gather exposed",
-                                                "reduce-scatter exposed"]  # fmt: skip
+    assert re.split(r"\s{2,}", header)[1:4] == [
+        "makespan",
+        "gather exposed",
+        "reduce-scatter exposed",
+    ]
     assert re.split(r"\s+", row)[1:4] == ["16.25", "2.25", "2.25"]  # 9.5 + 3 x 2.25, as above
     for more, message in [
         ([], "--shard full splits each stage over its replicas: it needs --data-parallel 2"),

@@ -59,8 +59,15 @@ def _simulated(prof, costs, row) -> tuple[float, float]:
     make = get_schedule(name)
     schedule = make(k * v, m) if v == 1 else make(k * v, m, k)
     step = simulate(schedule, Costs(forward, forward, forward), row["checkpoint"]).makespan
-    memory = plan(prof, cut, batch_size=BATCH, chunks=m, schedule=name,
-                  checkpoint=row["checkpoint"], n_ranks=k)  # fmt: skip
+    memory = plan(
+        prof,
+        cut,
+        batch_size=BATCH,
+        chunks=m,
+        schedule=name,
+        checkpoint=row["checkpoint"],
+        n_ranks=k,
+    )
     return step, memory.peak_bytes
 
 
@@ -135,8 +142,9 @@ def test_the_grid_and_its_bounds():
     assert {g[1] for g in grid} == {1, 2, 4, 8, 16}
     assert {g[3] for g in grid} == {"always", "except_last", "never"}
     interleaved = [g for g in grid if g[2] == "interleaved"]
-    assert interleaved and all(k >= 2 and m % k == 0 and v == 2 and k * v <= 6
-                               for k, m, _, _, v in interleaved)  # fmt: skip
+    assert interleaved and all(
+        k >= 2 and m % k == 0 and v == 2 and k * v <= 6 for k, m, _, _, v in interleaved
+    )
     assert all(v == 1 for _, _, s, _, v in grid if not traits(s).several_stages_per_rank)
     assert {s for _, _, s, _, v in grid if v == 2} == {
         s for s in SCHEDULES if traits(s).several_stages_per_rank
@@ -244,12 +252,29 @@ def test_bad_input_ends_in_one_line_and_exit_code_2(capsys, args, message):
 
 def test_evaluate_takes_a_cut_of_ones_own(gpt):
     prof, costs = gpt
-    mine = evaluate(prof, costs, stages=2, chunks=4, schedule="1f1b", checkpoint="always",
-                    batch_size=BATCH, balance=[3, 5])  # fmt: skip
+    mine = evaluate(
+        prof,
+        costs,
+        stages=2,
+        chunks=4,
+        schedule="1f1b",
+        checkpoint="always",
+        batch_size=BATCH,
+        balance=[3, 5],
+    )
     assert mine.balance == (3, 5)
-    expected = plan(prof, [3, 5], batch_size=BATCH, chunks=4, schedule="1f1b",
-                    checkpoint="always", n_ranks=2)  # fmt: skip
+    expected = plan(
+        prof, [3, 5], batch_size=BATCH, chunks=4, schedule="1f1b", checkpoint="always", n_ranks=2
+    )
     assert mine.peak_bytes == expected.peak_bytes
     with pytest.raises(ValueError, match="balance must be 'time', 'params' or 'even'"):
-        evaluate(prof, costs, stages=2, chunks=4, schedule="1f1b", checkpoint="never",
-                 batch_size=BATCH, balance="fast")  # fmt: skip
+        evaluate(
+            prof,
+            costs,
+            stages=2,
+            chunks=4,
+            schedule="1f1b",
+            checkpoint="never",
+            batch_size=BATCH,
+            balance="fast",
+        )

@@ -165,9 +165,13 @@ def _chunked(model, x, chunks):
 def test_gpipe_tracks_running_statistics_once_per_minibatch(checkpoint, rows):
     reference = convert_deferred_batch_norm(bn_model(), chunks=4)
     pipe = GPipe(
-        bn_model(), [2, 4], devices=["cpu"] * 2, chunks=4, checkpoint=checkpoint,
+        bn_model(),
+        [2, 4],
+        devices=["cpu"] * 2,
+        chunks=4,
+        checkpoint=checkpoint,
         deferred_batch_norm=True,
-    )  # fmt: skip
+    )
     for step in range(2):
         generator = torch.Generator().manual_seed(step)
         x = torch.randn(rows, 5, 3, dtype=torch.float64, generator=generator)
@@ -212,9 +216,12 @@ class _Fails(nn.Module):
 def test_a_failed_step_leaves_no_statistics_behind():
     failing = _Fails()
     pipe = GPipe(
-        nn.Sequential(bn_model(), failing), [1, 1], devices=["cpu"] * 2, chunks=4,
+        nn.Sequential(bn_model(), failing),
+        [1, 1],
+        devices=["cpu"] * 2,
+        chunks=4,
         deferred_batch_norm=True,
-    )  # fmt: skip
+    )
     reference = convert_deferred_batch_norm(bn_model(), chunks=4)
     x = torch.randn(16, 5, 3, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="second micro-batch"):

@@ -56,8 +56,10 @@ def test_pytorchs_own_loader_reads_every_schedule(tmp_path):
         loader = multi.__new__(multi)
         loader.pipeline_order = {}
         loader.pp_group_size, loader._num_stages, loader._n_microbatches = (
-            k, schedule.n_stages, m,
-        )  # fmt: skip
+            k,
+            schedule.n_stages,
+            m,
+        )
         loader._stages = []
         loader._load_csv(str(path))
         with open(path, newline="") as f:
@@ -104,8 +106,10 @@ def test_older_files_write_the_input_half_as_b_before_its_w(tmp_path):
         to_csv(schedule, path)
         path.write_text(path.read_text().replace("I", "B"))
         assert from_csv(path).programs == schedule.programs, (name, k, m)
-    path.write_text("0F0,0F1,2F0,,2F1,2B0,2W0,2B1,2W1,0B0,0W0,0B1,0W1\n,1F0,1F1,3F0,3B0,3F1,3B1,"
-                    "3W0,1B0,3W1,1B1,1W0,1W1\n")  # fmt: skip
+    path.write_text(
+        "0F0,0F1,2F0,,2F1,2B0,2W0,2B1,2W1,0B0,0W0,0B1,0W1\n,1F0,1F1,3F0,3B0,3F1,3B1,"
+        "3W0,1B0,3W1,1B1,1W0,1W1\n"
+    )
     schedule = from_csv(path)
     assert schedule.split_backward and schedule.n_stages == 4
     assert [str(a) for a in schedule.compute_only(0)[4:7]] == ["2B0", "2W0", "2B1"]

@@ -142,8 +142,12 @@ def test_a_skip_tensor_is_copied_to_the_popping_partition():
             seen["x"] = x
             return x + y
 
-    model = GPipe(nn.Sequential(Keep(), nn.Identity(), Check()), [1, 1, 1],
-                  devices=[torch.device("cpu", j) for j in range(3)], chunks=1)  # fmt: skip
+    model = GPipe(
+        nn.Sequential(Keep(), nn.Identity(), Check()),
+        [1, 1, 1],
+        devices=[torch.device("cpu", j) for j in range(3)],
+        chunks=1,
+    )
     x = torch.randn(2, 3, requires_grad=True)
     model(x).sum().backward()
     assert seen["x"].data_ptr() != x.data_ptr()

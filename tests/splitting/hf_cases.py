@@ -24,9 +24,18 @@ def gpt2_model():
 
     torch.manual_seed(0)
     config = GPT2Config(
-        n_layer=4, n_embd=32, n_head=4, vocab_size=64, n_positions=32, use_cache=False,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+        n_layer=4,
+        n_embd=32,
+        n_head=4,
+        vocab_size=64,
+        n_positions=32,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config).double()
 
 
@@ -35,10 +44,16 @@ def bert_model():
 
     torch.manual_seed(0)
     config = BertConfig(
-        num_hidden_layers=3, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-        vocab_size=64, max_position_embeddings=32, num_labels=3,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
+        num_hidden_layers=3,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=64,
+        max_position_embeddings=32,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return BertForSequenceClassification(config).double()
 
 

@@ -21,10 +21,24 @@ from . import hf_families as families
 # GPIPE_EVERY_PLAN_FAMILY=1 (and python -m tests.splitting.hf_families prints the table
 # docs/split.md keeps).
 EVERY = os.environ.get("GPIPE_EVERY_PLAN_FAMILY") == "1"
-CHECKED = families.families() if EVERY else [
-    "llama", "qwen2", "qwen3", "phi3", "mistral", "gemma2", "olmo2", "gpt_neox", "gptj",
-    "phi", "mixtral", "deepseek_v3",
-]  # fmt: skip
+CHECKED = (
+    families.families()
+    if EVERY
+    else [
+        "llama",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "mistral",
+        "gemma2",
+        "olmo2",
+        "gpt_neox",
+        "gptj",
+        "phi",
+        "mixtral",
+        "deepseek_v3",
+    ]
+)
 
 
 # their plans do not cover their modules: refused by plan="hf", traced under "auto"

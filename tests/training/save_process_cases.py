@@ -21,8 +21,9 @@ def saves(root: str, steps: int) -> None:
     notes its helper's pid."""
     pipe = Pipeline(mlp(), [4, 4], chunks=2, loss_fn=mse_loss)
     optimizer = torch.optim.AdamW(pipe.parameters())
-    writer = CheckpointWriter(Path(root) / "checkpoints", pipe, retention=Retention(keep=1),
-                              process=True)  # fmt: skip
+    writer = CheckpointWriter(
+        Path(root) / "checkpoints", pipe, retention=Retention(keep=1), process=True
+    )
     rank = int(os.environ["RANK"])
     x, y = batch(8)
     for step in range(1, steps + 1):

@@ -28,18 +28,23 @@ def _dead_port() -> int:
 
 
 def test_a_stale_announcement_is_passed_over_for_this_attempts_store():
-    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))  # fmt: skip
+    agent = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     agent.set("gpipe/attempt-store", f"{_dead_port()} left-by-a-lost-attempt")
     env = os.environ | {
-        "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(agent.port), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
-    }  # fmt: skip
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(agent.port),
+        "WORLD_SIZE": "2",
+        "OMP_NUM_THREADS": "1",
+    }
     command = [sys.executable, "-c", _WORKER]
     late = subprocess.Popen(command, env=env | {"RANK": "1"}, stdout=subprocess.PIPE, text=True)
     time.sleep(3)  # rank 1 reads the stale announcement first
-    first = subprocess.run(command, env=env | {"RANK": "0"}, capture_output=True, text=True,
-                           timeout=60)  # fmt: skip
+    first = subprocess.run(
+        command, env=env | {"RANK": "0"}, capture_output=True, text=True, timeout=60
+    )
     out, _ = late.communicate(timeout=60)
     assert first.returncode == 0 and late.returncode == 0, first.stderr[-2000:]
     assert first.stdout.split() == out.split() == ["3"]

@@ -38,9 +38,14 @@ def run(tmp_path_factory):
     tokenizer.json."""
     folder = tmp_path_factory.mktemp("export")
     config = transformers.LlamaConfig(
-        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-    )  # fmt: skip
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     config.save_pretrained(folder / "llama")
     (folder / "text.txt").write_text("\n".join(LINES * 40))
     out = folder / "run"
@@ -117,9 +122,13 @@ def test_a_gpt_neox_starts_from_its_saved_weights_and_exports_them_back(tmp_path
     name and the export writes it under the saved one. With a learning rate of 0, the
     exported model is the one the run started from, tensor for tensor."""
     config = transformers.GPTNeoXConfig(
-        vocab_size=256, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=32, max_position_embeddings=32,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
     config.save_pretrained(tmp_path / "neox")
     run, out = tmp_path / "run", tmp_path / "exported"
     args = [

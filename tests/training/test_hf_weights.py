@@ -13,9 +13,13 @@ transformers = pytest.importorskip("transformers", reason="--model hf: needs tra
 
 def _tiny_neox() -> "transformers.GPTNeoXConfig":
     return transformers.GPTNeoXConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=32, max_position_embeddings=32,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
 
 
 def test_save_pretrained_names_are_read_back_as_the_modules_names(tmp_path):
@@ -41,10 +45,17 @@ def test_a_model_of_no_transformers_class_reads_the_saved_names(tmp_path):
 
 def _tiny_mixtral(**options) -> "transformers.MixtralConfig":
     return transformers.MixtralConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, num_local_experts=3,
-        num_experts_per_tok=1, max_position_embeddings=32, **options,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=3,
+        num_experts_per_tok=1,
+        max_position_embeddings=32,
+        **options,
+    )
 
 
 def test_experts_saved_one_by_one_are_read_stacked_as_from_pretrained_stacks_them(tmp_path):
@@ -71,8 +82,11 @@ def test_a_tensor_made_by_another_conversion_is_refused_by_name(tmp_path):
 
     build("lara_mini", dtype=torch.float32).save_pretrained(tmp_path)
     meta = build_hf_meta(tmp_path / "config.json")
-    with pytest.raises(ValueError, match=r"its tensor model\.layers\.0\.\S+ is saved in a layout "
-                       r"that transformers converts .*\(Split into"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"its tensor model\.layers\.0\.\S+ is saved in a layout "
+        r"that transformers converts .*\(Split into",
+    ):
         LazyWeights(tmp_path, meta)
 
 

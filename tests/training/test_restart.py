@@ -133,8 +133,9 @@ class _Nodes:
     def __init__(
         self, tmp_path, nnodes: str, kills: list[dict | None], *conf: str, train=()
     ) -> None:
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=WAIT))  # fmt: skip
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=WAIT)
+        )
         self.out = tmp_path / "run"
         self.logs = [tmp_path / f"node{n}.log" for n in range(2)]
         command = [
@@ -151,9 +152,11 @@ class _Nodes:
             if kill is not None:
                 env["GPIPE_TEST_KILL"] = json.dumps(kill)
             with open(log, "w") as f:
-                self.processes.append(subprocess.Popen(
-                    command, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                ))  # fmt: skip
+                self.processes.append(
+                    subprocess.Popen(
+                        command, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                    )
+                )
 
     def wait(self) -> list[int | None]:
         """Each agent's exit code; one still running after WAIT seconds is killed (None)."""

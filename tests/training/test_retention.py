@@ -74,8 +74,9 @@ def test_damaged_ones_never_count_and_the_last_good_one_stays(nine, tmp_path):
 
 @pytest.mark.parametrize("background", [True, False])
 def test_the_writer_keeps_what_was_saved_and_prunes_as_it_goes(tmp_path, background):
-    writer, weights = _save_all(tmp_path, range(1, 6), retention=Retention(keep=2),
-                                background=background)  # fmt: skip
+    writer, weights = _save_all(
+        tmp_path, range(1, 6), retention=Retention(keep=2), background=background
+    )
     assert _steps(tmp_path) == [4, 5]
     assert writer.last == tmp_path / "step-000005"
     assert [p.name for p in writer.removed] == ["step-000001", "step-000002", "step-000003"]
@@ -139,8 +140,7 @@ def test_a_background_save_of_a_model_on_a_gpu_copies_it_out_first(tmp_path):
 def test_a_helper_process_writes_as_the_thread_does_and_its_death_is_an_error(tmp_path):
     """``process=True`` in one process: the same checkpoints and retention; a helper that
     dies while writing is named by the next wait, and its checkpoint never appears."""
-    writer, weights = _save_all(tmp_path, range(1, 4), retention=Retention(keep=2),
-                                process=True)  # fmt: skip
+    writer, weights = _save_all(tmp_path, range(1, 4), retention=Retention(keep=2), process=True)
     assert _steps(tmp_path) == [2, 3] and [p.name for p in writer.removed] == ["step-000001"]
     model, _ = _model()
     load_model_weights(tmp_path / "step-000003", model)

@@ -47,9 +47,14 @@ def inputs(tmp_path_factory):
     below a uniform guess's."""
     folder = tmp_path_factory.mktemp("inputs")
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     config.save_pretrained(folder / "llama")
     cycle = np.random.default_rng(0).permutation(VOCAB)
     np.tile(cycle, 200).astype(np.uint16).tofile(folder / "tokens.bin")

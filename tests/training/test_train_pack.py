@@ -78,10 +78,13 @@ def test_a_packed_llama_step_is_the_unsplit_model_on_the_same_documents(corpus, 
     model = transformers.LlamaForCausalLM.from_pretrained(out / "initial")
     microbatches = pack(pieces, 24, 4)
     total = sum(
-        F.cross_entropy(model(**{k: x[k] for k in ("input_ids", "position_ids")}).logits
-                        .flatten(0, 1), y.flatten(), reduction="sum")
+        F.cross_entropy(
+            model(**{k: x[k] for k in ("input_ids", "position_ids")}).logits.flatten(0, 1),
+            y.flatten(),
+            reduction="sum",
+        )
         for x, y in microbatches
-    )  # fmt: skip
+    )
     want = float(total.detach() / counts_of(microbatches).sum())
     assert records[0]["loss"] == pytest.approx(want, rel=1e-5)
 
@@ -118,10 +121,13 @@ def test_the_gpt_keeps_packed_documents_apart_exactly():
     model = model.double()
     generator = torch.Generator().manual_seed(1)
     docs = [torch.randint(1, 64, (n,), generator=generator) for n in (5, 9, 3, 11, 6, 4, 8)]
-    packed = [({"input_ids": x["input_ids"], "position_ids": x["position_ids"]}, y)
-              for x, y in pack(docs, 16, 2)]  # fmt: skip
-    loss = sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
-               for x, y in packed)  # fmt: skip
+    packed = [
+        ({"input_ids": x["input_ids"], "position_ids": x["position_ids"]}, y)
+        for x, y in pack(docs, 16, 2)
+    ]
+    loss = sum(
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum") for x, y in packed
+    )
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -143,8 +149,12 @@ def test_the_document_sampler_covers_every_target_once_an_epoch_and_resumes_exac
     pieces = [p for _ in range(5) for p in sampler.next()]
     assert all(2 <= len(p) <= 10 for p in pieces)
     predicted = sorted(int(t) for p in pieces[:10] for t in p[1:])  # the first epoch's 10
-    every = [t for a, b in zip(docs.starts[:-1], docs.starts[1:], strict=True) for t in
-             range(a + 1, b) if b - a >= 2]  # fmt: skip
+    every = [
+        t
+        for a, b in zip(docs.starts[:-1], docs.starts[1:], strict=True)
+        for t in range(a + 1, b)
+        if b - a >= 2
+    ]
     assert predicted == sorted(every)
     state = sampler.state_dict()
     ahead = [sampler.next() for _ in range(4)]

@@ -159,9 +159,14 @@ def test_the_pages_read_outs_are_the_simulators(browser, page, k, m, name, mode,
             _set(browser, control, value)
         values = [[float(x) for x in text.split(",")] for text in typed]
         f, b, w, latency = (x[0] if len(x) == 1 else x for x in values)
-        costs = Costs(forward=f, backward=b, weight=w, latency=latency,
-                      message_bytes=DEFAULT_COSTS.message_bytes,
-                      activation_bytes=DEFAULT_COSTS.activation_bytes)  # fmt: skip
+        costs = Costs(
+            forward=f,
+            backward=b,
+            weight=w,
+            latency=latency,
+            message_bytes=DEFAULT_COSTS.message_bytes,
+            activation_bytes=DEFAULT_COSTS.activation_bytes,
+        )
     assert _error(browser) == ""
     schedule, split = scenario(name, k, m, costs, v)
     result = simulate(schedule, split, mode)

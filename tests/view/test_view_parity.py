@@ -40,13 +40,26 @@ def _costs(kind: str, k: int, m: int = 1) -> Costs:
     if kind == "tokens":  # micro-batches of packed sequences, each costing as its tokens
         rng = random.Random(m)
         tokens = [rng.choice((50, 120, 300, 1000)) for _ in range(m)]
-        return Costs(forward=1.0, backward=2.0, weight=0.5, latency=0.05, message_bytes=1.0,
-                     activation_bytes=10.0).with_tokens(tokens)  # fmt: skip
+        return Costs(
+            forward=1.0,
+            backward=2.0,
+            weight=0.5,
+            latency=0.05,
+            message_bytes=1.0,
+            activation_bytes=10.0,
+        ).with_tokens(tokens)
     if kind == "unit":
         return Costs(forward=1.0, backward=1.0, weight=1.0)
     if kind == "links":
-        return Costs(forward=1.0, backward=2.0, weight=0.5, latency=0.1, message_bytes=3e6,
-                     bandwidth=1e7, activation_bytes=1e8)  # fmt: skip
+        return Costs(
+            forward=1.0,
+            backward=2.0,
+            weight=0.5,
+            latency=0.1,
+            message_bytes=3e6,
+            bandwidth=1e7,
+            activation_bytes=1e8,
+        )
     if kind == "no-weight":
         return Costs(forward=1.5, backward=2.5, message_bytes=2.0, activation_bytes=7.0)
     rng = random.Random(k)  # uneven ranks, one value each
@@ -54,8 +67,14 @@ def _costs(kind: str, k: int, m: int = 1) -> Costs:
     def draw(low: float, high: float) -> list[float]:
         return [round(rng.uniform(low, high), 3) for _ in range(k)]
 
-    return Costs(forward=draw(0.5, 2), backward=draw(0.5, 3), weight=draw(0, 1), latency=0.05,
-                 message_bytes=5.0, activation_bytes=draw(10, 100))  # fmt: skip
+    return Costs(
+        forward=draw(0.5, 2),
+        backward=draw(0.5, 3),
+        weight=draw(0, 1),
+        latency=0.05,
+        message_bytes=5.0,
+        activation_bytes=draw(10, 100),
+    )
 
 
 def _grid() -> list[dict]:
@@ -65,8 +84,16 @@ def _grid() -> list[dict]:
         ("unit", "links", "no-weight", "uneven", "tokens"), MODES,
     ):  # fmt: skip
         for v in (1, 2, 3) if traits(name).placement is Placement.LOOPED else (2,):
-            cases.append({"schedule": name, "stages": k, "chunks": m, "virtual_stages": v,
-                          "costs": costs, "checkpoint": mode})  # fmt: skip
+            cases.append(
+                {
+                    "schedule": name,
+                    "stages": k,
+                    "chunks": m,
+                    "virtual_stages": v,
+                    "costs": costs,
+                    "checkpoint": mode,
+                }
+            )
     return cases
 
 
@@ -80,8 +107,14 @@ def runs() -> list[tuple[dict, dict]]:
             {**c, "costs": costs_json(_costs(c["costs"], c["stages"], c["chunks"]))} for c in cases
         ],
     }
-    done = subprocess.run([NODE, str(RUNNER)], input=json.dumps(payload), capture_output=True,
-                          text=True, timeout=120, check=False)  # fmt: skip
+    done = subprocess.run(
+        [NODE, str(RUNNER)],
+        input=json.dumps(payload),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)
     assert len(results) == len(cases)
@@ -113,8 +146,9 @@ def test_programs_are_the_python_generators_action_for_action(runs):
     for case, js in runs:
         costs = _costs(case["costs"], case["stages"], case["chunks"])
         try:
-            schedule, _ = scenario(case["schedule"], case["stages"], case["chunks"], costs,
-                                   case["virtual_stages"])  # fmt: skip
+            schedule, _ = scenario(
+                case["schedule"], case["stages"], case["chunks"], costs, case["virtual_stages"]
+            )
         except ValueError as exc:
             assert js == {"error": str(exc)}, _label(case)
             continue
@@ -131,8 +165,9 @@ def test_simulated_times_bubble_and_memory_are_the_python_simulators(runs):
             continue
         label = _label(case)
         costs = _costs(case["costs"], case["stages"], case["chunks"])
-        schedule, split = scenario(case["schedule"], case["stages"], case["chunks"], costs,
-                                   case["virtual_stages"])  # fmt: skip
+        schedule, split = scenario(
+            case["schedule"], case["stages"], case["chunks"], costs, case["virtual_stages"]
+        )
         result = simulate(schedule, split, case["checkpoint"])
         # the programs simulated: with R actions where the checkpoint mode recomputes
         assert js["simulated"] == [[str(a) for a in p] for p in result.schedule.programs], label
@@ -171,8 +206,15 @@ def test_the_closed_forms_are_the_python_ones(runs):
             continue
         if isinstance(costs.forward, tuple):
             continue
-        python = closed_form_bubble(case["schedule"], case["stages"], case["chunks"], v,
-                                    costs.forward, costs.backward, costs.weight)  # fmt: skip
+        python = closed_form_bubble(
+            case["schedule"],
+            case["stages"],
+            case["chunks"],
+            v,
+            costs.forward,
+            costs.backward,
+            costs.weight,
+        )
         assert (js["closed_form"] is None) == (python is None), label
         if python is not None:
             assert _close(js["closed_form"], python), label
@@ -189,8 +231,9 @@ def test_messages_and_recomputations_drawn_agree_with_the_simulators_model(runs)
             continue
         label = _label(case)
         costs = _costs(case["costs"], case["stages"], case["chunks"])
-        schedule, split = scenario(case["schedule"], case["stages"], case["chunks"], costs,
-                                   case["virtual_stages"])  # fmt: skip
+        schedule, split = scenario(
+            case["schedule"], case["stages"], case["chunks"], costs, case["virtual_stages"]
+        )
         schedule = simulate(schedule, split, case["checkpoint"]).schedule  # R actions included
         wire = costs.latency + costs.message_bytes / costs.bandwidth
         rank_of = schedule.stage_to_rank
@@ -231,18 +274,30 @@ def test_schedules_given_as_data_with_skips_and_recomputation_simulate_alike():
     from gpipe.schedules import add_recompute, add_skips
     from gpipe.view.page import schedule_json
 
-    costs = Costs(forward=1.0, backward=2.0, weight=0.5, latency=0.3, message_bytes=2.0,
-                  activation_bytes=10.0)  # fmt: skip
+    costs = Costs(
+        forward=1.0, backward=2.0, weight=0.5, latency=0.3, message_bytes=2.0, activation_bytes=10.0
+    )
     cases, schedules = [], []
     for name, k, m in [("gpipe", 3, 4), ("1f1b", 4, 5), ("zero-bubble", 3, 3)]:
         routes = tuple((s, d) for s in range(k) for d in range(s + 2, k))
         schedule = add_recompute(add_skips(SCHEDULES[name](k, m), routes), frozenset({0, 2}))
         schedules.append(schedule)
-        cases.append({"schedule_data": schedule_json(schedule), "costs": costs_json(costs),
-                      "checkpoint": "never"})  # fmt: skip
+        cases.append(
+            {
+                "schedule_data": schedule_json(schedule),
+                "costs": costs_json(costs),
+                "checkpoint": "never",
+            }
+        )
     payload = {"scripts": [str(asset_path(name)) for name in SCRIPTS], "cases": cases}
-    done = subprocess.run([NODE, str(RUNNER)], input=json.dumps(payload), capture_output=True,
-                          text=True, timeout=60, check=False)  # fmt: skip
+    done = subprocess.run(
+        [NODE, str(RUNNER)],
+        input=json.dumps(payload),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     for schedule, js in zip(schedules, json.loads(done.stdout), strict=True):
         assert "error" not in js, js
@@ -269,14 +324,26 @@ def test_a_schedule_from_a_file_plays_as_the_python_simulator_says(tmp_path):
         schedule = from_csv(path)
         for kind, mode in (("uneven", "always"), ("links", "never"), ("unit", "except_last")):
             costs = _costs(kind, k)
-            cases.append({"schedule_data": schedule_json(schedule), "split": True,
-                          "costs": costs_json(costs), "checkpoint": mode})  # fmt: skip
+            cases.append(
+                {
+                    "schedule_data": schedule_json(schedule),
+                    "split": True,
+                    "costs": costs_json(costs),
+                    "checkpoint": mode,
+                }
+            )
             expected.append(
                 (f"{name} {kind} {mode}", simulate(schedule, split_costs(schedule, costs), mode))
             )
     payload = {"scripts": [str(asset_path(name)) for name in SCRIPTS], "cases": cases}
-    done = subprocess.run([NODE, str(RUNNER)], input=json.dumps(payload), capture_output=True,
-                          text=True, timeout=120, check=False)  # fmt: skip
+    done = subprocess.run(
+        [NODE, str(RUNNER)],
+        input=json.dumps(payload),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     for (label, result), js in zip(expected, json.loads(done.stdout), strict=True):
         assert "error" not in js, (label, js)
