@@ -82,3 +82,32 @@ def test_generate_refuses_bad_input_in_one_line(run, tmp_path, capsys):
     argv = ["generate", str(run), "--prompts", str(prompts), "--out", out]
     assert main([*argv, "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens must be a positive integer" in capsys.readouterr().err
+    prompts.write_text('{"ids": [1, 2]}\n')
+    missing = str(tmp_path / "no" / "out.jsonl")
+    argv = ["generate", str(run), "--prompts", str(prompts), "--out", missing]
+    assert main([*argv, "--max-new-tokens", "2"]) == 2  # before the stages start
+    assert f"--out {missing}: the folder {tmp_path / 'no'} does not exist" in (
+        capsys.readouterr().err
+    )
+
+
+def test_prompts_the_stages_refuse_end_in_one_line(
+    run, tmp_path, capsys, train_on_shared_processes
+):
+    """The stages check the prompts against the model (its vocabulary, its context) and every
+    rank refuses alike: the command says why in one line, with exit code 2."""
+    prompts = tmp_path / "prompts.jsonl"
+    out = tmp_path / "out.jsonl"
+    cases = {
+        ('{"ids": [1, 300]}', 2): "prompt 0 holds token id 300 at position 1, outside the "
+        "model's vocabulary of 256 ids (0 to 255)",
+        ('{"ids": [1, 2, 3]}', 30): "prompt 0 has 3 tokens and max_new_tokens=30 more would "
+        "make 33, more than the model's context of 32",
+    }
+    for (line, new), message in cases.items():
+        prompts.write_text(line + "\n")
+        argv = ["generate", str(run), "--prompts", str(prompts), "--out", str(out), "--quiet"]
+        assert main([*argv, "--max-new-tokens", str(new)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"gpipe: error: {message}", err
+    assert not out.exists()

@@ -291,9 +291,15 @@ def test_bad_options_end_in_one_line_and_exit_code_2(capsys, tmp_path):
     assert "--keep must be at least 1 (the newest good checkpoint), got 0" in _usage_error(
         capsys, "train", "--keep", "0", *out
     )
-    assert "--keep-every must not be negative" in _usage_error(
-        capsys, "train", "--keep-every", "-1", *out
-    )
+    for flags, message in (
+        (["--keep-every", "-1"], "--keep-every must not be negative, got -1"),
+        (["--warmup", "-2"], "--warmup must not be negative, got -2"),
+        (["--sample-tokens", "-1"], "--sample-tokens must not be negative, got -1"),
+        (["--lr", "-1"], "--lr must be a finite number, 0 or more, got -1.0"),
+        (["--lr", "nan"], "--lr must be a finite number, 0 or more, got nan"),
+        (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
+    ):
+        assert message in _usage_error(capsys, "train", *flags, *out)
     assert "--save-writer process (given, or the run's own) says what writes" in _usage_error(
         capsys, "train", "--save-writer", "process", "--sync-save", *out
     )

@@ -106,6 +106,9 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     objects, prompts = _read_prompts(Path(args.prompts), tokenizer)
+    out = Path(args.out)
+    if not out.parent.is_dir():  # found now, not after generating
+        raise UsageError(f"--out {out}: the folder {out.parent} does not exist")
     eos = None if args.no_eos else args.eos_token_id
     if eos is None and not args.no_eos:
         eos = tokenizer.eos_id
@@ -133,7 +136,6 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError(str(exc).splitlines()[-1]) from None
     if found.refused is not None:
         raise UsageError(found.refused)
-    out = Path(args.out)
     with out.open("w") as f:
         for item, tokens in zip(objects, found.tokens, strict=True):
             text = tokenizer.decode(tokens)

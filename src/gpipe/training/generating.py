@@ -49,7 +49,8 @@ class GenerateJob:
 @dataclass(frozen=True)
 class Generated:
     """The new tokens of each prompt, and the seconds generating took (load excluded);
-    ``refused`` (and no tokens) where the run's model cannot keep a KV cache."""
+    ``refused`` (and no tokens) where the run's model cannot keep a KV cache or ``generate``
+    refused the prompts or settings."""
 
     tokens: list[list[int]]
     seconds: float
@@ -128,6 +129,10 @@ def _run(job: GenerateJob) -> Generated | None:
             on_tokens=advance,
             **job.options,
         )
+    except (ValueError, TypeError) as exc:
+        # generate() refuses bad prompts and settings on every rank alike, before anything
+        # runs: the command reports the refusal in one line, as it reports its own flags'
+        return Generated([], 0.0, str(exc)) if pipe.is_first else None
     finally:
         if bar is not None:
             bar.close()

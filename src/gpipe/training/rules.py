@@ -6,6 +6,7 @@ given and what is expected."""
 from __future__ import annotations
 
 import copy
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,8 +76,14 @@ def check_options(model: TrainModel, opts: TrainOptions) -> None:
         "seq_chunks",
     ):
         positive(name.replace("_", "-"), getattr(opts, name))
-    if opts.warmup < 0 or opts.save_every < 0 or opts.keep_every < 0:
-        raise ConfigError("--warmup, --save-every and --keep-every must not be negative")
+    for name in ("warmup", "save_every", "keep_every", "sample_tokens"):
+        if getattr(opts, name) < 0:
+            flag = name.replace("_", "-")
+            raise ConfigError(f"--{flag} must not be negative, got {getattr(opts, name)}")
+    if not (math.isfinite(opts.lr) and opts.lr >= 0):
+        raise ConfigError(f"--lr must be a finite number, 0 or more, got {opts.lr}")
+    if not (math.isfinite(opts.timeout) and opts.timeout > 0):
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {opts.timeout}")
     if opts.sync_save and opts.save_writer != "auto":
         raise ConfigError(
             f"--save-writer {opts.save_writer} (given, or the run's own) says what writes in "
