@@ -132,6 +132,23 @@ def test_a_user_device_from_toml(tmp_path, capsys):
         (["--stages", "32", "--global-batch", "64"], "32 pipeline stages"),
         (["--global-batch", "64", "--chunks", "8"], "--chunks is not read with --cluster"),
         (["--stages", "2"], "--cluster needs --global-batch"),
+        (
+            # 8 replicas cannot share 7 sequences, and one replica needs 8 stages or tensor
+            # ranks that a model of 2 blocks and 2 heads does not have
+            [
+                "--cluster",
+                "8xH100-SXM",
+                "--n-layer",
+                "2",
+                "--n-head",
+                "2",
+                "--global-batch",
+                "7",
+                "--search",
+            ],
+            "no layout of the 8 GPUs runs this model with --global-batch 7: the global "
+            "batch does not divide into D x micro-batch (16); more stages than layers",
+        ),
     ],
 )
 def test_bad_input_is_one_line(capsys, args, message):

@@ -327,6 +327,14 @@ def _search(args: argparse.Namespace, shape: TransformerShape, cluster: Cluster)
         top=args.top or 5,
     )
     print_search(found, shape, cluster, _model_flags(args), as_json=args.json)
+    if not found.searched:  # nothing could run, let alone fit: the input is at fault
+        reasons = "; ".join(f"{why} ({n})" for why, n in found.rejected.most_common())
+        print(
+            f"gpipe: error: no layout of the {cluster.gpus} GPUs runs this model with "
+            f"--global-batch {args.global_batch}: {reasons or 'none to search'}",
+            file=sys.stderr,
+        )
+        return 2
     if not found.best:
         least = found.least
         needs = (
