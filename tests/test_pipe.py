@@ -36,6 +36,9 @@ def test_bad_balance_and_module():
         GPipe(mlp())
     with pytest.raises(TypeError, match="must be nn.Sequential"):
         GPipe(nn.Linear(2, 2), [1])
+    with pytest.raises(BalanceError, match="balance must be a list of ints, got '4,4'"):
+        GPipe(mlp(), "4,4", devices=["cpu"] * 2)
+    assert GPipe(mlp(), (n for n in (4, 4)), devices=["cpu"] * 2).balance == [4, 4]
 
 
 def test_attributes_and_sequential_access():

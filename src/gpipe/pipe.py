@@ -83,7 +83,7 @@ class GPipe(nn.Module):
         chunks = check_chunks(chunks)
         checkpoint = check_checkpoint(checkpoint)
         module = as_sequential(module)
-        self.balance = check_balance(len(module), None if balance is None else list(balance))
+        self.balance = check_balance(len(module), balance)
         skips = find_skips(module)
         all_devices = (
             _default_devices(len(self.balance))

@@ -263,7 +263,7 @@ def plan(
     ``shard`` splits parameters, gradients and optimizer state over the replicas as
     ``Pipeline``'s does (``gpipe.planning.shards``), ``reshard_after_forward`` as
     ``Sharding``'s."""
-    balance = check_balance(len(prof), list(balance))
+    balance = check_balance(len(prof), balance)
     checkpoint = check_checkpoint(checkpoint)
     _check_options(checkpoint, layers, optimizer, batch_size, data_parallel)
     check_shard(shard, data_parallel, reshard_after_forward)

@@ -277,7 +277,7 @@ def _cut(
     prof: Profile, costs: LayerCosts, parts: int, rows: float, balance: str | Sequence[int]
 ) -> tuple[int, ...]:
     if not isinstance(balance, str):
-        return tuple(check_balance(len(prof), list(balance)))
+        return tuple(check_balance(len(prof), balance))
     if balance == "time":
         return tuple(partition([costs.forward(i, rows) for i in range(len(costs))], parts))
     if balance == "params":

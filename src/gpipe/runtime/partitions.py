@@ -65,13 +65,13 @@ _SEE_BALANCE = (
 
 
 def check_balance(n_layers: int, balance: object) -> list[int]:
-    """``balance`` (a list or tuple) as a list of positive ints summing to ``n_layers``, or a
-    BalanceError that points to ``gpipe.balance``."""
+    """``balance`` (a list, tuple or other iterable of ints) as a list of positive ints
+    summing to ``n_layers``, or a BalanceError that points to ``gpipe.balance``."""
     if balance is None:
         raise BalanceError(
             f"balance is required: the number of layers in each partition; {_SEE_BALANCE}"
         )
-    if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
+    if isinstance(balance, (str, bytes)) or not isinstance(balance, Iterable):
         raise BalanceError(f"balance must be a list of ints, got {balance!r}")
     items = list(balance)
     if not items and n_layers:
