@@ -92,6 +92,8 @@ def one_process_world():
         ({"device": "cpu"}, "PipelineStrategy sets device itself"),
         ({"chunk": 4}, "PipelineStrategy got an unexpected argument 'chunk'"),
         ({"loss_fn": "mse"}, "loss_fn must be callable, got str"),
+        ({"balance": "2,2"}, "balance must be a list of ints, got '2,2'"),
+        ({"balance": [2, 0]}, "all balance numbers must be positive integers"),
     ],
 )
 def test_arguments_it_cannot_take_are_refused_in_one_line(arguments, message):

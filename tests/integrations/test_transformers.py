@@ -158,6 +158,8 @@ def test_trainer_arguments_it_cannot_take(tmp_path):
         PipelineTrainer(model=torch.nn.Linear(2, 2), args=args)
     with pytest.raises(ValueError, match="chunks must be a positive integer, got 0"):
         PipelineTrainer(model=model, args=args, chunks=0)
+    with pytest.raises(ValueError, match="schedule must be one of .*, got 'fifo'"):
+        PipelineTrainer(model=model, args=args, schedule="fifo")  # before the process group
     with pytest.raises(ValueError, match="launch the script with torchrun --nproc-per-node K\\*D"):
         PipelineTrainer(model=model, args=args)  # this process has no process group
 

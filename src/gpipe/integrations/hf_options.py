@@ -13,6 +13,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from gpipe.engine import ScheduleSource
+
 __all__ = ["check_own", "check_trainer_arguments", "refused_options", "stages_of"]
 
 
@@ -116,6 +118,8 @@ def check_own(chunks: object, schedule: object, data_parallel: object) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if not isinstance(schedule, str):
         raise TypeError(f"schedule must be a schedule's name, got {type(schedule).__name__}")
+    if schedule != "auto":  # an unknown name is refused here, before the process group
+        ScheduleSource.of(schedule)
 
 
 def stages_of(args: Any, data_parallel: int) -> int:

@@ -42,6 +42,7 @@ from gpipe.comm.payload import decode, encode
 from gpipe.engine import ScheduleSource, StepResult
 from gpipe.pipeline import Pipeline
 from gpipe.runtime.microbatch import check_chunks
+from gpipe.runtime.partitions import balance_counts
 from gpipe.runtime.recompute import check_checkpoint
 from gpipe.runtime.stage import LossFn
 from gpipe.schedules import Schedule
@@ -143,6 +144,8 @@ class PipelineStrategy(DDPStrategy):
             raise TypeError(f"network must be an attribute's name, got {type(network).__name__}")
         _check_options(pipeline_options)
         self.network, self.loss_fn, self.targets = network, loss_fn, targets
+        if balance is not None:
+            balance = balance_counts(balance)  # its sum is the network's to check, in setup
         self.balance, self.seed, self.step_timeout = balance, seed, timeout
         self.pipeline_options = dict(pipeline_options)
         self.pipeline: Pipeline | None = None

@@ -12,6 +12,7 @@ from gpipe.errors import BalanceError
 
 __all__ = [
     "as_sequential",
+    "balance_counts",
     "check_balance",
     "even_balance",
     "layer_seed",
@@ -64,6 +65,19 @@ _SEE_BALANCE = (
 )
 
 
+def balance_counts(balance: object, *, allow_empty: bool = False) -> list[int]:
+    """``balance`` as a list of positive ints, for any model: its sum is checked against the
+    model's layers once they are known (``check_balance``)."""
+    if isinstance(balance, (str, bytes)) or not isinstance(balance, Iterable):
+        raise BalanceError(f"balance must be a list of ints, got {balance!r}")
+    items = list(balance)
+    if not items and not allow_empty:
+        raise BalanceError("balance must name at least one partition, got []")
+    if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in items):
+        raise BalanceError(f"all balance numbers must be positive integers (balance: {items})")
+    return items
+
+
 def check_balance(n_layers: int, balance: object) -> list[int]:
     """``balance`` (a list, tuple or other iterable of ints) as a list of positive ints
     summing to ``n_layers``, or a BalanceError that points to ``gpipe.balance``."""
@@ -71,13 +85,7 @@ def check_balance(n_layers: int, balance: object) -> list[int]:
         raise BalanceError(
             f"balance is required: the number of layers in each partition; {_SEE_BALANCE}"
         )
-    if isinstance(balance, (str, bytes)) or not isinstance(balance, Iterable):
-        raise BalanceError(f"balance must be a list of ints, got {balance!r}")
-    items = list(balance)
-    if not items and n_layers:
-        raise BalanceError("balance must name at least one partition, got []")
-    if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in items):
-        raise BalanceError(f"all balance numbers must be positive integers (balance: {items})")
+    items = balance_counts(balance, allow_empty=not n_layers)
     if sum(items) != n_layers:
         raise BalanceError(
             "module and sum of balance have different length "
