@@ -17,6 +17,8 @@ import gpipe
 from gpipe import Pipeline
 from gpipe.data import counts_of, pack
 
+from .small_models import tiny_llama_config
+
 EXACT = {"rtol": 1e-12, "atol": 1e-13}
 SCHEDULES = ("gpipe", "1f1b", "zero-bubble")  # those of one stage per process
 LENGTHS = (5, 9, 3, 11, 6, 4, 8)  # packed into rows of 16: rows of one, two and three documents
@@ -24,16 +26,11 @@ VOCAB = 64
 
 
 def llama(attention: str = "sdpa"):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = tiny_llama_config(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=64,
         use_cache=False,
         attn_implementation=attention,

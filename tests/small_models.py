@@ -211,3 +211,19 @@ class Experts(nn.Module):
                 y = F.linear(F.silu(gate) * up, self.down_proj[e])
                 out[rows] += weights[rows, k, None] * y
         return out
+
+
+def tiny_llama_config(**overrides):
+    """The Llama of the Hugging Face cases: 4 blocks 32 wide, 4 attention heads over 2
+    key-value heads, 64 tokens; ``overrides`` are the case's own settings."""
+    from transformers import LlamaConfig
+
+    shape = dict(
+        num_hidden_layers=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
+    return LlamaConfig(**{**shape, **overrides})

@@ -13,6 +13,8 @@ from gpipe import Pipeline
 from gpipe.engine.generation import GenerationRefused
 from gpipe.models.gpt import GPTConfig, build_gpt, generate
 
+from ..small_models import tiny_llama_config
+
 LENGTHS = (3, 11, 1, 17, 6)  # prompts of different lengths
 NEW = 10
 SAMPLING = {"temperature": 0.9, "top_k": 20, "top_p": 0.95, "seed": 7}
@@ -84,16 +86,10 @@ def gpt_ends_and_waits() -> int:
 
 
 def llama_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        num_hidden_layers=4,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
+    config = tiny_llama_config(
         max_position_embeddings=48,
         tie_word_embeddings=True,
         pad_token_id=0,

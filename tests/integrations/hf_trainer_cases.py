@@ -11,21 +11,17 @@ from typing import Any
 
 import torch
 
+from ..small_models import tiny_llama_config
+
 STEPS = 20
 SAVE_AT = 10
 REPLICA_STEPS = 10
 
 
 def model(seed: int = 0) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    config = tiny_llama_config(
         max_position_embeddings=64,
         tie_word_embeddings=True,
         use_cache=False,

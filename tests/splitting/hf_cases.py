@@ -11,6 +11,8 @@ import torch
 import gpipe
 from gpipe import Pipeline
 
+from ..small_models import tiny_llama_config
+
 CLOSE = {"rtol": 1e-5, "atol": 1e-7}
 COMBINATIONS = [(s, m) for s in ("gpipe", "1f1b") for m in ("always", "never")]
 
@@ -59,16 +61,10 @@ def bert_model():
 
 def llama_model(tie_word_embeddings: bool = True):
     """A Llama (tied embeddings unless told): cut by its own pipeline plan."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        num_hidden_layers=4,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
+    config = tiny_llama_config(
         max_position_embeddings=32,
         tie_word_embeddings=tie_word_embeddings,
         use_cache=False,

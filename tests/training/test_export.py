@@ -24,7 +24,7 @@ from gpipe.training.data.run_data import run_dataset
 from gpipe.training.models.trained import checkpoint_at, load_trained
 from gpipe.training.options import TrainOptions
 
-from ..text_cases import LINES, word_tokenizer
+from ..text_cases import LINES, llama_config, word_tokenizer
 from ..workers import training_on_shared_processes
 
 transformers = pytest.importorskip(
@@ -37,16 +37,7 @@ def run(tmp_path_factory):
     """Two steps of a 2-layer Llama on 2 stages, evaluated at the last; text tokenized by a
     tokenizer.json."""
     folder = tmp_path_factory.mktemp("export")
-    config = transformers.LlamaConfig(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    config.save_pretrained(folder / "llama")
+    llama_config(folder / "llama", 32, 32)
     (folder / "text.txt").write_text("\n".join(LINES * 40))
     out = folder / "run"
     args = [

@@ -16,6 +16,7 @@ import pytest
 
 from gpipe.cli import main
 
+from ..text_cases import llama_config
 from ..workers import training_on_shared_processes
 
 transformers = pytest.importorskip("transformers", reason="--model hf: needs transformers")
@@ -46,16 +47,7 @@ def inputs(tmp_path_factory):
     vocabulary, so each next token follows from the one before and the loss can fall far
     below a uniform guess's."""
     folder = tmp_path_factory.mktemp("inputs")
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    config.save_pretrained(folder / "llama")
+    llama_config(folder / "llama", VOCAB, 64)
     cycle = np.random.default_rng(0).permutation(VOCAB)
     np.tile(cycle, 200).astype(np.uint16).tofile(folder / "tokens.bin")
     return folder
