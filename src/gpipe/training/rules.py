@@ -61,8 +61,9 @@ def _check_seq_chunks(opts: TrainOptions, seq_len: int) -> None:
         raise ConfigError(f"--seq-chunks {s} is more than --seq-len {seq_len} tokens")
 
 
-def check_options(model: TrainModel, opts: TrainOptions) -> None:
-    """ConfigError for the first rule ``opts`` breaks for ``model``."""
+def _check_ranges(opts: TrainOptions) -> None:
+    """Each number within its own range, whatever the others say: counts of at least 1,
+    intervals of at least 0, a finite learning rate and a positive timeout."""
     for name in (
         "stages",
         "data_parallel",
@@ -80,10 +81,19 @@ def check_options(model: TrainModel, opts: TrainOptions) -> None:
         if getattr(opts, name) < 0:
             flag = name.replace("_", "-")
             raise ConfigError(f"--{flag} must not be negative, got {getattr(opts, name)}")
+    if opts.keep < 1:
+        raise ConfigError(
+            f"--keep must be at least 1 (the newest good checkpoint), got {opts.keep}"
+        )
     if not (math.isfinite(opts.lr) and opts.lr >= 0):
         raise ConfigError(f"--lr must be a finite number, 0 or more, got {opts.lr}")
     if not (math.isfinite(opts.timeout) and opts.timeout > 0):
         raise ConfigError(f"--timeout must be a positive number of seconds, got {opts.timeout}")
+
+
+def check_options(model: TrainModel, opts: TrainOptions) -> None:
+    """ConfigError for the first rule ``opts`` breaks for ``model``."""
+    _check_ranges(opts)
     if opts.sync_save and opts.save_writer != "auto":
         raise ConfigError(
             f"--save-writer {opts.save_writer} (given, or the run's own) says what writes in "
@@ -103,10 +113,6 @@ def check_options(model: TrainModel, opts: TrainOptions) -> None:
     if opts.compile_backend != "inductor" and not opts.compile:
         raise ConfigError(f"--compile-backend {opts.compile_backend} needs --compile")
     _check_seq_chunks(opts, opts.seq_len if opts.seq_len is not None else model.seq_len)
-    if opts.keep < 1:
-        raise ConfigError(
-            f"--keep must be at least 1 (the newest good checkpoint), got {opts.keep}"
-        )
     layers = model_layer_count(model)
     if opts.batch_size < opts.data_parallel:
         raise ConfigError(
