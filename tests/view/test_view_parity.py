@@ -97,6 +97,20 @@ def _grid() -> list[dict]:
     return cases
 
 
+def _page_simulates(payload: dict) -> list:
+    """What the page's own scripts compute for ``payload``'s cases, run by node."""
+    done = subprocess.run(
+        [NODE, str(RUNNER)],
+        input=json.dumps(payload),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
 @pytest.fixture(scope="module")
 def runs() -> list[tuple[dict, dict]]:
     """Each case with what the page's scripts computed for it, all in one node process."""
@@ -107,16 +121,8 @@ def runs() -> list[tuple[dict, dict]]:
             {**c, "costs": costs_json(_costs(c["costs"], c["stages"], c["chunks"]))} for c in cases
         ],
     }
-    done = subprocess.run(
-        [NODE, str(RUNNER)],
-        input=json.dumps(payload),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout)
+    found = _page_simulates(payload)
+    results = found
     assert len(results) == len(cases)
     return list(zip(cases, results, strict=True))
 
@@ -290,16 +296,8 @@ def test_schedules_given_as_data_with_skips_and_recomputation_simulate_alike():
             }
         )
     payload = {"scripts": [str(asset_path(name)) for name in SCRIPTS], "cases": cases}
-    done = subprocess.run(
-        [NODE, str(RUNNER)],
-        input=json.dumps(payload),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    for schedule, js in zip(schedules, json.loads(done.stdout), strict=True):
+    found = _page_simulates(payload)
+    for schedule, js in zip(schedules, found, strict=True):
         assert "error" not in js, js
         result = simulate(schedule, costs)
         assert js["simulated"] == [[str(a) for a in p] for p in schedule.programs]
@@ -336,16 +334,8 @@ def test_a_schedule_from_a_file_plays_as_the_python_simulator_says(tmp_path):
                 (f"{name} {kind} {mode}", simulate(schedule, split_costs(schedule, costs), mode))
             )
     payload = {"scripts": [str(asset_path(name)) for name in SCRIPTS], "cases": cases}
-    done = subprocess.run(
-        [NODE, str(RUNNER)],
-        input=json.dumps(payload),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    for (label, result), js in zip(expected, json.loads(done.stdout), strict=True):
+    found = _page_simulates(payload)
+    for (label, result), js in zip(expected, found, strict=True):
         assert "error" not in js, (label, js)
         assert _close(js["makespan"], result.makespan) and _close(js["bubble"], result.bubble), (
             label
