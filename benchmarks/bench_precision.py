@@ -7,6 +7,8 @@ the rounds.
 
     python -m benchmarks.bench_precision            # 3 rounds of 100 steps, ~15 minutes
     python -m benchmarks.bench_precision --quick    # the tiny model, to check that it runs
+    python -m benchmarks.bench_precision --results precision-cuda -- --device cuda --stages 1
+                                                     # more train flags after --
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the tiny preset, to check it runs")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--results", default=None, help="the results file's name")
+    parser.add_argument("train_flags", nargs=argparse.REMAINDER, help="-- then gpipe train flags")
     args = parser.parse_args()
     more = ["--preset", "tiny", "--batch-size", "8"] if args.quick else []
+    more += [flag for flag in args.train_flags if flag != "--"]
     steps = 20 if args.quick else args.steps
     runs: dict[str, list[dict[str, float]]] = {p: [] for p in PRECISIONS}
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,6 +60,7 @@ def main() -> None:
             for precision in PRECISIONS[shift:] + PRECISIONS[:shift]:
                 out = Path(tmp) / f"{precision}-{round_}"
                 runs[precision].append(_train(precision, out, steps, more))
+                print(f"round {round_} {precision}: {runs[precision][-1]}", flush=True)
     summary = {
         p: {key: statistics.median(r[key] for r in found) for key in found[0]}
         for p, found in runs.items()
@@ -71,7 +77,7 @@ def main() -> None:
             f"{s['val_loss']:9.3f}"
         )
     path = write_results(
-        "precision-quick" if args.quick else "precision",
+        args.results or ("precision-quick" if args.quick else "precision"),
         {"machine": machine(), "steps": steps, "more": more, "runs": runs, "summary": summary},
     )
     print(f"written to {path}")

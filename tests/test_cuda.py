@@ -228,3 +228,48 @@ def test_sub_sequences_on_cuda_match_unpipelined(world_of_one, schedule, split):
     ref = dict(reference.named_parameters())
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-4, atol=1e-6)
+
+
+@needs_gpu
+@pytest.mark.parametrize("prefill_chunk", [None, 4])
+def test_generation_on_cuda_equals_the_gpts_own_sampler(world_of_one, prefill_chunk):
+    """Pipeline.generate on one GPU, greedy, float32: the tokens of the GPT's own sampler run
+    on the same GPU, prompts of different lengths, one and two groups in flight."""
+    from .engine import generation_cases as gen
+
+    want = gen.gpt_greedy(device="cuda")
+    pipe = Pipeline(gen.gpt_model(), chunks=1, device="cuda")
+    for in_flight in (None, 2):
+        got = pipe.generate(
+            gen.prompts(64), gen.NEW, in_flight=in_flight, prefill_chunk=prefill_chunk
+        )
+        assert got == want, (in_flight, got, want)
+
+
+@needs_gpu
+def test_seeded_sampling_on_cuda_is_the_same_whatever_the_groups_in_flight(world_of_one):
+    from .engine import generation_cases as gen
+
+    pipe = Pipeline(gen.gpt_model(), chunks=1, device="cuda")
+    found = [
+        pipe.generate(gen.prompts(64), gen.NEW, in_flight=n, prefill_chunk=5, **gen.SAMPLING)
+        for n in (1, 2, 3)
+    ]
+    assert found[0] == found[1] == found[2]
+    assert found[0] != gen.gpt_greedy()
+
+
+@needs_gpu
+def test_llama_generation_on_cuda_equals_hugging_faces(world_of_one):
+    """Llama cut by its plan into one stage on the GPU, the model's own cache class in it:
+    the tokens of Hugging Face's ``generate(do_sample=False)`` on the same GPU."""
+    pytest.importorskip("transformers", reason="the test extra installs transformers")
+    import gpipe
+
+    from .engine import generation_cases as gen
+
+    model = gen.llama_model()
+    want = gen.hf_greedy(copy.deepcopy(model).cuda(), gen.prompts(64), gen.NEW)
+    pipe = Pipeline(gpipe.split(model, parts=1, plan="hf"), chunks=1, device="cuda")
+    for chunk in (None, 4):
+        assert pipe.generate(gen.prompts(64), gen.NEW, prefill_chunk=chunk) == want

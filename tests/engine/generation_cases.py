@@ -38,13 +38,14 @@ def prompts(vocab: int, lengths=LENGTHS, seed: int = 1) -> list[list[int]]:
 
 
 def _greedy(model: nn.Module, ids: list[int], new: int) -> list[int]:
-    """The GPT's own sampler, top-1: its argmax at every token."""
-    tokens = generate(model, torch.tensor([ids]), new, 40, top_k=1)
+    """The GPT's own sampler, top-1: its argmax at every token, on the model's device."""
+    device = next(model.parameters()).device
+    tokens = generate(model, torch.tensor([ids], device=device), new, 40, top_k=1)
     return tokens[0, len(ids) :].tolist()
 
 
-def gpt_greedy(new: int = NEW) -> list[list[int]]:
-    model = gpt_model()
+def gpt_greedy(new: int = NEW, device: str = "cpu") -> list[list[int]]:
+    model = gpt_model().to(device)
     return [_greedy(model, p, new) for p in prompts(64)]
 
 
@@ -106,10 +107,11 @@ def llama_model():
 
 
 def hf_greedy(model, given: list[list[int]], new: int) -> list[list[int]]:
-    """Hugging Face's own greedy generation, one prompt at a time, no padding."""
+    """Hugging Face's own greedy generation, one prompt at a time, no padding, on the
+    model's device."""
     found = []
     for p in given:
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=model.device)
         mask = torch.ones_like(ids)
         out = model.generate(
             ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0
