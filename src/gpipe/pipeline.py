@@ -14,7 +14,7 @@ and ``named_parameters`` read like the original model's.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,6 @@ from gpipe.engine import (
 )
 from gpipe.engine.generation import Generation, GenerationRefused
 from gpipe.parallel.sharding import Sharding
-from gpipe.parallel.tensor import PlanValue
 from gpipe.parallel.ties import counted as counted_once
 from gpipe.parallel.world import check_dimensions, join
 from gpipe.planning.auto import AutoChoice, agreed_choice, check_auto
@@ -59,6 +58,9 @@ from gpipe.runtime.stage_streams import check_overlap_stages, overlaps_stages
 from gpipe.runtime.timeline import Event, Recorder, merge
 from gpipe.schedules import Schedule
 from gpipe.skip.skippable import Skip, find_skips
+
+if TYPE_CHECKING:
+    from gpipe.parallel.tensor import PlanValue
 
 __all__ = [
     "Pipeline",

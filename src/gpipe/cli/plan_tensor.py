@@ -14,7 +14,6 @@ from gpipe.cli.common import UsageError
 from gpipe.planning.hardware import CATALOGUE, Device
 from gpipe.planning.roofline import Link
 from gpipe.planning.suggest import MAX_STAGES, LayerCosts
-from gpipe.planning.tensor_share import collectives, local_share
 
 __all__ = [
     "DEFAULT_LINK",
@@ -64,6 +63,9 @@ def check_heads(tensor_parallel: int, n_head: int) -> None:
 
 def one_rank(layers: nn.Sequential, tensor_parallel: int) -> nn.Sequential:
     """One rank's share of ``layers`` (the whole model), its refusal as one line."""
+    # imported here: it loads PyTorch's DTensor styles, which other commands need not pay for
+    from gpipe.planning.tensor_share import local_share
+
     try:
         return local_share(layers, tensor_parallel)
     except ValueError as exc:
@@ -77,6 +79,8 @@ def with_collectives(
     unit: counted FLOPs take a second as the device's sustained FLOPs."""
     if tensor_parallel == 1:
         return costs
+    from gpipe.planning.tensor_share import collectives
+
     device, link = link_of(args, tensor_parallel)
     scale = 1.0 if costs.unit == "s" else device.peak_flops * device.gemm_efficiency
     found = collectives(whole, tensor_parallel)

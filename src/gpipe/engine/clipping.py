@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
 
 from gpipe.comm.process_group import bounded_wait
+from gpipe.runtime.dtensors import is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["clip_grad_norm_"]
 
@@ -34,7 +37,7 @@ def clip_grad_norm_(
     shard, summed over the ranks that split them; a whole gradient counts once (it is the
     same on every tensor rank and, once reduced, on every replica)."""
     grads = [p.grad.detach() for p in counted if p.grad is not None]
-    whole = [g for g in grads if not isinstance(g, DTensor)]
+    whole = [g for g in grads if not is_dtensor(g)]
     total = _local_norm(whole, norm_type, device)
     for (mesh, dims), shards in _by_split(grads).items():
         # the shards' part of the norm, summed over the ranks that hold the other shards
@@ -59,9 +62,11 @@ def _by_split(grads: list[Tensor]) -> dict[tuple[DeviceMesh, tuple[int, ...]], l
     same on every rank that holds the same stages."""
     found: dict[tuple[DeviceMesh, tuple[int, ...]], list[Tensor]] = {}
     for grad in grads:
-        if not isinstance(grad, DTensor):
+        if not is_dtensor(grad):
             continue
         if any(p.is_partial() for p in grad.placements):  # not reduced yet: reduce it
+            from torch.distributed.tensor import Replicate  # loaded already: grad is one
+
             whole = [Replicate() if p.is_partial() else p for p in grad.placements]
             grad = grad.redistribute(placements=whole)
         dims = tuple(d for d, p in enumerate(grad.placements) if not p.is_replicate())

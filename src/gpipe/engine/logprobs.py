@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+
+from gpipe.runtime.dtensors import is_dtensor
 
 __all__ = ["IGNORE_INDEX", "TokenLogprobs", "logits_of", "token_logprobs"]
 
@@ -23,7 +24,7 @@ def logits_of(outputs: Any) -> Tensor:
     ``logits`` of a mapping or of an object such as a Hugging Face ``ModelOutput``; whole,
     where they come split by vocabulary over tensor ranks (``loss_parallel``)."""
     logits = _logits(outputs)
-    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+    return logits.full_tensor() if is_dtensor(logits) else logits
 
 
 def _logits(outputs: Any) -> Tensor:

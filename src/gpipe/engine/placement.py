@@ -7,14 +7,14 @@ into copies, and routes skips between stages.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor.parallel import loss_parallel
 
 from gpipe.parallel.sharding import ShardedStages, Sharding, check_units_for_sub_sequences
 from gpipe.parallel.tensor import ParallelMesh, TensorPlan
@@ -33,6 +33,13 @@ if TYPE_CHECKING:
     from gpipe.parallel.replicas import Replicas
 
 __all__ = ["BuiltStages", "RankPlacement", "StageRecipe", "build_stages", "check_stages_per_rank"]
+
+
+def _loss_parallel() -> Callable[[], AbstractContextManager[None]]:
+    """torch's ``loss_parallel`` context, imported only by runs that split their logits."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel
 
 
 def check_stages_per_rank(n_stages: int, n_ranks: int, schedule: str) -> None:
@@ -192,7 +199,7 @@ def build_stages(
             autocast=recipe.autocast,
             recomputed_layers=recomputed[stage],
             payloads=True,
-            loss_context=loss_parallel if recipe.loss_parallel else None,
+            loss_context=_loss_parallel() if recipe.loss_parallel else None,
             seq_chunks=recipe.seq_chunks.chunks if recipe.seq_chunks is not None else 1,
         )
     sharded = None

@@ -23,21 +23,18 @@ import contextlib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-)
 
 from gpipe.parallel.ties import sum_local
 from gpipe.runtime.kv_cache import CacheContext, KVCache
 from gpipe.runtime.sub_sequence_attention import sub_sequence_attention
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = [
     "GPTConfig",
@@ -353,6 +350,9 @@ class Block(nn.Module):
         layer over the ranks, one all-reduce after attention and one after the MLP. The
         attention takes its input as one replicated DTensor that q, k and v share, so that
         the backward sums their input gradients before one all-reduce rather than three."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import PrepareModuleInput
+
         return {
             "attn": PrepareModuleInput(
                 input_layouts=(Replicate(), None),
@@ -406,6 +406,9 @@ class Head(nn.Module):
     @property
     def tp_plan(self) -> dict[str, ParallelStyle]:
         """Tensor parallelism: the vocabulary split over the ranks, the logits gathered."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
         return {"proj": ColwiseParallel(output_layouts=Replicate())}
 
     def forward(self, x: Tensor | tuple[Tensor, Tensor]) -> Tensor:

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from gpipe.comm.process_group import bounded_wait
+from gpipe.runtime.dtensors import dtensor_like, local_part
 
 if TYPE_CHECKING:
     from gpipe.runtime.batchnorm import DeferredBatchNorm
@@ -217,20 +217,6 @@ def unpacked_statistics(flat: Tensor, norms: Sequence[DeferredBatchNorm]) -> lis
     return out
 
 
-def _local(t: Tensor) -> Tensor:
-    """This rank's part of ``t``: its shard if it is split over tensor ranks (a DTensor)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _like(param: Tensor, local: Tensor) -> Tensor:
-    """A gradient for ``param`` holding ``local``, this rank's part of it."""
-    if not isinstance(param, DTensor):
-        return local
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-    )
-
-
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]
@@ -260,7 +246,7 @@ class GradientBuckets:
         self._stage = stage
         self.buckets: list[_Bucket] = []
         trained = [p for p in params if p.requires_grad]
-        local_bytes = {id(p): _local(p).numel() * p.element_size() for p in trained}
+        local_bytes = {id(p): local_part(p).numel() * p.element_size() for p in trained}
         bucket_bytes = bucket_size(sum(local_bytes.values()), bucket_bytes)
         size = bucket_bytes
         for p in reversed(trained):
@@ -295,7 +281,7 @@ class GradientBuckets:
 
     def _start(self, bucket: _Bucket) -> None:
         grads = [
-            _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))
+            local_part(p.grad) if p.grad is not None else torch.zeros_like(local_part(p))
             for p in bucket.params
         ]
         bucket.flat = torch.cat([g.reshape(-1) for g in grads])
@@ -322,13 +308,13 @@ class GradientBuckets:
             self._replicas._wait(bucket.work, "gradients", self._stage)
             offset = 0
             for p in bucket.params:
-                local = _local(p)
+                local = local_part(p)
                 n = local.numel()
                 summed = bucket.flat[offset : offset + n].view_as(local)
                 if p.grad is None:
-                    p.grad = _like(p, summed.clone())
+                    p.grad = dtensor_like(p, summed.clone())
                 else:
-                    _local(p.grad).copy_(summed)
+                    local_part(p.grad).copy_(summed)
                 offset += n
             bucket.work, bucket.flat = None, None
             bucket.ready.clear()

@@ -25,19 +25,19 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+
+from gpipe.runtime.dtensors import is_dtensor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
 
     from gpipe.parallel.ties import Tie
+
+    PlanValue = str | ParallelStyle
+
+# PyTorch's DTensor styles are imported where a plan is resolved or applied, not with this
+# module: ``import gpipe`` need not pay for them (gpipe.runtime.dtensors says why).
 
 __all__ = [
     "MESH_DIMS",
@@ -53,7 +53,6 @@ __all__ = [
 
 MESH_DIMS = ("pipeline", "data", "tensor")
 STYLES = ("colwise", "rowwise", "sequence")
-PlanValue = str | ParallelStyle
 
 
 def check_tensor_parallel(tensor_parallel: object) -> int:
@@ -124,6 +123,14 @@ def _matches(pattern: str, name: str) -> bool:
 
 def _style(key: str, value: object, module: nn.Module) -> ParallelStyle:
     """The ``ParallelStyle`` that ``value`` names for ``module``."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
     if isinstance(value, ParallelStyle):
         return value
     if value not in STYLES:
@@ -200,6 +207,9 @@ class TensorPlan:
         """The plan for ``loss_parallel``: the map of ``last_layer`` that splits the
         vocabulary and gathers its logits keeps them split instead (a DTensor over the tensor
         ranks), for a loss computed under torch's ``loss_parallel``."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
         styles = dict(self.styles)
         gathering = [
             name
@@ -227,6 +237,12 @@ class TensorPlan:
         """The dimension along which the plan splits ``parameter`` (named in the whole
         model; ``module`` holds it), -1 when it stays whole, None when a style of the
         user's own says nothing PyTorch's styles would tell."""
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
         owner, _, attr = parameter.rpartition(".")
         style = self.styles.get(owner)
         if style is None or isinstance(style, SequenceParallel):
@@ -275,6 +291,8 @@ class TensorPlan:
         styles = self.within({name for name, _ in partition.named_children()})
         if not styles:
             return
+        from torch.distributed.tensor.parallel import parallelize_module
+
         parallelize_module(partition, mesh, styles)
         for param in partition.parameters():
             if param.requires_grad:  # the hook passes over whole parameters
@@ -305,8 +323,10 @@ def placed_like(value: Tensor, target: Tensor) -> Tensor:
     """``value``, a whole tensor, as ``target`` holds it: this rank's part of it where
     ``target`` is split over tensor ranks (a DTensor), taken from the whole with no message,
     since every rank has it; else ``value`` itself."""
-    if not isinstance(target, DTensor) or isinstance(value, DTensor):
+    if not is_dtensor(target) or is_dtensor(value):
         return value
+    from torch.distributed.tensor import distribute_tensor
+
     return distribute_tensor(
         value.to(device=target.device, dtype=target.dtype),
         target.device_mesh,
@@ -322,11 +342,7 @@ def _placed_like_parameter(param: Tensor) -> None:
     back whole); the optimizer, the replicas' reduction and tied copies all need each rank
     to hold its own shard, which is a slice of the whole, with no message."""
     grad = param.grad
-    if (
-        isinstance(grad, DTensor)
-        and isinstance(param, DTensor)
-        and tuple(grad.placements) != tuple(param.placements)
-    ):
+    if is_dtensor(grad) and is_dtensor(param) and tuple(grad.placements) != tuple(param.placements):
         param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
@@ -374,6 +390,9 @@ def _refuse_whole_per_head(
     wide (a per-head norm of the queries or keys): it sees only its rank's heads, so each
     rank's gradient would be a share of it, never summed; Hugging Face's plans name such a
     module ``replicated_with_grad_allreduce`` (``SummedGradients``)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
     for name, style in styles.items():
         parent_name, _, _ = name.rpartition(".")
         parent = modules.get(parent_name)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from gpipe.comm.process_group import bounded_wait
+from gpipe.runtime.dtensors import dtensor_like, is_dtensor, local_part
 from gpipe.runtime.partitions import stage_bounds
 
 __all__ = [
@@ -110,17 +110,10 @@ def untie(module: nn.Sequential, ties: Sequence[Tie]) -> None:
                 _set(module, name, copy)
 
 
-def _local(t: Tensor) -> Tensor:
-    """This rank's shard of a tensor sharded over the replicas (a ``fully_shard`` DTensor),
-    or the tensor. The copies of a tied weight are sharded alike on every stage (one shape,
-    one replica count, split on dim 0), so shards add up shard by shard."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _local_shape(shape: tuple[int, ...], like: Tensor) -> tuple[int, ...]:
     """The shape of this rank's shard of a tensor of ``shape`` sharded as ``like`` is
     (``fully_shard`` splits dim 0 as ``torch.chunk`` does, empty shards last)."""
-    if not isinstance(like, DTensor) or not shape:
+    if not is_dtensor(like) or not shape:
         return shape
     d, r = like.device_mesh.size(), like.device_mesh.get_local_rank()
     sizes = [len(c) for c in torch.arange(shape[0]).chunk(d)] + [0] * d
@@ -128,8 +121,11 @@ def _local_shape(shape: tuple[int, ...], like: Tensor) -> tuple[int, ...]:
 
 
 def _sum(grads: Sequence[Tensor | None], like: Tensor) -> Tensor:
-    found = [_local(g) for g in grads if g is not None]
-    like = _local(like)
+    """The sum of the copies' gradients, shard by shard where they are sharded over the
+    replicas: the copies of a tied weight are sharded alike on every stage (one shape, one
+    replica count, split on dim 0)."""
+    found = [local_part(g) for g in grads if g is not None]
+    like = local_part(like)
     if not found:
         return torch.zeros_like(like)
     total = found[0].to(like.device, copy=True)
@@ -140,15 +136,9 @@ def _sum(grads: Sequence[Tensor | None], like: Tensor) -> Tensor:
 
 def _assign(param: Tensor, total: Tensor) -> None:
     if param.grad is not None:
-        _local(param.grad).copy_(total)
-    elif isinstance(param, DTensor):
-        param.grad = DTensor.from_local(
-            total.clone(),
-            param.device_mesh,
-            param.placements,
-            shape=param.shape,
-            stride=param.stride(),
-        )
+        local_part(param.grad).copy_(total)
+    elif is_dtensor(param):
+        param.grad = dtensor_like(param, total.clone())
     else:
         param.grad = total.to(param.device, copy=True)
 
@@ -245,14 +235,14 @@ class TiedGradients:
     def broadcast(self) -> None:
         """Make every copy equal to the first stage's (after each rank built its own)."""
         for params, group, source, shape in self._entries:
-            value = _local(params[0].detach()) if params else self._zeros(shape)
+            value = local_part(params[0].detach()) if params else self._zeros(shape)
             if group is not None:
                 self._wait(
                     dist.broadcast(value, src=source, group=group, async_op=True),
                     "setting its copies equal",
                 )
             for p in params[1:]:
-                _local(p.detach()).copy_(value)
+                local_part(p.detach()).copy_(value)
 
     def sum(self) -> None:
         """Set every copy's gradient to the sum over all copies, on every rank."""

@@ -14,10 +14,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gpipe.comm.process_group import bounded_wait
+from gpipe.runtime.dtensors import is_dtensor, local_part
 
 __all__ = ["unscale_"]
 
@@ -35,9 +35,7 @@ def _found_inf(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> list[torch
 
 
 def _has_split_gradients(optimizer: Optimizer) -> bool:
-    return any(
-        isinstance(p.grad, DTensor) for group in optimizer.param_groups for p in group["params"]
-    )
+    return any(is_dtensor(p.grad) for group in optimizer.param_groups for p in group["params"])
 
 
 def _unscale_split(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> None:
@@ -55,7 +53,7 @@ def _unscale_split(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> None:
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                grad = local_part(param.grad)
                 flag = found.setdefault(grad.device, torch.zeros(1, device=grad.device))
                 flag.add_((~torch.isfinite(grad)).any().reshape(1))
                 grad.mul_(inverse)

@@ -24,9 +24,9 @@ from typing import Any, cast
 import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from gpipe.comm.payload import check_same_structure, signature, tensors_of, with_tensors
+from gpipe.runtime.dtensors import is_dtensor
 from gpipe.runtime.kv_cache import CachedLayer
 from gpipe.runtime.microbatch import Batch, check_batch
 from gpipe.runtime.recompute import AutocastState, RNGState, checkpointing, recomputing
@@ -187,7 +187,7 @@ class Stage:
                         loss = self.loss_fn(outputs)
                     else:
                         loss = self.loss_fn(outputs, saved.target)
-        if isinstance(loss, DTensor):  # over split logits: the same whole value on every rank
+        if is_dtensor(loss):  # over split logits: the same whole value on every rank
             loss = loss.full_tensor()
         if loss is not None:
             if not isinstance(loss, Tensor) or loss.dim() != 0:

@@ -26,15 +26,17 @@ import inspect
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor.parallel import ParallelStyle
 
 from gpipe.planning.balancing import partition
 from gpipe.runtime.kv_cache import CacheContext
 from gpipe.splitting.hf_tensor_plan import held_plan, model_tp_plan, torch_plan
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = [
     "HEAD_ONLY",

@@ -16,26 +16,39 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from gpipe.parallel.experts import ExpertsParallel
-from gpipe.parallel.summed_gradients import SummedGradients
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+# The styles (PyTorch's DTensor ones and gpipe's own) are imported when a plan is translated
+# for tensor parallelism, not when a model is split (gpipe.runtime.dtensors says why).
 
 __all__ = ["HF_STYLES", "held_plan", "model_tp_plan", "torch_plan"]
 
 
 def _gathered_columns() -> ParallelStyle:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
     return ColwiseParallel(output_layouts=Replicate())
 
 
 def _rows_of_whole_input() -> ParallelStyle:
     """Rows split, its input whole on every rank (split there): a map after one that is not
     split (Phi3's fused attention), or an embedding split by vocabulary."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
     return RowwiseParallel(input_layouts=Replicate())
+
+
+def _summed_gradients() -> ParallelStyle:
+    from gpipe.parallel.summed_gradients import SummedGradients
+
+    return SummedGradients()
 
 
 # Hugging Face's style names and what each is in gpipe.parallel.tensor's terms
@@ -47,7 +60,7 @@ HF_STYLES: dict[str, Callable[[], str | ParallelStyle]] = {
     "colwise_rep": _gathered_columns,  # its name in older transformers (4.4x)
     "rowwise_split_input": _rows_of_whole_input,
     "embedding_rowwise": _rows_of_whole_input,
-    "replicated_with_grad_allreduce": SummedGradients,
+    "replicated_with_grad_allreduce": _summed_gradients,
 }
 
 
@@ -88,6 +101,8 @@ def _experts_styles(plan: Mapping[str, str]) -> tuple[dict[str, ParallelStyle], 
     """The ``moe_tp_experts`` modules of ``plan`` as ``ExpertsParallel`` styles, each with
     the styles of its own parameters (the plan's ``<module>.<parameter>`` entries), and the
     keys those take up."""
+    from gpipe.parallel.experts import ExpertsParallel
+
     styles: dict[str, ParallelStyle] = {}
     used: set[str] = set()
     for key, style in plan.items():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from gpipe.pipeline import Pipeline
+from gpipe.runtime.dtensors import is_dtensor
 from gpipe.training.options import TrainOptions
 
 __all__ = ["build_optimizer", "learning_rate"]
@@ -38,4 +38,4 @@ def build_optimizer(pipe: Pipeline, opts: TrainOptions) -> torch.optim.AdamW:
 
 def _kind(param: torch.Tensor) -> tuple[bool, bool]:
     """Whether ``param`` is a matrix, and whether it is split over ranks (a DTensor)."""
-    return param.dim() >= 2, isinstance(param, DTensor)
+    return param.dim() >= 2, is_dtensor(param)
