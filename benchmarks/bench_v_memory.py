@@ -17,6 +17,8 @@ schedule's step over 1F1B's in the same cycle.
     python -m benchmarks.bench_v_memory           # a few minutes, writes results/v-memory.json
     python -m benchmarks.bench_v_memory --time --repeats 11   # results/v-time.json
     python -m benchmarks.bench_v_memory --quick   # K = 2 only
+    python -m benchmarks.bench_v_memory --ks 8 --blocks 64 --results v-memory-deep
+                                                  # deeper stages: 4 blocks per half-stage
 """
 
 from __future__ import annotations
@@ -68,15 +70,23 @@ def timed(repeats: int, warmup: int) -> dict[str, list[float]]:
     return steps_in_turn(pipes, x, y, repeats, warmup)
 
 
-def run(k: int, schedule: str) -> int:
-    """This process's peak activation bytes in one step of ``schedule`` on ``k`` processes."""
+def run(k: int, schedule: str, blocks: int = BLOCKS) -> int:
+    """This process's peak activation bytes in one step of ``schedule`` on ``k`` processes,
+    the workload ``blocks`` blocks deep."""
     from gpipe.pipeline import init_process_group
 
     init_process_group(torch.device("cpu"))
     stages = 2 * k if traits(schedule).placement is Placement.V else k
-    balance = [BLOCKS // stages] * stages
+    if blocks % stages:
+        raise ValueError(f"--blocks {blocks} must divide into {stages} stages of {schedule}")
+    balance = [blocks // stages] * stages
     pipe = Pipeline(
-        _model(), balance, chunks=CHUNKS, checkpoint="never", schedule=schedule, loss_fn=mse_loss
+        _model(blocks),
+        balance,
+        chunks=CHUNKS,
+        checkpoint="never",
+        schedule=schedule,
+        loss_fn=mse_loss,
     )
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, WIDTH, generator=g)
@@ -104,20 +114,23 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="K = 2 only")
     parser.add_argument("--time", action="store_true", help="step times at K = 2 instead")
     parser.add_argument("--repeats", type=int, default=11, help="measured cycles of --time")
+    parser.add_argument("--ks", default="2,4,8", help="process counts (default 2,4,8)")
+    parser.add_argument("--blocks", type=int, default=BLOCKS, help=f"depth (default {BLOCKS})")
+    parser.add_argument("--results", help="the results file's name (default v-memory)")
     args = parser.parse_args()
     if args.time:
         _time(args.repeats)
         return
-    ks = (2,) if args.quick else (2, 4, 8)
+    ks = (2,) if args.quick else tuple(int(k) for k in args.ks.split(","))
     report: dict = {
-        "workload": dict(blocks=BLOCKS, width=WIDTH, hidden=HIDDEN, rows=ROWS, chunks=CHUNKS),
+        "workload": dict(blocks=args.blocks, width=WIDTH, hidden=HIDDEN, rows=ROWS, chunks=CHUNKS),
         "machine": machine(),
         "peaks": {},
     }
     for k in ks:
         peaks = {}
         for schedule in SCHEDULES:
-            per_rank = launch(run, k, (k, schedule), threads=1)
+            per_rank = launch(run, k, (k, schedule, args.blocks), threads=1)
             peaks[schedule] = [per_rank[r] for r in range(k)]
         base = max(peaks["1f1b"])
         base_own = max(_own(peaks["1f1b"], "1f1b"))
@@ -141,7 +154,7 @@ def main() -> None:
                 + ", ".join(f"{p / 2**20:.2f}" for p in peaks[schedule]),
                 flush=True,
             )
-    path = write_results("v-memory-quick" if args.quick else "v-memory", report)
+    path = write_results(args.results or ("v-memory-quick" if args.quick else "v-memory"), report)
     print(f"written to {path}")
 
 
