@@ -48,16 +48,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--results", default=None, help="the results file's name")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS), help="comma list")
     parser.add_argument("train_flags", nargs=argparse.REMAINDER, help="-- then gpipe train flags")
     args = parser.parse_args()
     more = ["--preset", "tiny", "--batch-size", "8"] if args.quick else []
     more += [flag for flag in args.train_flags if flag != "--"]
     steps = 20 if args.quick else args.steps
-    runs: dict[str, list[dict[str, float]]] = {p: [] for p in PRECISIONS}
+    precisions = tuple(args.precisions.split(","))
+    runs: dict[str, list[dict[str, float]]] = {p: [] for p in precisions}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
-            shift = round_ % len(PRECISIONS)
-            for precision in PRECISIONS[shift:] + PRECISIONS[:shift]:
+            shift = round_ % len(precisions)
+            for precision in precisions[shift:] + precisions[:shift]:
                 out = Path(tmp) / f"{precision}-{round_}"
                 runs[precision].append(_train(precision, out, steps, more))
                 print(f"round {round_} {precision}: {runs[precision][-1]}", flush=True)
