@@ -93,13 +93,18 @@ def measure_block(hidden: int, heads: int, t: int, repeats: int) -> tuple[float,
     return forward, both - forward
 
 
-def predict_block(device: Device, layers: int, hidden: int, heads: int, t: int):
+def predict_block(
+    device: Device, layers: int, hidden: int, heads: int, t: int
+) -> tuple[float, float]:
+    """Milliseconds ``block_costs`` predicts for the same forward and backward (input and
+    weight gradients), the collectives left out."""
     work = Work(device, t, 1, SEQ, NO_LINK, "none", ONE_GPU)
     costs = block_costs(gpt_shape(layers, hidden, heads, 131072), work)
     return 1e3 * costs.forward, 1e3 * (costs.backward + costs.weight)
 
 
 def measure_gemm(m: int, n: int, k: int, repeats: int) -> float:
+    """Milliseconds of one bf16 product of ``m x k`` by ``k x n``."""
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
     return _median_ms(lambda: a @ b, repeats)
