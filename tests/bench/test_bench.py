@@ -177,6 +177,9 @@ def test_ideal_ratios_and_bubble_follow_their_definitions():
     assert row["over_counterpart"] == pytest.approx(1.0)
     assert row["over_counterpart_per_cycle"]["median"] == pytest.approx(1.0)
     assert row["over_counterpart_per_cycle"]["min"] == pytest.approx(0.9)
+    # per cycle 3.0 / 2.0, 2.7 / 2.2 and 3.3 / 2.4: the median is the last
+    assert row["over_at_once_per_cycle"]["median"] == pytest.approx(3.3 / 2.4)
+    assert at["contenders"]["at-once"]["over_at_once_per_cycle"] is None
     assert row["bubble"] == pytest.approx(0.25)
     assert row["schedule_bubble"] == pytest.approx(1 / 5)
     assert row["samples_per_s"] == pytest.approx(workload.batch / 3.0)
@@ -186,7 +189,7 @@ def test_ideal_ratios_and_bubble_follow_their_definitions():
         "figure": "1.000 (per cycle 1.000)",
         "met": True,
     }
-    assert [t["met"] for t in judged[1:]] == [None] * 7  # nothing at M = 8, no memory pass
+    assert [t["met"] for t in judged[1:]] == [None] * 9  # nothing at M = 8, no memory pass
 
 
 @pytest.mark.parametrize(
