@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline, launch
-from gpipe.schedules import SCHEDULES
+from gpipe.schedules import SCHEDULES, traits
 
 from .common import machine, write_results
 
@@ -51,7 +51,9 @@ def _model(width: int, hidden: int, blocks: int) -> nn.Sequential:
 
 
 def _balance(schedule: str, blocks: int) -> list[int]:
-    parts = 2 * K if schedule == "interleaved" else K
+    """Even stages, as many as the schedule places on K processes (two each for the looped
+    and V schedules)."""
+    parts = K * traits(schedule).stages_per_rank(virtual_stages=2)
     return [blocks // parts] * parts
 
 

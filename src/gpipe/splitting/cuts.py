@@ -40,10 +40,6 @@ def module_paths(node: fx.Node) -> list[str]:
     return [path for path, _ in stack.values() if isinstance(path, str) and path]
 
 
-def _inside(path: str, module: str) -> bool:
-    return path == module or path.startswith(module + ".")
-
-
 def module_starts(graph: fx.Graph) -> dict[str, int]:
     """For every module the graph runs, the position of its first node."""
     first: dict[str, int] = {}
