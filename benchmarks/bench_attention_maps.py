@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpipe.models.gpt import Block, GPTConfig
+from gpipe.models import Block, GPTConfig
 
 from .common import machine
 

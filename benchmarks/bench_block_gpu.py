@@ -27,10 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpipe.planning.hardware import CATALOGUE, Device
-from gpipe.planning.layer_costs import Software, Work, block_costs
-from gpipe.planning.roofline import Link, matmul_seconds
-from gpipe.planning.transformer import gpt_shape
+from gpipe.planning import (
+    CATALOGUE,
+    Device,
+    Link,
+    Software,
+    Work,
+    block_costs,
+    gpt_shape,
+    matmul_seconds,
+)
 
 # Megatron-Core's rows: size, (layers, hidden, heads), tensor-parallel width
 ROWS = [
@@ -43,7 +49,7 @@ ROWS = [
     ("462B", (112, 18432, 144), 8),
 ]
 SEQ = 4096
-NO_LINK = Link(bandwidth=float("inf"), latency=0.0, inter_node=False)
+NO_LINK = Link(bandwidth=float("inf"), latency=0.0)
 ONE_GPU = Software("flash", sequence_parallel=False, tp_overlap=False, p2p_overlap=False)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from gpipe import Pipeline, launch
-from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
+from gpipe.models import GPTConfig, build_gpt, lm_loss
 
 from .common import gpt_model, machine, quick_or_repeats, summary, timed_step, write_results
 

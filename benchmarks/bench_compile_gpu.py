@@ -28,7 +28,7 @@ START = time.time()
 
 def main(budget: float) -> None:
     from gpipe import Pipeline
-    from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
+    from gpipe.models import GPTConfig, build_gpt, lm_loss
 
     warnings.simplefilter("ignore")  # the split-backward note
     out = os.environ.get("OUT", "/tmp")

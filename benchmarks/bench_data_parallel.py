@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from gpipe import Pipeline, launch
-from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
-from gpipe.parallel.replicas import shard
-from gpipe.planning.simulate import Costs, simulate
+from gpipe.models import GPTConfig, build_gpt, lm_loss
+from gpipe.parallel import shard
+from gpipe.planning import Costs, simulate
 from gpipe.schedules import gpipe
 
 from .bench_scaling import _layer_costs, _link, _stage_costs

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe import Pipeline, launch
-from gpipe.models.gpt import PRESETS, Embedding, build_gpt, config_from_preset
+from gpipe.models import PRESETS, Embedding, build_gpt, config_from_preset
 
 from .common import machine, quick_or_repeats, write_results
 

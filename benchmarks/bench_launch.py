@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe import launch
-from gpipe.comm.process_group import init_process_group
+from gpipe.comm import init_process_group
 
 from .common import machine, quick_or_repeats, write_results
 

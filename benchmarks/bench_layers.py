@@ -19,9 +19,9 @@ import statistics
 import torch
 
 from gpipe import Pipeline, launch
-from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
-from gpipe.planning.memory import ActivationMeter, plan, profile
-from gpipe.runtime.recompute import Layers
+from gpipe.models import GPTConfig, build_gpt, lm_loss
+from gpipe.planning import ActivationMeter, plan, profile
+from gpipe.runtime import Layers
 
 from .common import gpt_model, machine, quick_or_repeats, timed_step, write_results
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe import Pipeline, launch
-from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
+from gpipe.models import GPTConfig, build_gpt, lm_loss
 from gpipe.training.checkpoints.retention import Retention
 from gpipe.training.checkpoints.writer import CheckpointWriter
 

@@ -26,10 +26,8 @@ import torch
 import torch.distributed as dist
 
 from gpipe import Pipeline, launch
-from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
-from gpipe.planning.cluster_step import pipeline_costs, stage_costs
-from gpipe.planning.layer_costs import PassCosts
-from gpipe.planning.simulate import simulate
+from gpipe.models import GPTConfig, build_gpt, lm_loss
+from gpipe.planning import PassCosts, pipeline_costs, simulate, stage_costs
 from gpipe.schedules import gpipe
 
 from .common import gpt_model, machine, write_results
@@ -76,8 +74,7 @@ def _layer_costs(config: GPTConfig, rows: int, repeats: int) -> dict[str, tuple[
 def _link(repeats: int, big: int) -> tuple[float, float]:
     """One-way seconds of a small message, and bytes per second of a large one, rank 0 <-> 1,
     through the transport a Pipeline uses (pipes on one machine)."""
-    from gpipe.comm.distributed import DistributedTransport
-    from gpipe.comm.named_pipes import open_pipes
+    from gpipe.comm import DistributedTransport, open_pipes
     from gpipe.schedules import Kind
 
     transport = DistributedTransport([0, 1], torch.device("cpu"))

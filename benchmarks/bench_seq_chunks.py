@@ -30,8 +30,8 @@ import argparse
 import torch
 
 from gpipe import Pipeline, launch
-from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
-from gpipe.runtime.partitions import even_balance
+from gpipe.models import GPTConfig, build_gpt, lm_loss
+from gpipe.runtime import even_balance
 from gpipe.schedules import SEQ_CHUNKED, Placement, traits
 
 from .common import activation_peak, machine, over_baseline, steps_in_turn, write_results

@@ -9,7 +9,7 @@ import json
 import statistics
 from time import perf_counter
 
-from gpipe.planning.simulate import Costs, simulate
+from gpipe.planning import Costs, simulate
 from gpipe.schedules import SCHEDULES, interleaved
 
 from .common import machine, summary, write_results

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline
-from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
+from gpipe.models import GPTConfig, build_gpt, lm_loss
 
 from .common import world_of_one
 

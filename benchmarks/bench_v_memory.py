@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline, launch
-from gpipe.planning.simulate import closed_form_peak
+from gpipe.planning import closed_form_peak
 from gpipe.schedules import Placement, traits
 
 from .common import activation_peak, machine, over_baseline, steps_in_turn, write_results

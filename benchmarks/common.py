@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 
 from gpipe import Pipeline
-from gpipe.bench.report import summary
-from gpipe.bench.run import machine
-from gpipe.planning.memory import ActivationMeter
+from gpipe.bench import machine, summary
+from gpipe.planning import ActivationMeter
 
 __all__ = [
     "RESULTS",

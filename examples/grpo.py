@@ -37,8 +37,8 @@ import torch
 
 import gpipe
 from gpipe import Pipeline
-from gpipe.engine.logprobs import token_logprobs
-from gpipe.models.gpt import GPTConfig, build_gpt
+from gpipe.engine import token_logprobs
+from gpipe.models import GPTConfig, build_gpt
 
 PLUS, EQUALS, EOS, PAD = 10, 11, 12, 13
 VOCAB = 16

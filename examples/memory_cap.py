@@ -46,9 +46,8 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import gpipe
-from gpipe.planning.balancing import balance_by_params
-from gpipe.planning.memory import plan, profile
-from gpipe.runtime.partitions import materialize
+from gpipe.planning import balance_by_params, plan, profile
+from gpipe.runtime import materialize
 from gpipe.training.launch import LaunchError
 
 CLASSES = 10

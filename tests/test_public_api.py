@@ -2,8 +2,10 @@
 torchgpipe's, each found in a real module of the package (no import hook, no alias)."""
 
 import importlib
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,7 @@ import gpipe
 
 TOP_LEVEL = {
     "BalanceError",
+    "ConfigError",
     "GPipe",
     "LaunchError",
     "MovingDenied",
@@ -87,6 +90,58 @@ MODULES = {
     "gpipe.view": ["Measured", "Settings", "write"],
     "gpipe.splitting": ["SplitModel", "split"],
 }
+
+
+# The packages whose __init__ is their public surface: what the guides, the examples and the
+# benchmarks import from them (checked below against every import those files make).
+PACKAGES = (
+    "gpipe.bench",
+    "gpipe.comm",
+    "gpipe.data",
+    "gpipe.engine",
+    "gpipe.models",
+    "gpipe.parallel",
+    "gpipe.planning",
+    "gpipe.runtime",
+    "gpipe.schedules",
+    "gpipe.skip",
+    "gpipe.splitting",
+    "gpipe.training",
+    "gpipe.view",
+)
+USER_FILES = (
+    Path("README.md"),
+    *Path("docs").glob("*.md"),
+    *Path("examples").glob("*.py"),
+    *Path("benchmarks").glob("*.py"),
+)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_package_exports_its_public_names_from_its_init(package):
+    loaded = importlib.import_module(package)
+    assert loaded.__spec__.origin.endswith("__init__.py")
+    missing = [name for name in loaded.__all__ if not hasattr(loaded, name)]
+    assert not missing, f"{package}.__all__ names what it lacks: {missing}"
+    private = [name for name in loaded.__all__ if name.startswith("_")]
+    assert not private, private
+
+
+def test_the_guides_import_what_a_package_exports_from_the_package():
+    """A name the README, a guide, an example or a benchmark imports from a module of one of
+    PACKAGES, that package's __init__ also exports, is imported from the package."""
+    root = Path(__file__).resolve().parents[1]
+    found = re.compile(r"^\s*from (gpipe\.[a-z_]+)\.[a-z_.]+ import ([A-Za-z_, ]+)$", re.M)
+    deeper = []
+    for path in USER_FILES:
+        for package, names in found.findall((root / path).read_text()):
+            if package not in PACKAGES:
+                continue
+            exported = set(importlib.import_module(package).__all__)
+            named = {name.strip() for name in names.split(",")} & exported
+            if named:
+                deeper.append(f"{path}: from {package}.... import {sorted(named)}")
+    assert not deeper, "\n".join(deeper)
 
 
 def test_the_top_level_names_are_the_public_api():

@@ -1,6 +1,6 @@
 """gpipe: pipeline-parallel training of models too large for one device (arXiv:1811.06965)."""
 
-from gpipe.errors import BalanceError, MovingDenied, PipelineError, StageError
+from gpipe.errors import BalanceError, ConfigError, MovingDenied, PipelineError, StageError
 from gpipe.pipe import GPipe
 from gpipe.pipeline import Pipeline
 from gpipe.runtime.recompute import is_checkpointing, is_recomputing
@@ -9,6 +9,7 @@ from gpipe.training.launch import LaunchError, launch
 
 __all__ = [
     "BalanceError",
+    "ConfigError",
     "GPipe",
     "LaunchError",
     "MovingDenied",

@@ -65,6 +65,6 @@ def test_each_block_all_reduces_twice_a_pass_and_the_head_gathers_its_logits():
     assert found.forward_reduce == ((64,), (64, 64), ())
     assert found.backward_reduce == ((), (64, 64), (64,))
     assert found.forward_gather == ((), (), (128,))
-    link = Link(bandwidth=1e9, latency=0.0, inter_node=False)
+    link = Link(bandwidth=1e9, latency=0.0)
     forward, backward = found.seconds(1, 16, link, 2)
     assert forward == backward == pytest.approx(2 * link.ring(16 * 64 * 4, 2, passes=2))

@@ -85,6 +85,7 @@ def test_w_covers_every_output_of_a_layer_and_none_on_a_first_stage():
         reference.zero_grad()
         stage = Stage(1, 3, layers, torch.device("cpu"))
         stage.forward(0, x.requires_grad_(needs_grad), build_graph=True, split_backward=True)
+        # internal: where W starts, which a Stage keeps in its private _saved
         assert len(stage._saved[0].weights.edges) == (3 if needs_grad else 0)
         stage.backward_input(0, (g,))
         stage.backward_weight(0)

@@ -201,7 +201,8 @@ def test_unknown_and_empty_files_are_refused(tmp_path):
 
 
 def test_check_vocabulary_scans_for_the_largest_id(tmp_path, monkeypatch):
-    monkeypatch.setattr("gpipe.training.data.tokens._SCAN", 64)  # several chunks
+    # the module's private chunk size, made small so that this small file spans several
+    monkeypatch.setattr("gpipe.training.data.tokens._SCAN", 64)
     ids = np.arange(1000, dtype=np.uint16) % 300
     ids[917] = 4321
     ids.tofile(tmp_path / "t.bin")

@@ -23,7 +23,6 @@ __all__ = [
     "one_rank",
     "tensor_options",
     "with_collectives",
-    "world",
 ]
 
 DEFAULT_LINK = "H100-SXM"  # NVLink within a node: where a stage's T ranks usually sit
@@ -107,9 +106,3 @@ def tensor_options(args: argparse.Namespace) -> tuple[list[int], str]:
     ts = [t for t in range(1, top + 1) if args.n_head % t == 0]
     bound = f"divisors of the {args.n_head} heads up to {top}"
     return ts, f"{bound} ({device.name}: {device.gpus_per_node} GPUs a node)"
-
-
-def world(args: argparse.Namespace, tensor_parallel: int) -> str:
-    """The processes, K x D x T."""
-    k, d, t = args.stages, args.data_parallel, tensor_parallel
-    return f"world K x D x T = {k} x {d} x {t} = {k * d * t} processes"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpipe.cli.common import multi_stage_schedules
-from gpipe.schedules import SCHEDULES
+from gpipe.schedules import SCHEDULES, SEQ_CHUNKED
 
 __all__ = [
     "add_model_options",
@@ -85,7 +85,7 @@ def add_pipeline_options(pipe: Any) -> None:
         metavar="S",
         help="cut each micro-batch along its sequence into S sub-sequences that follow each "
         "other through the pipeline (Seq1F1B): a stage keeps a sub-sequence's activations, "
-        "not a micro-batch's; with --schedule gpipe, 1f1b or zero-bubble (default 1)",
+        f"not a micro-batch's; with --schedule {', '.join(SEQ_CHUNKED)} (default 1)",
     )
     pipe.add_argument(
         "--seq-split",

@@ -59,20 +59,18 @@ def stream_seconds(device: Device, nbytes: float) -> float:
 @dataclass(frozen=True)
 class Link:
     """What joins the members of a group of GPUs: ``bandwidth`` bytes per second each GPU
-    sends (one direction) and ``latency`` seconds per step; ``inter_node`` when the group
-    spans nodes."""
+    sends (one direction) and ``latency`` seconds per step."""
 
     bandwidth: float
     latency: float
-    inter_node: bool
 
     @classmethod
     def of_group(cls, device: Device, span: int) -> Link:
         """The link of a group whose members lie within ``span`` consecutive ranks: NVLink
         (or the like) if that fits in a node, else the per-GPU network."""
         if span <= device.gpus_per_node:
-            return cls(device.intra_node_bandwidth, _INTRA_NODE_LATENCY, False)
-        return cls(device.inter_node_bandwidth, device.latency_us * 1e-6, True)
+            return cls(device.intra_node_bandwidth, _INTRA_NODE_LATENCY)
+        return cls(device.inter_node_bandwidth, device.latency_us * 1e-6)
 
     def ring(self, nbytes: float, members: int, passes: int = 1) -> float:
         """A ring all-gather or reduce-scatter (``passes=1``) or all-reduce (2) of ``nbytes``

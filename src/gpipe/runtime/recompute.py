@@ -204,10 +204,6 @@ class AutocastState:
             )
         )
 
-    @property
-    def enabled(self) -> bool:
-        return any(on for _, on, _ in self.settings)
-
     @contextlib.contextmanager
     def restore(self) -> Iterator[None]:
         """Run the body under these settings (those that are enabled; the others off)."""

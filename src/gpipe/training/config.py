@@ -2,9 +2,10 @@
 its TOML form (``--config`` reads it, ``--print-config`` writes it).
 
 A field left ``None`` means "the default, or the run's own when it is resumed": a resumed run
-keeps what it was started with unless the configuration says otherwise. ``resolve_options``
-turns a configuration (and the run it continues) into the ``TrainOptions`` every rank runs
-with; the rules those options must satisfy are ``check_options``'s (``training/rules.py``).
+keeps what it was started with unless the configuration says otherwise. ``resolve``
+(``training/run.py``) turns a configuration (and the run it continues) into the
+``TrainOptions`` every rank runs with; the rules those options must satisfy are
+``check_options``'s (``training/rules.py``).
 """
 
 from __future__ import annotations

@@ -316,7 +316,7 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load this rank's part of the checkpoint at ``path`` into ``model`` and ``optimizer``;
     returns ``extra`` filled with the saved values. Works for any number of stages. Every
-    pickle is read by the allow-lists (``safe_checkpoints``)."""
+    pickle is read by the allow-lists (``safe_reading``)."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     from gpipe.training.checkpoints.safe_reading import load_state
@@ -330,7 +330,7 @@ def load_checkpoint(
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """Load the weights of a checkpoint into ``model``, the whole model in one process,
-    through the allow-lists (``safe_checkpoints``)."""
+    through the allow-lists (``safe_reading``)."""
     from gpipe.training.checkpoints.safe_reading import load_state
 
     state = {"model": model.state_dict()}
