@@ -131,14 +131,16 @@ def test_the_guides_import_what_a_package_exports_from_the_package():
     """A name the README, a guide, an example or a benchmark imports from a module of one of
     PACKAGES, that package's __init__ also exports, is imported from the package."""
     root = Path(__file__).resolve().parents[1]
-    found = re.compile(r"^\s*from (gpipe\.[a-z_]+)\.[a-z_.]+ import ([A-Za-z_, ]+)$", re.M)
+    found = re.compile(
+        r"^\s*from (gpipe\.[a-z_]+)\.[a-z_.]+ import (\([^)]*\)|[A-Za-z_, ]+$)", re.M
+    )
     deeper = []
     for path in USER_FILES:
         for package, names in found.findall((root / path).read_text()):
             if package not in PACKAGES:
                 continue
             exported = set(importlib.import_module(package).__all__)
-            named = {name.strip() for name in names.split(",")} & exported
+            named = {name.strip(" \n()") for name in names.split(",")} & exported
             if named:
                 deeper.append(f"{path}: from {package}.... import {sorted(named)}")
     assert not deeper, "\n".join(deeper)
