@@ -32,7 +32,8 @@ import torch.distributed as dist
 from gpipe import Pipeline, launch
 from gpipe.models import GPTConfig, build_gpt, lm_loss
 from gpipe.parallel import shard
-from gpipe.planning import Costs, simulate
+from gpipe.planning import Costs
+from gpipe.planning.simulate import simulate
 from gpipe.schedules import gpipe
 
 from .bench_scaling import _layer_costs, _link, _stage_costs

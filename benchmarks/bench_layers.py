@@ -20,7 +20,8 @@ import torch
 
 from gpipe import Pipeline, launch
 from gpipe.models import GPTConfig, build_gpt, lm_loss
-from gpipe.planning import ActivationMeter, plan, profile
+from gpipe.planning import ActivationMeter, plan
+from gpipe.planning.memory import profile
 from gpipe.runtime import Layers
 
 from .common import gpt_model, machine, quick_or_repeats, timed_step, write_results

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from gpipe import Pipeline, launch
 from gpipe.models import GPTConfig, build_gpt, lm_loss
-from gpipe.planning import PassCosts, pipeline_costs, simulate, stage_costs
+from gpipe.planning import PassCosts, pipeline_costs, stage_costs
+from gpipe.planning.simulate import simulate
 from gpipe.schedules import gpipe
 
 from .common import gpt_model, machine, write_results

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline, launch
-from gpipe.planning import measured_costs, simulate
+from gpipe.planning import measured_costs
+from gpipe.planning.simulate import simulate
 from gpipe.schedules import get_schedule, interleaved
 
 from .bench_mlp import _data, _model

@@ -28,7 +28,9 @@ import torch.distributed as dist
 from gpipe import Pipeline, launch
 from gpipe.models import GPTConfig, build_gpt, lm_loss
 from gpipe.parallel import shard
-from gpipe.planning import Costs, plan, profile, simulate
+from gpipe.planning import Costs, plan
+from gpipe.planning.memory import profile
+from gpipe.planning.simulate import simulate
 from gpipe.schedules import gpipe
 
 from .bench_scaling import _layer_costs, _link, _stage_costs

@@ -9,7 +9,8 @@ import json
 import statistics
 from time import perf_counter
 
-from gpipe.planning import Costs, simulate
+from gpipe.planning import Costs
+from gpipe.planning.simulate import simulate
 from gpipe.schedules import SCHEDULES, interleaved
 
 from .common import machine, summary, write_results

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gpipe.runtime import sub_sequence_attention
+from gpipe.runtime.sub_sequence_attention import sub_sequence_attention
 
 from .common import machine, summary, write_results
 

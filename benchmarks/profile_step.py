@@ -156,6 +156,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="torch.profiler table per case")
     parser.add_argument("--name", default=None, help="results file name (default from sizes)")
     args = parser.parse_args()
+    if args.blocks % (2 * K):
+        parser.error(
+            f"--blocks must be a multiple of {2 * K}, so that every schedule's stages (two per "
+            f"process under the looped and V schedules) are even, got {args.blocks}"
+        )
     cfg = vars(args)
     per_rank = launch(run, K, (cfg,), threads=1)
     m = args.chunks

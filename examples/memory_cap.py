@@ -46,9 +46,9 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 import gpipe
-from gpipe.planning import balance_by_params, plan, profile
+from gpipe.planning import balance_by_params, plan
+from gpipe.planning.memory import profile
 from gpipe.runtime import materialize
-from gpipe.training.launch import LaunchError
 
 CLASSES = 10
 
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     name = "pipelined, K = 2, checkpoint always, capped"
     try:
         piped = gpipe.launch(pipelined, 2, (args,), threads=1)
-    except LaunchError as exc:  # a process that runs out of memory leaves its peer waiting
+    except gpipe.LaunchError as exc:  # a process that runs out of memory leaves its peer waiting
         print(f"{name}: failed\n{exc}")
         return 1
     print(_report(name, piped[1]))

@@ -17,19 +17,20 @@ def test_one_stage_per_rank_holds_its_layers_in_order():
 
 
 @pytest.mark.parametrize(
-    ("layout", "stage_to_rank", "rank_0_holds"),
+    ("layout", "stage_to_rank", "held", "first", "last"),
     [
-        (Placement.LOOPED, (0, 1, 0, 1), (0, 2)),
-        (Placement.V, (0, 1, 1, 0), (0, 3)),
-        ((1, 0, 0, 1), (1, 0, 0, 1), (1, 2)),  # a schedule file's own map
+        # per rank 0 and 1: the stages it holds, whether it holds the first and the last
+        (Placement.LOOPED, (0, 1, 0, 1), ((0, 2), (1, 3)), (True, False), (False, True)),
+        (Placement.V, (0, 1, 1, 0), ((0, 3), (1, 2)), (True, False), (True, False)),
+        ((1, 0, 0, 1), (1, 0, 0, 1), ((1, 2), (0, 3)), (False, True), (False, True)),
     ],
 )
-def test_several_stages_per_rank_sit_as_the_layout_says(layout, stage_to_rank, rank_0_holds):
-    placement = RankPlacement((1, 1, 1, 1), rank=0, n_ranks=2, group=None, layout=layout)
-    assert placement.stage_to_rank == stage_to_rank
-    assert placement.stages == rank_0_holds
-    assert placement.is_first == (stage_to_rank[0] == 0)
-    assert placement.is_last == (stage_to_rank[-1] == 0)
+def test_several_stages_per_rank_sit_as_the_layout_says(layout, stage_to_rank, held, first, last):
+    for rank in (0, 1):
+        placement = RankPlacement((1, 1, 1, 1), rank=rank, n_ranks=2, group=None, layout=layout)
+        assert placement.stage_to_rank == stage_to_rank
+        assert placement.stages == held[rank]
+        assert (placement.is_first, placement.is_last) == (first[rank], last[rank])
 
 
 @pytest.mark.parametrize("layer", [-1, 4])

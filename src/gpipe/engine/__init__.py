@@ -18,7 +18,7 @@ from gpipe.engine.given_batches import (
     take_step_data,
 )
 from gpipe.engine.logprobs import IGNORE_INDEX, TokenLogprobs, logits_of, token_logprobs
-from gpipe.engine.loss_weights import loss_weights, scatter_targets
+from gpipe.engine.loss_weights import scatter_targets
 from gpipe.engine.placement import (
     BuiltStages,
     RankPlacement,
@@ -32,7 +32,6 @@ from gpipe.engine.presplit import (
     given_microbatches,
     given_targets,
     later_sizes,
-    presplit,
 )
 from gpipe.engine.runner import StepResult, StepRunner, StepTimes, connect
 from gpipe.engine.step_schedule import ScheduleSource, StepSchedules
@@ -65,8 +64,6 @@ __all__ = [
     "given_targets",
     "later_sizes",
     "logits_of",
-    "loss_weights",
-    "presplit",
     "scatter_targets",
     "take_step_data",
     "token_logprobs",
