@@ -5,9 +5,9 @@ The simulator's step prediction from measured costs is ``predict``; the cluster 
 a layout on many GPUs, and its search are ``gpipe.planning.cluster.predict`` and
 ``gpipe.planning.cluster_search.search`` (``gpipe plan --cluster``), whose names would
 otherwise clash with the simulator's ``predict`` and the stage planner's ``search``. Two
-functions are named as their modules are, and a package attribute is its submodule once that
-is imported, so they are called through their modules: ``gpipe.planning.simulate.simulate``
-and ``gpipe.planning.profile.profile`` (also ``gpipe.planning.memory.profile``).
+functions are named as their modules are; exported, each would hide its module (``import
+gpipe.planning.simulate as s`` would give the function), so they are called through their
+modules: ``gpipe.planning.simulate.simulate`` and ``gpipe.planning.memory.profile``.
 """
 
 from gpipe.planning.advice import bubble, chunks_advice

@@ -3,8 +3,8 @@ gradients, micro-batches, deferred BatchNorm, the caches a stage generates with,
 timeline of what ran.
 
 ``sub_sequence_attention`` is called through its module of the same name
-(``gpipe.runtime.sub_sequence_attention.sub_sequence_attention``): a package attribute is its
-submodule once that is imported."""
+(``gpipe.runtime.sub_sequence_attention.sub_sequence_attention``): exported, it would hide
+that module."""
 
 from gpipe.runtime.batchnorm import (
     DeferredBatchNorm,
