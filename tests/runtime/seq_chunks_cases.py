@@ -141,7 +141,7 @@ def compiled_against_eager(schedule: str) -> dict:
                 )
         optimizers = {c: torch.optim.SGD(p.parameters(), lr=0.5) for c, p in pipes.items()}
         ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-        for step in range(2):
+        for _ in range(2):
             ref_optimizer.zero_grad()
             expected = lm_loss(reference(x), y)
             expected.backward()
