@@ -115,8 +115,9 @@ def compiled_against_eager(schedule: str) -> dict:
     the probe compiled, and what the compiled pipeline warned.
 
     The micro-batches are even and both steps have the same length: each new shape would
-    compile every layer again (a third of this test's time each), and what shapes do to the
-    sub-sequences is what the eager cases above check."""
+    compile every layer again (the short micro-batch and the second length took this case
+    from 16 s to 26 s alone on two cores), and what shapes do to the sub-sequences is what
+    the eager cases above check."""
     torch.compiler.reset()  # these processes are shared: start below the recompilation limit
     model, x, y = _gpt()
     x, y = x[:6], y[:6]  # three micro-batches of two rows
