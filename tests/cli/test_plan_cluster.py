@@ -2,6 +2,7 @@
 command, and bad input in one line each."""
 
 import json
+import re
 
 import pytest
 
@@ -80,13 +81,40 @@ def test_a_hugging_face_config_is_read_for_its_shapes(tmp_path, capsys):
     )
 
 
+def _train_command(out: str) -> list[str]:
+    """The search's ``gpipe train`` command, as its arguments."""
+    found = re.search(r"^run the fastest(?: gpipe trains)?: gpipe (train .*)$", out, re.M)
+    assert found, out
+    return found[1].split()
+
+
+def _trains(command: list[str], capsys) -> None:
+    """``gpipe train`` takes the command as given (its checks, not a run: on this machine's
+    CPU, writing out the configuration instead)."""
+    device = command.index("--device")
+    assert (
+        main([*command[:device], "--device", "cpu", *command[device + 2 :], "--print-config"]) == 0
+    )
+    capsys.readouterr()
+
+
 def test_search_prints_the_fastest_why_the_others_do_not_and_a_command(capsys):
-    assert main([*GPT, "--global-batch", "256", "--search", "--top", "3"]) == 0
+    assert main([*GPT, "--dropout", "0", "--global-batch", "256", "--search", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "layouts searched" in out and "why the others were left:" in out
-    assert "fit, but slower" in out and "run the fastest: gpipe train --n-layer 16" in out
+    assert "fit, but slower" in out
     table = out.split("\n")[1:5]
     assert table[0].split()[:4] == ["#", "D", "T", "K"] and len(table) == 4
+    # the command trains the model planned (its sequences fit the context, no dropout),
+    # in a layout gpipe offers (the fastest here shards the optimizer state alone)
+    assert table[1].split()[9] == "optimizer"
+    assert "which gpipe does not offer" in out
+    command = _train_command(out)
+    assert " ".join(command).startswith(
+        "train --n-layer 16 --d-model 2048 --n-head 16 --context 2048 --dropout 0 "
+    )
+    assert "--shard optimizer" not in " ".join(command)
+    _trains(command, capsys)
 
 
 def test_a_user_device_from_toml(tmp_path, capsys):
@@ -130,6 +158,15 @@ def test_a_user_device_from_toml(tmp_path, capsys):
             "--global-batch 100 does not divide into D 8 replicas",
         ),
         (["--stages", "32", "--global-batch", "64"], "32 pipeline stages"),
+        # a --data-parallel of 1 is read as given, not as the default
+        (["--data-parallel", "1", "--global-batch", "64"], "= 1 GPUs, but the cluster has 64"),
+        (["--n-layer", "0", "--global-batch", "64"], "--n-layer must be a positive integer"),
+        (["--top", "3", "--global-batch", "64"], "--top lists the layouts of --search"),
+        (
+            ["--schedule", "zero-bubble-v", "--virtual-stages", "3", "--global-batch", "64"],
+            "--virtual-stages 3: --schedule zero-bubble-v holds two stages per process",
+        ),
+        (["--precision", "fp32", "--global-batch", "64"], "invalid choice: 'fp32'"),
         (["--global-batch", "64", "--chunks", "8"], "--chunks is not read with --cluster"),
         (["--stages", "2"], "--cluster needs --global-batch"),
         (
@@ -155,6 +192,27 @@ def test_bad_input_is_one_line(capsys, args, message):
     cluster = [] if "--cluster" in args else ["--cluster", "64xA100-80GB"]
     argv = [*GPT[:1], *GPT[3:], *cluster, *args]
     assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"max_position_embeddings": 0}, "max_seq_len must be a positive integer, got 0"),
+        ({"text_config": 5}, "text_config must be a JSON object, got 5"),
+        ({"num_hidden_layers": 32.0}, "layers must be a positive integer, got 32.0"),
+        ({"num_key_value_heads": 0}, "kv_heads must be a positive integer, got 0"),
+        ({"moe_layers": 5}, "moe_layers must be a list of block indices, got 5"),
+    ],
+)
+def test_a_malformed_config_is_one_line(tmp_path, capsys, fields, message):
+    from ..planning.test_transformer import MIXTRAL_8X7B
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**MIXTRAL_8X7B, **fields}))
+    args = ["plan", "--cluster", "8xH100-SXM", "--model", f"hf:{path}", "--global-batch", "64"]
+    assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
 
@@ -237,9 +295,9 @@ def test_a_mixture_of_experts_runs_its_routed_experts_and_holds_them_all(tmp_pat
     assert times[0] < got["step_time_s"] < times[1]
 
 
-def test_search_over_a_mixture_of_experts_says_what_gpipe_train_runs(tmp_path, capsys):
-    """Splitting the experts over T GPUs is what makes Mixtral fastest on 32 H100s, but
-    gpipe train does not do it yet: it says so, and how to search among what it runs."""
+def test_search_over_a_mixture_of_experts_gives_a_command_gpipe_train_runs(tmp_path, capsys):
+    """Splitting the experts over T GPUs is what makes Mixtral fastest on 32 H100s, and
+    gpipe train splits them: the command it prints takes them so."""
     from ..planning.test_transformer import MIXTRAL_8X7B
 
     path = tmp_path / "config.json"
@@ -248,13 +306,10 @@ def test_search_over_a_mixture_of_experts_says_what_gpipe_train_runs(tmp_path, c
     assert main([*args, "--seq-len", "4096", "--tensor-parallel", "8", "--stages", "4"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("mixtral: 46.7 B parameters, 12.9 B active (32 blocks of 4096, 32 ")
-    note = "gpipe train does not split experts over tensor-parallel ranks yet"
-    for tensor, noted in ((None, True), ("1", False)):
-        more = [] if tensor is None else ["--tensor-parallel", tensor]
-        assert main([*args, "--seq-len", "4096", "--search", "--top", "2", *more]) == 0
-        command, *after = capsys.readouterr().out.split("run the fastest: ")[1].splitlines()
-        assert ("--tensor-parallel 1 " not in command) == noted
-        assert any(note in line for line in after) == noted
+    assert main([*args, "--seq-len", "4096", "--search", "--top", "2"]) == 0
+    command = _train_command(capsys.readouterr().out)
+    assert command[command.index("--tensor-parallel") + 1] != "1"
+    _trains(command, capsys)
 
 
 def test_deepseek_v3_with_latent_attention_and_dense_first_blocks_is_planned(tmp_path, capsys):

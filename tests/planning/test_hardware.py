@@ -72,3 +72,20 @@ def test_a_bad_device_entry_is_named_in_one_line(tmp_path, text, message):
     with pytest.raises(ValueError, match=message) as error:
         load_devices(path)
     assert "\n" not in str(error.value)
+
+
+def test_a_group_lies_in_a_node_only_where_the_nodes_divide_into_such_groups():
+    """Groups of ``span`` neighbouring ranks start at every multiple of ``span``: with 8 GPUs
+    a node, groups of 4 stay inside; with 6, the second group of 4 (ranks 4 to 7) spans two
+    nodes, and the step waits for it on the network."""
+    import dataclasses
+
+    from gpipe.planning.roofline import Link
+
+    eight = CATALOGUE["H100-SXM"]
+    six = dataclasses.replace(eight, gpus_per_node=6)
+    nvlink, network = eight.intra_node_bandwidth, eight.inter_node_bandwidth
+    assert Link.of_group(eight, 4).bandwidth == nvlink
+    assert Link.of_group(six, 3).bandwidth == nvlink
+    assert Link.of_group(six, 4).bandwidth == network
+    assert Link.of_group(eight, 16).bandwidth == network

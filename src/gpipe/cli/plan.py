@@ -91,10 +91,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--data-parallel",
         type=int,
-        default=1,
         metavar="D",
         help="replicas of the pipeline, --batch-size split among them; adds the all-reduce "
-        "buckets to each process (default 1)",
+        "buckets to each process (default 1; with --cluster, what T x K leave of the GPUs)",
     )
     add_shard_arguments(p)
     p.add_argument(
@@ -328,6 +327,8 @@ def _plan(args: argparse.Namespace) -> int:
         if args.seq_chunks != 1:
             raise UsageError(f"--seq-chunks {args.seq_chunks} is not planned with --cluster yet")
         return plan_cluster(args)
+    if args.data_parallel is None:
+        args.data_parallel = 1
     kind = model_kind(args)
     gpt = kind == "gpt"
     check_plannable(args, gpt, str(_PLAN_DEFAULTS["schedule"]))

@@ -17,7 +17,7 @@ from typing import Any
 from gpipe.cli.common import UsageError
 from gpipe.cli.plan_cluster_output import print_json, print_prediction, print_search
 from gpipe.planning.cluster import Prediction, predict
-from gpipe.planning.cluster_layout import Layout
+from gpipe.planning.cluster_layout import Layout, check_virtual_stages
 from gpipe.planning.cluster_memory import BYTES_PER_PARAM
 from gpipe.planning.cluster_search import SearchSpace, search
 from gpipe.planning.hardware import Cluster, Device, load_devices, parse_cluster
@@ -158,14 +158,22 @@ def _shape(args: argparse.Namespace) -> TransformerShape:
                 f"--cluster plans the GPT or a Hugging Face config (--model hf:config.json), "
                 f"got --model {args.model}"
             )
-        sizes = {n: getattr(args, n) or v for n, v in GPT_DEFAULTS.items()}
-        args.seq_len = args.seq_len or 1024
+        for name, default in GPT_DEFAULTS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, default)
+        for name in (*GPT_DEFAULTS, "d_ff"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                flag = name.replace("_", "-")
+                raise ValueError(f"--{flag} must be a positive integer, got {value}")
+        if args.seq_len is None:
+            args.seq_len = 1024
         dropout = 0.1 if args.dropout is None else args.dropout
         shape = gpt_shape(
-            sizes["n_layer"],
-            sizes["d_model"],
-            sizes["n_head"],
-            sizes["vocab_size"],
+            args.n_layer,
+            args.d_model,
+            args.n_head,
+            args.vocab_size,
             args.d_ff,
             tied=not args.no_tie_embeddings,
         )
@@ -177,12 +185,18 @@ def _shape(args: argparse.Namespace) -> TransformerShape:
 def _check_sizes(args: argparse.Namespace) -> None:
     if args.global_batch is None:
         raise UsageError("--cluster needs --global-batch, the sequences in a step")
-    for flag in ("global_batch", "micro_batch", "tensor_parallel", "stages", "seq_len"):
+    sizes = ("global_batch", "micro_batch", "tensor_parallel", "stages", "data_parallel", "top")
+    for flag in (*sizes, "seq_len", "virtual_stages"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
-    if args.virtual_stages is not None and args.virtual_stages < 1:
-        raise UsageError(f"--virtual-stages must be a positive integer, got {args.virtual_stages}")
+    if args.top is not None and not args.search:
+        raise UsageError("--top lists the layouts of --search: add --search, or leave --top out")
+    if args.virtual_stages is not None and args.schedule is not None:
+        try:
+            check_virtual_stages(args.schedule, args.virtual_stages)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     if args.dropout is not None and not 0 <= args.dropout < 1:
         raise UsageError(f"--dropout must be a probability in [0, 1), got {args.dropout}")
 
@@ -222,7 +236,7 @@ def _layout(args: argparse.Namespace, cluster: Cluster, v: int, micro_batch: int
             f"{t * k} GPUs does not divide the cluster's {cluster.gpus}"
         )
     d = cluster.gpus // (t * k)
-    if args.data_parallel not in (1, d):
+    if args.data_parallel not in (None, d):
         raise UsageError(
             f"the layout does not cover the cluster: --data-parallel {args.data_parallel} x "
             f"--tensor-parallel {t} x --stages {k} = {args.data_parallel * t * k} GPUs, but "
@@ -268,6 +282,10 @@ def _micro_batch_choices(args: argparse.Namespace, cluster: Cluster) -> list[int
     return found or [1]
 
 
+def _memory(p: Prediction) -> float:
+    return p.memory.total
+
+
 def _predict(
     args: argparse.Namespace, shape: TransformerShape, cluster: Cluster
 ) -> tuple[Prediction, Choices]:
@@ -285,8 +303,9 @@ def _predict(
                 errors.append(str(exc))
     if not found:
         raise UsageError(errors[0])
-    fits = [p for p in found if p.fits()] or found
-    best = min(fits, key=lambda p: p.step_time_s)
+    fits = [p for p in found if p.fits()]
+    # the fastest that fits; if none does, the one that comes nearest, for its error
+    best = min(fits, key=lambda p: p.step_time_s) if fits else min(found, key=_memory)
     tried = {
         "stages per process": virtual if len(virtual) > 1 else [],
         "micro-batch": micro if args.micro_batch is None else [],
@@ -295,19 +314,24 @@ def _predict(
 
 
 def _model_flags(args: argparse.Namespace) -> str:
-    """``gpipe train``'s flags for the model planned."""
+    """``gpipe train``'s flags for the model planned: its shape, a context that takes the
+    planned sequences, its dropout and tying, and the tokenizer that gives its vocabulary."""
     if args.model != "gpt":
         return f"--model {args.model}"
-    flags = (
-        f"--n-layer {args.n_layer or 12} --d-model {args.d_model or 768} "
-        f"--n-head {args.n_head or 12}"
-    )
-    return flags + (f" --d-ff {args.d_ff}" if args.d_ff else "")
+    flags = [
+        f"--n-layer {args.n_layer} --d-model {args.d_model} --n-head {args.n_head}",
+        f"--d-ff {args.d_ff}" if args.d_ff else "",
+        f"--context {args.seq_len} --dropout {0.1 if args.dropout is None else args.dropout:g}",
+        "--untied" if args.no_tie_embeddings else "",
+        f"--tokenizer {args.tokenizer}" if args.tokenizer else "",
+    ]
+    return " ".join(f for f in flags if f)
 
 
 def _search(args: argparse.Namespace, shape: TransformerShape, cluster: Cluster) -> int:
     shard = None if args.shard is None else [None if args.shard == "none" else args.shard]
     space = SearchSpace(
+        data_parallel=None if args.data_parallel is None else [args.data_parallel],
         tensor_parallel=None if args.tensor_parallel is None else [args.tensor_parallel],
         stages=None if args.stages is None else [args.stages],
         micro_batches=(1, 2, 4, 8) if args.micro_batch is None else (args.micro_batch,),

@@ -55,7 +55,8 @@ def print_prediction(p: Prediction, shape: TransformerShape, choices: dict[str, 
     print(f"layout {layout.describe()}, {layout.precision}")
     for name, tried in choices.items():
         values = ", ".join(map(str, tried))
-        print(f"  {name}: {_chosen(p, name)}, the fastest that fits of {values}")
+        which = "the fastest that fits" if p.fits() else "none fits; the least memory"
+        print(f"  {name}: {_chosen(p, name)}, {which} of {values}")
     parts = p.memory.gib()
     listed = ", ".join(f"{k} {v:.1f}" for k, v in parts.items() if k != "total")
     fits = "fits" if p.fits() else "DOES NOT FIT"
@@ -95,7 +96,7 @@ def prediction_json(p: Prediction) -> dict[str, Any]:
             "tensor_parallel": layout.tensor_parallel,
             "stages": layout.stages,
             "schedule": layout.schedule,
-            "virtual_stages": layout.virtual_stages,
+            "virtual_stages": layout.n_stages // layout.stages,
             "micro_batch": layout.micro_batch,
             "microbatches": layout.microbatches,
             "global_batch": layout.global_batch,
@@ -150,7 +151,7 @@ def _row(rank: int, p: Prediction) -> list[str]:
         str(layout.tensor_parallel),
         str(layout.stages),
         layout.schedule,
-        str(layout.virtual_stages) if several else "-",
+        str(layout.n_stages // layout.stages) if several else "-",
         str(layout.micro_batch),
         str(layout.microbatches),
         layout.recompute,
@@ -190,6 +191,7 @@ def print_search(
     """``--search``'s answer: the fastest layouts that fit, why the others do not, and the
     command that runs the fastest."""
     memory = cluster.device.memory_gib
+    trained = found.trained
     slower = max(found.fitting - len(found.best), 0)
     reasons = dict(found.rejected.most_common())
     if slower:
@@ -202,7 +204,7 @@ def print_search(
             "best": [prediction_json(p) for p in found.best],
             "rejected": reasons,
             "least_memory_gib": None if found.least is None else found.least.memory.total / 2**30,
-            "train_command": train_command(found.best[0], model) if found.best else None,
+            "train_command": None if trained is None else train_command(trained, model),
         }
         print(json.dumps(out, indent=2))
         return
@@ -222,10 +224,19 @@ def print_search(
                 f"{least.layout.describe()})"
             )
         print(f"  {count:>8,}  {reason}{extra}")
-    if found.best:
-        print(f"run the fastest: {train_command(found.best[0], model)}")
-        if shape.is_moe and found.best[0].layout.tensor_parallel > 1:
+    if trained is None:
+        if found.best:
             print(
-                "  (gpipe train does not split experts over tensor-parallel ranks yet: "
-                "--search --tensor-parallel 1 gives the fastest layout it runs)"
+                "gpipe train runs none of the layouts that fit: each shards the optimizer "
+                "state alone (Megatron's distributed optimizer), which gpipe does not offer"
             )
+        return
+    if trained is found.best[0]:
+        print(f"run the fastest: {train_command(trained, model)}")
+        return
+    print(
+        "the fastest shard the optimizer state alone (Megatron's distributed optimizer), "
+        f"which gpipe does not offer; the fastest gpipe trains takes {trained.step_time_s:,.3f} "
+        f"s a step and {trained.memory_per_gpu_gib:.1f} GiB per GPU ({trained.layout.describe()})"
+    )
+    print(f"run the fastest gpipe trains: {train_command(trained, model)}")

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SHARD_MODES",
+    "TRAINED_SHARD_MODES",
     "ShardedGradients",
     "ShardedStages",
     "Sharding",
@@ -62,6 +63,8 @@ _DROPPED = {
     "(ZeRO-2) costs their memory and saves no message over shard='full', which gathers them "
     "once a step",
 }
+# the modes a Pipeline runs; the others are named so that asking for them says why not
+TRAINED_SHARD_MODES = tuple(mode for mode in SHARD_MODES if mode not in _DROPPED)
 
 
 @dataclass(frozen=True)

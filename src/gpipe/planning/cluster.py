@@ -12,6 +12,7 @@ counts the activations in flight as the simulator does.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ from gpipe.planning.cluster_layout import Layout, check_layout
 from gpipe.planning.cluster_memory import MemoryParts
 from gpipe.planning.cluster_step import StepModel
 from gpipe.planning.costs import Costs
-from gpipe.planning.replay import simulate
+from gpipe.planning.replay import SimResult, simulate
 from gpipe.planning.transformer import TransformerShape
 from gpipe.schedules import build
 
@@ -74,24 +75,59 @@ def _simulate(schedule: str, k: int, m: int, v: int, d: int, costs: Costs) -> _R
     D replicas, replayed under ``costs`` (cached: layouts that differ only in what the
     simulator does not see, such as how sharded the states are, share it).
 
-    Past a few rounds of K micro-batches a pipeline is in its steady state, where every K
-    more add the same time and memory: a long step is simulated at 2K and 3K micro-batches
-    and extended along that line (the tests check it against the whole simulation)."""
-    counts = (m,) if m <= 3 * k or k == 1 else (2 * k, 3 * k)
-    runs = [simulate(build(schedule, k, n, v), costs, data_parallel=d) for n in counts]
-    share = (m - counts[0]) / k  # rounds of K past the first run
+    Once a pipeline is in its steady state, every K more micro-batches add the same time
+    and memory, and the time is the busiest process's work: a long step is simulated at n
+    and n + K micro-batches (n = 2K, 4K, 8K, ... until the step grows by the busiest
+    process's work) and extended along that line; a step that does not settle before M is
+    simulated whole. A V can take several rounds to settle (its first rounds fill the gaps
+    of its cap faster than it can keep up). The tests check both against the whole
+    simulation."""
 
-    def line(values: Sequence[Sequence[float]]) -> list[float]:
-        a, b = values[0], values[-1]
-        return [x + share * (y - x) for x, y in zip(a, b, strict=True)]
+    def run(n: int) -> SimResult:
+        return simulate(build(schedule, k, n, v), costs, data_parallel=d)
+
+    n = 2 * k
+    while k > 1 and n + k < m:
+        before, after = run(n), run(n + k)
+        if _steady(before, after):
+            return _extended(before, after, (m - n) / k)
+        n *= 2
+    whole = run(m)
+    return _Replayed(
+        makespan=whole.makespan,
+        busy=list(whole.busy),
+        peaks=list(whole.peak_rank_activation_bytes),
+        first_forward_end=_first_forward_ends(whole),
+        reduce_exposed=max(whole.allreduce_exposed, default=0.0),
+    )
+
+
+def _extended(before: SimResult, after: SimResult, rounds: float) -> _Replayed:
+    """The step ``rounds`` more rounds of K micro-batches past ``before``, along the line
+    from it to ``after`` (one round on)."""
+
+    def line(a: Sequence[float], b: Sequence[float]) -> list[float]:
+        return [x + rounds * (y - x) for x, y in zip(a, b, strict=True)]
 
     return _Replayed(
-        makespan=line([[r.makespan] for r in runs])[0],
-        busy=line([r.busy for r in runs]),
-        peaks=line([r.peak_rank_activation_bytes for r in runs]),
-        first_forward_end=[times[1] if times else 0.0 for times in runs[0].compute_times],
-        reduce_exposed=max(runs[-1].allreduce_exposed, default=0.0),
+        makespan=line([before.makespan], [after.makespan])[0],
+        busy=line(before.busy, after.busy),
+        peaks=line(before.peak_rank_activation_bytes, after.peak_rank_activation_bytes),
+        first_forward_end=_first_forward_ends(before),
+        reduce_exposed=max(after.allreduce_exposed, default=0.0),
     )
+
+
+def _steady(before: SimResult, after: SimResult) -> bool:
+    """Whether K more micro-batches lengthened the step by exactly the busiest process's
+    work on them: then every further K do the same."""
+    grown = after.makespan - before.makespan
+    work = max(b - a for a, b in zip(before.busy, after.busy, strict=True))
+    return math.isclose(grown, work, rel_tol=1e-9, abs_tol=1e-12 * after.makespan)
+
+
+def _first_forward_ends(run: SimResult) -> list[float]:
+    return [times[1] if times else 0.0 for times in run.compute_times]
 
 
 def predict(shape: TransformerShape, layout: Layout) -> Prediction:

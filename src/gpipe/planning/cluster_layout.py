@@ -15,12 +15,13 @@ from gpipe.planning.cluster_memory import BYTES_PER_PARAM
 from gpipe.planning.hardware import Cluster
 from gpipe.planning.layer_costs import RECOMPUTE, STACKS, Software
 from gpipe.planning.transformer import TransformerShape
-from gpipe.schedules import traits
+from gpipe.schedules import Placement, traits
 
 __all__ = [
     "Layout",
     "blocks_per_stage",
     "check_layout",
+    "check_virtual_stages",
     "layers_per_stage",
     "splits_over",
     "stage_params",
@@ -64,7 +65,8 @@ class Layout:
 
     def describe(self) -> str:
         """One line, as the search's table and the errors print a layout."""
-        v = f" v={self.virtual_stages}" if traits(self.schedule).several_stages_per_rank else ""
+        several = traits(self.schedule).several_stages_per_rank
+        v = f" v={self.n_stages // self.stages}" if several else ""
         return (
             f"D={self.data_parallel} T={self.tensor_parallel} K={self.stages} "
             f"{self.schedule}{v} b={self.micro_batch} M={self.microbatches} "
@@ -117,13 +119,22 @@ def check_layout(shape: TransformerShape, layout: Layout) -> None:
         raise ValueError(f"--shard {layout.shard} splits states over replicas: D is {d}")
 
 
+def check_virtual_stages(schedule: str, v: int) -> None:
+    """Refuse stages per process that ``schedule`` does not hold."""
+    kind = traits(schedule)
+    if v > 1 and not kind.several_stages_per_rank:
+        raise ValueError(f"--virtual-stages {v}: --schedule {schedule} runs one stage per process")
+    if kind.placement is Placement.V and v not in (1, 2):
+        raise ValueError(
+            f"--virtual-stages {v}: --schedule {schedule} holds two stages per process (a V), "
+            "so it takes --virtual-stages 2 or none"
+        )
+
+
 def _check_schedule(layout: Layout) -> None:
     k, m, v = layout.stages, layout.microbatches, layout.virtual_stages
     kind = traits(layout.schedule)
-    if v > 1 and not kind.several_stages_per_rank:
-        raise ValueError(
-            f"--virtual-stages {v}: --schedule {layout.schedule} runs one stage per process"
-        )
+    check_virtual_stages(layout.schedule, v)
     if not kind.runs(k, m, v):
         rounds = ", a multiple of --stages" if kind.microbatches_per_round else ""
         raise ValueError(

@@ -5,7 +5,8 @@ flight, and buffers.
 Mixed precision keeps 16-bit weights and Adam's fp32 master weights, momentum and variance;
 ``bf16`` sums the gradients over micro-batches in fp32 (Megatron-LM's main gradients, 4 bytes
 a parameter), ``fp16`` in fp16 (2 bytes, and an fp32 copy for the optimizer: 16 bytes of
-optimizer state); ``fp32`` keeps 4 + 4 + 8. The replicas reduce 16-bit gradients under mixed
+optimizer state). A cluster's step is planned in 16-bit precision only: the catalogue holds
+each device's 16-bit tensor-core peak. The replicas reduce 16-bit gradients under mixed
 precision (``REDUCED_BYTES``: PyTorch FSDP's ``reduce_dtype``, Megatron-LM's
 ``--grad-reduce-in-bf16``; Megatron-LM's default of fp32 doubles that traffic). The shard modes are
 ``Pipeline``'s (``gpipe.planning.shards``): ``optimizer`` and ``gradients`` split the
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 __all__ = ["BYTES_PER_PARAM", "FRAMEWORK_BYTES", "REDUCED_BYTES", "MemoryParts", "states_bytes"]
 
 # (weights, gradients, optimizer state) bytes per parameter, by precision
-BYTES_PER_PARAM = {"bf16": (2, 4, 12), "fp16": (2, 2, 16), "fp32": (4, 4, 8)}
+BYTES_PER_PARAM = {"bf16": (2, 4, 12), "fp16": (2, 2, 16)}
 # bytes per parameter of the gradients the replicas reduce: 16-bit under mixed precision
-REDUCED_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+REDUCED_BYTES = {"bf16": 2, "fp16": 2}
 # The CUDA context, NCCL's communicators and cuBLAS's workspace, and the allocator's slack
 FRAMEWORK_BYTES = 2.0 * 2**30
 

@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from gpipe.parallel.sharding import TRAINED_SHARD_MODES
 from gpipe.planning.closed_forms import closed_form_bubble, closed_form_peak
 from gpipe.planning.cluster import Prediction, predict
 from gpipe.planning.cluster_layout import Layout, check_layout, splits_over
@@ -41,9 +42,11 @@ _MOST_VIRTUAL = 8  # the most stages per process a looped schedule is searched w
 @dataclass(frozen=True)
 class SearchSpace:
     """What the search tries; None for the sizes means every size that runs: tensor
-    parallel powers of two within a node, as many stages as divide the rest, and stages
-    per process that divide a process's layers (up to ``_MOST_VIRTUAL``)."""
+    parallel powers of two within a node, as many stages as divide the rest (and the
+    replicas, whatever T x K leave of the GPUs), and stages per process that divide a
+    process's layers (up to ``_MOST_VIRTUAL``)."""
 
+    data_parallel: Sequence[int] | None = None
     tensor_parallel: Sequence[int] | None = None
     stages: Sequence[int] | None = None
     micro_batches: Sequence[int] = (1, 2, 4, 8)
@@ -67,13 +70,16 @@ class Search:
     """What ``search`` found: the ``best`` layouts that fit, simulated, fastest first; how
     many were ``searched``, how many fit, and why the others were left (``rejected``: a
     reason and how many it ruled out); of those that do not fit, the one needing the
-    ``least`` memory."""
+    ``least`` memory; and the fastest layout that ``gpipe train`` runs (``trained``: the
+    planner also prices Megatron's distributed optimizer, ``shard="optimizer"``, which
+    ``Pipeline`` does not offer)."""
 
     best: list[Prediction]
     searched: int = 0
     fitting: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
     least: Estimate | None = None
+    trained: Prediction | None = None
     seconds: float = 0.0
 
 
@@ -120,6 +126,9 @@ def _layouts(
                 rejected["more stages than layers"] += 1
                 continue
             d = n // (t * k)
+            if space.data_parallel is not None and d not in space.data_parallel:
+                rejected["T x K leave another number of replicas than D"] += 1
+                continue
             for b in space.micro_batches:
                 if global_batch % (d * b):
                     rejected["the global batch does not divide into D x micro-batch"] += 1
@@ -241,14 +250,17 @@ def search(
     found.fitting = len(fitting)
     fitting.sort(key=lambda e: e.step_s)
     chosen = fitting[:SIMULATED]
-    for name in space.schedules:  # the best of each schedule too, so the table compares them
-        best_of = next((e for e in fitting if e.layout.schedule == name), None)
+    # the best of each schedule too, so the table compares them, and the best gpipe trains
+    extra = [next((e for e in fitting if e.layout.schedule == s), None) for s in space.schedules]
+    extra.append(next((e for e in fitting if e.layout.shard in TRAINED_SHARD_MODES), None))
+    for best_of in extra:
         if best_of is not None and best_of not in chosen:
             chosen.append(best_of)
     predicted = sorted(
         (p for p in (predict(shape, e.layout) for e in chosen) if p.fits()),
         key=lambda p: (p.step_time_s, p.memory.total),
     )
+    found.trained = next((p for p in predicted if p.layout.shard in TRAINED_SHARD_MODES), None)
     seen: set[tuple[object, ...]] = set()
     for p in predicted:  # a layout once: its fastest, least-memory sharding
         key = _unsharded(p.layout)

@@ -29,7 +29,7 @@ from gpipe.schedules import traits
 
 __all__ = ["StepModel", "pipeline_costs", "stage_costs", "step_flops"]
 
-_OPTIMIZER_BYTES = {"bf16": 30, "fp16": 30, "fp32": 28}  # Adam's reads and writes a parameter
+_OPTIMIZER_BYTES = {"bf16": 30, "fp16": 30}  # Adam's reads and writes a parameter
 
 
 def step_flops(

@@ -66,9 +66,11 @@ class Link:
 
     @classmethod
     def of_group(cls, device: Device, span: int) -> Link:
-        """The link of a group whose members lie within ``span`` consecutive ranks: NVLink
-        (or the like) if that fits in a node, else the per-GPU network."""
-        if span <= device.gpus_per_node:
+        """The link of groups whose members lie within ``span`` consecutive ranks, one group
+        from every multiple of ``span``: NVLink (or the like) if each group lies in a node,
+        else the per-GPU network (where nodes do not divide into groups, some group spans
+        two, and the step waits for the slowest)."""
+        if span <= device.gpus_per_node and device.gpus_per_node % span == 0:
             return cls(device.intra_node_bandwidth, _INTRA_NODE_LATENCY)
         return cls(device.inter_node_bandwidth, device.latency_us * 1e-6)
 

@@ -78,6 +78,8 @@ class TransformerShape:
         latent = ("q_lora_rank", "kv_lora_rank", "qk_rope_dim", "v_head_dim")
         for key in (*latent, "experts", "experts_per_token", "expert_ffn", "shared_ffn"):
             _check_count(self.name, key, getattr(self, key), least=0)
+        if self.max_seq_len is not None:
+            _check_count(self.name, "max_seq_len", self.max_seq_len, least=1)
         if self.experts and not 1 <= self.experts_per_token <= self.experts:
             raise ValueError(
                 f"{self.name}: each token must go to between 1 and its {self.experts} experts, "
@@ -261,18 +263,31 @@ def from_hf_config(path: str | Path) -> TransformerShape:
         raise ValueError(f"--model hf:{path}: cannot read a config.json ({exc})") from None
     if not isinstance(config, dict):
         raise ValueError(f"--model hf:{path}: expected a JSON object")
-    config = {**config, **(config.get("text_config") or {})}
+    text = config.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise ValueError(f"--model hf:{path}: text_config must be a JSON object, got {text!r}")
+    config = {**config, **text}
     layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
     hidden = _first(config, "hidden_size", "n_embd", "d_model")
     heads = _first(config, "num_attention_heads", "n_head")
     vocab = _first(config, "vocab_size")
-    missing = [
-        n
-        for n, v in (("layers", layers), ("width", hidden), ("heads", heads), ("vocab", vocab))
-        if not isinstance(v, int)
-    ]
+    sizes = (("layers", layers), ("width", hidden), ("heads", heads), ("vocab", vocab))
+    missing = [n for n, v in sizes if v is None]
     if missing:
         raise ValueError(f"--model hf:{path}: the config gives no {', '.join(missing)}")
+    try:
+        return _shape_of(config, file, (layers, hidden, heads, vocab))
+    except (ValueError, TypeError) as exc:  # a field of the wrong kind, named where it is read
+        raise ValueError(f"--model hf:{path}: {exc}") from None
+
+
+def _shape_of(
+    config: dict[str, Any], file: Path, sizes: tuple[Any, Any, Any, Any]
+) -> TransformerShape:
+    """``from_hf_config``'s shape, out of the config's fields (the sizes already found)."""
+    layers, hidden, heads, vocab = sizes
+    for key, value in zip(("layers", "width", "heads", "vocab"), sizes, strict=True):
+        _check_count("the config", key, value, least=1)
     kind = str(config.get("model_type", "")).lower()
     act = str(_first(config, "hidden_act", "activation_function", "hidden_activation") or "")
     kv = _first(config, "num_key_value_heads", "n_head_kv", "num_kv_heads")
@@ -281,25 +296,22 @@ def from_hf_config(path: str | Path) -> TransformerShape:
     dropouts = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "dropout")
     ffn = _first(config, "intermediate_size", "n_inner", "ffn_hidden_size") or 4 * hidden
     latent = _latent_attention(config)
-    try:
-        return TransformerShape(
-            name=str(config.get("_name_or_path") or kind or file.parent.name or "hf model"),
-            layers=layers,
-            hidden=hidden,
-            heads=heads,
-            kv_heads=latent.pop("kv_heads", None) or kv or heads,
-            head_dim=latent.pop("head_dim", None) or _first(config, "head_dim") or hidden // heads,
-            **latent,
-            ffn=ffn,
-            vocab=vocab,
-            gated=kind in _GATED or act.lower() in _GATED_ACTS,
-            tied=bool(config.get("tie_word_embeddings", kind in ("gpt2", "bloom", "opt"))),
-            dropout=any(float(config.get(k) or 0) > 0 for k in dropouts),
-            max_seq_len=_first(config, "max_position_embeddings", "n_positions", "seq_length"),
-            **_experts(config, layers, ffn),
-        )
-    except ValueError as exc:
-        raise ValueError(f"--model hf:{path}: {exc}") from None
+    return TransformerShape(
+        name=str(config.get("_name_or_path") or kind or file.parent.name or "hf model"),
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=latent.pop("kv_heads", None) or (heads if kv is None else kv),
+        head_dim=latent.pop("head_dim", None) or _first(config, "head_dim") or hidden // heads,
+        **latent,
+        ffn=ffn,
+        vocab=vocab,
+        gated=kind in _GATED or act.lower() in _GATED_ACTS,
+        tied=bool(config.get("tie_word_embeddings", kind in ("gpt2", "bloom", "opt"))),
+        dropout=any(float(config.get(k) or 0) > 0 for k in dropouts),
+        max_seq_len=_first(config, "max_position_embeddings", "n_positions", "seq_length"),
+        **_experts(config, layers, ffn),
+    )
 
 
 def _latent_attention(config: dict[str, Any]) -> dict[str, Any]:
@@ -339,8 +351,8 @@ def _experts(config: dict[str, Any], layers: int, ffn: int) -> dict[str, Any]:
     )
     first_dense = _first(config, "first_k_dense_replace") or 0
     step = _first(config, "decoder_sparse_step", "moe_layer_freq") or 1
-    only_mlp = set(_first(config, "mlp_only_layers") or ())
-    listed = _first(config, "moe_layers")
+    only_mlp = set(_indices(config, "mlp_only_layers") or ())
+    listed = _indices(config, "moe_layers")
 
     def dense(i: int) -> bool:
         if listed is not None:
@@ -357,3 +369,13 @@ def _experts(config: dict[str, Any], layers: int, ffn: int) -> dict[str, Any]:
         "shared_ffn": shared,
         "dense_blocks": tuple(i for i in range(layers) if dense(i)),
     }
+
+
+def _indices(config: dict[str, Any], key: str) -> list[int] | None:
+    """A config's list of block indices (``moe_layers``, ``mlp_only_layers``), if given."""
+    value = config.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(i, int) for i in value):
+        raise ValueError(f"{key} must be a list of block indices, got {value!r}")
+    return value
