@@ -311,10 +311,12 @@ class Pipeline(nn.Module):
             loss_parallel=loss_parallel,
         )
         self.tensor_parallel = dims.tensor_parallel
-        compiled = check_compile(
-            compile, split_parameters=dims.tensor_parallel > 1 or shard is not None
-        )
         seq = check_seq_chunks(seq_chunks, seq_split, module)
+        compiled = check_compile(
+            compile,
+            split_parameters=dims.tensor_parallel > 1 or shard is not None,
+            sub_sequences=seq is not None,
+        )
         layers_policy = isinstance(self.checkpoint, Layers)
         check_seq_setup(seq, schedule, layers_policy=layers_policy, skips=bool(skips))
         self.seq_chunks = seq
@@ -493,7 +495,9 @@ class Pipeline(nn.Module):
         ``microbatches=[(inputs, targets), ...]`` runs your own micro-batches instead, in
         order, each of its own length and rows (``chunks`` unused): pass the same list on
         every rank. ``counts`` (``loss_reduction="mean"``) weighs each row in the mean, such
-        as by its valid tokens, which keeps the step exact when padding differs. Returns the
+        as by its valid tokens, which keeps the step exact when padding differs: one count per
+        row, or one per token (rows x tokens, such as ``targets != -100``; what ``seq_chunks``
+        needs to weigh each sub-sequence). Returns the
         loss, the same on every rank; with ``return_outputs``, a ``StepResult`` that also
         holds the last stage's outputs and each micro-batch's loss. With a ``scaler``
         (float16) the loss is scaled on the last stage; then ``unscale_``, ``scaler.step``

@@ -95,19 +95,22 @@ def test_prompts_the_stages_refuse_end_in_one_line(
     run, tmp_path, capsys, train_on_shared_processes
 ):
     """The stages check the prompts against the model (its vocabulary, its context) and every
-    rank refuses alike: the command says why in one line, with exit code 2."""
+    rank refuses alike: the command says why in one line, naming the line of the file that
+    holds the prompt (blank lines counted), with exit code 2."""
     prompts = tmp_path / "prompts.jsonl"
     out = tmp_path / "out.jsonl"
+    good = '{"ids": [1]}\n\n'
     cases = {
-        ('{"ids": [1, 300]}', 2): "prompt 0 holds token id 300 at position 1, outside the "
-        "model's vocabulary of 256 ids (0 to 255)",
-        ('{"ids": [1, 2, 3]}', 30): "prompt 0 has 3 tokens and max_new_tokens=30 more would "
-        "make 33, more than the model's context of 32",
+        ('{"ids": [1, 300]}', 2): "line 1: the prompt holds token id 300 at position 1, "
+        "outside the model's vocabulary of 256 ids (0 to 255)",
+        (good + '{"ids": [1, 2, 3]}', 30): "line 3: the prompt has 3 tokens and "
+        "max_new_tokens=30 more would make 33, more than the model's context of 32",
+        (good + '{"ids": []}', 2): "line 3: the prompt is empty: give at least one token id",
     }
-    for (line, new), message in cases.items():
-        prompts.write_text(line + "\n")
+    for (lines, new), message in cases.items():
+        prompts.write_text(lines + "\n")
         argv = ["generate", str(run), "--prompts", str(prompts), "--out", str(out), "--quiet"]
         assert main([*argv, "--max-new-tokens", str(new)]) == 2
         err = capsys.readouterr().err.strip()
-        assert err == f"gpipe: error: {message}", err
+        assert err == f"gpipe: error: --prompts {prompts}, {message}", err
     assert not out.exists()

@@ -502,6 +502,9 @@ def test_compile_is_refused_where_it_is_not_supported(capsys):
     assert "--compile-backend aot_eager needs --compile" in _usage_error(
         capsys, "train", "--compile-backend", "aot_eager"
     )
+    assert "--compile-backend nope: compile's backend 'nope' is not one" in _usage_error(
+        capsys, "train", "--compile", "--compile-backend", "nope"
+    )
 
 
 def test_sub_sequences_train_to_the_losses_of_whole_micro_batches(tmp_path):

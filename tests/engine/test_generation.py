@@ -4,7 +4,11 @@
 groups in flight and the process count; sequences end at the end of text while prompts wait;
 bad input and models without a cache are refused in one line on every rank."""
 
+import numpy as np
 import pytest
+import torch
+
+from gpipe.engine.generation.checks import checked_settings
 
 from ..workers import run
 from . import generation_cases as cases
@@ -55,6 +59,39 @@ def test_bad_input_is_refused_in_one_line_on_every_rank():
         "ValueError: prefill_chunk must be a positive integer or None, got 0",
         "TypeError: prompt 0 is a str: each prompt is a list of token ids",
     ]
+
+
+def test_numpy_and_torch_numbers_are_taken_as_python_ones():
+    """An id or a setting held as a numpy or torch scalar means what the Python number
+    means; a temperature that is no finite number is refused."""
+
+    def settings(new, temperature, top_k, top_p, eos, seed):
+        return checked_settings(
+            new,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos,
+            seed=seed,
+            in_flight=None,
+            prefill_chunk=None,
+            n_stages=2,
+            vocab=64,
+        )
+
+    plain = settings(3, 0.5, 5, 0.5, 5, 3)
+    assert (
+        settings(np.int64(3), np.float32(0.5), np.int64(5), np.float32(0.5), np.int64(5), 3)
+        == plain
+    )
+    assert (
+        settings(3, torch.tensor(0.5), torch.tensor(5), 0.5, torch.tensor(5), np.int64(3)) == plain
+    )
+    for temperature in (float("inf"), float("nan"), "0.5"):
+        with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+            settings(3, temperature, None, None, None, 3)
+    with pytest.raises(ValueError, match="eos_token_id must be a token id of the vocabulary"):
+        settings(3, 0.0, None, None, np.int64(64), 3)
 
 
 def test_models_without_a_cache_are_refused_on_every_rank():

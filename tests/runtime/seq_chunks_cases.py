@@ -207,6 +207,29 @@ def llama_against_unsplit(schedule: str, checkpoint: str) -> int:
     return 1
 
 
+def padded_targets(schedule: str) -> float:
+    """Right-padded targets (-100, which the loss ignores) in uneven micro-batches, weighed
+    by their counted tokens (``counts=targets != -100``): the loss and gradients of the
+    unsplit step, float64, though some sub-sequences hold padding only (their weight is 0,
+    and a mean over their tokens would be NaN). Returns the largest gradient difference."""
+    reference, x, y = _gpt()
+    y = y.clone()
+    y[:, 14:] = -100  # every row: the last of four sub-sequences of 6 tokens is padding
+    y[0, 3:] = -100  # one row: from its first sub-sequence on
+    y[4, 9:] = -100
+    balance = _BALANCES[schedule == "zero-bubble-v", "even"]
+    options = {"chunks": 3, "schedule": schedule, "loss_fn": lm_loss, "seq_chunks": 4}
+    pipe = Pipeline(copy.deepcopy(reference), balance, **options)
+    loss = pipe.step(x, y, counts=y != -100)
+    expected = lm_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), **EXACT)
+    grads = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, **EXACT, msg=name)
+    return max(float((p.grad - grads[n].grad).abs().max()) for n, p in pipe.named_parameters())
+
+
 def refusal(case: str) -> str:
     """One step with bad input (``case``), on a pipeline of its own: what this rank raised."""
     model, x, y = _gpt()
@@ -216,9 +239,11 @@ def refusal(case: str) -> str:
         "uneven": (x[:, :22], y[:, :22]),
         "no targets": (x, None),
         "packed": (packed, y),
+        "row counts": (x, y),
     }[case]
+    counts = torch.ones(7) if case == "row counts" else None
     try:
-        pipe.step(inputs, targets)
+        pipe.step(inputs, targets, counts=counts)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"

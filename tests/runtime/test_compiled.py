@@ -46,11 +46,20 @@ def test_compiled_layers_train_as_eager_ones(schedule, balance, checkpoint):
     [
         ("yes", TypeError, "compile must be True, False or a dict of torch.compile's keyword"),
         ({1: "x"}, TypeError, "got dict"),
+        ({"backend": "nope"}, ValueError, "backend 'nope' is not one torch.compile knows: "),
     ],
 )
 def test_a_bad_compile_is_refused(value, error, words):
     with pytest.raises(error, match=words):
         check_compile(value)
+
+
+def test_one_whole_graph_a_layer_is_refused_on_sub_sequences():
+    """A sub-sequence's attention over the earlier ones runs outside the graphs, which
+    fullgraph=True forbids: refused when the pipeline is built, not at the first step."""
+    assert check_compile({"fullgraph": True}) == {"fullgraph": True}
+    with pytest.raises(ValueError, match="fullgraph=True cannot run seq_chunks"):
+        check_compile({"fullgraph": True}, sub_sequences=True)
 
 
 def test_what_compile_takes():

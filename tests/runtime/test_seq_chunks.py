@@ -44,6 +44,11 @@ def test_a_hugging_face_llama_on_sub_sequences_trains_as_the_unsplit_model(sched
     assert run(cases.llama_against_unsplit, 2, (schedule, checkpoint), threads=1) == {0: 1, 1: 1}
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble", "zero-bubble-v"])
+def test_padded_targets_weighed_by_their_counted_tokens_train_as_the_unsplit_model(schedule):
+    assert all(gap < 1e-12 for gap in run(cases.padded_targets, 2, (schedule,), threads=1).values())
+
+
 def test_replicas_of_a_pipeline_on_sub_sequences_train_as_the_unsplit_model():
     assert all(gap < 1e-12 for gap in run(cases.with_replicas, 4, threads=1).values())
 
@@ -88,6 +93,7 @@ def test_tensor_parallel_stages_on_sub_sequences_train_as_the_unsplit_model():
         ("uneven", "ValueError: seq_chunks=4 does not divide the sequence of 22 tokens", None),
         ("no targets", None, "ValueError: seq_chunks needs targets"),
         ("packed", r"TypeError: seq_chunks cuts token ids, a tensor \[rows, tokens\]", None),
+        ("row counts", None, "ValueError: with seq_chunks, counts= needs one count per token"),
     ],
 )
 def test_a_step_whose_micro_batches_cannot_be_cut_is_refused_on_every_rank(case, first, last):

@@ -89,6 +89,17 @@ def test_greedy_through_the_plans_stages_equals_the_models_own_generate(kind):
     assert generated(stages, prompts, lanes=3, chunk=3) == want
 
 
+def test_attention_that_sees_later_tokens_is_refused():
+    """A Gemma built with bidirectional attention keeps keys and values like any other, but
+    a token cached for later ones, or a sub-sequence, would see fewer tokens than its whole
+    forward does: refused by name (seq_chunks measured a loss 3e-4 off, gradients 9e-3)."""
+    model = build("gemma", dtype=torch.float32, use_bidirectional_attention=True)
+    stage = gpipe.split(model, parts=2, plan="hf")[0]
+    with pytest.raises(PlanError, match=r"layer 0 \(self_attn\) attends to later tokens"):
+        stage.new_cache()
+    assert "cannot keep a KV cache" in (cache_refusal(torch.nn.Sequential(stage), 0) or "")
+
+
 @pytest.mark.parametrize(
     ("kind", "state"),
     [

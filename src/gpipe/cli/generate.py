@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +54,17 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(command=_generate)
 
 
-def _read_prompts(path: Path, tokenizer: Any) -> tuple[list[dict[str, Any]], list[list[int]]]:
-    """Each line's object, and its prompt's token ids."""
+def _read_prompts(
+    path: Path, tokenizer: Any
+) -> tuple[list[dict[str, Any]], list[list[int]], list[int]]:
+    """Each line's object, its prompt's token ids, and the line's number."""
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
         raise UsageError(f"--prompts {path}: {exc.strerror or exc}") from None
     objects: list[dict[str, Any]] = []
     ids: list[list[int]] = []
+    numbers: list[int] = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -85,7 +89,16 @@ def _read_prompts(path: Path, tokenizer: Any) -> tuple[list[dict[str, Any]], lis
                 raise UsageError(f"--prompts {path}, line {number}: 'ids' must be a list of ints")
             ids.append(given)
         objects.append(item)
-    return objects, ids
+        numbers.append(number)
+    return objects, ids, numbers
+
+
+def _at_its_line(refusal: str, path: Path, numbers: list[int]) -> str:
+    """``generate``'s refusal of prompt i, said of the line of ``path`` that holds it."""
+    found = re.match(r"prompt (\d+) (.*)", refusal)
+    if found is None or int(found[1]) >= len(numbers):
+        return refusal
+    return f"--prompts {path}, line {numbers[int(found[1])]}: the prompt {found[2]}"
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -105,7 +118,7 @@ def _generate(args: argparse.Namespace) -> int:
         tokenizer = IdTokenizer() if ids_only else load_tokenizer(where)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    objects, prompts = _read_prompts(Path(args.prompts), tokenizer)
+    objects, prompts, numbers = _read_prompts(Path(args.prompts), tokenizer)
     out = Path(args.out)
     if not out.parent.is_dir():  # found now, not after generating
         raise UsageError(f"--out {out}: the folder {out.parent} does not exist")
@@ -135,7 +148,7 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc).splitlines()[-1]) from None
     if found.refused is not None:
-        raise UsageError(found.refused)
+        raise UsageError(_at_its_line(found.refused, Path(args.prompts), numbers))
     with out.open("w") as f:
         for item, tokens in zip(objects, found.tokens, strict=True):
             text = tokenizer.decode(tokens)

@@ -71,7 +71,8 @@ def add_pipeline_options(pipe: Any) -> None:
         "--compile",
         action="store_true",
         help="compile each layer with torch.compile (not with --tensor-parallel or --shard); "
-        "under a zero-bubble schedule each stage's backward then runs whole",
+        "under a schedule that splits the backward (the zero-bubble family) the layers train "
+        "eager, keeping the split, and run compiled in evaluation",
     )
     pipe.add_argument(
         "--compile-backend",

@@ -65,22 +65,22 @@ def _counted(
     stage: int,
     device: torch.device,
 ) -> tuple[list[float], float]:
-    """Each micro-batch's share of ``counts`` (one per row), and their total over the
-    replicas."""
+    """Each micro-batch's share of ``counts`` (one per row, or one per token: rows x
+    tokens), and their total over the replicas."""
     rows = sum(sizes)
     given = torch.as_tensor(counts, dtype=torch.float64).detach().cpu()
     parts: list[float] = []
     problem = None
-    if given.dim() != 1 or given.numel() != rows:
+    if given.dim() not in (1, 2) or given.shape[0] != rows:
         problem = (
-            f"counts must hold one count per row of the mini-batch ({rows}), got shape "
-            f"{tuple(given.shape)}"
+            f"counts must hold one count per row of the mini-batch ({rows}), or one per "
+            f"token ({rows} x tokens), got shape {tuple(given.shape)}"
         )
     elif (given < 0).any():
         row = int((given < 0).nonzero()[0])
         problem = f"counts must not be negative, got {given[row].item():g} for row {row}"
     else:
-        parts = [float(part.sum()) for part in given.split(sizes)]
+        parts = [float(part.sum()) for part in given.split(sizes)]  # a token's, its row's
         empty = [i for i, part in enumerate(parts) if part == 0]
         if empty:
             problem = (

@@ -218,7 +218,7 @@ class StepRunner:
         )
         if self.placement.is_last:
             self._targets(targets, rows, sizes, data, scale, counts, given)
-            self._target_units(data, counts)
+            self._target_units(data, counts, sizes)
         busy = self._run(schedule, data, training)
         try:
             loss = self._loss(data, units) / scale
@@ -365,30 +365,41 @@ class StepRunner:
             for unit in split_sequence(part, seq.lengths(sequence_length(part)))
         ]
 
-    def _target_units(self, data: StepData, counts: Any) -> None:
+    def _target_units(self, data: StepData, counts: Any, sizes: list[int]) -> None:
         """With ``seq_chunks``, each micro-batch's targets cut into its sub-sequences, each
-        with its share of the micro-batch's loss weight (the share of its tokens, for a mean
-        loss; the whole weight, for losses that add up)."""
+        with its share of the micro-batch's loss weight: for a mean loss, the share of its
+        tokens, or with ``counts`` (one per token) of its tokens' counts; the whole weight,
+        for losses that add up. A sub-sequence whose tokens all count 0 weighs nothing."""
         seq = self.seq_chunks
         if seq is None:
             return
         assert data.targets is not None and data.loss_weights is not None
-        if counts is not None:
+        per_token = None if counts is None else torch.as_tensor(counts, dtype=torch.float64)
+        if per_token is not None and per_token.dim() != 2:
             raise ValueError(
-                "counts= weighs whole micro-batches' mean losses, which seq_chunks cuts along "
-                "the sequence: weigh the tokens inside loss_fn instead"
+                "with seq_chunks, counts= needs one count per token (rows x tokens, such as "
+                "targets != -100): a sub-sequence's share of the mean is its tokens' count"
             )
+        rows = [None] * len(sizes) if per_token is None else per_token.cpu().split(sizes)
         targets, weights = [], []
         self._microbatch_weights = list(data.loss_weights)
-        for target, weight in zip(data.targets, data.loss_weights, strict=True):
+        for target, weight, counted in zip(data.targets, data.loss_weights, rows, strict=True):
             if target is NO_TARGET:
                 raise ValueError(
                     "seq_chunks needs targets: each sub-sequence's loss is taken on its own "
                     "tokens' targets"
                 )
             length = sequence_length(target)
-            targets += split_sequence(target, seq.lengths(length))
-            shares = seq.weights(length) if self.loss_reduction == "mean" else [1.0] * seq.chunks
+            lengths = seq.lengths(length)
+            targets += split_sequence(target, lengths)
+            if self.loss_reduction == "sum":
+                shares = [1.0] * seq.chunks
+            elif counted is None:
+                shares = seq.weights(length)
+            else:
+                _check_per_token(counted, length)
+                units = [float(c.sum()) for c in counted.split(lengths, dim=1)]
+                shares = [unit / sum(units) for unit in units]
             weights += [weight * share for share in shares]
         data.targets, data.loss_weights = targets, weights
 
@@ -515,3 +526,12 @@ class StepRunner:
     def _forget_sums(self) -> None:
         for buckets in self.buckets.values():
             buckets.reset()
+
+
+def _check_per_token(counted: Tensor, length: int) -> None:
+    """A micro-batch's counts per token must cover its sequence."""
+    if counted.shape[1] != length:
+        raise ValueError(
+            f"counts= per token must cover each sequence of {length} tokens, got "
+            f"{counted.shape[1]} a row"
+        )

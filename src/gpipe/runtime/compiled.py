@@ -33,14 +33,25 @@ from torch import nn
 
 from gpipe.runtime.recompute import is_checkpointing
 
-__all__ = ["CompileOptions", "check_compile", "compile_layers", "warn_eager_training"]
+__all__ = [
+    "CompileOptions",
+    "check_backend",
+    "check_compile",
+    "compile_layers",
+    "warn_eager_training",
+]
 
 CompileOptions = Mapping[str, Any]
 
 
-def check_compile(compile: object, *, split_parameters: bool = False) -> CompileOptions | None:
-    """``compile=`` as ``torch.compile``'s keyword arguments (None: no compilation); refused
-    where parameters are split over ranks (``tensor_parallel``, ``shard``), not yet tried."""
+def check_compile(
+    compile: object, *, split_parameters: bool = False, sub_sequences: bool = False
+) -> CompileOptions | None:
+    """``compile=`` as ``torch.compile``'s keyword arguments (None: no compilation), its
+    backend one that ``torch.compile`` knows; refused where parameters are split over ranks
+    (``tensor_parallel``, ``shard``), not yet tried, and as one whole graph a layer (
+    ``fullgraph``) on sub-sequences, whose attention over the earlier ones' keys and values
+    runs outside the graphs."""
     if compile is False or compile is None:
         return None
     if compile is True:
@@ -57,7 +68,26 @@ def check_compile(compile: object, *, split_parameters: bool = False) -> Compile
             "compile=True is not supported with tensor_parallel or shard yet: pass "
             "compile=False, or train without them"
         )
+    if sub_sequences and options.get("fullgraph"):
+        raise ValueError(
+            "compile with fullgraph=True cannot run seq_chunks: a layer's attention over the "
+            "earlier sub-sequences' keys and values runs outside the compiled graphs; leave "
+            "fullgraph out"
+        )
+    check_backend(options.get("backend", "inductor"))
     return options
+
+
+def check_backend(backend: object) -> None:
+    """Refuse a backend named that ``torch.compile`` does not know (a callable is taken as
+    given), before any process waits on a compilation that fails."""
+    if not isinstance(backend, str):
+        return
+    known = torch.compiler.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ValueError(
+            f"compile's backend {backend!r} is not one torch.compile knows: {', '.join(known)}"
+        )
 
 
 def warn_eager_training(schedule: str) -> None:

@@ -183,7 +183,9 @@ class Stage:
             loss = None
             if self.is_last and self.loss_fn is not None and saved.target is not None:
                 with self._loss_context():
-                    if saved.target is NO_TARGET:
+                    if saved.weight == 0:  # nothing of it counts (a padding sub-sequence)
+                        loss = _nothing_counted(outputs)
+                    elif saved.target is NO_TARGET:
                         loss = self.loss_fn(outputs)
                     else:
                         loss = self.loss_fn(outputs, saved.target)
@@ -403,3 +405,15 @@ class Stage:
         """Drop whatever a failed or abandoned step left behind."""
         self._saved.clear()
         self._carries.clear()
+
+
+def _nothing_counted(outputs: Any) -> Tensor:
+    """The loss of a micro-batch of no weight: zero, with a zero gradient for each of its
+    outputs, where ``loss_fn`` may have no value (a mean over no counted token)."""
+    kept = [t for t in tensors_of(outputs) if t.requires_grad]
+    if not kept:
+        return torch.zeros(())
+    loss = kept[0].float().sum() * 0.0
+    for t in kept[1:]:
+        loss = loss + t.float().sum() * 0.0
+    return loss

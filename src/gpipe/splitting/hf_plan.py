@@ -330,6 +330,7 @@ class PlanStage(nn.Module):
                 "generate() through a model cut by its plan needs a transformers whose caches "
                 f"are lists of layers (4.56 or later); this is {transformers.__version__}"
             )
+        self._check_causal()
         places = self._cache_places()
         self._check_attention_only(DynamicCache, places, (DynamicLayer, DynamicSlidingWindowLayer))
         held = {place: DynamicLayer() for place in places}
@@ -353,6 +354,21 @@ class PlanStage(nn.Module):
             }
             places += sorted(inside) if inside else [i]
         return places
+
+    def _check_causal(self) -> None:
+        """Refuse attention that sees later tokens (a Gemma built with
+        ``use_bidirectional_attention``): a token's keys and values kept for later ones, or
+        a sequence cut into sub-sequences, give such a model other results than its whole
+        forward. Hugging Face's attention modules say so by ``is_causal``."""
+        layers = _layers(self.shell.get_submodule(self.layout.base), self.layout)
+        for i in range(self.start, self.stop):
+            for name, module in layers[i].named_modules():
+                if getattr(module, "is_causal", True) is False:
+                    raise PlanError(
+                        f"{type(self.shell).__name__}'s layer {i} ({name or 'the layer'}) "
+                        "attends to later tokens (is_causal=False): generate() and "
+                        "seq_chunks need causal attention"
+                    )
 
     def _check_attention_only(
         self, cache_class: Any, places: Sequence[int], plain: tuple[type, ...]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gpipe.errors import ConfigError
+from gpipe.runtime.compiled import check_backend
 from gpipe.runtime.recompute import check_checkpoint
 from gpipe.schedules import SCHEDULES, SEQ_CHUNKED, traits
 from gpipe.training.models.resolve import model_layer_count
@@ -112,6 +113,8 @@ def check_options(model: TrainModel, opts: TrainOptions) -> None:
         )
     if opts.compile_backend != "inductor" and not opts.compile:
         raise ConfigError(f"--compile-backend {opts.compile_backend} needs --compile")
+    if opts.compile:
+        _check_compile_backend(opts.compile_backend)
     _check_seq_chunks(opts, opts.seq_len if opts.seq_len is not None else model.seq_len)
     layers = model_layer_count(model)
     if opts.batch_size < opts.data_parallel:
@@ -249,3 +252,10 @@ def _check_schedule(opts: TrainOptions, layers: int | None) -> None:
         parse_balance(opts.balance, opts.parts, layers)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _check_compile_backend(backend: str) -> None:
+    try:
+        check_backend(backend)
+    except ValueError as exc:
+        raise ConfigError(f"--compile-backend {backend}: {exc}") from None

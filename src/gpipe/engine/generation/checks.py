@@ -3,6 +3,7 @@ embedding) before anything runs: each refusal is one line naming what was given.
 
 from __future__ import annotations
 
+import math
 import operator
 import random
 from collections.abc import Sequence
@@ -25,26 +26,47 @@ class Settings:
     prefill_chunk: int | None
 
 
+def _integer(value: Any) -> int | None:
+    """``value`` as an int if it is one (numpy's and torch's integer scalars too), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _real(value: Any) -> float | None:
+    """``value`` as a finite float if it is a real number (numpy's and torch's scalars too),
+    else None."""
+    if isinstance(value, (bool, str, bytes)):
+        return None
+    try:
+        real = float(value)
+    except (TypeError, ValueError, RuntimeError):  # torch: a tensor of several numbers
+        return None
+    return real if math.isfinite(real) else None
+
+
 def _positive(name: str, value: Any, *, optional: bool = False) -> int | None:
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    number = _integer(value)
+    if number is None or number < 1:
         raise ValueError(
             f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}"
         )
-    return value
+    return number
 
 
 def _token(value: Any, prompt: int, position: int) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)
-    except TypeError:
+    token = _integer(value)
+    if token is None:
         raise TypeError(
             f"prompt {prompt} holds {value!r} at position {position}: prompts are lists of "
             "token ids (ints)"
-        ) from None
+        )
+    return token
 
 
 def checked_prompts(
@@ -103,31 +125,26 @@ def checked_settings(
     """Every argument but the prompts checked; ``seed=None`` with sampling draws one here."""
     new = _positive("max_new_tokens", max_new_tokens)
     assert new is not None
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not (temperature >= 0)
-    ):
+    heat = _real(temperature)
+    if heat is None or heat < 0:
         raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
     k = _positive("top_k", top_k, optional=True)
-    if top_p is not None and (
-        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1
-    ):
+    nucleus = None if top_p is None else _real(top_p)
+    if top_p is not None and (nucleus is None or not 0 < nucleus <= 1):
         raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
-    if eos_token_id is not None and (
-        isinstance(eos_token_id, bool)
-        or not isinstance(eos_token_id, int)
-        or not 0 <= eos_token_id < (vocab if vocab is not None else float("inf"))
-    ):
+    eos = None if eos_token_id is None else _integer(eos_token_id)
+    top = vocab if vocab is not None else float("inf")
+    if eos_token_id is not None and (eos is None or not 0 <= eos < top):
         within = f" (0 to {vocab - 1})" if vocab is not None else ""
         raise ValueError(
             f"eos_token_id must be a token id of the vocabulary{within} or None, got "
             f"{eos_token_id!r}"
         )
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+    drawn = None if seed is None else _integer(seed)
+    if seed is not None and drawn is None:
         raise ValueError(f"seed must be an integer or None, got {seed!r}")
     lanes = _positive("in_flight", in_flight, optional=True) or n_stages
     chunk = _positive("prefill_chunk", prefill_chunk, optional=True)
-    drawn = seed if seed is not None else random.SystemRandom().randrange(2**63)
-    sampling = Sampling(float(temperature), k, None if top_p is None else float(top_p), drawn)
-    return Settings(new, sampling, eos_token_id, lanes, chunk)
+    if drawn is None:
+        drawn = random.SystemRandom().randrange(2**63)
+    return Settings(new, Sampling(heat, k, nucleus, drawn), eos, lanes, chunk)
