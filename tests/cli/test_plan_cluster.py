@@ -323,3 +323,16 @@ def test_deepseek_v3_with_latent_attention_and_dense_first_blocks_is_planned(tmp
     out = capsys.readouterr().out
     assert out.startswith("deepseek_v3: 671.0 B parameters, 37.6 B active (61 blocks of 7168, 58")
     assert "(fits)" in out
+
+
+def test_a_search_under_flash_attention_tries_no_selective_recomputation(capsys):
+    """Under FlashAttention selective recomputation keeps and redoes what none does: the
+    search tries it once, as none, rather than listing every layout twice."""
+    argv = [*GPT[:2], "64xH100-SXM", *GPT[3:], "--global-batch", "256", "--search", "--json"]
+    assert main([*argv, "--top", "8"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert {p["layout"]["recompute"] for p in found["best"]} <= {"none", "full"}
+    assert main([*argv, "--recompute", "selective"]) == 0  # pinned, it is searched
+    assert {p["layout"]["recompute"] for p in json.loads(capsys.readouterr().out)["best"]} == {
+        "selective"
+    }

@@ -28,7 +28,7 @@ from gpipe.planning.cluster_layout import Layout, check_layout, splits_over
 from gpipe.planning.cluster_memory import MemoryParts
 from gpipe.planning.cluster_step import StepModel
 from gpipe.planning.hardware import Cluster
-from gpipe.planning.layer_costs import RECOMPUTE
+from gpipe.planning.layer_costs import RECOMPUTE, STACKS
 from gpipe.planning.transformer import TransformerShape
 from gpipe.schedules import Placement, traits
 
@@ -114,6 +114,11 @@ def _layouts(
     global_batch, seq_len = batch
     precision, stack = software
     tps = space.tensor_parallel or [t for t in _divisors(per_node) if t & (t - 1) == 0]
+    recomputes = list(space.recompute)
+    flash = STACKS[stack or cluster.device.stack].attention == "flash"
+    if flash and "selective" in recomputes and "none" in recomputes:
+        # under FlashAttention selective recomputation keeps and redoes what none does
+        recomputes.remove("selective")
     for t in tps:
         if n % t or not splits_over(shape, t):
             rejected["T does not divide the GPUs, the heads or the MLP"] += 1
@@ -139,7 +144,7 @@ def _layouts(
                         if not traits(schedule).runs(k, m, v):
                             rejected["the schedule does not run M micro-batches on K"] += 1
                             continue
-                        for recompute in space.recompute:
+                        for recompute in recomputes:
                             for shard in space.shards if d > 1 else (None,):
                                 yield Layout(
                                     cluster,
