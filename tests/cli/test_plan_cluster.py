@@ -243,6 +243,13 @@ def test_a_model_that_does_not_fit_says_what_it_needs(capsys):
     assert captured.err.count("\n") == 1
     assert "gpipe: does not fit: D=8 T=1 K=1" in captured.err
     assert "GiB per GPU (weights" in captured.err and "the A100-40GB has 40 GiB" in captured.err
+    # where the planner chose the micro-batch, the fastest is shown, and the least any needs
+    args[args.index("--global-batch") + 1] = "64"
+    assert main(["plan", *args]) == 1
+    captured = capsys.readouterr()
+    assert "micro-batch: 8, none fits; the fastest of 1, 2, 4, 8" in captured.out
+    assert "b=8 M=1" in captured.err and "the least of the choices tried, " in captured.err
+    assert "b=1 M=8 recompute=none shard=none, needs " in captured.err
 
 
 def _moe_plan(capsys, tmp_path, config: dict, *args: str) -> dict:

@@ -92,6 +92,9 @@ def test_numpy_and_torch_numbers_are_taken_as_python_ones():
             settings(3, temperature, None, None, None, 3)
     with pytest.raises(ValueError, match="eos_token_id must be a token id of the vocabulary"):
         settings(3, 0.0, None, None, np.int64(64), 3)
+    for flag in (np.True_, torch.tensor(True), torch.tensor([5])):  # no bools, one number
+        with pytest.raises(ValueError, match="top_k must be a positive integer or None"):
+            settings(3, 0.0, flag, None, None, 3)
 
 
 def test_models_without_a_cache_are_refused_on_every_rank():

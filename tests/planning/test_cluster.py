@@ -37,16 +37,23 @@ def test_a_long_step_is_the_steady_state_extended(schedule, v):
     assert got.memory.total == pytest.approx(memory.total, rel=1e-9)
 
 
-def test_a_v_that_settles_late_is_simulated_until_it_does():
+@pytest.mark.parametrize("m", [16, 64])
+def test_a_v_that_settles_late_is_simulated_until_it_does(monkeypatch, m):
     """A V on two processes whose first rounds run faster than its busiest process can keep
     up (the step grows by 0.252 s a round at 6 and 8 micro-batches, by 0.259 from 12 on):
-    extended from its first rounds, the step came out 1.2 % short and its bubble negative."""
+    extended from its first rounds, the step came out 1.2 % short and its bubble negative.
+    At M = 16 it is simulated whole; at M = 64 extended from where it settled."""
+    import gpipe.planning.cluster as cluster  # to see whether the step was extended
+
+    extended = []
+    original = cluster._extended
+    monkeypatch.setattr(cluster, "_extended", lambda *a: extended.append(a) or original(*a))
     shape = gpt_shape(64, 2048, 32, 51200)
-    cluster = parse_cluster("16xA100-80GB")
-    layout = Layout(cluster, 2, 4, 2, 64, 2, 2048, "zero-bubble-v", 2, "none")
+    layout = Layout(parse_cluster("16xA100-80GB"), 2, 4, 2, 4 * m, 2, 2048, "zero-bubble-v", 2)
     got = predict(shape, layout)
+    assert len(extended) == (m == 64)
     model = StepModel.of(shape, layout)
-    whole = simulate(build("zero-bubble-v", 2, 16, 2), model.costs(), data_parallel=2)
+    whole = simulate(build("zero-bubble-v", 2, m, 2), model.costs(), data_parallel=2)
     assert got.step_time_s - model.optimizer_seconds() == pytest.approx(whole.makespan, rel=1e-9)
     assert got.bubble == pytest.approx(whole.bubble, abs=1e-9)
     assert got.bubble > 0

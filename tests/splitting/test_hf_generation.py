@@ -98,6 +98,9 @@ def test_attention_that_sees_later_tokens_is_refused():
     with pytest.raises(PlanError, match=r"layer 0 \(self_attn\) attends to later tokens"):
         stage.new_cache()
     assert "cannot keep a KV cache" in (cache_refusal(torch.nn.Sequential(stage), 0) or "")
+    from gpipe.runtime.seq_chunks import seq_chunk_refusal
+
+    assert "attends to later tokens" in (seq_chunk_refusal(torch.nn.Sequential(stage)) or "")
 
 
 @pytest.mark.parametrize(

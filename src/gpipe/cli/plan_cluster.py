@@ -208,23 +208,31 @@ def plan_cluster(args: argparse.Namespace) -> int:
     cluster, shape = _cluster(args), _shape(args)
     if args.search:
         return _search(args, shape, cluster)
-    prediction, choices = _predict(args, shape, cluster)
+    prediction, choices, least = _predict(args, shape, cluster)
     if args.json:
         print_json(prediction, shape, choices)
     else:
         print_prediction(prediction, shape, choices)
     if not prediction.fits():
-        print(_does_not_fit(prediction), file=sys.stderr)
+        print(_does_not_fit(prediction, least), file=sys.stderr)
         return 1
     return 0
 
 
-def _does_not_fit(p: Prediction) -> str:
+def _does_not_fit(p: Prediction, least: Prediction) -> str:
+    """One line: what the layout needs per GPU, by part, and where the planner chose among
+    settings, the least that any choice needs."""
     device, parts = p.layout.cluster.device, p.memory.gib()
     listed = ", ".join(f"{k} {v:.1f}" for k, v in parts.items() if k != "total")
+    nearest = (
+        ""
+        if least is p
+        else f"; the least of the choices tried, {least.layout.describe()}, needs "
+        f"{least.memory_per_gpu_gib:.1f}"
+    )
     return (
         f"gpipe: does not fit: {p.layout.describe()} needs {parts['total']:.1f} GiB per GPU "
-        f"({listed}); the {device.name} has {device.memory_gib:g} GiB"
+        f"({listed}){nearest}; the {device.name} has {device.memory_gib:g} GiB"
     )
 
 
@@ -288,10 +296,11 @@ def _memory(p: Prediction) -> float:
 
 def _predict(
     args: argparse.Namespace, shape: TransformerShape, cluster: Cluster
-) -> tuple[Prediction, Choices]:
+) -> tuple[Prediction, Choices, Prediction]:
     """The prediction of the layout the flags give; what they leave open (a looped
-    schedule's stages per process, the micro-batch) is the fastest choice that fits, and
-    the choices tried come back with it."""
+    schedule's stages per process, the micro-batch) is the fastest choice that fits (the
+    fastest, if none does), and the choices tried come back with it, and the choice that
+    needs the least memory."""
     virtual, micro = _virtual_choices(args, shape), _micro_batch_choices(args, cluster)
     found: list[Prediction] = []
     errors: list[str] = []
@@ -303,19 +312,19 @@ def _predict(
                 errors.append(str(exc))
     if not found:
         raise UsageError(errors[0])
-    fits = [p for p in found if p.fits()]
-    # the fastest that fits; if none does, the one that comes nearest, for its error
-    best = min(fits, key=lambda p: p.step_time_s) if fits else min(found, key=_memory)
+    fits = [p for p in found if p.fits()] or found
+    best = min(fits, key=lambda p: p.step_time_s)
     tried = {
         "stages per process": virtual if len(virtual) > 1 else [],
         "micro-batch": micro if args.micro_batch is None else [],
     }
-    return best, {name: values for name, values in tried.items() if values}
+    least = min(found, key=_memory)
+    return best, {name: values for name, values in tried.items() if values}, least
 
 
 def _model_flags(args: argparse.Namespace) -> str:
     """``gpipe train``'s flags for the model planned: its shape, a context that takes the
-    planned sequences, its dropout and tying, and the tokenizer that gives its vocabulary."""
+    planned sequences, its dropout and tying (its vocabulary is its tokenizer's there)."""
     if args.model != "gpt":
         return f"--model {args.model}"
     flags = [
@@ -323,7 +332,6 @@ def _model_flags(args: argparse.Namespace) -> str:
         f"--d-ff {args.d_ff}" if args.d_ff else "",
         f"--context {args.seq_len} --dropout {0.1 if args.dropout is None else args.dropout:g}",
         "--untied" if args.no_tie_embeddings else "",
-        f"--tokenizer {args.tokenizer}" if args.tokenizer else "",
     ]
     return " ".join(f for f in flags if f)
 
@@ -351,6 +359,11 @@ def _search(args: argparse.Namespace, shape: TransformerShape, cluster: Cluster)
         top=args.top or 5,
     )
     print_search(found, shape, cluster, _model_flags(args), as_json=args.json)
+    if found.trained is not None and args.model == "gpt" and not args.json:
+        print(
+            f"  (gpipe train's GPT takes its vocabulary from --tokenizer, bytes without one: "
+            f"give one of {args.vocab_size:,} ids to train the model planned)"
+        )
     if not found.searched:  # nothing could run, let alone fit: the input is at fault
         reasons = "; ".join(f"{why} ({n})" for why, n in found.rejected.most_common())
         print(

@@ -16,6 +16,7 @@ from gpipe.schedules import traits
 __all__ = ["prediction_json", "print_json", "print_prediction", "print_search", "train_command"]
 
 _CHECKPOINT = {"none": "never", "selective": "never", "full": "always"}
+_MEGATRON = {"optimizer": " (Megatron's distributed optimizer)"}
 
 
 def _model_line(shape: TransformerShape, p: Prediction) -> str:
@@ -55,7 +56,7 @@ def print_prediction(p: Prediction, shape: TransformerShape, choices: dict[str, 
     print(f"layout {layout.describe()}, {layout.precision}")
     for name, tried in choices.items():
         values = ", ".join(map(str, tried))
-        which = "the fastest that fits" if p.fits() else "none fits; the least memory"
+        which = "the fastest that fits" if p.fits() else "none fits; the fastest"
         print(f"  {name}: {_chosen(p, name)}, {which} of {values}")
     parts = p.memory.gib()
     listed = ", ".join(f"{k} {v:.1f}" for k, v in parts.items() if k != "total")
@@ -227,16 +228,18 @@ def print_search(
     if trained is None:
         if found.best:
             print(
-                "gpipe train runs none of the layouts that fit: each shards the optimizer "
-                "state alone (Megatron's distributed optimizer), which gpipe does not offer"
+                "gpipe train runs none of the layouts that fit: each shards the replicas' "
+                f"states as --shard {found.best[0].layout.shard}, which gpipe does not offer"
             )
         return
     if trained is found.best[0]:
         print(f"run the fastest: {train_command(trained, model)}")
         return
+    mode = found.best[0].layout.shard
     print(
-        "the fastest shard the optimizer state alone (Megatron's distributed optimizer), "
-        f"which gpipe does not offer; the fastest gpipe trains takes {trained.step_time_s:,.3f} "
-        f"s a step and {trained.memory_per_gpu_gib:.1f} GiB per GPU ({trained.layout.describe()})"
+        f"the fastest shard the replicas' states as --shard {mode}"
+        f"{_MEGATRON.get(str(mode), '')}, which gpipe does not offer; the fastest gpipe trains "
+        f"takes {trained.step_time_s:,.3f} s a step and {trained.memory_per_gpu_gib:.1f} GiB "
+        f"per GPU ({trained.layout.describe()})"
     )
     print(f"run the fastest gpipe trains: {train_command(trained, model)}")

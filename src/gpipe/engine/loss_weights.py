@@ -68,25 +68,24 @@ def _counted(
     """Each micro-batch's share of ``counts`` (one per row, or one per token: rows x
     tokens), and their total over the replicas."""
     rows = sum(sizes)
-    given = torch.as_tensor(counts, dtype=torch.float64).detach().cpu()
     parts: list[float] = []
-    problem = None
-    if given.dim() not in (1, 2) or given.shape[0] != rows:
-        problem = (
-            f"counts must hold one count per row of the mini-batch ({rows}), or one per "
-            f"token ({rows} x tokens), got shape {tuple(given.shape)}"
+    try:
+        given = torch.as_tensor(counts, dtype=torch.float64).detach().cpu()
+    except (TypeError, ValueError, RuntimeError):  # ragged: micro-batches of several lengths
+        problem: str | None = (
+            "counts must be one tensor, one count per row (or per token, rows x tokens, "
+            f"where every row has as many), got a {type(counts).__name__} of another shape"
         )
-    elif (given < 0).any():
-        row = int((given < 0).nonzero()[0])
-        problem = f"counts must not be negative, got {given[row].item():g} for row {row}"
     else:
-        parts = [float(part.sum()) for part in given.split(sizes)]  # a token's, its row's
-        empty = [i for i, part in enumerate(parts) if part == 0]
-        if empty:
-            problem = (
-                f"counts are 0 for every row of micro-batch {empty[0]}: a mean over "
-                "nothing has no weight; drop such rows or use more of them per micro-batch"
-            )
+        problem = _shape_problem(given, rows)
+        if problem is None:
+            parts = [float(part.sum()) for part in given.split(sizes)]  # a token's, its row's
+            empty = [i for i, part in enumerate(parts) if part == 0]
+            if empty:
+                problem = (
+                    f"counts are 0 for every row of micro-batch {empty[0]}: a mean over "
+                    "nothing has no weight; drop such rows or use more of them per micro-batch"
+                )
     # a replica with bad counts sends NaN, so that every replica stops, not times out
     total = torch.tensor([math.nan if problem else sum(parts)], dtype=torch.float64, device=device)
     if replicas is not None:
@@ -96,3 +95,17 @@ def _counted(
     if math.isnan(float(total)):
         raise ValueError("another replica refused its counts this step (its error says why)")
     return parts, float(total)
+
+
+def _shape_problem(given: torch.Tensor, rows: int) -> str | None:
+    """What is wrong with counts of one per row or one per token, if anything."""
+    if given.dim() not in (1, 2) or given.shape[0] != rows:
+        return (
+            f"counts must hold one count per row of the mini-batch ({rows}), or one per "
+            f"token ({rows} x tokens), got shape {tuple(given.shape)}"
+        )
+    if (given < 0).any():
+        at = tuple(int(i) for i in (given < 0).nonzero()[0])
+        where = f"row {at[0]}" + (f", token {at[1]}" if len(at) > 1 else "")
+        return f"counts must not be negative, got {given[at].item():g} for {where}"
+    return None

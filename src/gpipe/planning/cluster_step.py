@@ -133,7 +133,7 @@ class StepModel:
             t,
             layout.micro_batch,
             layout.seq_len,
-            Link.of_group(device, t),
+            Link.of_group(device, t, layout.cluster.gpus),
             layout.recompute,
             layout.software,
         )
@@ -162,17 +162,19 @@ class StepModel:
         """A message between stages: Megatron's scatter-gather, each GPU of the group
         sending 1/T of it on its own link and the receivers all-gathering it in the node."""
         layout, device, t = self.layout, self.layout.cluster.device, self.layout.tensor_parallel
-        pp = Link.of_group(device, t * layout.data_parallel * layout.stages)
+        pp = Link.of_group(device, t * layout.data_parallel * layout.stages, layout.cluster.gpus)
         wire = self.message_bytes / t / (pp.bandwidth * COLLECTIVE_EFFICIENCY)
-        return pp.latency + wire + Link.of_group(device, t).ring(self.message_bytes, t)
+        tp = Link.of_group(device, t, layout.cluster.gpus)
+        return pp.latency + wire + tp.ring(self.message_bytes, t)
 
     def costs(self) -> Costs:
         """The simulator's costs (``pipeline_costs``): the message between stages blocks
         its sender without ``p2p_overlap``; the replicas reduce 16-bit gradients (sharded,
         reduce-scattered: half an all-reduce's traffic)."""
         layout, device = self.layout, self.layout.cluster.device
-        pp = Link.of_group(device, layout.tensor_parallel * layout.data_parallel * layout.stages)
-        dp = Link.of_group(device, layout.tensor_parallel * layout.data_parallel)
+        gpus, t, d = layout.cluster.gpus, layout.tensor_parallel, layout.data_parallel
+        pp = Link.of_group(device, t * d * layout.stages, gpus)
+        dp = Link.of_group(device, t * d, gpus)
         share = 1.0 if layout.shard is None else 0.5
         return pipeline_costs(
             self.stages,
@@ -191,7 +193,7 @@ class StepModel:
         if layout.shard is None:
             return [0.0] * layout.stages
         d = layout.data_parallel
-        link = Link.of_group(layout.cluster.device, layout.tensor_parallel * d)
+        link = Link.of_group(layout.cluster.device, layout.tensor_parallel * d, layout.cluster.gpus)
         weight = BYTES_PER_PARAM[layout.precision][0]
         return [link.ring(p * weight, d) for p in self.rank_params]
 

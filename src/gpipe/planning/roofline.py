@@ -65,12 +65,15 @@ class Link:
     latency: float
 
     @classmethod
-    def of_group(cls, device: Device, span: int) -> Link:
+    def of_group(cls, device: Device, span: int, gpus: int | None = None) -> Link:
         """The link of groups whose members lie within ``span`` consecutive ranks, one group
-        from every multiple of ``span``: NVLink (or the like) if each group lies in a node,
-        else the per-GPU network (where nodes do not divide into groups, some group spans
-        two, and the step waits for the slowest)."""
-        if span <= device.gpus_per_node and device.gpus_per_node % span == 0:
+        from every multiple of ``span`` up to ``gpus`` (None: as many as there are): NVLink
+        (or the like) if each group lies in a node, else the per-GPU network (on more than
+        one node that nodes do not divide into groups, some group spans two, and the step
+        waits for the slowest)."""
+        per_node = device.gpus_per_node
+        one_node = gpus is not None and gpus <= per_node
+        if span <= per_node and (per_node % span == 0 or one_node):
             return cls(device.intra_node_bandwidth, _INTRA_NODE_LATENCY)
         return cls(device.inter_node_bandwidth, device.latency_us * 1e-6)
 

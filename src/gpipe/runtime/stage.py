@@ -410,9 +410,10 @@ class Stage:
 def _nothing_counted(outputs: Any) -> Tensor:
     """The loss of a micro-batch of no weight: zero, with a zero gradient for each of its
     outputs, where ``loss_fn`` may have no value (a mean over no counted token)."""
-    kept = [t for t in tensors_of(outputs) if t.requires_grad]
+    found = tensors_of(outputs)
+    kept = [t for t in found if t.requires_grad]
     if not kept:
-        return torch.zeros(())
+        return torch.zeros((), device=found[0].device if found else None)
     loss = kept[0].float().sum() * 0.0
     for t in kept[1:]:
         loss = loss + t.float().sum() * 0.0

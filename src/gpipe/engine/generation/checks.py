@@ -4,11 +4,13 @@ embedding) before anything runs: each refusal is one line naming what was given.
 from __future__ import annotations
 
 import math
-import operator
+import numbers
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from gpipe.engine.generation.sampling import Sampling
 
@@ -27,23 +29,32 @@ class Settings:
 
 
 def _integer(value: Any) -> int | None:
-    """``value`` as an int if it is one (numpy's and torch's integer scalars too), else None."""
+    """``value`` as an int if it is one: a Python, numpy or one-number torch integer (no
+    bool of any kind); else None."""
     if isinstance(value, bool):
         return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
+    if isinstance(value, torch.Tensor):
+        kind = value.dtype
+        if value.dim() or kind == torch.bool or kind.is_floating_point or kind.is_complex:
+            return None
+        return int(value.item())
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    return None
 
 
 def _real(value: Any) -> float | None:
-    """``value`` as a finite float if it is a real number (numpy's and torch's scalars too),
-    else None."""
-    if isinstance(value, (bool, str, bytes)):
+    """``value`` as a finite float if it is a real number: a Python, numpy or one-number
+    torch one (no bool, no complex); else None."""
+    if isinstance(value, bool):
         return None
-    try:
+    if isinstance(value, torch.Tensor):
+        if value.dim() or value.dtype == torch.bool or value.dtype.is_complex:
+            return None
+        real = float(value.item())
+    elif isinstance(value, numbers.Real):
         real = float(value)
-    except (TypeError, ValueError, RuntimeError):  # torch: a tensor of several numbers
+    else:
         return None
     return real if math.isfinite(real) else None
 
