@@ -231,6 +231,32 @@ def test_sub_sequences_on_cuda_match_unpipelined(world_of_one, schedule, split):
 
 
 @needs_gpu
+def test_padded_sub_sequences_on_cuda_weigh_their_counted_tokens(world_of_one):
+    """seq_chunks=4 with right-padded targets and counts per token on one GPU: the last
+    sub-sequence of every row is padding (weight 0, its loss a zero on the GPU), and the
+    step equals the unsplit one, float32."""
+    from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
+
+    torch.manual_seed(0)
+    model = build_gpt(GPTConfig(n_layer=3, d_model=64, n_head=4, seq_len=256, vocab_size=128))
+    reference = copy.deepcopy(model).cuda()
+    options = {"chunks": 4, "loss_fn": lm_loss, "device": "cuda", "seq_chunks": 4}
+    pipe = Pipeline(model, [5], schedule="zero-bubble", **options)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (8, 257), generator=g).cuda()
+    x, y = ids[:, :-1], ids[:, 1:].clone()
+    y[:, 150:] = -100
+    y[3, 20:] = -100
+    loss = pipe.step(x, y, counts=y != -100)
+    ref_loss = lm_loss(reference(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss.float(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    ref = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-4, atol=1e-6)
+
+
+@needs_gpu
 @pytest.mark.parametrize("prefill_chunk", [None, 4])
 def test_generation_on_cuda_equals_the_gpts_own_sampler(world_of_one, prefill_chunk):
     """Pipeline.generate on one GPU, greedy, float32: the tokens of the GPT's own sampler run
