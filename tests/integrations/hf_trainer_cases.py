@@ -75,6 +75,28 @@ def trainer_inputs(out: str | Path, **more: Any) -> dict[str, Any]:
     }
 
 
+def gpt2_inputs(out: str | Path) -> dict[str, Any]:
+    """An untrained GPT-2, whose class names no loss type (the Trainer then counts every
+    label of an evaluation batch, not the shifted ones it predicts), to evaluate."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=64)
+    model = GPT2LMHeadModel(config)
+    return {
+        "model": model,
+        "args": arguments(out),
+        "eval_dataset": rows(10, 2),
+        "data_collator": collate,
+    }
+
+
+def gpt2_eval_loss(out: str) -> float:
+    from gpipe.integrations.transformers import PipelineTrainer
+
+    return PipelineTrainer(**gpt2_inputs(out), chunks=2).evaluate()["eval_loss"]
+
+
 def losses(trainer: Any) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
 from accelerate import Accelerator
 from torch import Tensor, nn
 from transformers import Trainer, TrainingArguments
@@ -74,6 +75,23 @@ def _targets(inputs: Mapping[str, Any]) -> Tensor:
     if inputs.get("shift_labels") is not None:
         return inputs["shift_labels"]
     return F.pad(inputs["labels"][..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+# From transformers 5 on, the Trainer divides an evaluation batch's summed loss by the labels
+# it counts: shifted for a model whose loss is the causal-LM loss, as the labels it predicts;
+# all of them for one whose class names no loss (GPT-2's LMHeadModel), one more a row.
+_TRAINER_COUNTS_EVAL_LABELS = int(transformers.__version__.split(".")[0]) >= 5
+
+
+def _counted_labels(original: nn.Module, inputs: Mapping[str, Any], targets: Tensor) -> Tensor:
+    """The labels a plain ``Trainer`` counts for an evaluation batch of ``original``, whose
+    shifted ``targets`` the loss is taken on."""
+    if not _TRAINER_COUNTS_EVAL_LABELS or inputs.get("shift_labels") is not None:
+        return targets
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    causal = LOSS_MAPPING.get(str(getattr(original, "loss_type", None))) is ForCausalLMLoss
+    return targets if causal else inputs["labels"]
 
 
 class _Pipelined:
@@ -272,7 +290,8 @@ class _Pipelined:
             logits = logits_of(outputs) if outputs is not None else None
             return None, None if prediction_loss_only else self._from_last_stage(logits), None
         stage_inputs, labels = self._labelled(inputs)
-        scale = torch.full((labels.size(0),), 1.0 / self._eval_tokens(labels), device=labels.device)
+        counted = self._eval_tokens(_counted_labels(self.model.original, inputs, labels))
+        scale = torch.full((labels.size(0),), 1.0 / counted, device=labels.device)
         self._stage_losses = []
         result = self.pipeline.evaluate(
             stage_inputs, (labels, scale), return_outputs=not prediction_loss_only
