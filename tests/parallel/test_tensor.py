@@ -73,6 +73,19 @@ def test_bad_tensor_parallel_input_is_refused_in_one_line():
     assert "applies to nn.Linear and nn.Embedding, and 1.ln1 is a LayerNorm" in e["layer type"]
 
 
+def test_pytorchs_own_styles_are_checked_as_their_names_are():
+    """ColwiseParallel() is checked as "colwise" is: a width T does not divide, a module it
+    cannot split (each rank failed its own way at the first step, or while splitting)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    model = nn.Sequential(nn.Linear(16, 31), nn.ReLU(), nn.Linear(31, 16), nn.LayerNorm(16))
+    for plan in ({"0": ColwiseParallel(), "2": RowwiseParallel()}, {"0": "colwise"}):
+        with pytest.raises(ValueError, match="does not divide the 31 output features of 0"):
+            resolve_plan(plan, model, 2)
+    with pytest.raises(ValueError, match=r"ColwiseParallel\(\) applies to nn.Linear and nn.Emb"):
+        resolve_plan({"3": ColwiseParallel()}, model, 2)
+
+
 def test_a_model_without_a_plan_is_told_how_to_give_one_in_its_own_names():
     model = nn.Sequential(nn.Embedding(3, 4), nn.Sequential(nn.Linear(4, 4)))
     with pytest.raises(ValueError, match=r"config's base_model_tp_plan\); pass tp_plan=\{'1\.0'"):

@@ -221,6 +221,21 @@ def test_sample_and_export_stop_with_one_line(copy, capsys):
     assert not marker.exists()
 
 
+def test_a_record_that_does_not_fit_its_tensors_stops_generate_in_one_line(copy, tmp_path, capsys):
+    """A ``gpipe.json`` describing a wider model than its tensors (the manifest matching):
+    every stage's load fails alike, and the command says why in one line (it ended in
+    tracebacks of every process)."""
+    step = _step(copy, 6)
+    _edit_json(step / "gpipe.json", lambda r: r["model"].update(d_model=2 * r["model"]["d_model"]))
+    _update_manifest(step)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"ids": [1, 2]}\n')
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", step, "--prompts", prompts, "--out", out, "--max-new-tokens", "2"]
+    err = _one_line_error(capsys, *argv, "--quiet")
+    assert f"{step}: its tensors do not fit the model it describes: Size mismatch" in err
+
+
 def test_records_of_unexpected_types_are_refused(copy, capsys):
     """A ``gpipe.json`` of the wrong types is a damaged checkpoint; a ``run.json`` one is
     refused in one line."""

@@ -132,6 +132,12 @@ def _style(key: str, value: object, module: nn.Module) -> ParallelStyle:
     )
 
     if isinstance(value, ParallelStyle):
+        kind = _named_style(value)
+        if kind in ("colwise", "rowwise") and not isinstance(module, nn.Linear | nn.Embedding):
+            raise ValueError(
+                f"tp_plan[{key!r}] = {type(value).__name__}() applies to nn.Linear and "
+                f"nn.Embedding, and {key} is a {type(module).__name__}"
+            )
         return value
     if value not in STYLES:
         raise ValueError(
@@ -155,8 +161,29 @@ def _style(key: str, value: object, module: nn.Module) -> ParallelStyle:
     )
 
 
+def _named_style(value: object) -> object:
+    """A plan's value as the style's name where PyTorch's own style class says it
+    (``ColwiseParallel()`` is ``"colwise"``), so that it is checked as the name is; other
+    values as they are."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    for kind, name in (
+        (ColwiseParallel, "colwise"),
+        (RowwiseParallel, "rowwise"),
+        (SequenceParallel, "sequence"),
+    ):
+        if isinstance(value, kind):
+            return name
+    return value
+
+
 def _split_size(module: nn.Module, value: object) -> tuple[int, str] | None:
     """The size a named style splits ``module`` along, and what it is."""
+    value = _named_style(value)
     if isinstance(module, nn.Linear):
         if value == "colwise":
             return module.out_features, "output features"
@@ -176,6 +203,7 @@ def _check_divides(
     split = _split_size(module, value)
     if split is None:
         return
+    value = _named_style(value)
     size, what = split
     head_dim = getattr(parent, "head_dim", None)
     if value == "colwise" and isinstance(head_dim, int) and head_dim > 0 and size % head_dim == 0:

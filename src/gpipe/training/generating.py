@@ -89,7 +89,10 @@ def stage_pipeline(checkpoint: Path, code: str | None = None) -> Pipeline:
 
 def _run(job: GenerateJob) -> Generated | None:
     """One rank's part; the first stage's rank returns what came out."""
-    pipe = stage_pipeline(Path(job.checkpoint), job.code)
+    try:
+        pipe = stage_pipeline(Path(job.checkpoint), job.code)
+    except ValueError as exc:  # every rank alike: a checkpoint that cannot be loaded
+        return Generated([], 0.0, str(exc).splitlines()[0])
     bar = None
     if job.progress and pipe.is_first:
         from tqdm import tqdm

@@ -95,6 +95,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def _cause(failure: Any) -> Any:
+    """A rank's failure as DCP gathers it: the exception and its stack summary (older
+    versions: an object holding the exception)."""
+    if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException):
+        return failure[0]
+    return getattr(failure, "exc", failure)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     for line in text.splitlines():  # torch's weights_only message starts with advice
@@ -207,10 +215,16 @@ def load_state(state: dict[str, Any], folder: Path, **how: Any) -> None:
     except pickle.UnpicklingError as exc:
         raise CheckpointRefused(folder, _first_line(exc)) from None
     except CheckpointException as exc:  # DCP gathers each rank's failure into one
-        for failure in exc.failures.values():
-            cause = getattr(failure, "exc", failure)
+        causes = [_cause(failure) for failure in exc.failures.values()]
+        for cause in causes:
             if isinstance(cause, CheckpointRefused):
                 raise cause from None
             if isinstance(cause, pickle.UnpicklingError):
                 raise CheckpointRefused(folder, _first_line(cause)) from None
+        for cause in causes:  # its tensors do not fit the model its record describes
+            if isinstance(cause, ValueError):
+                raise ValueError(
+                    f"{folder}: its tensors do not fit the model it describes: "
+                    f"{_first_line(cause)}"
+                ) from None
         raise
