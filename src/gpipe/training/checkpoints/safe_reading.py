@@ -224,7 +224,6 @@ def load_state(state: dict[str, Any], folder: Path, **how: Any) -> None:
         for cause in causes:  # its tensors do not fit the model its record describes
             if isinstance(cause, ValueError):
                 raise ValueError(
-                    f"{folder}: its tensors do not fit the model it describes: "
-                    f"{_first_line(cause)}"
+                    f"{folder}: its tensors do not fit the model it describes: {_first_line(cause)}"
                 ) from None
         raise
