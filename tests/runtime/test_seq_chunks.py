@@ -46,7 +46,7 @@ def test_a_hugging_face_llama_on_sub_sequences_trains_as_the_unsplit_model(sched
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble", "zero-bubble-v"])
 def test_padded_targets_weighed_by_their_counted_tokens_train_as_the_unsplit_model(schedule):
-    assert all(gap < 1e-12 for gap in run(cases.padded_targets, 2, (schedule,), threads=1).values())
+    assert run(cases.padded_targets, 2, (schedule,), threads=1) == {0: 1, 1: 1}
 
 
 def test_replicas_of_a_pipeline_on_sub_sequences_train_as_the_unsplit_model():
