@@ -17,6 +17,7 @@ __all__ = ["RUNS", "Run", "argv"]
 HERE = Path(__file__).parent / "cluster"
 _MEGATRON = "Narayanan et al. 2021 (arXiv:2104.04473), Table 1"
 _SC21 = "Megatron-LM examples/sc21/run_table_1.sh (the settings of Table 1's runs)"
+_TABLE_2 = "Narayanan et al. 2021 (arXiv:2104.04473), Table 2: PTD parallelism"
 _KORTHIKANTI = "Korthikanti et al. 2022 (arXiv:2205.05198), Tables 3 and 5"
 _MCORE = "Megatron-LM README, Megatron-Core r0.8.0 weak scaling on H100 (images/model_table.png)"
 _NEMOTRON = "Nemotron-4 340B technical report (arXiv:2406.11704), Table 2: iteration time"
@@ -115,6 +116,28 @@ _TABLE_1 = [  # size, (layers, hidden, heads), T, K, GPUs, batch, TFLOP/s, micro
 _NAMED = {"1.7B", "18.4B", "145.6B", "1008B"}  # the rows issue 43 holds to 10 %
 
 
+def _table_2(
+    size: str, shape: tuple[int, int, int], k: int, gpus: int, batch: int, tflops: float
+) -> Run:
+    """A PTD-parallelism row of the comparison with ZeRO-3: the same model at a fixed batch
+    on more and more GPUs, micro-batch 1 as published; interleaved with the planner's stages
+    per process, as the Table 1 rows are predicted."""
+    return Run(
+        f"Megatron-LM {size} on {gpus:,} GPUs (Table 2)",
+        _TABLE_2,
+        argv(
+            f"--cluster {gpus}xA100-80GB {_gpt(*shape)} --seq-len 2048 --tensor-parallel 8 "
+            f"--stages {k} --global-batch {batch} --micro-batch 1 --schedule interleaved "
+            "--recompute full --precision bf16"
+        ),
+        "tflops_per_gpu",
+        tflops,
+        note="interleaved with the planner's stages per process assumed (the table gives the "
+        "model-parallel size, 8 x K, and micro-batch 1)",
+        tags=("table-2",),
+    )
+
+
 def _korthikanti(size: str, shape: tuple[int, int, int], k: int, gpus: int, mfu: float) -> Run:
     schedule = "interleaved" if k > 1 else "1f1b"
     return Run(
@@ -167,6 +190,14 @@ _BLOOM = [
 RUNS: list[Run] = [
     *(_megatron(row, 0.10 if row[0] in _NAMED else 0.15) for row in _TABLE_1),
     *(_sc21(row) for row in _TABLE_1),
+    *(
+        _table_2("174.6B", (96, 12288, 96), 12, gpus, 1536, tflops)
+        for gpus, tflops in ((384, 153), (768, 149), (1536, 141))
+    ),
+    *(
+        _table_2("529.6B", (105, 20480, 128), 35, gpus, 2240, tflops)
+        for gpus, tflops in ((560, 171), (1120, 167), (2240, 159))
+    ),
     _korthikanti("22B", (48, 6144, 64), 1, 8, 0.415),
     _korthikanti("175B", (96, 12288, 96), 8, 64, 0.514),
     _korthikanti("530B", (105, 20480, 128), 35, 280, 0.560),

@@ -11,6 +11,7 @@ _NAMED = [r for r in RUNS if r.tolerance == 0.10]
 # further runs, one of each kind, fast to predict (all: python -m benchmarks.bench_cluster)
 _FURTHER = [
     "Megatron-LM 145.6B (Table 1, as run)",
+    "Megatron-LM 174.6B on 1,536 GPUs (Table 2)",
     "Megatron-LM 175B, selective recomputation",
     "BLOOM-176B on Jean Zay",
     "Megatron-Core 462B on H100",
