@@ -12,6 +12,7 @@ import torch
 from gpipe.cli import main
 from gpipe.models.gpt import GPTConfig, build_gpt, generate
 from gpipe.training.checkpoints.format import save_checkpoint
+from gpipe.training.generating import lanes_and_rows
 from gpipe.training.options import TrainOptions
 
 CONFIG = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=32, vocab_size=256)
@@ -103,8 +104,9 @@ def test_prompts_the_stages_refuse_end_in_one_line(
     cases = {
         ('{"ids": [1, 300]}', 2): "line 1: the prompt holds token id 300 at position 1, "
         "outside the model's vocabulary of 256 ids (0 to 255)",
-        (good + '{"ids": [1, 2, 3]}', 30): "line 3: the prompt has 3 tokens and "
-        "max_new_tokens=30 more would make 33, more than the model's context of 32",
+        (good + '{"ids": [1, 2, 3]}', 31): "line 3: the prompt has 3 tokens and "
+        "max_new_tokens=31 more would feed the model 33 (all but the last new one), more "
+        "than its context of 32",
         (good + '{"ids": []}', 2): "line 3: the prompt is empty: give at least one token id",
     }
     for (lines, new), message in cases.items():
@@ -114,3 +116,13 @@ def test_prompts_the_stages_refuse_end_in_one_line(
         err = capsys.readouterr().err.strip()
         assert err == f"gpipe: error: --prompts {prompts}, {message}", err
     assert not out.exists()
+
+
+def test_batch_size_bounds_the_sequences_in_flight_in_all():
+    """--batch-size B with --in-flight L: fewer lanes where B < L, and never more than B
+    sequences at once (5 over 4 lanes once admitted 8)."""
+    for batch in range(1, 12):
+        for in_flight in range(1, 6):
+            lanes, rows = lanes_and_rows(batch, in_flight)
+            assert lanes == min(batch, in_flight) and rows >= 1
+            assert lanes * rows <= batch < lanes * (rows + 1)

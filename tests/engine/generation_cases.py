@@ -59,7 +59,35 @@ def gpt_pipeline(k: int) -> int:
             got = pipe.generate(prompts(64), NEW, in_flight=in_flight, prefill_chunk=chunk)
             assert got == want, (in_flight, chunk, got, want)
             checked += 1
+    # a prompt as long as the context still gets its one new token (which nothing reads)
+    model, (full,) = gpt_model(), prompts(64, (40,))
+    assert pipe.generate([full], 1) == [_greedy(model, full, 1)]
     return checked
+
+
+def gpt_after_a_failed_call(failing: int) -> list[str]:
+    """A call that fails partway on rank ``failing`` (its layer raises on its fifth cached
+    forward), caught on every rank: then the next call generates what the first did, its
+    peers' messages of the failed call left behind. Returns each call's outcome."""
+    pipe = Pipeline(gpt_model(), chunks=1, timeout=5.0)
+    want = pipe.generate(prompts(64), NEW)
+    layer = pipe.generator().stage.layers[0]
+    forward, calls = layer.forward_cached, [0]
+
+    def failing_forward(*args, **kwargs):
+        calls[0] += 1
+        if torch.distributed.get_rank() == failing and calls[0] == 5:
+            raise RuntimeError("a fault of this layer")
+        return forward(*args, **kwargs)
+
+    layer.forward_cached = failing_forward
+    try:
+        pipe.generate(prompts(64), NEW)
+        failed = "returned"
+    except Exception as exc:
+        failed = f"{type(exc).__name__}: {exc}"
+    again = pipe.generate(prompts(64), NEW)
+    return [failed, "the same" if again == want else f"{again} for {want}"]
 
 
 def gpt_sampled() -> list[list[list[int]]]:

@@ -22,6 +22,20 @@ def test_greedy_through_four_stages_equals_the_gpts_own_sampler():
     assert set(run(cases.gpt_pipeline, 4, (4,), threads=1).values()) == {4}
 
 
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_call_that_failed_on_one_rank_leaves_nothing_for_the_next(failing):
+    """The failing rank raises its own error; its peer, waiting for what never comes, a
+    StageError in generation's words once the timeout passes; the next call is exact."""
+    found = run(cases.gpt_after_a_failed_call, 2, (failing,), threads=1)
+    assert found[failing] == ["RuntimeError: a fault of this layer", "the same"]
+    waiting = "a task of stage 0" if failing == 0 else "the tokens of stage 1"
+    peer = 1 - failing
+    assert found[peer] == [
+        f"StageError: stage {peer}: generating: timed out after 5 s waiting for {waiting}",
+        "the same",
+    ]
+
+
 def test_a_seed_samples_alike_whatever_the_groups_in_flight_and_the_stages():
     two = run(cases.gpt_sampled, 2, threads=1)
     four = run(cases.gpt_sampled, 4, threads=1)
@@ -47,8 +61,8 @@ def test_bad_input_is_refused_in_one_line_on_every_rank():
     assert all("\n" not in message for message in found[0])
     assert found[0] == [
         "ValueError: prompt 0 has 41 tokens, more than the model's context of 40",
-        "ValueError: prompt 0 has 35 tokens and max_new_tokens=10 more would make 45, more "
-        "than the model's context of 40",
+        "ValueError: prompt 0 has 35 tokens and max_new_tokens=10 more would feed the model "
+        "44 (all but the last new one), more than its context of 40",
         "ValueError: prompt 1 is empty: give at least one token id",
         "ValueError: max_new_tokens must be a positive integer, got 0",
         "ValueError: prompt 0 holds token id 64 at position 1, outside the model's "

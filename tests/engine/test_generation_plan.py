@@ -55,13 +55,20 @@ def test_an_ended_sequence_frees_its_place_for_a_waiting_prompt():
 
 def test_a_task_travels_as_int64_words():
     task = Task(3, (1,), (2, 5), (2, 5, 7), (0, 0, 0), (Piece(4, 6, (1, 2), True),))
-    back = plan_of(task_tensor(task))
-    assert back == Task(3, (1,), (2, 5), (2, 5, 7), (), (Piece(4, 6, (), True),))
+    back = plan_of(task_tensor(task, run=9))
+    assert back == (9, Task(3, (1,), (2, 5), (2, 5, 7), (), (Piece(4, 6, (), True),)))
 
 
 def test_greedy_is_the_first_largest_logit():
     logits = torch.tensor([[0.0, 2.0, 2.0], [3.0, 1.0, 0.0]])
     assert Sampler(Sampling()).pick(logits, [0, 1]) == [1, 0]
+
+
+def test_a_tiny_temperature_draws_the_greedy_token():
+    """Logits over 1e-310 overflow to inf unless taken from the largest: all would then be
+    equally likely, and the draw fell on the last id."""
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 1.0, 0.0]])
+    assert Sampler(Sampling(temperature=1e-310, seed=3)).pick(logits, [0, 1]) == [1, 0]
 
 
 def test_a_seed_draws_each_sequence_alike_however_they_are_grouped():

@@ -8,7 +8,6 @@ the stages ``gpipe.split`` cut), loads its share of the checkpoint, and joins
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,14 @@ from gpipe.training.models.sources import model_from_dict
 from gpipe.training.models.trained import check_code_named
 from gpipe.training.options import PRECISIONS, TrainOptions
 
-__all__ = ["GenerateJob", "Generated", "generate_from_run", "stage_pipeline", "stages_of"]
+__all__ = [
+    "GenerateJob",
+    "Generated",
+    "generate_from_run",
+    "lanes_and_rows",
+    "stage_pipeline",
+    "stages_of",
+]
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,13 @@ def stage_pipeline(checkpoint: Path, code: str | None = None) -> Pipeline:
     return pipe
 
 
+def lanes_and_rows(batch: int, in_flight: int) -> tuple[int, int]:
+    """Lanes, and sequences in each, that hold at most ``batch`` sequences in all: fewer
+    lanes than ``in_flight`` where there are not sequences enough to fill them."""
+    lanes = min(in_flight, batch)
+    return lanes, batch // lanes
+
+
 def _run(job: GenerateJob) -> Generated | None:
     """One rank's part; the first stage's rank returns what came out."""
     try:
@@ -116,8 +129,11 @@ def _run(job: GenerateJob) -> Generated | None:
         )
         seconds = time.perf_counter() - started
         return Generated([found], seconds) if pipe.is_first else None
-    in_flight = job.options.get("in_flight") or pipe.n_stages
-    rows = None if job.batch is None else max(1, math.ceil(job.batch / in_flight))
+    options = dict(job.options)
+    rows = None
+    if job.batch is not None:
+        lanes, rows = lanes_and_rows(job.batch, options.get("in_flight") or pipe.n_stages)
+        options["in_flight"] = lanes
 
     def advance(n: int) -> None:
         if bar is not None:
@@ -130,7 +146,7 @@ def _run(job: GenerateJob) -> Generated | None:
             job.max_new_tokens,
             rows_per_lane=rows,
             on_tokens=advance,
-            **job.options,
+            **options,
         )
     except (ValueError, TypeError) as exc:
         # generate() refuses bad prompts and settings on every rank alike, before anything

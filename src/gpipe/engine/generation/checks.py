@@ -80,11 +80,15 @@ def _token(value: Any, prompt: int, position: int) -> int:
     return token
 
 
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
 def checked_prompts(
     prompts: Any, max_new_tokens: int, vocab: int | None, context: int | None
 ) -> list[list[int]]:
     """``prompts`` as lists of ints, each non-empty, of the vocabulary, and fitting the
-    context with ``max_new_tokens`` more."""
+    context with ``max_new_tokens`` more (but the last, which no forward reads)."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise TypeError(
             f"prompts must be a list of prompts, each a list of token ids, got "
@@ -94,7 +98,7 @@ def checked_prompts(
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
             raise TypeError(
-                f"prompt {i} is a {type(prompt).__name__}: each prompt is a list of token ids"
+                f"prompt {i} is {_a(type(prompt).__name__)}: each prompt is a list of token ids"
             )
         ids = [_token(t, i, at) for at, t in enumerate(prompt)]
         if not ids:
@@ -110,11 +114,12 @@ def checked_prompts(
             raise ValueError(
                 f"prompt {i} has {len(ids)} tokens, more than the model's context of {context}"
             )
-        if context is not None and len(ids) + max_new_tokens > context:
+        fed = len(ids) + max_new_tokens - 1  # the last new token is never fed back
+        if context is not None and fed > context:
             raise ValueError(
                 f"prompt {i} has {len(ids)} tokens and max_new_tokens={max_new_tokens} more "
-                f"would make {len(ids) + max_new_tokens}, more than the model's context of "
-                f"{context}"
+                f"would feed the model {fed} (all but the last new one), more than its "
+                f"context of {context}"
             )
         checked.append(ids)
     return checked

@@ -4,11 +4,15 @@ Both are flat tuples of tensors, so the transport sends them without describing 
 structure: a task is its plan as one int64 tensor, then the decoding rows' input (token ids
 on the way out of the first stage, hidden states after), then each prefill piece's; the
 tokens back are the lane, the sequences and their tokens.
+
+Each message carries the number of the ``generate`` call it belongs to: a call that failed
+on one rank can leave messages in the channels (a task no stage took, tokens the first
+stage never read), and the next call drops them rather than taking them for its own.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -21,21 +25,22 @@ STOP = -1  # the lane of the message that ends the generation
 _PIECE = 3  # words per piece: sequence, start, last
 
 
-def task_tensor(task: Task) -> Tensor:
-    """``task``'s plan as int64 words, without its token ids (a piece's length is that of
-    its tensor)."""
-    words = [task.lane, len(task.leaves), len(task.joins), len(task.rows), len(task.pieces)]
+def task_tensor(task: Task, run: int) -> Tensor:
+    """``task``'s plan in ``generate`` call number ``run``, as int64 words, without its token
+    ids (a piece's length is that of its tensor)."""
+    words = [run, task.lane, len(task.leaves), len(task.joins), len(task.rows)]
+    words += [len(task.pieces)]
     words += [*task.leaves, *task.joins, *task.rows]
     for piece in task.pieces:
         words += [piece.sequence, piece.start, int(piece.last)]
     return torch.tensor(words, dtype=torch.long)
 
 
-def plan_of(words: Tensor) -> Task:
-    """The task of ``task_tensor``, its pieces without their ids."""
-    w = [int(v) for v in words.tolist()]
+def plan_of(words: Tensor) -> tuple[int, Task]:
+    """The call number and the task of ``task_tensor``, its pieces without their ids."""
+    run, *w = [int(v) for v in words.tolist()]
     if w[0] == STOP:
-        return Task(STOP)
+        return run, Task(STOP)
     lane, n_leaves, n_joins, n_rows, n_pieces = w[:5]
     at = 5
     leaves = tuple(w[at : at + n_leaves])
@@ -49,21 +54,26 @@ def plan_of(words: Tensor) -> Task:
         sequence, start, last = w[at : at + _PIECE]
         pieces.append(Piece(sequence, start, (), bool(last)))
         at += _PIECE
-    return Task(lane, leaves, joins, rows, (), tuple(pieces))
+    return run, Task(lane, leaves, joins, rows, (), tuple(pieces))
 
 
-Relay = tuple[int, list[int], list[int]]  # a lane, its sequences and the tokens picked
+class Relay(NamedTuple):
+    """The tokens picked for a lane's sequences in ``generate`` call number ``run``."""
+
+    run: int
+    lane: int
+    sequences: list[int]
+    tokens: list[int]
 
 
-def relay_tensors(
-    lane: int, sequences: list[int], tokens: list[int], device: Any
-) -> tuple[Tensor, ...]:
+def relay_tensors(relay: Relay, device: Any) -> tuple[Tensor, ...]:
     def ints(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    return ints([lane]), ints(sequences), ints(tokens)
+    return ints([relay.run, relay.lane]), ints(relay.sequences), ints(relay.tokens)
 
 
 def relay_of(message: Any) -> Relay:
-    lane, sequences, tokens = message
-    return int(lane.item()), [int(s) for s in sequences.tolist()], [int(t) for t in tokens.tolist()]
+    head, sequences, tokens = message
+    run, lane = (int(v) for v in head.tolist())
+    return Relay(run, lane, [int(s) for s in sequences.tolist()], [int(t) for t in tokens.tolist()])

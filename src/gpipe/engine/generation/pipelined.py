@@ -24,6 +24,7 @@ from gpipe.engine.generation.checks import Settings, checked_prompts, checked_se
 from gpipe.engine.generation.lanes import CachedStage, GenerationRefused, StageCaches, cache_refusal
 from gpipe.engine.generation.messages import (
     STOP,
+    Relay,
     plan_of,
     relay_of,
     relay_tensors,
@@ -33,6 +34,7 @@ from gpipe.engine.generation.sampling import Sampler, picked
 from gpipe.engine.generation.scheduler import Scheduler, Task
 from gpipe.engine.placement import RankPlacement
 from gpipe.engine.runner import connect
+from gpipe.errors import StageError
 from gpipe.runtime.stage import Stage
 from gpipe.schedules import Kind
 
@@ -96,6 +98,7 @@ class Generation:
             placement, ((self.n_stages - 1, 0),), device, timeout, local_pipes
         )
         self.timing: Timing | None = None
+        self.runs = 0  # generate() calls begun, the same count on every rank
 
     @property
     def is_first(self) -> bool:
@@ -135,6 +138,7 @@ class Generation:
         ``on_tokens(n)``, told on the first stage of every ``n`` tokens that come back."""
 
         checked: list[list[int]] = []
+        self.runs += 1
 
         def decide() -> Settings:
             vocab, context = self._limits()
@@ -201,16 +205,18 @@ class Generation:
             pieces = [
                 torch.tensor(p.ids, dtype=torch.long, device=self.device)[None] for p in task.pieces
             ]
-            self._step(caches, task, task_tensor(task), inputs, pieces, sampler)
+            self._step(caches, task, task_tensor(task, self.runs), inputs, pieces, sampler)
             return 1
 
         out = sum(send(lane) for lane in range(plan.lanes))
         while out:
-            lane, sequences, tokens = relay_of(self.transport.recv(last, 0, -1, Kind.RECV_SKIP))
-            plan.take(lane, sequences, tokens)
-            out += send(lane) - 1
+            relay = relay_of(self._recv(last, Kind.RECV_SKIP, f"the tokens of stage {last}"))
+            if relay.run != self.runs:
+                continue  # left by a call that failed
+            plan.take(relay.lane, relay.sequences, relay.tokens)
+            out += send(relay.lane) - 1
         if self.n_stages > 1:
-            stop = task_tensor(Task(STOP))
+            stop = task_tensor(Task(STOP), self.runs)
             self.transport.send((stop, None), 0, 1, STOP, Kind.SEND_F)
         first = tuple(plan.first_token)
         total = sum(len(t) for t in plan.tokens)
@@ -223,9 +229,12 @@ class Generation:
         sampler = Sampler(settings.sampling) if self.is_last else None
         before = self.index - 1
         while True:
-            words, inputs, *pieces = self.transport.recv(before, self.index, -1, Kind.RECV_F)
+            task_of_stage = f"a task of stage {before}"
+            words, inputs, *pieces = self._recv(before, Kind.RECV_F, task_of_stage)
             assert isinstance(words, Tensor)  # a task's plan comes first
-            task = plan_of(words)
+            run, task = plan_of(words)
+            if run != self.runs:
+                continue  # left by a call that failed
             if task.lane == STOP:
                 if not self.is_last:
                     self.transport.send(
@@ -233,6 +242,16 @@ class Generation:
                     )
                 return
             self._step(caches, task, words, inputs, pieces, sampler)
+
+    def _recv(self, src: int, kind: Kind, waiting_for: str) -> Any:
+        """The next message from stage ``src``; a StageError that says, in generation's
+        words, what did not come."""
+        try:
+            return self.transport.recv(src, self.index, -1, kind)
+        except StageError as exc:
+            said = str(exc).removeprefix(f"stage {self.index}: ")
+            reason = said.split(" waiting for ")[0]
+            raise StageError(self.index, f"generating: {reason} waiting for {waiting_for}") from exc
 
     # -- one task on this stage --------------------------------------------------------------
     def _step(
@@ -252,5 +271,5 @@ class Generation:
             self.transport.send(message, self.index, self.index + 1, task.lane, Kind.SEND_F)
             return
         sequences, tokens = picked(sampler, task, decoded, filled)
-        relay = relay_tensors(task.lane, sequences, tokens, self.device)
+        relay = relay_tensors(Relay(self.runs, task.lane, sequences, tokens), self.device)
         self.transport.send(relay, self.index, 0, task.lane, Kind.SEND_SKIP)

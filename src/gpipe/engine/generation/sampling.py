@@ -70,7 +70,9 @@ class Sampler:
         """The next token of each sequence from its row of ``logits`` (``[rows, vocab]``)."""
         if self.sampling.greedy:
             return [int(t) for t in logits.argmax(dim=-1).tolist()]
-        scaled = logits.detach().to("cpu", torch.float64) / self.sampling.temperature
+        logits = logits.detach().to("cpu", torch.float64)
+        # from the largest, so that a tiny temperature sends the others to -inf, not all to inf
+        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / self.sampling.temperature
         return [self._draw(scaled[row], seq) for row, seq in enumerate(sequences)]
 
     def _draw(self, logits: Tensor, sequence: int) -> int:
