@@ -7,6 +7,7 @@ Every run is ``gpipe train`` over real processes and gloo; the allow-list is che
 the metadata that the installed PyTorch writes for a plain and a sharded checkpoint.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -193,6 +194,61 @@ def test_resume_of_a_poisoned_newest_checkpoint_goes_on_from_the_one_before(copy
     reference = _losses(run)
     for step in (4, 5, 6):  # repeated from step 3, as the original run trained them
         assert losses[step] == pytest.approx(reference[step], rel=1e-5), step
+
+
+def _tampered(checkpoint, **fields) -> None:
+    """The checkpoint's metadata rewritten with ``fields`` replaced: a pickle of DCP's own
+    classes, which the allow-list passes, whose values no longer describe the files."""
+    metadata = dataclasses.replace(read_metadata(checkpoint), **fields)
+    (checkpoint / METADATA_FILE).write_bytes(pickle.dumps(metadata))
+    _update_manifest(checkpoint)
+
+
+def _shapes(checkpoint) -> dict:
+    """Tamperings of the metadata of ``checkpoint``, by what each does."""
+    metadata = read_metadata(checkpoint)
+    stored = metadata.storage_data
+    first = next(iter(stored))
+    described = metadata.state_dict_metadata
+    return {
+        "no storage map": {"storage_data": None},
+        "a storage map that is a list": {"storage_data": list(stored.values())},
+        "an empty storage map": {"storage_data": {}},
+        "no state": {"state_dict_metadata": {}},
+        "an entry that is a number": {"state_dict_metadata": {**described, first.fqn: 7}},
+        "an item past its file's end": {
+            "storage_data": {**stored, first: dataclasses.replace(stored[first], length=2**40)}
+        },
+    }
+
+
+def test_metadata_whose_values_do_not_describe_its_files_is_refused(copy):
+    """Each tampering passes the allow-list, and each used to end in a traceback deep in a
+    load (or a MemoryError reading 1 TiB): now a refusal in one line, before any load."""
+    checkpoint = _step(copy, 6)
+    original = (checkpoint / METADATA_FILE).read_bytes()
+    for what, fields in _shapes(checkpoint).items():
+        _tampered(checkpoint, **fields)
+        found = refusals(checkpoint)
+        assert len(found) == 1 and "\n" not in found[0], (what, found)
+        assert found[0].startswith((".metadata is not whole", "__0_0.distcp ends before")), (
+            what,
+            found,
+        )
+        (checkpoint / METADATA_FILE).write_bytes(original)
+    (checkpoint / "linked").symlink_to(checkpoint / METADATA_FILE)
+    with pytest.raises(CheckpointRefused, match="is a link"):
+        read_metadata(checkpoint, "linked")
+
+
+def test_resume_of_a_newest_checkpoint_that_stores_nothing_goes_on_from_the_one_before(copy, run):
+    _tampered(_step(copy, 6), storage_data={})
+    with pytest.warns(
+        DamagedCheckpointWarning, match=r"\.metadata is not whole: '[^']+' is not stored\); skipped"
+    ):
+        assert main(["train", "--resume", str(copy), "--steps", "6", "--quiet"]) == 0
+    losses, reference = _losses(copy), _losses(run)
+    assert losses[6] == pytest.approx(reference[6], rel=1e-5)
 
 
 def test_a_distcp_file_whose_pickle_names_a_callable_is_refused(copy, tmp_path, capsys):

@@ -241,3 +241,18 @@ def test_a_tokenizer_folder_gives_its_tokenizer_files_only(tmp_path):
     assert "tokenizer.json" in names and "tokenizer_config.json" in names
     assert not names & {"config.json", "model.safetensors", "generation_config.json"}
     assert tokenizer_files(tmp_path / "t.json") == {"tokenizer.json": tmp_path / "t.json"}
+
+
+def test_a_record_that_names_another_file_as_its_tokenizer_is_refused(tmp_path):
+    """The tokenizer's path comes from the run's record: one that names a key file (a
+    tampered record) is read as a tokenizer and refused, never copied into the export."""
+    from gpipe.training.hf.export import tokenizer_files
+
+    secret = tmp_path / "id_rsa"
+    secret.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nSECRET\n")
+    with pytest.raises(ValueError, match=r"^--tokenizer .*id_rsa: not a tokenizer\.json"):
+        tokenizer_files(secret)
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "keys" / "tokenizer_config.json").write_text('{"tokenizer_class": 7}')
+    with pytest.raises(ValueError, match=r"^--tokenizer .*keys: no Hugging Face tokenizer"):
+        tokenizer_files(tmp_path / "keys")

@@ -17,13 +17,20 @@ checkpoint is judged before a single live tensor is overwritten; ``load_state`` 
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, Metadata
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import ReadItem
 
 from gpipe.training.checkpoints.pieces import PiecewiseLoadPlanner
@@ -112,9 +119,12 @@ def _first_line(exc: BaseException) -> str:
 
 
 def read_metadata(folder: Path, name: str = METADATA_FILE) -> Metadata:
-    """The checkpoint metadata in ``folder``, read by the allow-list and checked: every item
-    it describes lies in a file of ``folder`` itself. CheckpointRefused otherwise."""
+    """The checkpoint metadata in ``folder``, read by the allow-list and checked: it is
+    whole (``_malformed``) and every item it describes lies in a file of ``folder`` itself.
+    CheckpointRefused otherwise."""
     path = folder / name
+    if path.is_symlink():
+        raise CheckpointRefused(path, "is a link; a checkpoint's files lie in its folder")
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -124,11 +134,61 @@ def read_metadata(folder: Path, name: str = METADATA_FILE) -> Metadata:
         raise CheckpointRefused(path, f"refused: {_first_line(exc)}") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointRefused(path, f"holds a {type(metadata).__name__}, not checkpoint metadata")
-    for info in (metadata.storage_data or {}).values():
+    stored = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    for info in stored.values():
         where = getattr(info, "relative_path", None)
         if not isinstance(where, str) or Path(where).name != where or where in ("", ".", ".."):
             raise CheckpointRefused(path, f"points at {where!r}, outside the checkpoint's folder")
+    problem = _malformed(metadata)
+    if problem is not None:
+        raise CheckpointRefused(path, f"is not whole: {problem}")
     return metadata
+
+
+def _malformed(metadata: Metadata) -> str | None:
+    """Why ``metadata`` does not describe a checkpoint DCP can load, or None: each entry of
+    the state a tensor (chunks within its size) or bytes, each stored where the storage
+    map says, in a stretch of a file (a pickle of the right classes can still hold any
+    values, and DCP would fail on them deep in a load, on every rank)."""
+    described, stored = metadata.state_dict_metadata, metadata.storage_data
+    if not isinstance(described, dict) or not described:
+        return "it describes no state"
+    if not isinstance(stored, dict):
+        return f"its storage map is a {type(stored).__name__}"
+    for index, info in stored.items():
+        if not isinstance(index, MetadataIndex) or index.fqn not in described:
+            return f"it stores {getattr(index, 'fqn', index)!r}, which its state does not hold"
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not all(isinstance(n, int) and n >= 0 for n in (offset, length)):
+            return f"{index.fqn} lies at offset {offset!r}, length {length!r}"
+    for name, entry in described.items():
+        if isinstance(entry, BytesStorageMetadata):
+            wanted = [MetadataIndex(name)]
+        elif isinstance(entry, TensorStorageMetadata) and _chunks_fit(entry):
+            wanted = [MetadataIndex(name, chunk.offsets) for chunk in entry.chunks]
+        else:
+            return f"{name!r} is neither bytes nor a tensor whose chunks fit its size"
+        if any(index not in stored for index in wanted):
+            return f"{name!r} is not stored"
+    return None
+
+
+def _chunks_fit(entry: TensorStorageMetadata) -> bool:
+    # read as unpickled, whatever the annotations of its classes say
+    size, chunks = cast(Any, entry.size), cast(Any, entry.chunks)
+    if not isinstance(size, torch.Size) or not isinstance(chunks, list):
+        return False
+    for chunk in chunks:
+        if not isinstance(chunk, ChunkStorageMetadata):
+            return False
+        offsets, sizes = cast(Any, chunk.offsets), cast(Any, chunk.sizes)
+        if not (isinstance(offsets, torch.Size) and isinstance(sizes, torch.Size)):
+            return False
+        if not len(offsets) == len(sizes) == len(size):
+            return False
+        if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, sizes, size, strict=True)):
+            return False
+    return True
 
 
 def _load_item(stream: IO[bytes]) -> Any:
@@ -149,9 +209,16 @@ def refusals(folder: Path) -> list[str]:
     for info in metadata.storage_data.values():
         by_file.setdefault(info.relative_path, []).append(info)
     for name, items in sorted(by_file.items()):
+        if (folder / name).is_symlink():
+            problems.append(f"{name} is a link; a checkpoint's files lie in its folder")
+            continue
         try:
             with open(folder / name, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
                 for info in sorted(items, key=lambda i: i.offset):
+                    if info.offset + info.length > size:
+                        problems.append(f"{name} ends before an item it should hold")
+                        break
                     f.seek(info.offset)
                     _load_item(io.BytesIO(f.read(info.length)))
         except OSError as exc:
@@ -226,4 +293,7 @@ def load_state(state: dict[str, Any], folder: Path, **how: Any) -> None:
                 raise ValueError(
                     f"{folder}: its tensors do not fit the model it describes: {_first_line(cause)}"
                 ) from None
-        raise
+        # anything else DCP met reading it (a CheckpointException is no Exception: callers
+        # that catch Exception would miss it)
+        first = next((c for c in causes if isinstance(c, BaseException)), exc)
+        raise ValueError(f"{folder}: could not be read: {_first_line(first)}") from None

@@ -137,7 +137,7 @@ class HFTokenizer:
             self._tok: Any = AutoTokenizer.from_pretrained(
                 str(path), local_files_only=True, trust_remote_code=False
             )
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # a malformed file's error is whatever its reader met
             raise ValueError(
                 f"--tokenizer {path}: no Hugging Face tokenizer in this folder "
                 f"({str(exc).splitlines()[0]})"

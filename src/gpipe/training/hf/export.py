@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+from gpipe.training.data.tokenizer import load_tokenizer
 from gpipe.training.models.trained import hf_config_of, load_trained, trained_model
 
 if TYPE_CHECKING:
@@ -81,12 +82,15 @@ def export_hf(checkpoint: Path, out: Path, *, force: bool = False) -> Exported:
 
 def tokenizer_files(path: str | Path) -> dict[str, Path]:
     """The files a Hugging Face folder needs of the tokenizer at ``path`` (a
-    ``tokenizer.json``, or a Hugging Face tokenizer folder), by their names there."""
+    ``tokenizer.json``, or a Hugging Face tokenizer folder), by their names there. The path
+    comes from the run's record, so it is read as a tokenizer first: a record that names any
+    other file (a key, a password file) is refused rather than copied into the export."""
     path = Path(path)
+    if not path.exists():
+        raise ValueError(f"the run's --tokenizer {path} is gone; put it back to export it")
+    load_tokenizer(path)  # a ValueError in one line if it is not a tokenizer
     if path.is_file():
         return {"tokenizer.json": path}
-    if not path.is_dir():
-        raise ValueError(f"the run's --tokenizer {path} is gone; put it back to export it")
     return {
         file.name: file
         for file in path.iterdir()
