@@ -83,6 +83,11 @@ def test_generate_refuses_bad_input_in_one_line(run, tmp_path, capsys):
     argv = ["generate", str(run), "--prompts", str(prompts), "--out", out]
     assert main([*argv, "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens must be a positive integer" in capsys.readouterr().err
+    prompts.write_bytes(b'{"prompt": "caf\xe9"}\n')  # Latin-1
+    argv = ["generate", str(run), "--prompts", str(prompts), "--out", out]
+    assert main([*argv, "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not UTF-8 text (invalid continuation byte" in err, err
     prompts.write_text('{"ids": [1, 2]}\n')
     missing = str(tmp_path / "no" / "out.jsonl")
     argv = ["generate", str(run), "--prompts", str(prompts), "--out", missing]

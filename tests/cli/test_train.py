@@ -576,3 +576,21 @@ def test_the_shape_under_torchrun_follows_the_pinned_dimension():
     for flag, value in (("stages", 0), ("data_parallel", -1)):
         with pytest.raises(UsageError, match="must be a positive integer, got"):
             _shape_from_world(given(**{flag: value}), TrainOptions(), 6)
+
+
+def test_files_that_are_not_utf8_are_named_in_one_line(tmp_path):
+    """A --config, --devices or hf: config.json file of other bytes: the flag and the file
+    named, not a UnicodeDecodeError's traceback (--prompts: tests/cli/test_generate.py)."""
+    from gpipe.errors import ConfigError
+    from gpipe.planning.hardware import load_devices
+    from gpipe.planning.transformer import from_hf_config
+    from gpipe.training.config import read_config_file
+
+    bad = tmp_path / "latin1"
+    bad.write_bytes(b"steps = 10 # caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"^--config .*latin1: .*utf-8"):
+        read_config_file(bad)
+    with pytest.raises(ValueError, match=r"^--devices .*latin1: .*utf-8"):
+        load_devices(bad)
+    with pytest.raises(ValueError, match=r"^--model hf:.*latin1: cannot read a config\.json"):
+        from_hf_config(bad)

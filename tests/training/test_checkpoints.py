@@ -64,3 +64,16 @@ def test_discard_partial_clears_unfinished_saves_only(root):
     (root / ".step-000002.stale").mkdir()
     assert [p.name for p in discard_partial(root)] == [".step-000002.stale", ".step-000004.partial"]
     assert sorted(p.name for p in root.iterdir()) == ["step-000001", "step-000002", "step-000003"]
+
+
+def test_a_resumed_run_keeps_the_whole_metrics_lines_up_to_its_checkpoint(tmp_path):
+    """Lines cut short by a lost process, in the middle of a character too, or naming no
+    whole step (an infinite or fractional one) are dropped, not a crash on resume."""
+    from gpipe.training.checkpoints.resuming import trim_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [b'{"step": 1}', b'{"step": 2.5}', b'{"step": Infinity}', b'{"step": true}']
+    lines += [b'{"step": 3}', b'\xff\xfe{"ste', b'{"step": 5}']
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    trim_metrics(path, 3)
+    assert path.read_text() == '{"step": 1}\n{"step": 3}\n'

@@ -62,6 +62,10 @@ def _read_prompts(
         lines = path.read_text().splitlines()
     except OSError as exc:
         raise UsageError(f"--prompts {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(
+            f"--prompts {path}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
     objects: list[dict[str, Any]] = []
     ids: list[list[int]] = []
     numbers: list[int] = []

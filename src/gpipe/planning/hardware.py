@@ -140,7 +140,7 @@ def load_devices(path: str | Path) -> dict[str, Device]:
     """
     try:
         data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ValueError(f"--devices {path}: {exc}") from None
     tables = data.get("devices")
     if not isinstance(tables, dict) or not tables:

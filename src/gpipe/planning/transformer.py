@@ -259,7 +259,7 @@ def from_hf_config(path: str | Path) -> TransformerShape:
         file = file / "config.json"
     try:
         config = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"--model hf:{path}: cannot read a config.json ({exc})") from None
     if not isinstance(config, dict):
         raise ValueError(f"--model hf:{path}: expected a JSON object")

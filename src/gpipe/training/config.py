@@ -157,7 +157,7 @@ def read_config_file(path: str | Path) -> TrainConfig:
     too); ConfigError naming the file and the key for anything else."""
     try:
         table = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"--config {path}: {exc}") from None
     types = dataclass_types(TrainConfig)
     for raw, value in table.items():

@@ -49,15 +49,18 @@ def trim_metrics(path: Path, step: int) -> None:
     checkpoint again, so its log reads as one uninterrupted run's."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
+    text = path.read_bytes().decode(errors="replace")  # a line cut mid-character too
+    kept = [line for line in text.splitlines() if _step_of(line) <= step]
     temporary = path.with_name(f".{path.name}.tmp")  # renamed, so the log is never half gone
     temporary.write_text("".join(line + "\n" for line in kept))
     os.replace(temporary, path)
 
 
 def _step_of(line: str) -> float:
-    """The step a metrics line is of; infinite for a line cut short by a lost process."""
+    """The step a metrics line is of; infinite for a line cut short by a lost process (or
+    any other line that names no whole step)."""
     try:
-        return int(json.loads(line)["step"])
+        step = json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):
         return math.inf
+    return step if isinstance(step, int) and not isinstance(step, bool) else math.inf
