@@ -6,6 +6,7 @@ drawn and packed the same way, through the unsplit model; a GPT run on bytes, ki
 restarted on two replicas, goes on with the uninterrupted single-replica run's losses. The
 runs are real processes over gloo."""
 
+import io
 import json
 import math
 import random
@@ -201,3 +202,33 @@ def test_packed_documents_cross_gpt_stages_exactly():
     """Two processes, each a stage of the GPT: what the first sends on is the hidden states
     and each token's document (tests/packed_cases.py)."""
     assert run(packed_cases.gpt_equivalence, 2, threads=1) == {0: 4, 1: 4}
+
+
+def test_prepared_documents_that_are_not_what_was_written_are_named(tmp_path):
+    """A run's tokens/ files edited or damaged: one line naming them, not numpy's advice to
+    load the file with pickles allowed."""
+    from gpipe.training.data.documents import open_documents, starts_path
+    from gpipe.training.data.tokenizer import ByteTokenizer
+    from gpipe.training.data.tokens import token_dtype_for
+
+    ids = tmp_path / "train.bin"
+    ids.write_bytes(np.arange(10, dtype=token_dtype_for(256)).tobytes())
+    cases = {
+        "random bytes": b"\x93NUMPY garbage",
+        "pickled objects": _npy(np.array([0, "x"], dtype=object)),
+        "starts past the ids": _npy(np.array([0, 4, 11], dtype=np.int64)),
+        "starts that go back": _npy(np.array([0, 6, 3, 10], dtype=np.int64)),
+    }
+    for what, content in cases.items():
+        starts_path(ids).write_bytes(content)
+        with pytest.raises(ValueError, match="not the token ids and document starts") as error:
+            open_documents(ids, ByteTokenizer())
+        assert "pickle" not in str(error.value), what
+    starts_path(ids).write_bytes(_npy(np.array([0, 4, 10], dtype=np.int64)))
+    assert len(open_documents(ids, ByteTokenizer())) == 2
+
+
+def _npy(array) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=True)
+    return buffer.getvalue()

@@ -102,10 +102,23 @@ def prepare_documents(
 
 
 def open_documents(out: Path, tokenizer: Tokenizer) -> Documents:
-    """The documents ``prepare_documents`` wrote, memory-mapped."""
+    """The documents ``prepare_documents`` wrote, memory-mapped; ValueError naming the
+    files if they are not what it writes (damaged, or edited by someone else)."""
     dtype = np.dtype(token_dtype_for(tokenizer.vocab_size))
-    ids = np.memmap(out, dtype=dtype, mode="r")
-    return Documents(ids, np.load(starts_path(out), allow_pickle=False))
+    starts_file = starts_path(out)
+    damaged = (
+        f"{out} and {starts_file.name}: not the token ids and document starts gpipe "
+        "prepared; delete them to prepare them again"
+    )
+    try:
+        ids = np.memmap(out, dtype=dtype, mode="r")
+        starts = np.load(starts_file, allow_pickle=False)
+    except (ValueError, OSError):  # numpy's own words would advise unpickling the file
+        raise ValueError(damaged) from None
+    whole = starts.ndim == 1 and starts.dtype == np.int64 and len(starts) >= 1
+    if not whole or starts[0] != 0 or starts[-1] != len(ids) or (np.diff(starts) < 0).any():
+        raise ValueError(damaged)
+    return Documents(ids, starts)
 
 
 class DocumentSampler:
