@@ -86,6 +86,8 @@ def test_pytorchs_own_loader_reads_every_schedule(tmp_path):
         ("0F0,0B0,0F0\n1F0,1B0\n", {}, "rank 0, step 2 holds 0F0 (a forward), which runs the "
          "forward of stage 0, micro-batch 0 again: step 0 holds 0F0 (a forward)"),
         ("0F0,0B0\n0F1,1F0,1B0\n", {}, "rank 1, step 0: 0F1: stage 0 is run by rank 0 too"),
+        # a stage number of 10^10 named at once, not a list of 10^10 stages built first
+        ("9999999999F0\n", {}, "no rank runs stage 0"),
     ],
 )  # fmt: skip
 def test_bad_files_name_the_rank_step_and_action(tmp_path, text, options, message):
