@@ -51,3 +51,24 @@ def test_gpt2_on_meta_loaded_by_original_names():
     split.load_original_state_dict(reference.state_dict())
     got, want = split(batch), reference(**batch)
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
+
+
+def test_gpt2s_attention_dropout_is_off_in_evaluation():
+    """Traced in training, the attention's dropout is a rate in its graph, not a flag: in
+    evaluation the split model runs it at 0, as GPT-2 does (its outputs varied from call to
+    call)."""
+    from transformers import GPT2LMHeadModel
+
+    reference = cases.gpt2_model()
+    reference.config.attn_pdrop = 0.5
+    model = GPT2LMHeadModel(reference.config).double()
+    model.load_state_dict(reference.state_dict())
+    batch = cases.text_batch(4, 8, seed=0)
+    split = gpipe.split(copy.deepcopy(model), (), batch, parts=2)
+    split.eval()
+    model.eval()
+    with torch.no_grad():
+        got = [split(batch).logits for _ in range(2)]
+        want = model(**batch).logits
+    torch.testing.assert_close(got[0], want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1], want, rtol=1e-12, atol=1e-12)

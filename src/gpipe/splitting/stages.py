@@ -239,11 +239,21 @@ _MODE_FLAGS = {
     torch.ops.aten.feature_alpha_dropout.default: 2,
     torch.ops.aten.batch_norm.default: 5,
 }
+# attention's dropout is a rate, not a flag: traced in training it is the model's rate, and
+# out of training it is 0 (as the model's own attention passes it in evaluation)
+_ATTENTION_DROPOUT = {
+    torch.ops.aten.scaled_dot_product_attention.default: 4,
+    torch.ops.aten._scaled_dot_product_attention_math.default: 4,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 3,
+    torch.ops.aten._scaled_dot_product_flash_attention.default: 3,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default: 5,
+}
 
 
 def other_mode(graph: fx.GraphModule, traced_training: bool) -> fx.GraphModule:
     """The graph for the other mode than the one it was traced in: dropout and batch norm
-    flags flipped, and out of training, no count of batches tracked."""
+    flags flipped, and out of training, no count of batches tracked and no attention
+    dropout."""
     flipped = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in graph.graph.nodes:
@@ -262,8 +272,20 @@ def other_mode(graph: fx.GraphModule, traced_training: bool) -> fx.GraphModule:
             args = list(new.args)
             args[position] = not traced_training
             new.args = tuple(args)
+        if traced_training and node.op == "call_function" and node.target in _ATTENTION_DROPOUT:
+            _no_attention_dropout(new, _ATTENTION_DROPOUT[node.target])
         env[node] = new
     return fx.GraphModule(graph, flipped)
+
+
+def _no_attention_dropout(node: fx.Node, position: int) -> None:
+    """``node``'s attention with a dropout rate of 0, given by position or by name."""
+    if "dropout_p" in node.kwargs:
+        node.kwargs = {**node.kwargs, "dropout_p": 0.0}
+    elif len(node.args) > position:
+        args = list(node.args)
+        args[position] = 0.0
+        node.args = tuple(args)
 
 
 def _set_path(owner: nn.Module, name: str, value: Tensor, *, persistent: bool) -> None:
