@@ -91,10 +91,18 @@ def gpt2_inputs(out: str | Path) -> dict[str, Any]:
     }
 
 
-def gpt2_eval_loss(out: str) -> float:
+def gpt2_evaluated(out: str) -> tuple[float, list[str]]:
+    """The pipelined GPT-2's evaluation loss, and the model's names of the parameters its
+    optimizer would decay on this rank."""
     from gpipe.integrations.transformers import PipelineTrainer
 
-    return PipelineTrainer(**gpt2_inputs(out), chunks=2).evaluate()["eval_loss"]
+    trainer = PipelineTrainer(**gpt2_inputs(out), chunks=2)
+    model = trainer.model
+    decayed = [
+        model.split.original_name(name.removeprefix("pipeline."))
+        for name in trainer.get_decay_parameter_names(model)
+    ]
+    return trainer.evaluate()["eval_loss"], decayed
 
 
 def losses(trainer: Any) -> list[float]:

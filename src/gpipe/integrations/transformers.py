@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -197,6 +197,20 @@ class _Pipelined:
     def split(self) -> SplitModel:
         """The stages, and the map between their names and the model's own."""
         return self.model.split
+
+    def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
+        """The Trainer's rule judged on the model as written, for this rank's names of its
+        parameters: a traced stage holds a norm's weight in a plain module, where the rule's
+        test of the layer's type (``nn.LayerNorm``) would miss it and decay GPT-2's norms."""
+        trainer = cast(Any, super())
+        if not isinstance(model, PipelinedModel):
+            return list(trainer.get_decay_parameter_names(model))
+        decayed = set(trainer.get_decay_parameter_names(model.original))
+        return [
+            name
+            for name, _ in model.named_parameters()
+            if model.split.original_name(name.removeprefix("pipeline.")) in decayed
+        ]
 
     # -- steps --------------------------------------------------------------------------------
     def _stage_loss(self, outputs: Any, targets: tuple[Tensor, Tensor]) -> Tensor:
