@@ -185,6 +185,28 @@ def test_trainer_arguments_it_cannot_take(tmp_path):
         PipelineTrainer(model=model, args=args)  # this process has no process group
 
 
+def test_what_the_pipelines_loss_would_not_train_is_refused(tmp_path):
+    """A model whose loss is not the shifted causal-LM loss (a classifier, a masked LM)
+    trained on that loss all the same; a compute_loss of one's own never ran. TRL's own
+    compute_loss, which only adds metrics, is not refused."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+    from trl import SFTTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    classifier = GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_embd=16, n_head=2))
+    with pytest.raises(ValueError, match="trains causal language models .* got a GPT2For"):
+        PipelineTrainer(model=classifier, args=args)
+
+    class Tripled(PipelineTrainer):
+        def compute_loss(self, model, inputs, **kwargs):
+            return 3 * super().compute_loss(model, inputs, **kwargs)
+
+    with pytest.raises(ValueError, match=r"^PipelineTrainer cannot run Tripled\.compute_loss"):
+        Tripled(model=cases.model(), args=args)
+    with pytest.raises(ValueError, match="launch the script with torchrun"):  # past the checks
+        pipelined(SFTTrainer)(model=cases.model(), args=args)
+
+
 def test_dpo_is_refused_by_its_loss(tmp_path):
     from trl import DPOConfig, DPOTrainer
 

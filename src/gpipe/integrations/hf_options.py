@@ -15,7 +15,13 @@ import torch.distributed as dist
 
 from gpipe.engine import ScheduleSource
 
-__all__ = ["check_own", "check_trainer_arguments", "refused_options", "stages_of"]
+__all__ = [
+    "check_own",
+    "check_own_loss",
+    "check_trainer_arguments",
+    "refused_options",
+    "stages_of",
+]
 
 
 def _set(value: Any) -> bool:
@@ -109,6 +115,37 @@ def check_trainer_arguments(args: Any, kwargs: Mapping[str, Any], model: Any) ->
         )
     if getattr(model, "peft_config", None) is not None:
         raise ValueError("PipelineTrainer cannot pipeline a PEFT model: pass the base model")
+    if not _causal_lm(type(model)):
+        raise ValueError(
+            "PipelineTrainer trains causal language models (a ...ForCausalLM, as "
+            "AutoModelForCausalLM gives), whose shifted-label loss its last stage computes; "
+            f"got a {type(model).__name__}"
+        )
+
+
+def _causal_lm(model_class: type) -> bool:
+    """Whether ``model_class`` is (or derives from) a causal LM class of ``transformers``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return any(
+        c.__name__ in names or c.__name__.endswith("ForCausalLM") for c in model_class.__mro__
+    )
+
+
+def check_own_loss(trainer_class: type, pipelined_class: type) -> None:
+    """Refuse a ``compute_loss`` of the user's own in ``trainer_class``'s bases: the
+    pipeline computes the loss on its last stage, so it would never run (the libraries'
+    own, such as TRL's, only add metrics)."""
+    for base in trainer_class.__mro__:
+        if base is pipelined_class or base.__module__.split(".")[0] in ("transformers", "trl"):
+            continue
+        if "compute_loss" in vars(base):
+            raise ValueError(
+                f"PipelineTrainer cannot run {base.__name__}.compute_loss: the pipeline "
+                "computes the causal-LM loss on its last stage, so a loss of your own would "
+                "never run"
+            )
 
 
 def check_own(chunks: object, schedule: object, data_parallel: object) -> None:

@@ -42,6 +42,7 @@ import gpipe
 from gpipe.engine import IGNORE_INDEX, StepResult, logits_of
 from gpipe.integrations.hf_options import (
     check_own,
+    check_own_loss,
     check_trainer_arguments,
     refused_options,
     stages_of,
@@ -120,6 +121,7 @@ class _Pipelined:
         **kwargs: Any,
     ) -> None:
         check_own(chunks, schedule, data_parallel)
+        check_own_loss(type(self), _Pipelined)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         check_trainer_arguments(
             training_args, kwargs, kwargs.get("model", args[0] if args else None)
