@@ -120,10 +120,15 @@ def _scaled_precision():
         (cases.NoLoss, {}, "pass loss_fn=... or give NoLoss a loss_fn(outputs, targets)"),
         (cases.DictBatches, {"batches": "dict"}, "takes a batch as a pair (inputs, targets)"),
         (cases.NetworkUncalled, {}, "training_step did not call self.net"),
+        (cases.Regression, {"swa": True}, "StochasticWeightAveraging is not honoured"),
     ],
-    ids=["manual", "fp16", "syncbn", "two-nets", "outside", "loss", "dict", "uncalled"],
+    ids=["manual", "fp16", "syncbn", "two-nets", "outside", "loss", "dict", "uncalled", "swa"],
 )
 def test_what_it_cannot_honour_is_refused_in_one_line(one_process_world, module, trainer, message):
+    if trainer.pop("swa", False):  # built here: a callback is the Trainer's once given
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+        trainer["callbacks"] = [StochasticWeightAveraging(swa_lrs=0.1)]
     if trainer.pop("batches", None) == "dict":
         x, y = cases.loaders()[0].dataset.tensors
         trainer["batches"] = [{"pair": (x[:4], y[:4])}]
@@ -148,4 +153,28 @@ def test_resuming_a_checkpoint_saved_without_the_pipeline_is_refused_in_one_line
     trainer.save_checkpoint(tmp_path / "plain.ckpt")
     with pytest.raises(ValueError, match="saved without PipelineStrategy") as refused:
         cases.fit_on_one_process(cases.Regression(), ckpt_path=tmp_path / "plain.ckpt")
+    assert "\n" not in str(refused.value)
+
+
+def test_a_module_pipelined_by_an_earlier_trainer_goes_on_with_a_new_one(one_process_world):
+    """A second Trainer (with a PipelineStrategy of its own) validates and fits the module
+    the first left pipelined (it wrapped the pipeline in another); one cut otherwise is
+    refused in one line."""
+    module = cases.Regression()
+    cases.fit_on_one_process(module)
+    pipe = module.net
+    _, val = cases.loaders()
+    trainer = cases.L.Trainer(
+        strategy=cases.PipelineStrategy(chunks=2), accelerator="cpu", devices=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, max_steps=2,
+    )  # fmt: skip
+    (validated,) = trainer.validate(module, val, verbose=False)
+    assert validated["val_loss"] > 0 and module.net is pipe
+    cases.fit_on_one_process(module)
+    assert module.net is pipe
+    with pytest.raises(ValueError, match="pipelined by an earlier run with chunks=2") as refused:
+        cases.L.Trainer(
+            strategy=cases.PipelineStrategy(chunks=3), accelerator="cpu", devices=1,
+            logger=False, enable_progress_bar=False, enable_model_summary=False,
+        ).validate(module, val, verbose=False)  # fmt: skip
     assert "\n" not in str(refused.value)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities import move_data_to_device
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import (
     DoublePrecision,
     HalfPrecision,
@@ -168,12 +169,21 @@ class PipelineStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         module = self._module()
         self._refuse_what_cannot_be_honoured(module)
+        callbacks = getattr(trainer, "callbacks", [])  # set by the Trainer's connector
+        if any(isinstance(c, StochasticWeightAveraging) for c in callbacks):
+            raise ValueError(
+                "StochasticWeightAveraging is not honoured by PipelineStrategy: it averages a "
+                "copy of the whole module, and each rank holds only its stage"
+            )
         # Lightning gives the training loader of every DDPStrategy a shuffling
         # DistributedSampler, even a sequential one, and offers a strategy no public way to
         # decline: the stages of one pipeline are one replica and take the loaders as written.
         trainer._accelerator_connector.use_distributed_sampler = False
         name = self._find_network(module)
-        if getattr(module, name) is not self.pipeline:  # not already cut by an earlier run
+        held = getattr(module, name)
+        if isinstance(held, Pipeline):  # cut by an earlier run, of this strategy or another
+            self._adopt(held, name)
+        else:
             self.pipeline = self._build(module, name)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -249,6 +259,21 @@ class PipelineStrategy(DDPStrategy):
                 "method or attribute"
             )
         return found
+
+    def _adopt(self, pipe: Pipeline, name: str) -> None:
+        """Go on with the pipeline an earlier run left in the module (a second Trainer's
+        ``test`` or ``fit`` after the first's), which must be cut as this strategy would."""
+        if pipe is not self.pipeline:
+            asked = (self.chunks, self.schedule if isinstance(self.schedule, str) else None)
+            held = (pipe.chunks, pipe.schedule_name if isinstance(self.schedule, str) else None)
+            if asked != held:
+                raise ValueError(
+                    f"the module's {name!r} was pipelined by an earlier run with chunks="
+                    f"{pipe.chunks}, schedule={pipe.schedule_name!r}; this PipelineStrategy "
+                    f"asks chunks={self.chunks}, schedule={self.schedule!r}: pass the same"
+                )
+        self.pipeline = pipe
+        self._network_name = name
 
     def _build(self, module: LightningModule, name: str) -> Pipeline:
         """This rank's stage of the network, in its place in ``module``."""
