@@ -188,6 +188,11 @@ def test_bad_input_is_one_line_before_any_process_starts(inputs, factory, tmp_pa
     message = _refused(capsys, [*RUN, "--model", f"hf:{tmp_path / 'vit'}", *data])
     assert "not a causal language model" in message
 
+    (tmp_path / "typed").mkdir()  # huggingface_hub's validation error is no ValueError
+    (tmp_path / "typed" / "config.json").write_text('{"model_type": "llama", "hidden_size": "x"}')
+    message = _refused(capsys, [*RUN, "--model", f"hf:{tmp_path / 'typed'}", *data])
+    assert "not a Hugging Face config" in message
+
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
     message = _refused(capsys, [*RUN, "--model", llama, "--data", str(tmp_path / "odd.bin")])
     assert "odd.bin" in message and "uint16" in message

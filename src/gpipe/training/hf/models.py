@@ -61,8 +61,9 @@ def hf_config(path: str | Path) -> Any:
         config = transformers.AutoConfig.from_pretrained(
             str(file), local_files_only=True, trust_remote_code=False
         )
-    except (ValueError, OSError, KeyError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--model hf:{path}: not a Hugging Face config ({exc})") from None
+    except Exception as exc:  # a malformed file's error is whatever its reader met
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"--model hf:{path}: not a Hugging Face config ({first})") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(
             f"--model hf:{path}: a {config.model_type!r} config is not a causal language model "
