@@ -83,12 +83,17 @@ def _poison_metadata(checkpoint, marker) -> None:
 def _poison_data(checkpoint, marker, tmp_path) -> None:
     """The checkpoint written again whole, with consistent metadata, but its step stored as
     a pickle that names a callable: the ``.distcp`` file carries the attack."""
+    _rewritten(checkpoint, tmp_path, step=_WritesMarker(marker))
+
+
+def _rewritten(checkpoint, tmp_path, **items) -> None:
+    """The checkpoint written again whole, with consistent metadata, ``items`` replaced."""
     whole = tmp_path / "whole.pt"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp_to_torch_save(checkpoint, whole)
     state = torch.load(whole, weights_only=False)  # the test's own file
-    state["step"] = _WritesMarker(marker)
+    state.update(items)
     for path in checkpoint.iterdir():
         if path.name.endswith(".distcp") or path.name == METADATA_FILE:
             path.unlink()
@@ -249,6 +254,15 @@ def test_resume_of_a_newest_checkpoint_that_stores_nothing_goes_on_from_the_one_
         assert main(["train", "--resume", str(copy), "--steps", "6", "--quiet"]) == 0
     losses, reference = _losses(copy), _losses(run)
     assert losses[6] == pytest.approx(reference[6], rel=1e-5)
+
+
+def test_a_saved_step_that_is_no_step_stops_resume_naming_the_checkpoint(copy, tmp_path, capsys):
+    """A value of the allowed types where gpipe saves another (the step as text): the run
+    stops with the checkpoint named, not int()'s bare complaint."""
+    _rewritten(_step(copy, 6), tmp_path, step="not a step")
+    assert main(["train", "--resume", str(copy), "--steps", "7", "--quiet"]) != 0
+    err = capsys.readouterr().err
+    assert f"{_step(copy, 6)}: its saved state is not what gpipe saves (its step is " in err
 
 
 def test_a_distcp_file_whose_pickle_names_a_callable_is_refused(copy, tmp_path, capsys):

@@ -173,10 +173,12 @@ class StageRun:
             restored = load_checkpoint(
                 self.checkpoint, self.pipe, self.optimizer, held, group=self.pipe.group
             )
-            self.batches.load_state_dict(restored["sampler"])
-            self.step = int(restored["step"])
-            if self.scaler is not None:
-                self.scaler.load_state_dict(restored["scaler"])
+            try:
+                self._continue_from(restored)
+            except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+                raise ValueError(
+                    f"{self.checkpoint}: its saved state is not what gpipe saves ({exc})"
+                ) from None
         if self.root and (self.resumed or self.restarted):
             trim_metrics(self.out / "metrics.jsonl", self.step)
             how = "restarted" if self.restarted else "resumed"
@@ -187,6 +189,16 @@ class StageRun:
             )
             stages = self.pipe.balance
             print(f"{how} {where}: training from step {self.step}, stages {stages}", flush=True)
+
+    def _continue_from(self, restored: dict[str, Any]) -> None:
+        """The sampler, step and loss scale of a checkpoint's state, as loaded."""
+        step = restored["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"its step is {step!r}")
+        self.batches.load_state_dict(restored["sampler"])
+        self.step = step
+        if self.scaler is not None:
+            self.scaler.load_state_dict(restored["scaler"])
 
     def _step_and_report(self, reporter: Reporter) -> None:
         """One training step, then what is due after it: evaluation, the log line, a save."""
