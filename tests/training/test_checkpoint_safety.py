@@ -321,6 +321,27 @@ def test_records_of_unexpected_types_are_refused(copy, capsys):
     assert "run.json: not a record gpipe wrote: train.steps is [1] (list), expected int" in err
 
 
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (lambda r: r["train"].update(precision="fp8"), "precision is 'fp8', not one of"),
+        (lambda r: r.update(balance=[]), "balance is []: expected layers per stage"),
+        (lambda r: r.update(balance=[1] * 4096), "cuts 4096 layers, not 4"),
+        (lambda r: r.update(balance=[1, 1, 2]), "holds 3 stages, not a multiple of its 2"),
+        (lambda r: r["model"].update(vocab_size=0), "vocab_size is 0, expected at least 1"),
+        (lambda r: r.update(step=-3), "step is -3"),
+    ],
+    ids=["precision", "no-stages", "4096-stages", "3-stages", "vocab", "step"],
+)
+def test_records_of_the_right_types_and_wrong_values_are_refused(copy, capsys, edit, said):
+    """Values that start processes or size tensors (``gpipe sample`` started one process
+    for each entry of the balance; a precision unknown was a KeyError in the stages)."""
+    _edit_json(_step(copy, 6) / "gpipe.json", edit)
+    _update_manifest(_step(copy, 6))
+    err = _one_line_error(capsys, "sample", _step(copy, 6))
+    assert "not a record gpipe wrote" in err and said in err, err
+
+
 def test_a_manifest_pointing_outside_the_folder_is_damage(copy, tmp_path):
     outside = tmp_path / "outside"
     outside.write_text("x")

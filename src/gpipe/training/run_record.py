@@ -119,6 +119,48 @@ def checked_run_record(path: Path, *, require_step: bool = False) -> dict[str, A
         else:
             check_fields(model, dataclass_types(TrainModel), "model")
         check_fields(record.get("train", {}), dataclass_types(TrainOptions), "train")
+        _check_values(record)
     except ValueError as exc:
         raise ValueError(f"{path}: not a record gpipe wrote: {exc}") from None
     return record
+
+
+_COUNTS = ("stages", "data_parallel", "tensor_parallel")  # of the record, each at least 1
+_GPT_SIZES = ("n_layer", "d_model", "n_head", "d_ff", "vocab_size", "seq_len")
+
+
+def _check_values(record: dict[str, Any]) -> None:
+    """The values of the fields that start processes or size tensors: counts and sizes of
+    at least 1, stages of at least one layer each, as many as the processes or a multiple
+    (several a process), that cut the GPT's layers, and a known precision (the types are
+    checked before; a record edited by someone else may still say 0)."""
+    from gpipe.models.gpt import GPTConfig
+    from gpipe.training.options import PRECISIONS
+
+    if record.get("step", 0) < 0:
+        raise ValueError(f"the record's step is {record['step']}")
+    for name in _COUNTS:
+        if record.get(name, 1) < 1:
+            raise ValueError(f"the record's {name} is {record[name]}, expected at least 1")
+    balance = record.get("balance")
+    if balance is not None:
+        if not balance or min(balance) < 1:
+            raise ValueError(f"the record's balance is {balance}: expected layers per stage")
+        if len(balance) % record.get("stages", 1):
+            raise ValueError(
+                f"the record's balance holds {len(balance)} stages, not a multiple of its "
+                f"{record['stages']} processes"
+            )
+    model = record.get("model", {})
+    if model.get("source", "gpt") == "gpt":
+        for name in _GPT_SIZES:
+            if model.get(name) is not None and model[name] < 1:
+                raise ValueError(f"the model's {name} is {model[name]}, expected at least 1")
+        layers = model.get("n_layer", GPTConfig().n_layer) + 2  # embedding, blocks, head
+        if balance is not None and sum(balance) != layers:
+            raise ValueError(
+                f"the record's balance {balance} cuts {sum(balance)} layers, not {layers}"
+            )
+    precision = record.get("train", {}).get("precision", "fp32")
+    if precision not in PRECISIONS:
+        raise ValueError(f"the run's precision is {precision!r}, not one of {sorted(PRECISIONS)}")
