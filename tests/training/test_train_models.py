@@ -188,6 +188,13 @@ def test_bad_input_is_one_line_before_any_process_starts(inputs, factory, tmp_pa
     message = _refused(capsys, [*RUN, "--model", f"hf:{tmp_path / 'vit'}", *data])
     assert "not a causal language model" in message
 
+    damaged = tmp_path / "damaged"  # read here, not first in each stage's process
+    damaged.mkdir()
+    (damaged / "config.json").write_text((inputs / "llama" / "config.json").read_text())
+    (damaged / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage")
+    message = _refused(capsys, [*RUN, "--model", f"hf:{damaged}", *data])
+    assert "its weights cannot be read" in message
+
     (tmp_path / "typed").mkdir()  # huggingface_hub's validation error is no ValueError
     (tmp_path / "typed" / "config.json").write_text('{"model_type": "llama", "hidden_size": "x"}')
     message = _refused(capsys, [*RUN, "--model", f"hf:{tmp_path / 'typed'}", *data])

@@ -106,12 +106,20 @@ def _gpt_fields(config: TrainConfig, saved: dict[str, Any] | None, out: Path) ->
 
 
 def _hf_model(target: str, split_at: list[str] | None) -> TrainModel:
-    from gpipe.training.hf.models import config_file, hf_config
+    from gpipe.training.hf.models import LazyWeights, config_file, hf_config
     from gpipe.training.models.sources import TrainModel
 
     config = hf_config(target)
     folder = config_file(target).parent
     has_weights = any((folder / n).is_file() for n in ("model.safetensors", _INDEX))
+    if Path(target).is_dir() and has_weights:
+        try:  # the index and every file's header, here rather than in each stage process
+            LazyWeights(folder)
+        except Exception as exc:  # a damaged file's error is whatever safetensors met
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                f"--model hf:{target}: its weights cannot be read ({first})"
+            ) from None
     return TrainModel(
         source=f"hf:{target}",
         vocab_size=int(config.vocab_size),
