@@ -105,6 +105,19 @@ def gpt2_evaluated(out: str) -> tuple[float, list[str]]:
     return trainer.evaluate()["eval_loss"], decayed
 
 
+GROUPED = {"train_sampling_strategy": "group_by_length", "max_steps": 4, "save_strategy": "no"}
+
+
+def grouped_losses(out: str) -> list[float]:
+    """Four steps of batches grouped by length: a sampler that draws from the global random
+    state, where accelerate's seeded one does not stand in."""
+    from gpipe.integrations.transformers import PipelineTrainer
+
+    trainer = PipelineTrainer(**trainer_inputs(out, **GROUPED), chunks=2)
+    trainer.train()
+    return losses(trainer)
+
+
 def losses(trainer: Any) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 

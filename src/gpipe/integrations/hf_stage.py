@@ -7,8 +7,8 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -151,11 +151,10 @@ class ReplicaAccelerator(Accelerator):
         sampler = getattr(data_loader, "sampler", None)
         seedable = isinstance(sampler, RandomSampler) and self.use_seedable_sampler
         if not seedable and getattr(sampler, "generator", False) is None:
-            # every stage of a replica must draw the same order: one seed, told by rank 0
-            drawn = int(torch.empty((), dtype=torch.int64).random_().item())
-            seed = torch.tensor([drawn])
-            dist.broadcast(seed, src=0)
-            sampler.generator = torch.Generator().manual_seed(int(seed))  # type: ignore[union-attr]
+            # every stage of a replica must draw the same order: rank 0's, drawn as one
+            # process draws it (from the global random state, which dropout on each rank
+            # would otherwise move apart stage by stage)
+            sampler.__class__ = _ordered_by_rank_zero(type(sampler))
         return super().prepare_data_loader(data_loader, *args, **kwargs)
 
     def gather(self, tensor: Any) -> Any:
@@ -173,6 +172,27 @@ class ReplicaAccelerator(Accelerator):
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Tensor:
         return self.pipe.clip_grad_norm_(float(max_norm), float(norm_type))
+
+
+_ORDERED: dict[type, type] = {}
+
+
+def _ordered_by_rank_zero(sampler_class: type) -> type:
+    """``sampler_class`` whose order, each time it is iterated, is the one rank 0 draws,
+    told to every rank (collective over the world: every rank iterates its loader in step).
+    A subclass with nothing but its ``__iter__``, so that a sampler can be re-classed as it;
+    one is made per sampler class."""
+    if sampler_class not in _ORDERED:
+
+        def ordered_by_rank_zero(sampler: Any) -> Iterator[Any]:
+            own = cast(Any, sampler_class).__iter__
+            drawn = [list(own(sampler))] if dist.get_rank() == 0 else [None]
+            dist.broadcast_object_list(drawn, src=0)
+            return iter(cast(list[Any], drawn[0]))
+
+        name = f"{sampler_class.__name__}OfRankZero"
+        _ORDERED[sampler_class] = type(name, (sampler_class,), {"__iter__": ordered_by_rank_zero})
+    return _ORDERED[sampler_class]
 
 
 def on_every_rank(work: Callable[[], None], what: str) -> None:
