@@ -195,9 +195,10 @@ def tokenizer() -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", eos_token="<eos>")
 
 
-def sft_run(out: str) -> list[float]:
-    """TRL's SFT recipe on prompt-completion pairs (sums), pipelined over 2 processes, with
-    SFTConfig's defaults for gradient checkpointing and bf16."""
+def sft_trainer(out: str, pipelined_over: int | None, **options: Any) -> Any:
+    """TRL's SFT recipe on prompt-completion pairs (sums): pipelined over the processes'
+    stages with ``pipelined_over`` chunks, or (None) the plain SFTTrainer; ``options``
+    change SFTConfig's."""
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl import SFTConfig, SFTTrainer
@@ -226,26 +227,35 @@ def sft_run(out: str) -> list[float]:
         eos_token_id=tok.eos_token_id,
     )
     torch.manual_seed(0)
-    args = SFTConfig(
-        output_dir=out,
-        max_steps=16,
-        per_device_train_batch_size=8,
-        learning_rate=3e-3,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        max_length=16,
-        ddp_timeout=60,
-    )
-    assert args.gradient_checkpointing and args.bf16  # TRL's defaults, honoured
-    trainer = pipelined(SFTTrainer)(
-        model=LlamaForCausalLM(config),
-        args=args,
-        train_dataset=pairs,
-        processing_class=tok,
-        chunks=2,
-    )
+    settings: dict[str, Any] = {
+        "output_dir": out, "max_steps": 16, "per_device_train_batch_size": 8,
+        "learning_rate": 3e-3, "logging_steps": 1, "report_to": [], "use_cpu": True,
+        "save_strategy": "no", "disable_tqdm": True, "max_length": 16, "ddp_timeout": 60,
+    }  # fmt: skip
+    args = SFTConfig(**{**settings, **options})
+    given = {"model": LlamaForCausalLM(config), "args": args, "train_dataset": pairs}
+    if pipelined_over is None:
+        return SFTTrainer(**given, processing_class=tok)
+    return pipelined(SFTTrainer)(**given, processing_class=tok, chunks=pipelined_over)
+
+
+def sft_run(out: str) -> list[float]:
+    """The SFT recipe pipelined over 2 processes, with SFTConfig's defaults for gradient
+    checkpointing and bf16."""
+    trainer = sft_trainer(out, 2)
+    assert trainer.args.gradient_checkpointing and trainer.args.bf16  # TRL's, honoured
+    trainer.train()
+    return losses(trainer)
+
+
+PADDING_FREE = {
+    "padding_free": True, "max_length": None, "max_steps": 6, "bf16": False,
+    "gradient_checkpointing": False,
+}  # fmt: skip
+
+
+def padding_free_losses(out: str) -> list[float]:
+    """Rows laid end to end in one, told apart by their position ids."""
+    trainer = sft_trainer(out, 2, **PADDING_FREE)
     trainer.train()
     return losses(trainer)

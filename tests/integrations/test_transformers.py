@@ -155,6 +155,21 @@ def test_sft_trainer_pipelined_fine_tunes(tmp_path):
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0
 
 
+def test_sft_padding_free_trains_as_the_plain_sft_trainer(tmp_path):
+    """Rows laid end to end, told apart by position ids that the stages take (it was
+    refused as if they did not)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = cases.sft_trainer(str(tmp_path / "plain"), None, **cases.PADDING_FREE)
+        trainer.train()
+        plain = cases.losses(trainer)
+    finally:
+        torch.set_num_threads(threads)
+    found = workers.run(cases.padding_free_losses, 2, (str(tmp_path / "pipelined"),))
+    assert len(plain) == 6 and found[0] == pytest.approx(plain, rel=1e-5)
+
+
 def test_a_world_that_is_not_k_times_d_is_one_line(tmp_path):
     message = workers.run(cases.world_not_k_times_d, 2, (str(tmp_path),))[0]
     assert message.startswith("the world size 2 is not K x D for data_parallel D=3")

@@ -57,7 +57,6 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     ("load_best_model_at_end", _set, "the best checkpoint is not read back into the stages"),
     ("eval_use_gather_object", _set, "metrics are gathered over the replicas as tensors"),
-    ("padding_free", _set, "packed rows need position_ids, which the stages do not take"),
     (
         "loss_type",
         lambda v: v is not None and v not in ("nll", ["nll"]),
