@@ -159,15 +159,17 @@ class _Pipelined:
         # instance (TRL's fused LM head) would run the whole model, and the model's own
         # activation checkpointing is the pipeline's to do (checkpoint= below).
         vars(original).pop("forward", None)
-        if getattr(original, "is_gradient_checkpointing", False):
-            original.gradient_checkpointing_disable()
+        if _current(original, "is_activation_checkpointing", "is_gradient_checkpointing"):
+            _current(
+                original, "activation_checkpointing_disable", "gradient_checkpointing_disable"
+            )()
         split, takes = split_model(original, stages_of(self.args, data_parallel))
         self.pipeline = gpipe.Pipeline(
             split,
             chunks=chunks,
             schedule=schedule,
             data_parallel=data_parallel,
-            checkpoint="always" if self.args.gradient_checkpointing else "except_last",
+            checkpoint="always" if _recomputes(self.args) else "except_last",
             loss_fn=self._stage_loss,
             loss_reduction="sum",
             device=self.args.device,
@@ -418,6 +420,16 @@ class _Pipelined:
 
 T = TypeVar("T", bound=type[Trainer])
 _made: dict[type, type] = {}
+
+
+def _current(owner: Any, name: str, older: str) -> Any:
+    """``owner.name``, or where this transformers predates it, ``owner.older`` (the name
+    transformers 5 deprecates with a warning at every use)."""
+    return getattr(owner, name) if hasattr(type(owner), name) else getattr(owner, older, False)
+
+
+def _recomputes(args: TrainingArguments) -> bool:
+    return bool(_current(args, "activation_checkpointing", "gradient_checkpointing"))
 
 
 def pipelined(trainer_class: T) -> T:
