@@ -181,7 +181,9 @@ def _ordered_by_rank_zero(sampler_class: type) -> type:
     """``sampler_class`` whose order, each time it is iterated, is the one rank 0 draws,
     told to every rank (collective over the world: every rank iterates its loader in step).
     A subclass with nothing but its ``__iter__``, so that a sampler can be re-classed as it;
-    one is made per sampler class."""
+    one is made per sampler class, and a sampler already re-classed keeps its class."""
+    if sampler_class in _ORDERED.values():
+        return sampler_class
     if sampler_class not in _ORDERED:
 
         def ordered_by_rank_zero(sampler: Any) -> Iterator[Any]:
