@@ -1,8 +1,16 @@
-"""The exceptions gpipe raises, so callers can catch pipeline failures precisely."""
+"""The exceptions gpipe raises, so callers can catch pipeline failures precisely, and how
+another library's exception is told in gpipe's one-line messages."""
 
 from __future__ import annotations
 
-__all__ = ["BalanceError", "ConfigError", "MovingDenied", "PipelineError", "StageError"]
+__all__ = [
+    "BalanceError",
+    "ConfigError",
+    "MovingDenied",
+    "PipelineError",
+    "StageError",
+    "first_line",
+]
 
 
 class PipelineError(RuntimeError):
@@ -29,3 +37,10 @@ class ConfigError(ValueError):
     """A run's configuration (``TrainConfig``, the flags and config file of ``gpipe train``,
     or the run it continues) cannot be run; the message names what was given and what is
     expected, in one line."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name where it says nothing): what a
+    one-line refusal quotes of an error a reader or tracer met."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

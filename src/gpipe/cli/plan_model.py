@@ -14,6 +14,7 @@ from torch import nn
 
 from gpipe.cli.common import UsageError
 from gpipe.cli.plan_shard import plan_options
+from gpipe.errors import first_line
 from gpipe.planning.memory import MemoryPlan, plan, profile
 from gpipe.training.models.resolve import longest_sequence, quiet_tracer
 
@@ -198,8 +199,7 @@ def _split(model: nn.Module, args: argparse.Namespace, parts: int) -> Any:
             # traced graph of the same cut (where a plan cut it, as training will)
             stages = split(model, (example,), at=at, plan=None)
     except Exception as exc:  # TraceError, CutError, or the tracer's own
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"--model {args.model}: {first}") from None
+        raise UsageError(f"--model {args.model}: {first_line(exc)}") from None
     if len(stages) != parts:
         raise UsageError(
             f"--split-at {args.split_at} gives {len(stages)} stages, but --stages {args.stages} "

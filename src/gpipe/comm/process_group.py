@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from gpipe.errors import StageError
+from gpipe.errors import StageError, first_line
 
 __all__ = [
     "backend_for",
@@ -104,8 +104,7 @@ def bounded_wait(
     try:
         work.wait(datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:  # gloo: "Operation timed out!", or the peer's connection closed
-        text = str(exc).strip()
-        first = text.splitlines()[0] if text else type(exc).__name__
+        first = first_line(exc)
         timed_out = "timed out" in first.lower() or "timeout" in first.lower()
         reason = f"timed out after {timeout:g} s" if timed_out else f"lost {who} ({first})"
         raise StageError(stage, f"{reason} {what}") from exc

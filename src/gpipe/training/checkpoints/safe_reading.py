@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
+from gpipe.errors import first_line
 from gpipe.training.checkpoints.pieces import PiecewiseLoadPlanner
 
 __all__ = [
@@ -115,7 +116,7 @@ def _first_line(exc: BaseException) -> str:
     for line in text.splitlines():  # torch's weights_only message starts with advice
         if "GLOBAL" in line or "nsupported" in line:
             return line.strip().rstrip(".")
-    return text.splitlines()[0] if text else type(exc).__name__
+    return first_line(exc)
 
 
 def read_metadata(folder: Path, name: str = METADATA_FILE) -> Metadata:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gpipe.errors import first_line
 from gpipe.training.hf.loaded_names import Merged, names_as_loaded
 
 __all__ = [
@@ -62,8 +63,9 @@ def hf_config(path: str | Path) -> Any:
             str(file), local_files_only=True, trust_remote_code=False
         )
     except Exception as exc:  # a malformed file's error is whatever its reader met
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"--model hf:{path}: not a Hugging Face config ({first})") from None
+        raise ValueError(
+            f"--model hf:{path}: not a Hugging Face config ({first_line(exc)})"
+        ) from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(
             f"--model hf:{path}: a {config.model_type!r} config is not a causal language model "

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from gpipe.errors import ConfigError
+from gpipe.errors import ConfigError, first_line
 from gpipe.training.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -116,9 +116,8 @@ def _hf_model(target: str, split_at: list[str] | None) -> TrainModel:
         try:  # the index and every file's header, here rather than in each stage process
             LazyWeights(folder)
         except Exception as exc:  # a damaged file's error is whatever safetensors met
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(
-                f"--model hf:{target}: its weights cannot be read ({first})"
+                f"--model hf:{target}: its weights cannot be read ({first_line(exc)})"
             ) from None
     return TrainModel(
         source=f"hf:{target}",
@@ -170,8 +169,7 @@ def _check_traceable(model: nn.Module, target: str, split_at: list[str] | None) 
         with quiet_tracer():
             split(model, (example,), at=split_at or [])
     except Exception as exc:  # TraceError, CutError, or the tracer's own
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"--model {target}: {first}") from None
+        raise ValueError(f"--model {target}: {first_line(exc)}") from None
 
 
 def longest_sequence(model: nn.Module) -> int | None:
