@@ -80,8 +80,18 @@ def _viewport(browser, width: int, height: int) -> None:
     )
 
 
-def _open(browser, path: Path, width: int = 1280, height: int = 720) -> None:
+def _open(
+    browser, path: Path, width: int = 1280, height: int = 720, *, motion: bool = False
+) -> None:
+    """Open ``path``. Unless ``motion``, as for a user who asks for reduced motion: a change
+    then shows the whole step at once instead of playing it for ten seconds, frame by frame,
+    behind a test that only reads the page (most of this module's CPU time when it played)."""
     _viewport(browser, width, height)
+    reduce = "no-preference" if motion else "reduce"
+    browser.execute_cdp_cmd(
+        "Emulation.setEmulatedMedia",
+        {"features": [{"name": "prefers-reduced-motion", "value": reduce}]},
+    )
     browser.get(path.resolve().as_uri())
     assert browser.execute_script("return document.body.dataset.state") == "ready", _error(browser)
 
@@ -280,7 +290,7 @@ def test_blocks_appear_at_their_simulated_start(browser, page):
 
 
 def test_keyboard_plays_pauses_and_changes_speed(browser, page):
-    _open(browser, page)
+    _open(browser, page, motion=True)
     _key(browser, Keys.HOME)
     _key(browser, "+")
     assert browser.find_element(By.ID, "speed").get_attribute("value") == "2"
@@ -296,7 +306,7 @@ def test_keyboard_plays_pauses_and_changes_speed(browser, page):
 
 
 def test_a_change_replays_at_once_and_bad_input_is_named(browser, page):
-    _open(browser, page)
+    _open(browser, page, motion=True)
     _set(browser, "schedule", "1f1b")
     assert browser.execute_script("return document.body.dataset.playing") == "true"
     _set(browser, "schedule", "interleaved")
