@@ -93,6 +93,25 @@ def test_a_send_bigger_than_the_pipe_returns_at_once_and_flush_waits_until_it_is
     torch.testing.assert_close(got[0], big)
 
 
+def test_pipes_numbered_past_1024_wait_for_room_and_for_data_as_others_do():
+    """A process that has opened many files (or pipelines) gets descriptors past select()'s
+    limit of 1024: a message bigger than the pipe still waits for room and for data."""
+    read, write = os.pipe()
+    high = [os.dup2(fd, 1500 + i) for i, fd in enumerate((read, write))]
+    os.close(read)
+    os.close(write)
+    for fd in high:
+        os.set_blocking(fd, False)
+    writer, reader = Pipes({(1, 0): high[1]}, {}), Pipes({}, {(0, 0): high[0]})
+    big = torch.randn(BIG // 4)
+    _send(writer, 0, big)  # more than the pipe holds: the writer thread waits for room
+    got, _ = _recv(reader, 0)  # the reader waits for data between reads
+    writer.flush(10)
+    torch.testing.assert_close(got, big)
+    writer.close()
+    reader.close()
+
+
 def test_a_full_pipe_holds_up_no_other():
     """The reader drains the second pipe before the first: a writer that waited for room in
     the first before writing the second would wait for ever."""

@@ -92,12 +92,17 @@ class _Writer:
             while not self._work.empty():
                 fd, backlog = self._work.get()
                 pending[fd] = backlog
-            woken, writable, _ = select.select([self._wake_read], list(pending), [])
-            if woken:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self._wake_read, 4096)
-            for fd in writable:
-                if _write_some(fd, pending[fd]):
+            # poll, not select: select refuses descriptors past 1024, which a process that
+            # has opened many files or pipelines reaches
+            poller = select.poll()
+            poller.register(self._wake_read, select.POLLIN)
+            for fd in pending:
+                poller.register(fd, select.POLLOUT)
+            for fd, _ in poller.poll():
+                if fd == self._wake_read:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_read, 4096)
+                elif _write_some(fd, pending[fd]):
                     del pending[fd]
 
     def put(self, fd: int, backlog: _Backlog) -> None:
@@ -210,7 +215,7 @@ class Pipes:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PipeTimeout(f"nothing arrived in {timeout:g} s") from None
-                select.select([fd], [], [], left)  # wakes when there is something to read
+                _readable_within(fd, left)
                 continue
             if got == 0:
                 raise PipeClosed("the sending process closed its end")
@@ -237,6 +242,13 @@ def _bytes_of(t: Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, to read into or write from."""
     array = t.detach().view(-1).view(torch.uint8).numpy()
     return memoryview(array)  # type: ignore[arg-type]  # numpy declares __buffer__ from 3.12 on
+
+
+def _readable_within(fd: int, seconds: float) -> None:
+    """Wait until ``fd`` has something to read (or its writer closed it), at most ``seconds``."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poller.poll(max(seconds * 1000, 0))
 
 
 def _close_all(fds: Iterable[int]) -> None:
