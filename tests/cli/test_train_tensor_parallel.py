@@ -21,8 +21,8 @@ from ..workers import training_on_shared_processes
 
 TINY = [
     "--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--chunks", "4",
-    "--lr", "1e-2", "--warmup", "2", "--eval-every", "3", "--sample-tokens", "8", "--quiet",
-    "--balance", "even", "--stages", "2", "--steps", "6", "--save-every", "3",
+    "--lr", "1e-2", "--warmup", "2", "--eval-every", "2", "--sample-tokens", "8", "--quiet",
+    "--balance", "even", "--stages", "2", "--steps", "4", "--save-every", "2",
     "--threads", "1", "--timeout", "30",
 ]  # fmt: skip
 
@@ -42,8 +42,9 @@ def _same_losses(got: dict[int, float], expected: dict[int, float]) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same 6 steps at T = 1 and T = 2 (2 stages), a checkpoint every 3; what each
-    command printed."""
+    """The same 4 steps at T = 1 and T = 2 (2 stages), a checkpoint every 2; what each
+    command printed. (A resumed run's second step is the first whose loss shows the restored
+    optimizer state, so 2 steps before the checkpoint and 2 after it are all it takes.)"""
     found = {}
     for t in (1, 2):
         out = tmp_path_factory.mktemp(f"t{t}") / "run"
@@ -60,17 +61,17 @@ def test_two_tensor_ranks_train_as_one_and_the_log_names_the_layout(runs):
     _same_losses(_losses(two), _losses(one))
     assert "4 processes: 2 stages x 1 replica x 2 tensor ranks" in printed_two
     assert "2 processes: 2 stages x 1 replica x 1 tensor rank" in printed_one
-    description = json.loads((two / "checkpoints" / "step-000003" / "gpipe.json").read_text())
+    description = json.loads((two / "checkpoints" / "step-000002" / "gpipe.json").read_text())
     assert description["tensor_parallel"] == 2 and description["train"]["tensor_parallel"] == 2
 
 
 @pytest.mark.parametrize(("tensor", "replicas"), [(1, 1), (2, 2)])
 def test_a_checkpoint_of_two_tensor_ranks_resumes_at_other_shapes(runs, tmp_path, tensor, replicas):
-    """The step-3 checkpoint of the T = 2 run, resumed at T = 1 (the shards gathered) and at
-    T = 2 x D = 2: steps 4-6 have the losses of the run never stopped, optimizer included."""
+    """The step-2 checkpoint of the T = 2 run, resumed at T = 1 (the shards gathered) and at
+    T = 2 x D = 2: steps 3-4 have the losses of the run never stopped, optimizer included."""
     run = tmp_path / "run"
     shutil.copytree(runs[2][0], run)
-    shutil.rmtree(run / "checkpoints" / "step-000006")
+    shutil.rmtree(run / "checkpoints" / "step-000004")
     code = main(["train", "--resume", str(run), "--tensor-parallel", str(tensor),
                  "--data-parallel", str(replicas), "--quiet"])  # fmt: skip
     assert code == 0

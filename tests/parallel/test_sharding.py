@@ -9,7 +9,7 @@ from . import sharding_cases as cases
 
 def test_every_schedule_sharded_matches_one_unpipelined_step_and_the_unsharded_replicas():
     """D = 2 x K = 2, float64, checkpoint never and always: loss and every gathered gradient
-    equal one step of the plain model on the union of the rows; AdamW after three steps
+    equal one step of the plain model on the union of the rows; AdamW after two steps
     equals the unsharded replicas' weights within 1e-12."""
     results = run(cases.exactness, 4, threads=1)
     assert all(r["cases"] == 2 * len(SCHEDULES) for r in results.values())

@@ -17,7 +17,7 @@ from . import tensor_cases as cases
 def test_every_schedule_at_two_tensor_ranks_matches_the_unsplit_model(schedule):
     """T = 2 x K = 2, checkpoint never and always, embedding and head tied across stages:
     the loss, every gathered gradient and the norm equal one step of the unsplit model;
-    three AdamW steps leave every weight within 1e-12 of its."""
+    two AdamW steps leave every weight within 1e-12 of its."""
     results = run(cases.exactness, 4, ((schedule,),), threads=1)
     for r in results.values():
         assert r["cases"] == 2

@@ -1,6 +1,7 @@
 """The memory planner: its predictions against what a run holds, measured in real processes,
 and its accounting of parameters and optimizer state against real optimizers."""
 
+import functools
 import threading
 
 import pytest
@@ -22,6 +23,15 @@ from .. import distributed_cases as cases
 from ..workers import run
 
 
+@functools.cache
+def _profiled(name: str):
+    """A memory workload's model and mini-batch, and its meta profile on 4 rows: profiled
+    once per module, as every case that plans for the workload plans from the same one."""
+    model, x, y, loss_fn = cases.memory_workload(name, device="meta")
+    prof = profile(model, x[:4].to("meta"), target=y[:4].to("meta"), loss_fn=loss_fn)
+    return model, x, prof
+
+
 @pytest.fixture(scope="module", params=["mlp", "gpt", "unet"])
 def measured(request):
     return request.param, run(cases.measured_memory, 2, (request.param,), threads=1)
@@ -32,8 +42,7 @@ def measured(request):
 def test_predicted_activations_match_a_measured_step(measured, schedule, checkpoint):
     """Profiled on the meta device (no memory, no compute), predicted for each process."""
     name, by_rank = measured
-    model, x, y, loss_fn = cases.memory_workload(name, device="meta")
-    prof = profile(model, x[:4].to("meta"), target=y[:4].to("meta"), loss_fn=loss_fn)
+    model, x, prof = _profiled(name)
     predicted = plan(
         prof,
         cases.memory_balance(len(model), schedule),
@@ -90,8 +99,7 @@ def test_predicted_activations_of_sub_sequences_match_a_measured_step():
 
 
 def test_recomputation_holds_a_fraction_of_the_activations():
-    model, x, y, loss_fn = cases.memory_workload("gpt", device="meta")
-    prof = profile(model, x[:4].to("meta"), target=y[:4].to("meta"), loss_fn=loss_fn)
+    prof = _profiled("gpt")[2]
     kept = {
         mode: plan(prof, [3, 3], batch_size=32, chunks=8, checkpoint=mode).ranks[0]
         for mode in ("never", "always")
@@ -183,8 +191,7 @@ def test_the_meter_sees_layers_run_on_other_threads():
 
 
 def test_replicas_each_hold_their_share_and_the_all_reduce_buckets():
-    model, x, y, loss_fn = cases.memory_workload("gpt", device="meta")
-    prof = profile(model, x[:4].to("meta"), target=y[:4].to("meta"), loss_fn=loss_fn)
+    prof = _profiled("gpt")[2]
     alone = plan(prof, [3, 3], batch_size=16, chunks=4, checkpoint="always")
     shared = plan(prof, [3, 3], batch_size=32, chunks=4, checkpoint="always", data_parallel=2)
     for one, two in zip(alone.ranks, shared.ranks, strict=True):
@@ -225,8 +232,7 @@ def test_layers_recomputed_selectively_hold_what_the_planner_says(measured_layer
     measured + that."""
     from gpipe.runtime.recompute import Layers
 
-    model, x, y, loss_fn = cases.memory_workload("mlp", device="meta")
-    prof = profile(model, x[:4].to("meta"), target=y[:4].to("meta"), loss_fn=loss_fn)
+    model, x, prof = _profiled("mlp")
     balance = cases.memory_balance(len(model), schedule)
     rows = x.size(0) // 8
     for rank in (0, 1):

@@ -8,7 +8,6 @@ from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline
 from gpipe.runtime.recompute import Layers
-from gpipe.schedules import traits
 
 from ..small_models import batch, mlp
 
@@ -36,17 +35,18 @@ def probed_mlp() -> nn.Sequential:
     return nn.Sequential(*mlp(), Probe())
 
 
+# These processes are shared by the module's tests, and every earlier test's layers, shapes
+# and grad modes count toward torch.compile's limit of recompilations per function: past it,
+# a layer would quietly run eager. A higher limit for these cases keeps what earlier ones
+# compiled, where a reset before each split-backward case compiled every layer again (half
+# of the module's CPU time).
+@torch._dynamo.config.patch(recompile_limit=64)
 def compiled_against_eager(schedule: str, balance: list[int], checkpoint: str) -> dict:
     """Two steps with an optimizer step between, compiled and eager on the same data (10 rows
     in 4 micro-batches: one short): losses, gradients and outputs equal, and equal to
     un-pipelined training. Returns what the compiled pipeline warned and whether its layers'
     forwards are compiled functions, and how often the compiled pipeline's Probe ran
     compiled (the eager one's never did)."""
-    if traits(schedule).split_backward:
-        # its layers compile only for the forward pass at the end; in these processes, shared
-        # by the module's tests, that would pass torch.compile's limit of recompilations per
-        # function (every earlier test's layers, shapes and grad modes) and quietly run eager
-        torch.compiler.reset()
     mode = Layers(every=2) if checkpoint == "layers" else checkpoint
     pipes = {}
     with warnings.catch_warnings(record=True) as caught:

@@ -351,6 +351,9 @@ def with_tensor_parallel() -> list[str]:
     model's in float64. Returns the settings compared."""
     compared = []
     model, x, y = _gpt()
+    # three micro-batches of two rows: each shape costs DTensor's sharding propagation anew,
+    # and what uneven micro-batches do to sub-sequences is what the eager cases check
+    x, y = x[:6], y[:6]
     for schedule, chunks, options in (
         ("1f1b", 3, {}),
         ("zero-bubble", 4, {"checkpoint": "always", "loss_parallel": True}),

@@ -1,5 +1,6 @@
 """gpipe.split: any model cut into stages by tracing, exact against the model."""
 
+import functools
 import itertools
 
 import pytest
@@ -34,10 +35,19 @@ def _check_lm(split: SplitModel, model: nn.Module, batch: dict) -> None:
         torch.testing.assert_close(p.grad, grads[split.original_name(name)], **EXACT)
 
 
+@functools.cache
+def _split_lm(at: tuple[str, ...]) -> tuple[nn.Module, SplitModel]:
+    """A tiny LM and the split of it at ``at``, traced once for the module: each trace is a
+    second of CPU, and the tests that take the split at ``blocks.2`` only run it, read its
+    names, or compare its parameters with the model's by identity (none changes a weight)."""
+    model = tiny_lm()
+    return model, gpipe.split(model, (), token_batch(), at=list(at))
+
+
 @pytest.mark.parametrize("at", [["blocks.2"], ["blocks.1", "blocks.3"], ["blocks.3", "norm"]])
 def test_split_at_named_modules_runs_the_model_exactly(at):
     model = tiny_lm()  # the reference: the split model holds its own model's parameters
-    split = gpipe.split(tiny_lm(), (), token_batch(), at=at)
+    _, split = _split_lm(tuple(at))
     assert len(split) == len(at) + 1 and split.at == at
     # other batch sizes and lengths, one row included, without tracing again
     for rows, length in [(6, 6), (3, 4), (1, 5), (2, 2)]:
@@ -45,8 +55,7 @@ def test_split_at_named_modules_runs_the_model_exactly(at):
 
 
 def test_the_stages_hold_the_model_s_own_parameters():
-    model = tiny_lm()
-    split = gpipe.split(model, (), token_batch(), at=["blocks.2"])
+    model, split = _split_lm(("blocks.2",))
     assert split[0].get_parameter("embed.weight") is model.embed.weight
     assert split[1].get_parameter("blocks.3.mix.bias") is model.blocks[3].mix.bias
 
@@ -67,8 +76,7 @@ def test_values_cross_cuts_as_payload_skip_or_size():
 
 
 def test_a_tied_weight_is_held_by_both_stages_and_named_once():
-    model = tiny_lm()
-    split = gpipe.split(model, (), token_batch(), at=["blocks.2"])
+    model, split = _split_lm(("blocks.2",))
     assert split.split_names("head.weight") == ["0.embed.weight", "1.embed.weight"]
     assert split.split_names("embed.weight") == ["0.embed.weight", "1.embed.weight"]
     assert split.original_name("1.norm.bias") == "norm.bias"
@@ -98,14 +106,19 @@ def test_a_residual_network_split_inside_its_residual_stages():
 
 
 def test_parts_cuts_between_blocks_where_parameters_are_most_even():
+    """The most even of the cuts at two of the five places between blocks, counted from the
+    model's own modules (rather than by splitting at each of the ten pairs: a trace each)."""
     model = tiny_resnet()
     x, _ = images()
     split = gpipe.split(model, (x,), parts=3)
     got = max(sum(p.numel() for p in stage.parameters()) for stage in split)
-    blocks = ["layer1", "layer1.1", "layer2", "layer2.1", "fc"]
+    # the modules in the order they run; the places to cut, 1 to 5, begin a stage at
+    # pieces[1:]: layer1 (that is, layer1.0), layer1.1, layer2 (layer2.0), layer2.1, fc
+    pieces = [model.stem, *model.layer1, *model.layer2, model.fc]
+    counts = [sum(p.numel() for p in piece.parameters()) for piece in pieces]
     best = min(
-        max(sum(p.numel() for p in stage.parameters()) for stage in gpipe.split(model, (x,), at=at))
-        for at in map(list, itertools.combinations(blocks, 2))
+        max(sum(counts[:i]), sum(counts[i:j]), sum(counts[j:]))
+        for i, j in itertools.combinations(range(1, len(pieces)), 2)
     )
     assert got == best
     torch.testing.assert_close(split(x), model(x), **EXACT)
@@ -327,7 +340,7 @@ def test_a_model_that_branches_on_one_row_is_caught():
 
 
 def test_inputs_that_do_not_fit_the_trace_are_named():
-    split = gpipe.split(tiny_lm(), (), token_batch(), at=["blocks.2"])
+    _, split = _split_lm(("blocks.2",))
     with pytest.raises(TypeError, match="input does not match the examples"):
         split({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
     with pytest.raises(TypeError, match="takes a tensor, a tuple .* or a dict"):

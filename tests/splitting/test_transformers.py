@@ -1,11 +1,13 @@
 """Models we did not write: Hugging Face's GPT-2 and BERT, split and trained pipelined."""
 
 import copy
+import functools
 
 import pytest
 import torch
 
 import gpipe
+from gpipe.splitting import SplitModel
 
 pytest.importorskip("transformers", reason="the test extra installs transformers")
 
@@ -28,9 +30,23 @@ def test_bert_split_and_trained_through_pipeline_equals_its_own_step():
     assert results[0] == results[1] == 16
 
 
-def test_gpt2_names_and_tied_head():
-    model = cases.gpt2_model()
+@functools.cache
+def _gpt2_with_dropout_split() -> tuple[torch.nn.Module, SplitModel]:
+    """The cases' GPT-2 with attention dropout 0.5, and a copy of it traced in training and
+    split in two: one trace (seconds of CPU) for the test of its names, which dropout does
+    not change, and the test of its dropout, which only sets the modes of both."""
+    from transformers import GPT2LMHeadModel
+
+    reference = cases.gpt2_model()
+    reference.config.attn_pdrop = 0.5
+    model = GPT2LMHeadModel(reference.config).double()
+    model.load_state_dict(reference.state_dict())
     split = gpipe.split(copy.deepcopy(model), (), cases.text_batch(4, 8, seed=0), parts=2)
+    return model, split
+
+
+def test_gpt2_names_and_tied_head():
+    model, split = _gpt2_with_dropout_split()
     # the head is the embedding: both stages hold it, under the embedding's name
     assert split.split_names("lm_head.weight") == [
         "0.transformer.wte.weight",
@@ -57,14 +73,8 @@ def test_gpt2s_attention_dropout_is_off_in_evaluation():
     """Traced in training, the attention's dropout is a rate in its graph, not a flag: in
     evaluation the split model runs it at 0, as GPT-2 does (its outputs varied from call to
     call)."""
-    from transformers import GPT2LMHeadModel
-
-    reference = cases.gpt2_model()
-    reference.config.attn_pdrop = 0.5
-    model = GPT2LMHeadModel(reference.config).double()
-    model.load_state_dict(reference.state_dict())
+    model, split = _gpt2_with_dropout_split()
     batch = cases.text_batch(4, 8, seed=0)
-    split = gpipe.split(copy.deepcopy(model), (), batch, parts=2)
     split.eval()
     model.eval()
     with torch.no_grad():
