@@ -69,6 +69,25 @@ def test_gpt2_on_meta_loaded_by_original_names():
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
 
 
+def test_a_model_whose_config_keeps_a_cache_is_traced_without_it():
+    """GPT-2's config keeps a key/value cache by default, and the model then returns it beside
+    its logits, an object torch.export refused: split traces it with the cache off, as
+    training runs it, and leaves the config as it was."""
+    from transformers import GPT2LMHeadModel
+
+    reference = cases.gpt2_model()
+    config = copy.deepcopy(reference.config)
+    config.use_cache = True
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config).double()
+    batch = cases.text_batch(4, 8, seed=0)
+    split = gpipe.split(model, (), {k: v.to("meta") for k, v in batch.items()}, parts=2)
+    assert model.config.use_cache is True
+    split.to_empty(device="cpu")
+    split.load_original_state_dict(reference.state_dict())
+    torch.testing.assert_close(split(batch).logits, reference(**batch).logits, rtol=0, atol=0)
+
+
 def test_gpt2s_attention_dropout_is_off_in_evaluation():
     """Traced in training, the attention's dropout is a rate in its graph, not a flag: in
     evaluation the split model runs it at 0, as GPT-2 does (its outputs varied from call to

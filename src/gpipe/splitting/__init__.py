@@ -46,7 +46,7 @@ from gpipe.splitting.hf_plan import (
     plan_layout,
 )
 from gpipe.splitting.stages import ATTR, SplitStage, part_module, plan_stages
-from gpipe.splitting.tracing import TraceError, check_one_row, trace
+from gpipe.splitting.tracing import TraceError, check_one_row, trace, without_cache_output
 
 __all__ = ["CutError", "PlanError", "PlanStage", "SplitModel", "SplitStage", "TraceError", "split"]
 
@@ -373,7 +373,8 @@ def split(
             one and traces otherwise.
 
     The first stage takes what the model takes: a tensor, a tuple of positional arguments,
-    or a dict of arguments by name; the last returns what the model returns.
+    or a dict of arguments by name; the last returns what the model returns. A Hugging Face
+    model is traced with its config's ``use_cache`` off (its cache is no tensor to return).
     """
     if (at is None) == (parts is None):
         raise ValueError("split needs either at=[module names] or parts=K, not both or neither")
@@ -405,7 +406,10 @@ def split(
             f"split traces {type(model).__name__} on example inputs, and none were given "
             "(only a Hugging Face model that declares a pipeline plan is cut without them)"
         )
-    return _split_by_tracing(model, args, kwargs, at=at, parts=parts, balance=balance, check=check)
+    with without_cache_output(model, kwargs):
+        return _split_by_tracing(
+            model, args, kwargs, at=at, parts=parts, balance=balance, check=check
+        )
 
 
 def _split_by_plan(

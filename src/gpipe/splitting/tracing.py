@@ -15,13 +15,18 @@ the branches its code takes for a device that is neither a CPU nor Apple's GPU: 
 mixtures of experts count tokens per expert with ``torch.histc`` on integers there, which
 PyTorch's CPU kernel refuses. The trace counts them in float32 instead (exact below 2^24
 tokens), cast back, so its graph runs on every device.
+
+A Hugging Face model whose config keeps a key/value cache (``use_cache``, on by default in
+most) returns the cache object beside its logits, which ``torch.export`` cannot give back:
+``without_cache_output`` traces it with the cache off, as training runs it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -29,7 +34,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 
-__all__ = ["TraceError", "check_one_row", "trace"]
+__all__ = ["TraceError", "check_one_row", "trace", "without_cache_output"]
 
 
 class TraceError(RuntimeError):
@@ -96,6 +101,21 @@ def _advice(exc: BaseException) -> str:
         "make that code traceable by torch.export (see its documentation on non-strict "
         "tracing), or give GPipe/Pipeline an nn.Sequential whose layers keep it whole"
     )
+
+
+@contextlib.contextmanager
+def without_cache_output(model: nn.Module, kwargs: Mapping[str, Any]) -> Iterator[None]:
+    """Inside it, ``model``'s config keeps no key/value cache, unless the examples pass
+    ``use_cache`` themselves; the config is left as it was afterwards."""
+    config = getattr(model, "config", None)
+    if config is None or "use_cache" in kwargs or getattr(config, "use_cache", None) is not True:
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
 
 
 def trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> ExportedProgram:
