@@ -173,15 +173,16 @@ def _logits_loss(out, targets: torch.Tensor) -> torch.Tensor:
     return lm_loss(logits, targets)
 
 
-def llama_against_unsplit(schedule: str, checkpoint: str) -> int:
-    """A Hugging Face Llama cut by its plan, with its rotary positions, grouped keys and
-    values and its own cache class, on four sub-sequences per micro-batch: the loss and every
-    gradient of one step equal the unsplit model's in float64."""
+def hf_against_unsplit(schedule: str, checkpoint: str, kind: str = "llama") -> int:
+    """A Hugging Face model cut by its plan, on four sub-sequences per micro-batch: the loss
+    and every gradient of one step equal the unsplit model's in float64. ``"llama"``: its
+    rotary positions, grouped keys and values and its own cache class; ``"gpt2"``: a layout
+    read from its modules, with learned positions that every stage's code adds."""
     import gpipe
 
-    from ..splitting.hf_cases import llama_model
+    from ..splitting.hf_cases import gpt2_model, llama_model
 
-    reference = llama_model()
+    reference = llama_model() if kind == "llama" else gpt2_model()
     generator = torch.Generator().manual_seed(2)
     ids = torch.randint(1, 64, (5, 21), generator=generator)
     x, y = ids[:, :-1], ids[:, 1:]

@@ -41,7 +41,14 @@ def test_the_gpt_on_sub_sequences_trains_as_the_unsplit_model(
 @pytest.mark.parametrize("schedule", [*SCHEDULES, "zero-bubble-v"])
 def test_a_hugging_face_llama_on_sub_sequences_trains_as_the_unsplit_model(schedule, checkpoint):
     pytest.importorskip("transformers", reason="the hf extra installs transformers")
-    assert run(cases.llama_against_unsplit, 2, (schedule, checkpoint), threads=1) == {0: 1, 1: 1}
+    assert run(cases.hf_against_unsplit, 2, (schedule, checkpoint), threads=1) == {0: 1, 1: 1}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_gpt2_cut_by_its_read_layout_on_sub_sequences_trains_as_the_unsplit_model(schedule):
+    pytest.importorskip("transformers", reason="the hf extra installs transformers")
+    found = run(cases.hf_against_unsplit, 2, (schedule, "never", "gpt2"), threads=1)
+    assert found == {0: 1, 1: 1}
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble", "zero-bubble-v"])

@@ -3,7 +3,9 @@ check that a model cut by its plan computes what the unsplit model does (float64
 and every gradient).
 
 ``python -m tests.splitting.hf_families`` runs the check on every family the installed
-transformers declares a plan for and prints the table docs/split.md keeps.
+transformers declares a plan for and prints the table docs/split.md keeps;
+``--without-plan``, on every causal LM family that declares none (its layout read from its
+modules), then greedy generation through the stages of those that are equal.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ SIZES = {  # every size a config may name, made tiny
     "linear_key_head_dim": 8,
     "linear_value_head_dim": 8,
 }
-DROPOUTS = (  # dropout probabilities under names without "dropout"
+TOO_LARGE = 20_000_000  # parameters: more is a config the sizes above did not shrink
+DROPOUTS = (  # dropout probabilities, or noise drawn in training, under names without "dropout"
     "hidden_dropout",
     "attention_dropout",
     "resid_pdrop",
@@ -62,18 +65,22 @@ DROPOUTS = (  # dropout probabilities under names without "dropout"
     "attn_pdrop",
     "hidden_dropout_prob",
     "attention_probs_dropout_prob",
+    "router_jitter_noise",
+    "input_jitter_noise",
 )
 
 
-def families() -> list[str]:
-    """The model types with a causal LM class whose config declares a pipeline plan."""
+def families(declared: bool = True) -> list[str]:
+    """The model types with a causal LM class whose config declares a pipeline plan (or,
+    with ``declared=False``, declares none)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return [
         kind
         for kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        if kind in CONFIG_MAPPING and getattr(CONFIG_MAPPING[kind], "base_model_pp_plan", None)
+        if kind in CONFIG_MAPPING
+        and bool(getattr(CONFIG_MAPPING[kind], "base_model_pp_plan", None)) == declared
     ]
 
 
@@ -103,6 +110,10 @@ def build(kind: str, dtype: torch.dtype = torch.float64, **overrides: Any) -> An
 
     config = tiny_config(kind, **overrides)
     auto = transformers.AutoModelForCausalLM
+    with torch.device("meta"):  # a config of sub-configs our sizes miss (BLT's) stays large
+        count = sum(p.numel() for p in auto.from_config(config).parameters())
+    if count > TOO_LARGE:
+        raise ValueError(f"the tiny config still has {count:,} parameters")
     try:  # mixture-of-experts kernels take no float64: the plain loop over experts does
         model = auto.from_config(config, dtype=dtype, experts_implementation="eager")
     except (TypeError, ValueError):
@@ -151,15 +162,38 @@ def check_family(kind: str, parts: int = 2, **overrides: Any) -> list[str]:
     return list(stages.at)
 
 
-def main() -> None:
+def _generates(kind: str) -> str:
+    """Whether greedy generation through the family's stages is the model's own."""
+    from .test_hf_generation import generated, reference, wide
+
+    try:
+        model = wide(kind)
+        g = torch.Generator().manual_seed(1)
+        vocab = model.config.vocab_size
+        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (4, 9, 1, 13)]
+        want = reference(model, prompts)
+        for parts in (2, 3):
+            stages = list(gpipe.split(model, parts=parts, plan="hf"))
+            if generated(stages, prompts, lanes=3, chunk=3) != want:
+                return f"generates **other tokens** on {parts} stages"
+        return "generates the same tokens"
+    except Exception as exc:  # the table says why
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"does not generate: {type(exc).__name__}: {first[:120]}"
+
+
+def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
+    read = "--without-plan" in (sys.argv[1:] if argv is None else argv)
     print("| family | result |\n|---|---|")
-    for kind in families():
+    for kind in families(declared=not read):
         began = time.perf_counter()
         try:
             at = check_family(kind)
             result = f"equal (stage 2 begins at `{at[0]}`)"
+            if read:
+                result += "; " + _generates(kind)
         except Unbuildable as exc:
             result = f"not checked: {str(exc)[:150]}"
         except Exception as exc:  # the table says why

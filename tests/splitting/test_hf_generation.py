@@ -21,8 +21,9 @@ pytest.importorskip("transformers", reason="the test extra installs transformers
 from .hf_families import build, tiny_config
 
 # Llama: tests/engine/test_generation.py; LongCat-Flash: two attention layers, so two places
-# in the cache, in each decoder layer
-FAMILIES = ("qwen3", "gemma2", "phi3", "gpt_neox", "longcat_flash")
+# in the cache, in each decoder layer; GPT-2 and BLOOM declare no plan (their layouts are
+# read from their modules; BLOOM's layers return tuples and its attention biases by position)
+FAMILIES = ("qwen3", "gemma2", "phi3", "gpt_neox", "longcat_flash", "gpt2", "bloom")
 NEW = 6
 
 

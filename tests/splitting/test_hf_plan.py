@@ -10,6 +10,7 @@ import torch
 
 import gpipe
 from gpipe.splitting import PlanError, PlanStage
+from gpipe.splitting.hf_layout import check_read_plan
 
 pytest.importorskip("transformers", reason="the test extra installs transformers")
 
@@ -137,14 +138,71 @@ def test_bad_cuts_are_one_line_each():
         gpipe.split(model, parts=2, plan="vllm")
 
 
-def test_a_model_without_a_plan():
-    from transformers import GPT2Config, GPT2LMHeadModel
+# Families that declare no plan, read from their modules: layers that return their hidden
+# states (GPT-2, which also adds position embeddings on every stage; StableLM) or a tuple
+# (BLOOM, MPT)
+READ = ["gpt2", "gpt_bigcode", "stablelm", "bloom", "mpt"]
 
+
+@pytest.mark.parametrize("kind", READ)
+def test_a_family_without_a_plan_cut_by_its_modules_equals_the_unsplit_model(kind):
+    assert not families.tiny_config(kind).base_model_pp_plan
+    assert len(families.check_family(kind, parts=3)) == 2
+
+
+def test_a_plan_read_on_meta_is_the_one_read_on_a_device():
+    model = families.build("gpt2")
+    with torch.device("meta"):
+        on_meta = families.build("gpt2")
+    stages = gpipe.split(model, parts=2, plan="hf")
+    meta_stages = gpipe.split(on_meta, parts=2, plan="hf")
+    assert stages.at == meta_stages.at == ["transformer.h.2"]
+    assert stages[0].layout == meta_stages[0].layout
+    assert stages[0].layout.before == ("wte", "wpe") and stages[0].layout.after == ("ln_f",)
+
+
+def test_a_model_whose_plan_cannot_be_read():
+    from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(
+        vocab_size=32,
+        hidden_size=16,
+        ffn_dim=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        word_embed_proj_dim=16,
+    )
+    opt = OPTForCausalLM(config)
+    with pytest.raises(PlanError, match=r"children hold 0 lists of layers \(\[\]\)"):
+        gpipe.split(opt, parts=2, plan="hf")  # its layers lie one module deeper
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32))
-    with pytest.raises(PlanError, match="GPT2LMHeadModel declares no pipeline plan"):
+    model.transformer.register_module("proj", torch.nn.Linear(16, 16))  # run by no one
+    with pytest.raises(PlanError, match=r"does not run the modules read as one \(\[.*'proj'\]\)"):
         gpipe.split(model, parts=2, plan="hf")
     with pytest.raises(ValueError, match="none were given"):
-        gpipe.split(model, parts=2)  # traced: it needs examples
+        gpipe.split(model, parts=2)  # "auto" traces a model that declares no plan
+
+
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [
+        ("dory", r"once each in that order"),  # its layers run again, in loops
+        ("nanochat", r"do not compute what the model does"),  # its last norm has no weights
+        ("openai-gpt", r"fail where the model runs \(shape"),
+    ],
+)
+def test_a_read_plan_whose_stages_differ_from_the_model_is_refused(kind, why):
+    with pytest.raises(PlanError, match=f"declares no pipeline plan, and .*{why}"):
+        gpipe.split(families.build(kind), parts=2, plan="hf")
+
+
+def test_the_stages_of_a_read_plan_are_checked_against_the_model_they_came_from():
+    torch.manual_seed(0)
+    model, other = families.build("gpt2"), families.build("gpt2")
+    stages = gpipe.split(other, parts=2, plan="hf")
+    check_read_plan(other, list(stages))
+    with pytest.raises(PlanError, match="do not compute what the model does"):
+        check_read_plan(model, list(stages))
 
 
 def test_the_plan_or_tracing_compute_the_same():

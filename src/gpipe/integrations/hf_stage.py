@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader, RandomSampler
 
 import gpipe
 from gpipe.splitting import SplitModel
-from gpipe.splitting.hf_plan import HEAD_ONLY, declares_plan
+from gpipe.splitting.hf_layout import declares_plan
+from gpipe.splitting.hf_plan import HEAD_ONLY
 
 __all__ = [
     "TARGETS",

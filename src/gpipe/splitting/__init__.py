@@ -37,14 +37,15 @@ from gpipe.splitting.cuts import (
     module_starts,
     resolve,
 )
-from gpipe.splitting.hf_plan import (
+from gpipe.splitting.hf_layout import (
     PlanError,
     PlanLayout,
-    PlanStage,
+    check_read_plan,
     declares_plan,
     plan_bounds,
     plan_layout,
 )
+from gpipe.splitting.hf_plan import PlanStage
 from gpipe.splitting.stages import ATTR, SplitStage, part_module, plan_stages
 from gpipe.splitting.tracing import TraceError, check_one_row, trace, without_cache_output
 
@@ -366,11 +367,13 @@ def split(
             decoder layers) where the ``balance`` is most even: ``"parameters"`` (their
             count) or ``"time"`` (the measured forward time on the examples).
         check: make sure the traced graph computes what the model does for a 1-row input
-            (a model that branches on a size being 1 would not); skipped on meta.
-        plan: ``"hf"`` cuts a Hugging Face model by its ``base_model_pp_plan`` (each stage
-            keeps the model's own modules, attention implementation and cache classes);
-            ``None`` traces; ``"auto"`` (default) uses the plan where the model declares
-            one and traces otherwise.
+            (a model that branches on a size being 1 would not), or that the stages of a
+            plan read from the model's modules compute what it does; skipped on meta.
+        plan: ``"hf"`` cuts a Hugging Face causal LM by its ``base_model_pp_plan``, or by
+            the same layout read from its base model's children where it declares none (each
+            stage keeps the model's own modules, attention implementation and cache
+            classes); ``None`` traces; ``"auto"`` (default) uses the plan where the model
+            declares one and traces otherwise.
 
     The first stage takes what the model takes: a tensor, a tuple of positional arguments,
     or a dict of arguments by name; the last returns what the model returns. A Hugging Face
@@ -400,7 +403,9 @@ def split(
             if plan == "hf" or not (args or kwargs):
                 raise
         else:  # a plan that does not fit the model falls back to tracing under "auto"
-            return _split_by_plan(model, layout, args, kwargs, at=at, parts=parts, balance=balance)
+            return _split_by_plan(
+                model, layout, args, kwargs, at=at, parts=parts, balance=balance, check=check
+            )
     if not args and not kwargs:
         raise ValueError(
             f"split traces {type(model).__name__} on example inputs, and none were given "
@@ -421,6 +426,7 @@ def _split_by_plan(
     at: list[str] | None,
     parts: int | None,
     balance: str,
+    check: bool,
 ) -> SplitModel:
     """``split`` by the model's pipeline plan."""
     example = dict(kwargs)
@@ -431,6 +437,8 @@ def _split_by_plan(
         example = {"input_ids": torch.randint(vocab, (2, 16), device=_device_of(model))}
     bounds = plan_bounds(model, layout, at=at, parts=parts, balance=balance, example=example)
     stages = [PlanStage(model, layout, index, bounds) for index in range(len(bounds) - 1)]
+    if layout.read and check:
+        check_read_plan(model, stages)
     for stage in stages:
         stage.train(model.training)
     _, aliases, _ = _canonical_names(model)

@@ -17,13 +17,15 @@ its hidden states, with the model's other arguments (``attention_mask``,
 ``position_ids`` ...), to the next; the last runs the whole causal LM and returns what the
 model returns. Token embeddings tied to the output head stay one ``nn.Parameter``, which
 the pipeline treats as any tie across stages.
+
+Where the plan lies in the model, read from it where the model declares none, and where the
+stages begin: ``hf_layout``.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,116 +33,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from gpipe.planning.balancing import partition
 from gpipe.runtime.kv_cache import CacheContext
+from gpipe.splitting.hf_layout import PlanError, PlanLayout, layer_list
 from gpipe.splitting.hf_tensor_plan import held_plan, model_tp_plan, torch_plan
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = [
-    "HEAD_ONLY",
-    "PlanError",
-    "PlanLayout",
-    "PlanStage",
-    "declares_plan",
-    "plan_bounds",
-    "plan_layout",
-]
+__all__ = ["HEAD_ONLY", "HeldLayer", "PlanCache", "PlanStage"]
 
 HEAD_ONLY = ("labels", "logits_to_keep")  # arguments only the causal LM's head takes
-
-
-class PlanError(ValueError):
-    """A model that cannot be cut by its pipeline plan, with what to do instead."""
-
-
-def declares_plan(model: nn.Module) -> bool:
-    """Whether ``model`` is a Hugging Face model whose config declares a pipeline plan."""
-    plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None)
-    return isinstance(plan, Mapping) and len(plan) > 0
-
-
-@dataclass(frozen=True)
-class PlanLayout:
-    """Where the plan's parts lie in a model: names are the model's own."""
-
-    base: str  # the base model's name in the causal LM ("model", "transformer" ...)
-    before: tuple[str, ...]  # the plan's modules before the layers (embedding, dropout)
-    layers: str  # the list of decoder layers
-    after: tuple[str, ...]  # the plan's modules after the layers (the final norm)
-    head: str  # the output head, in the causal LM
-    n_layers: int
-
-    def layer_name(self, index: int) -> str:
-        return f"{self.base}.{self.layers}.{index}"
-
-
-def _child_name(parent: nn.Module, child: nn.Module) -> str | None:
-    return next((name for name, m in parent.named_children() if m is child), None)
-
-
-def plan_layout(model: nn.Module) -> PlanLayout:
-    """The layout of ``model``'s plan, checked: one list of decoder layers, a base model and
-    an output head; every parameter of the model inside one of them."""
-    name = type(model).__name__
-    if not declares_plan(model):
-        raise PlanError(
-            f"{name} declares no pipeline plan (config.base_model_pp_plan); pass plan=None "
-            "to cut it by tracing"
-        )
-    config: Any = getattr(model, "config", None)
-    plan = list(config.base_model_pp_plan)
-    base = getattr(model, "base_model", None)
-    output_embeddings = getattr(model, "get_output_embeddings", None)
-    head = output_embeddings() if callable(output_embeddings) else None
-    base_name = _child_name(model, base) if isinstance(base, nn.Module) else None
-    head_name = _child_name(model, head) if isinstance(head, nn.Module) else None
-    if base_name is None or head_name is None:
-        raise PlanError(
-            f"{name} is not a causal LM with a base model and an output head; give the "
-            "model with its head (AutoModelForCausalLM), or pass plan=None to trace it"
-        )
-    assert isinstance(base, nn.Module)
-    missing = [entry for entry in plan if not isinstance(getattr(base, entry, None), nn.Module)]
-    lists = [entry for entry in plan if isinstance(getattr(base, entry, None), nn.ModuleList)]
-    if missing or len(lists) != 1:
-        raise PlanError(
-            f"{name}'s pipeline plan {plan} does not match its modules (missing: {missing}, "
-            f"layer lists: {lists}); pass plan=None to trace it"
-        )
-    at = plan.index(lists[0])
-    layout = PlanLayout(
-        base=base_name,
-        before=tuple(plan[:at]),
-        layers=lists[0],
-        after=tuple(plan[at + 1 :]),
-        head=head_name,
-        n_layers=len(getattr(base, lists[0])),
-    )
-    outside = _parameters_outside(model, layout)
-    if outside:
-        raise PlanError(
-            f"{name} holds parameters outside its pipeline plan ({', '.join(outside[:3])}); "
-            "pass plan=None to cut it by tracing"
-        )
-    return layout
-
-
-def _parameters_outside(model: nn.Module, layout: PlanLayout) -> list[str]:
-    inside = [f"{layout.base}.{entry}" for entry in (*layout.before, layout.layers)]
-    inside += [f"{layout.base}.{entry}" for entry in layout.after] + [layout.head]
-    return [
-        name
-        for name, _ in model.named_parameters()
-        if not any(name == p or name.startswith(p + ".") for p in inside)
-    ]
-
-
-def _layers(base: nn.Module, layout: PlanLayout) -> nn.ModuleList:
-    layers = base.get_submodule(layout.layers)
-    assert isinstance(layers, nn.ModuleList)  # plan_layout found it so
-    return layers
 
 
 class _StandIn(nn.Module):
@@ -149,24 +51,46 @@ class _StandIn(nn.Module):
     returns the hidden states it is given, or, for the layer just before the stage's first,
     the hidden states the stage received."""
 
-    def __init__(self, layer: nn.Module, hands_over: bool) -> None:
+    def __init__(self, layer: nn.Module, hands_over: bool, as_tuple: bool) -> None:
         super().__init__()
         for key, value in vars(layer).items():
             plain = not isinstance(value, (nn.Module, Tensor))
             if plain and not key.startswith("_") and key != "training":
                 setattr(self, key, value)
         self.hands_over = hands_over
+        self.as_tuple = as_tuple
         self.received: Tensor | None = None
 
-    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor | tuple[Tensor]:
         if self.hands_over:
             assert self.received is not None, "a stage sets what it received before running"
-            return self.received
-        return args[0] if args else kwargs["hidden_states"]
+            hidden = self.received
+        else:
+            hidden = args[0] if args else kwargs["hidden_states"]
+        return (hidden,) if self.as_tuple else hidden
+
+
+class _BeforeHandOver(nn.Module):
+    """In a later stage's shell, a module the first stage holds before the decoder layers
+    (an embedding, its norm). The model may still call it (GPT-2 adds its position
+    embeddings to the embeddings it is given), but what it gives never reaches this stage's
+    layers: the layer before the stage's first hands over the hidden states received. So
+    an embedding gives a zero that adds to any embeddings (a position embedding's input may
+    be a mask of every token so far, not of the new ones), and any other module passes its
+    input on."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.dtype = module.weight.dtype if isinstance(module, nn.Embedding) else None
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if self.dtype is None:
+            return x
+        return torch.zeros((), dtype=self.dtype, device=x.device)
 
 
 class _NotHeld(nn.Module):
-    """In a stage's shell, an embedding or head another stage holds."""
+    """In a stage's shell, the head the last stage holds."""
 
     def __init__(self, name: str, index: int) -> None:
         super().__init__()
@@ -241,13 +165,15 @@ class PlanStage(nn.Module):
         layout = self.layout
         base = model.get_submodule(layout.base)
         memo: dict[int, Any] = {}
-        layers = _layers(base, layout)
+        layers = layer_list(base, layout)
         hand_over = None
         for i, layer in enumerate(layers):
             if self.start <= i < self.stop:
                 memo[id(layer)] = layer
             else:
-                stand_in = _StandIn(layer, hands_over=i == self.start - 1)
+                stand_in = _StandIn(
+                    layer, hands_over=i == self.start - 1, as_tuple=layout.layers_return_tuples
+                )
                 hand_over = stand_in if stand_in.hands_over else hand_over
                 memo[id(layer)] = stand_in
         for entry in layout.before:
@@ -255,7 +181,7 @@ class PlanStage(nn.Module):
             if self.is_first:
                 memo[id(module)] = module
             elif any(True for _ in module.parameters()):
-                memo[id(module)] = _NotHeld(f"{layout.base}.{entry}", self.index)
+                memo[id(module)] = _BeforeHandOver(module)
         for entry in layout.after:
             module = base.get_submodule(entry)
             memo[id(module)] = module if self.is_last else nn.Identity()
@@ -344,7 +270,7 @@ class PlanStage(nn.Module):
         ``layer_idx`` of the modules inside each layer (its attention; two in a LongCat-Flash
         layer, at twice the layer's index and the next), or the layer's own index where no
         module inside it names one."""
-        layers = _layers(self.shell.get_submodule(self.layout.base), self.layout)
+        layers = layer_list(self.shell.get_submodule(self.layout.base), self.layout)
         places: list[int] = []
         for i in range(self.start, self.stop):
             inside = {
@@ -360,7 +286,7 @@ class PlanStage(nn.Module):
         ``use_bidirectional_attention``): a token's keys and values kept for later ones, or
         a sequence cut into sub-sequences, give such a model other results than its whole
         forward. Hugging Face's attention modules say so by ``is_causal``."""
-        layers = _layers(self.shell.get_submodule(self.layout.base), self.layout)
+        layers = layer_list(self.shell.get_submodule(self.layout.base), self.layout)
         for i in range(self.start, self.stop):
             for name, module in layers[i].named_modules():
                 if getattr(module, "is_causal", True) is False:
@@ -490,93 +416,3 @@ class PlanCache:
 
     def kv_layers(self) -> list[HeldLayer]:
         return self.held
-
-
-def layer_costs(model: nn.Module, layout: PlanLayout, balance: str, example: Any) -> list[float]:
-    """Each decoder layer's cost, the first's with the modules before the layers and the
-    last's with those after and the head: parameter count, or measured forward time."""
-    base = model.get_submodule(layout.base)
-    layers = list(_layers(base, layout))
-    before = [base.get_submodule(e) for e in layout.before]
-    after = [base.get_submodule(e) for e in layout.after] + [model.get_submodule(layout.head)]
-    if balance == "parameters":
-
-        def size(modules: Sequence[nn.Module]) -> float:
-            return float(sum(p.numel() for m in modules for p in m.parameters()))
-
-        costs = [size([layer]) for layer in layers]
-        costs[0] += size(before)
-        costs[-1] += size(after)
-        return costs
-    groups = [before, *[[layer] for layer in layers], after]
-    times = _measured(model, groups, example)
-    costs = times[1:-1]
-    costs[0] += times[0]
-    costs[-1] += times[-1]
-    return costs
-
-
-def _measured(model: nn.Module, groups: Sequence[Sequence[nn.Module]], example: Any) -> list[float]:
-    """Each group of modules' forward time per run of ``model``, over three runs after one
-    to warm up."""
-    if any(p.is_meta for p in model.parameters()):
-        raise PlanError("balance='time' runs the model: split a model that is not on meta")
-    totals = [0.0] * len(groups)
-    began: dict[int, float] = {}
-    handles = []
-    for index, group in enumerate(groups):
-        for module in group:
-
-            def before(*_: Any, key: int = id(module)) -> None:
-                began[key] = time.perf_counter()
-
-            def after(*_: Any, key: int = id(module), into: int = index) -> None:
-                totals[into] += time.perf_counter() - began[key]
-
-            handles.append(module.register_forward_pre_hook(before))
-            handles.append(module.register_forward_hook(after))
-    runs = 3
-    try:
-        with torch.no_grad():
-            for run in range(runs + 1):
-                if run == 1:
-                    totals[:] = [0.0] * len(groups)
-                model(**example, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return [total / runs for total in totals]
-
-
-def plan_bounds(
-    model: nn.Module,
-    layout: PlanLayout,
-    *,
-    at: Sequence[str] | None,
-    parts: int | None,
-    balance: str,
-    example: Mapping[str, Any],
-) -> list[int]:
-    """Where each stage's layers begin and the last ends: at the layers named by ``at``, or
-    ``parts`` stages balanced by ``balance``."""
-    n = layout.n_layers
-    if at is not None:
-        names = {layout.layer_name(i): i for i in range(1, n)}
-        unknown = [name for name in at if name not in names]
-        if unknown:
-            raise PlanError(
-                f"at={list(at)}: {unknown} are not decoder layers a stage can begin at; "
-                f"{type(model).__name__}'s are {layout.layer_name(1)} to {layout.layer_name(n - 1)}"
-            )
-        starts = [names[name] for name in at]
-        if starts != sorted(set(starts)):
-            raise PlanError(f"at={list(at)}: the layers must be named once each, in order")
-        return [0, *starts, n]
-    assert parts is not None
-    if parts > n:
-        raise PlanError(
-            f"parts={parts} but {type(model).__name__} has {n} decoder layers, so at most {n} "
-            "stages (each stage holds at least one layer)"
-        )
-    counts = partition(layer_costs(model, layout, balance, example), parts)
-    return [sum(counts[:i]) for i in range(parts + 1)]
