@@ -179,8 +179,17 @@ def test_a_model_whose_plan_cannot_be_read():
     model.transformer.register_module("proj", torch.nn.Linear(16, 16))  # run by no one
     with pytest.raises(PlanError, match=r"does not run the modules read as one \(\[.*'proj'\]\)"):
         gpipe.split(model, parts=2, plan="hf")
-    with pytest.raises(ValueError, match="none were given"):
-        gpipe.split(model, parts=2)  # "auto" traces a model that declares no plan
+    with pytest.raises(ValueError, match=r"none were given \(.*does not run the modules"):
+        gpipe.split(model, parts=2)  # "auto" traces a model that declares no plan, if it can
+
+
+def test_auto_reads_the_plan_of_a_model_given_nothing_to_trace_on():
+    model = families.build("gpt2")
+    assert all(isinstance(stage, PlanStage) for stage in gpipe.split(model, parts=2))
+    traced = gpipe.split(model, (torch.randint(3, 96, (2, 8)),), parts=2)
+    assert not any(isinstance(stage, PlanStage) for stage in traced)
+    with pytest.raises(ValueError, match=r"none were given \(only a Hugging Face causal LM"):
+        gpipe.split(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)), parts=2)
 
 
 @pytest.mark.parametrize(

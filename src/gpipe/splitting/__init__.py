@@ -373,7 +373,7 @@ def split(
             the same layout read from its base model's children where it declares none (each
             stage keeps the model's own modules, attention implementation and cache
             classes); ``None`` traces; ``"auto"`` (default) uses the plan where the model
-            declares one and traces otherwise.
+            declares one and traces otherwise, or, given no examples to trace on, reads it.
 
     The first stage takes what the model takes: a tensor, a tuple of positional arguments,
     or a dict of arguments by name; the last returns what the model returns. A Hugging Face
@@ -396,20 +396,29 @@ def split(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     kwargs = dict(example_kwargs or {})
-    if plan == "hf" or (plan == "auto" and declares_plan(model)):
+    examples = bool(args or kwargs)
+    # under "auto", a Hugging Face model given no examples to trace on has its plan read
+    hf_without_examples = not examples and getattr(model, "config", None) is not None
+    if plan == "hf" or (plan == "auto" and (declares_plan(model) or hf_without_examples)):
         try:
             layout = plan_layout(model)
-        except PlanError:
-            if plan == "hf" or not (args or kwargs):
+        except PlanError as exc:
+            if plan == "hf" or not examples:
+                if plan == "auto" and not declares_plan(model):
+                    raise ValueError(
+                        f"split traces {type(model).__name__} on example inputs, and none "
+                        f"were given (without them a Hugging Face causal LM is cut by its "
+                        f"pipeline plan, and: {exc})"
+                    ) from None
                 raise
         else:  # a plan that does not fit the model falls back to tracing under "auto"
             return _split_by_plan(
                 model, layout, args, kwargs, at=at, parts=parts, balance=balance, check=check
             )
-    if not args and not kwargs:
+    if not examples:
         raise ValueError(
             f"split traces {type(model).__name__} on example inputs, and none were given "
-            "(only a Hugging Face model that declares a pipeline plan is cut without them)"
+            "(only a Hugging Face causal LM is cut without them, by its pipeline plan)"
         )
     with without_cache_output(model, kwargs):
         return _split_by_tracing(
