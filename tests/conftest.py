@@ -29,6 +29,15 @@ settings.load_profile("gpipe")
 torch.set_num_threads(threads_per_process(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _forkserver_that_imported_the_shared_processes_code():
+    """In each of xdist's workers, the forkserver starts before any test launches processes
+    of its own (``workers.start_forkserver``). A run without xdist (a few modules, a
+    debugger) starts it at its first launch, as a user's program does."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        workers.start_forkserver()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _shared_processes_last_one_module():
     """The processes ``workers.run`` starts serve the tests of one module, then stop."""

@@ -12,9 +12,9 @@ rank stops the whole group (its peers may be waiting for it) with a ``LaunchErro
 names each rank's error, as ``launch`` does; the next ``run`` starts a fresh group.
 
 The groups of every module fork from one server per pytest worker, which imported this module
-(``gpipe.launch`` preloads the function's module): what the multi-process tests of many
-modules build on, Hugging Face's model code and gpipe's splitting, is imported here once, not
-in every process of every module's group (two seconds of CPU each).
+(``start_forkserver``, at the start of each of xdist's workers): what the multi-process tests
+of many modules build on, Hugging Face's model code and gpipe's splitting, is imported here
+once, not in every process of every module's group (two seconds of CPU each).
 
 Tests of start-up, shutdown or a dying peer call ``gpipe.launch`` and keep processes of
 their own, and so do those of parameters tied across processes: torch names a group made
@@ -195,6 +195,19 @@ def training_on_shared_processes(own: bool = False) -> Iterator[None]:
         yield
     finally:
         gpipe.training.launch.launch = started
+
+
+def start_forkserver() -> None:
+    """Start this process's forkserver now, preloading what ``gpipe.launch`` has it preload
+    and this module. The server starts once, at the first launch, with what that launch has
+    it preload: a test that launches a function of its own first would leave this module
+    out, and every shared process of every later module would import it (Hugging Face's
+    model code with it), two CPU seconds each, instead of forking from a server that did."""
+    import multiprocessing.forkserver
+
+    preload = ["torch", "torch._dynamo", "gpipe", "gpipe.training.launch", __name__]
+    multiprocessing.set_forkserver_preload(preload)
+    multiprocessing.forkserver.ensure_running()
 
 
 @atexit.register
