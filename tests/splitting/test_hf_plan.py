@@ -162,19 +162,10 @@ def test_a_plan_read_on_meta_is_the_one_read_on_a_device():
 
 
 def test_a_model_whose_plan_cannot_be_read():
-    from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = OPTConfig(
-        vocab_size=32,
-        hidden_size=16,
-        ffn_dim=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        word_embed_proj_dim=16,
-    )
-    opt = OPTForCausalLM(config)
     with pytest.raises(PlanError, match=r"children hold 0 lists of layers \(\[\]\)"):
-        gpipe.split(opt, parts=2, plan="hf")  # its layers lie one module deeper
+        gpipe.split(families.build("opt"), parts=2, plan="hf")  # its layers lie deeper
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32))
     model.transformer.register_module("proj", torch.nn.Linear(16, 16))  # run by no one
     with pytest.raises(PlanError, match=r"does not run the modules read as one \(\[.*'proj'\]\)"):
