@@ -379,6 +379,29 @@ def split(
     or a dict of arguments by name; the last returns what the model returns. A Hugging Face
     model is traced with its config's ``use_cache`` off (its cache is no tensor to return).
     """
+    at = _checked_arguments(model, at, parts, balance, plan)
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    kwargs = dict(example_kwargs or {})
+    layout = _plan_to_cut_by(model, plan, examples=bool(args or kwargs))
+    if layout is not None:
+        return _split_by_plan(
+            model, layout, args, kwargs, at=at, parts=parts, balance=balance, check=check
+        )
+    if not args and not kwargs:
+        raise ValueError(
+            f"split traces {type(model).__name__} on example inputs, and none were given "
+            "(only a Hugging Face causal LM is cut without them, by its pipeline plan)"
+        )
+    with without_cache_output(model, kwargs):
+        return _split_by_tracing(
+            model, args, kwargs, at=at, parts=parts, balance=balance, check=check
+        )
+
+
+def _checked_arguments(
+    model: Any, at: Any, parts: Any, balance: Any, plan: Any
+) -> list[str] | None:
+    """``split``'s arguments refused in one line each; ``at`` as a list."""
     if (at is None) == (parts is None):
         raise ValueError("split needs either at=[module names] or parts=K, not both or neither")
     if parts is not None and (isinstance(parts, bool) or not isinstance(parts, int) or parts < 1):
@@ -394,36 +417,29 @@ def split(
         raise ValueError(f"plan must be 'hf', None or 'auto', got {plan!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    args = example_args if isinstance(example_args, tuple) else (example_args,)
-    kwargs = dict(example_kwargs or {})
-    examples = bool(args or kwargs)
-    # under "auto", a Hugging Face model given no examples to trace on has its plan read
-    hf_without_examples = not examples and getattr(model, "config", None) is not None
-    if plan == "hf" or (plan == "auto" and (declares_plan(model) or hf_without_examples)):
-        try:
-            layout = plan_layout(model)
-        except PlanError as exc:
-            if plan == "hf" or not examples:
-                if plan == "auto" and not declares_plan(model):
-                    raise ValueError(
-                        f"split traces {type(model).__name__} on example inputs, and none "
-                        f"were given (without them a Hugging Face causal LM is cut by its "
-                        f"pipeline plan, and: {exc})"
-                    ) from None
-                raise
-        else:  # a plan that does not fit the model falls back to tracing under "auto"
-            return _split_by_plan(
-                model, layout, args, kwargs, at=at, parts=parts, balance=balance, check=check
-            )
-    if not examples:
+    return at
+
+
+def _plan_to_cut_by(model: nn.Module, plan: str | None, examples: bool) -> PlanLayout | None:
+    """The layout ``split`` cuts ``model`` by, or None where it traces: under ``"hf"`` the
+    model's plan, declared or read, or its refusal; under ``"auto"`` a declared plan that fits
+    (one that does not is traced), and, given no examples to trace on, a Hugging Face model's
+    plan, read where it declares none."""
+    declared = declares_plan(model)
+    without_examples = not examples and getattr(model, "config", None) is not None
+    if plan is None or (plan == "auto" and not declared and not without_examples):
+        return None
+    try:
+        return plan_layout(model)
+    except PlanError as exc:
+        if plan == "hf" or (not examples and declared):
+            raise
+        if examples:
+            return None  # a declared plan that does not fit the model: traced
         raise ValueError(
             f"split traces {type(model).__name__} on example inputs, and none were given "
-            "(only a Hugging Face causal LM is cut without them, by its pipeline plan)"
-        )
-    with without_cache_output(model, kwargs):
-        return _split_by_tracing(
-            model, args, kwargs, at=at, parts=parts, balance=balance, check=check
-        )
+            f"(without them a Hugging Face causal LM is cut by its pipeline plan, and: {exc})"
+        ) from None
 
 
 def _split_by_plan(
