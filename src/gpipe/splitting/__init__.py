@@ -41,9 +41,8 @@ from gpipe.splitting.hf_layout import (
     PlanError,
     PlanLayout,
     check_read_plan,
-    declares_plan,
+    layout_to_cut_by,
     plan_bounds,
-    plan_layout,
 )
 from gpipe.splitting.hf_plan import PlanStage
 from gpipe.splitting.stages import ATTR, SplitStage, part_module, plan_stages
@@ -382,7 +381,7 @@ def split(
     at = _checked_arguments(model, at, parts, balance, plan)
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     kwargs = dict(example_kwargs or {})
-    layout = _plan_to_cut_by(model, plan, examples=bool(args or kwargs))
+    layout = layout_to_cut_by(model, plan, examples=bool(args or kwargs))
     if layout is not None:
         return _split_by_plan(
             model, layout, args, kwargs, at=at, parts=parts, balance=balance, check=check
@@ -418,28 +417,6 @@ def _checked_arguments(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     return at
-
-
-def _plan_to_cut_by(model: nn.Module, plan: str | None, examples: bool) -> PlanLayout | None:
-    """The layout ``split`` cuts ``model`` by, or None where it traces: under ``"hf"`` the
-    model's plan, declared or read, or its refusal; under ``"auto"`` a declared plan that fits
-    (one that does not is traced), and, given no examples to trace on, a Hugging Face model's
-    plan, read where it declares none."""
-    declared = declares_plan(model)
-    without_examples = not examples and getattr(model, "config", None) is not None
-    if plan is None or (plan == "auto" and not declared and not without_examples):
-        return None
-    try:
-        return plan_layout(model)
-    except PlanError as exc:
-        if plan == "hf" or (not examples and declared):
-            raise
-        if examples:
-            return None  # a declared plan that does not fit the model: traced
-        raise ValueError(
-            f"split traces {type(model).__name__} on example inputs, and none were given "
-            f"(without them a Hugging Face causal LM is cut by its pipeline plan, and: {exc})"
-        ) from None
 
 
 def _split_by_plan(

@@ -4,7 +4,8 @@ A model class that declares a plan (``config.base_model_pp_plan``) names, in ord
 modules of its base model that a pipeline runs: the embedding (and maybe a dropout), the list
 of decoder layers, the final norm. ``plan_layout`` finds them in the model and checks that
 every parameter lies in one of them or in the output head; ``plan_bounds`` chooses the
-decoder layers where stages begin (named, or balanced by parameters or measured time).
+decoder layers where stages begin (named, or balanced by parameters or measured time);
+``layout_to_cut_by`` is ``split``'s choice between a plan and tracing.
 
 A causal LM whose config declares no plan (GPT-2, BLOOM, MPT, StableLM ...) has its plan read
 from its base model's children: its one list of decoder layers, the children with
@@ -33,6 +34,7 @@ __all__ = [
     "check_read_plan",
     "declares_plan",
     "layer_list",
+    "layout_to_cut_by",
     "plan_bounds",
     "plan_layout",
 ]
@@ -116,6 +118,28 @@ def plan_layout(model: nn.Module) -> PlanLayout:
             "pass plan=None to cut it by tracing"
         )
     return layout
+
+
+def layout_to_cut_by(model: nn.Module, plan: str | None, examples: bool) -> PlanLayout | None:
+    """The layout ``split`` cuts ``model`` by, or None where it traces: under ``"hf"`` the
+    model's plan, declared or read, or its refusal; under ``"auto"`` a declared plan that fits
+    (one that does not is traced), and, given no examples to trace on, a Hugging Face model's
+    plan, read where it declares none."""
+    declared = declares_plan(model)
+    without_examples = not examples and getattr(model, "config", None) is not None
+    if plan is None or (plan == "auto" and not declared and not without_examples):
+        return None
+    try:
+        return plan_layout(model)
+    except PlanError as exc:
+        if plan == "hf" or (not examples and declared):
+            raise
+        if examples:
+            return None  # a declared plan that does not fit the model: traced
+        raise ValueError(
+            f"split traces {type(model).__name__} on example inputs, and none were given "
+            f"(without them a Hugging Face causal LM is cut by its pipeline plan, and: {exc})"
+        ) from None
 
 
 def _read_plan(model: nn.Module, base: nn.Module) -> tuple[list[str], bool]:
