@@ -11,8 +11,9 @@ Each stage holds a *shell* of the model: a copy of its small parts (config, rota
 embedding, the containers) around the real modules it keeps, with a stand-in for each
 module it does not: a decoder layer of another stage passes the hidden states through
 (the one just before the stage's first layer hands over the hidden states received from
-the stage before), a norm of a later stage is an identity, an embedding or a head of
-another stage refuses to run. A stage other than the last runs the base model and sends
+the stage before), a norm of a later stage is an identity, an embedding of the first stage
+gives a zero (what it gives never reaches the later stage's layers), a head of the last
+stage refuses to run. A stage other than the last runs the base model and sends
 its hidden states, with the model's other arguments (``attention_mask``,
 ``position_ids`` ...), to the next; the last runs the whole causal LM and returns what the
 model returns. Token embeddings tied to the output head stay one ``nn.Parameter``, which
