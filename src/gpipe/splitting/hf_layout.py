@@ -89,7 +89,8 @@ def plan_layout(model: nn.Module) -> PlanLayout:
         )
     assert isinstance(base, nn.Module)
     config: Any = getattr(model, "config", None)
-    if declares_plan(model):
+    declared = declares_plan(model)
+    if declared:
         plan, tuples = list(config.base_model_pp_plan), False
     else:
         plan, tuples = _read_plan(model, base)
@@ -109,7 +110,7 @@ def plan_layout(model: nn.Module) -> PlanLayout:
         head=head_name,
         n_layers=len(getattr(base, lists[0])),
         layers_return_tuples=tuples,
-        read=not declares_plan(model),
+        read=not declared,
     )
     outside = _parameters_outside(model, layout)
     if outside:
@@ -163,7 +164,7 @@ def _read_plan(model: nn.Module, base: nn.Module) -> tuple[list[str], bool]:
         return [name for name, child in entries if any(True for _ in child.parameters())]
 
     plan = [*held(children[:at]), children[at][0], *held(children[at + 1 :])]
-    tuples = _run_in_order(model, base, plan, layers)
+    tuples = _run_in_order(model, base, plan, children[at][0])
     if tuples is None:  # on meta
         returns = inspect.signature(type(layers[0]).forward).return_annotation
         tuples = returns not in (Tensor, "Tensor", "torch.Tensor")
@@ -171,7 +172,7 @@ def _read_plan(model: nn.Module, base: nn.Module) -> tuple[list[str], bool]:
 
 
 def _run_in_order(
-    model: nn.Module, base: nn.Module, plan: Sequence[str], layers: nn.ModuleList
+    model: nn.Module, base: nn.Module, plan: Sequence[str], layers_name: str
 ) -> bool | None:
     """Run ``model`` once on two tokens and refuse a read plan that the model does not run in
     order: the children before and after the layers as registered (not a norm registered
@@ -180,12 +181,14 @@ def _run_in_order(
     where nothing runs."""
     if any(p.is_meta for p in model.parameters()):
         return None
+    layers = base.get_submodule(layers_name)
+    assert isinstance(layers, nn.ModuleList)  # _read_plan found it so
     ran: list[str] = []
     returned: list[Any] = []
     handles = []
     for entry in plan:
         module = base.get_submodule(entry)
-        if module is layers:
+        if entry == layers_name:
             for index, layer in enumerate(layers):
                 name = f"{entry}.{index}"
                 handles.append(layer.register_forward_pre_hook(lambda *_, n=name: ran.append(n)))
@@ -199,10 +202,11 @@ def _run_in_order(
     finally:
         for handle in handles:
             handle.remove()
-    at = plan.index(next(e for e in plan if base.get_submodule(e) is layers))
-    expected = [*plan[:at], *(f"{plan[at]}.{i}" for i in range(len(layers))), *plan[at + 1 :]]
-    once = [n for i, n in enumerate(ran) if n not in ran[:i]]  # a module may run twice
-    if once != expected or len([n for n in ran if n.startswith(f"{plan[at]}.")]) != len(layers):
+    at = plan.index(layers_name)
+    in_turn = [f"{layers_name}.{i}" for i in range(len(layers))]
+    expected = [*plan[:at], *in_turn, *plan[at + 1 :]]
+    once = [n for i, n in enumerate(ran) if n not in ran[:i]]  # an embedding may run twice
+    if once != expected or [n for n in ran if n in in_turn] != in_turn:
         raise PlanError(
             f"{type(model).__name__} declares no pipeline plan, and its base model does not "
             f"run the modules read as one ({expected}) once each in that order (it ran "
