@@ -202,10 +202,13 @@ def start_forkserver() -> None:
     and this module. The server starts once, at the first launch, with what that launch has
     it preload: a test that launches a function of its own first would leave this module
     out, and every shared process of every later module would import it (Hugging Face's
-    model code with it), two CPU seconds each, instead of forking from a server that did."""
+    model code with it), two CPU seconds each, instead of forking from a server that did.
+    So is what ``torch.compile`` imports at its first call (the graph compiler's modules,
+    networkx among them: 1.5 CPU seconds in each process that compiles layers)."""
     import multiprocessing.forkserver
 
-    preload = ["torch", "torch._dynamo", "gpipe", "gpipe.training.launch", __name__]
+    compiler = "torch._inductor.compile_fx"  # torch.compile imports it lazily
+    preload = ["torch", "torch._dynamo", compiler, "gpipe", "gpipe.training.launch", __name__]
     multiprocessing.set_forkserver_preload(preload)
     multiprocessing.forkserver.ensure_running()
 
