@@ -12,21 +12,29 @@ if os.environ.get("GPIPE_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything asks CUDA for its devices
 os.environ["WANDB_MODE"] = "offline"  # runs with --report-to wandb write only to their folder
 
-import torch
-
-from gpipe.training.launch import threads_per_process
-
-from . import workers
-
 # no deadline per example: on a loaded 2-core machine an example's time says nothing about
 # the code, and speed is measured in benchmarks, not asserted in tests
 settings.register_profile("gpipe", deadline=None)
 settings.load_profile("gpipe")
 
-# Each of xdist's workers is one of the processes that share this machine's cores: its own
-# PyTorch work takes its share of threads, as gpipe.launch gives each process it starts,
-# rather than a thread per core in every worker (threads that then wait on each other).
-torch.set_num_threads(threads_per_process(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+def pytest_configure(config):
+    """In each process that runs tests, PyTorch's threads. xdist's controller runs none and
+    imports neither torch nor gpipe: its start is on every run's critical path, before the
+    workers start (seven CPU seconds with them)."""
+    numprocesses = config.getoption("numprocesses", default=None)
+    if not hasattr(config, "workerinput") and numprocesses:
+        return
+    import torch
+
+    from gpipe.training.launch import threads_per_process
+
+    # Each of xdist's workers is one of the processes that share this machine's cores: its
+    # own PyTorch work takes its share of threads, as gpipe.launch gives each process it
+    # starts, rather than a thread per core in every worker (threads that then wait on
+    # each other).
+    processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(threads_per_process(processes))
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -35,6 +43,8 @@ def _forkserver_that_imported_the_shared_processes_code():
     of its own (``workers.start_forkserver``). A run without xdist (a few modules, a
     debugger) starts it at its first launch, as a user's program does."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
+        from . import workers
+
         workers.start_forkserver()
 
 
@@ -42,6 +52,8 @@ def _forkserver_that_imported_the_shared_processes_code():
 def _shared_processes_last_one_module():
     """The processes ``workers.run`` starts serve the tests of one module, then stop."""
     yield
+    from . import workers
+
     workers.close_all()
 
 
@@ -52,6 +64,8 @@ def train_on_shared_processes(request):
     restart keep their own, and so do tests that read what the stages print (the shared
     processes write to the streams of the test that started them). A module's own fixtures,
     set up before any test's, run theirs in ``workers.training_on_shared_processes()``."""
+    from . import workers
+
     with workers.training_on_shared_processes(own="capfd" in request.fixturenames):
         yield
 
