@@ -131,3 +131,39 @@ def test_batch_size_bounds_the_sequences_in_flight_in_all():
             lanes, rows = lanes_and_rows(batch, in_flight)
             assert lanes == min(batch, in_flight) and rows >= 1
             assert lanes * rows <= batch < lanes * (rows + 1)
+
+
+def test_a_traced_hugging_face_run_generates_as_its_unsplit_model(
+    tmp_path, capsys, train_on_shared_processes
+):
+    """GPT-2 declares no pipeline plan, so `gpipe train` cut it by tracing, and traced stages
+    keep no KV cache: `gpipe generate` cuts the trained model again at the run's places, by
+    the layout read from its modules, and completes prompts of different lengths, in chunks,
+    as the unsplit trained model's greedy `generate` does."""
+    transformers = pytest.importorskip("transformers", reason="the test extra installs it")
+    from gpipe.training.models.trained import checkpoint_at, load_trained
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=32, resid_pdrop=0.5
+    )
+    config.save_pretrained(tmp_path / "gpt2")
+    run = tmp_path / "run"
+    train = [
+        "train", "--model", f"hf:{tmp_path / 'gpt2'}", "--stages", "2", "--steps", "1",
+        "--seq-len", "16", "--batch-size", "4", "--chunks", "2", "--sample-tokens", "1",
+        "--threads", "1", "--quiet", "--out", str(run),
+    ]  # fmt: skip
+    assert main(train) == 0
+    lines = [{"ids": [7]}, {"ids": [7, 200, 3]}, {"ids": [1, 2, 3, 4, 5, 6, 7]}]
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    argv = ["generate", str(run), "--prompts", str(prompts), "--out", str(out), "--no-eos"]
+    assert main([*argv, "--max-new-tokens", "5", "--prefill-chunk", "2", "--quiet"]) == 0
+    assert "15 tokens for 3 prompts in" in capsys.readouterr().out
+    model = load_trained(checkpoint_at(run)).original.eval()
+    model.generation_config.eos_token_id = None  # as --no-eos: five tokens each
+    for line in map(json.loads, out.read_text().splitlines()):
+        ids = torch.tensor([line["ids"]])
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert line["completion_ids"] == expected[0, ids.shape[1] :].tolist(), line

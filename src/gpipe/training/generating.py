@@ -3,15 +3,20 @@ trained: what ``gpipe generate`` and ``gpipe sample`` run.
 
 Each process builds its stage as the run built it (the GPT's layers on the meta device, or
 the stages ``gpipe.split`` cut), loads its share of the checkpoint, and joins
-``Pipeline.generate``; the first process plans, shows progress and returns the tokens.
+``Pipeline.generate``; the first process plans, shows progress and returns the tokens. A
+Hugging Face model the run traced (traced stages keep no KV cache) is cut again by the layout
+of its modules first (``gpipe.training.hf.generation_cut``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from torch import nn
 
 from gpipe.comm.process_group import rank_device
 from gpipe.engine.generation import GenerationRefused
@@ -19,7 +24,7 @@ from gpipe.pipeline import Pipeline
 from gpipe.training.checkpoints.format import read_run_record
 from gpipe.training.checkpoints.safe_reading import load_state
 from gpipe.training.generation import continued
-from gpipe.training.models.sources import model_from_dict
+from gpipe.training.models.sources import TrainModel, model_from_dict
 from gpipe.training.models.trained import check_code_named
 from gpipe.training.options import PRECISIONS, TrainOptions
 
@@ -27,6 +32,7 @@ __all__ = [
     "GenerateJob",
     "Generated",
     "generate_from_run",
+    "generating_pipeline",
     "lanes_and_rows",
     "stage_pipeline",
     "stages_of",
@@ -71,26 +77,49 @@ def stages_of(checkpoint: Path) -> int:
 def stage_pipeline(checkpoint: Path, code: str | None = None) -> Pipeline:
     """This rank's stage of the run's model, as the run built it, with the checkpoint's weights
     (collective over the stages' processes)."""
+    return _loaded(checkpoint, code)[0]
+
+
+def generating_pipeline(checkpoint: Path, code: str | None = None) -> Pipeline:
+    """``stage_pipeline``, or where the run traced a Hugging Face model (stages that keep no
+    KV cache), the same weights in the stages its layout cuts at the same places
+    (``gpipe.training.hf.generation_cut``)."""
+    pipe, layers, model, make = _loaded(checkpoint, code)
+    if model.kind != "hf":
+        return pipe
+    from gpipe.training.hf.generation_cut import cut_for_generation
+
+    return cut_for_generation(pipe, layers, model, make)
+
+
+def _loaded(
+    checkpoint: Path, code: str | None
+) -> tuple[Pipeline, nn.Sequential, TrainModel, Callable[[nn.Sequential, list[int]], Pipeline]]:
+    """The run's stages loaded from ``checkpoint``, the model they were cut from, and how the
+    run makes a pipeline of stages."""
     record = read_run_record(checkpoint)
     model = model_from_dict(record["model"])
     check_code_named(model, checkpoint, code)
     opts = TrainOptions(**record["train"])
     balance = [int(n) for n in record["balance"]]
     layers = model.layers(len(balance), opts.seed, opts.balance)
-    held = balance if len(layers) == sum(balance) else [1] * len(layers)
-    pipe = Pipeline(
-        layers,
-        held,
-        device=rank_device(opts.device),
-        autocast=PRECISIONS[opts.precision],
-        seed=opts.seed,
-        timeout=opts.timeout,
-    )
+
+    def make(stages: nn.Sequential, held: list[int]) -> Pipeline:
+        return Pipeline(
+            stages,
+            held,
+            device=rank_device(opts.device),
+            autocast=PRECISIONS[opts.precision],
+            seed=opts.seed,
+            timeout=opts.timeout,
+        )
+
+    pipe = make(layers, balance if len(layers) == sum(balance) else [1] * len(layers))
     model.load_weights(layers, pipe)  # buffers a checkpoint does not hold
     state = {"model": pipe.state_dict()}
     load_state(state, checkpoint, process_group=pipe.group)
     pipe.load_state_dict(state["model"])
-    return pipe
+    return pipe, layers, model, make
 
 
 def lanes_and_rows(batch: int, in_flight: int) -> tuple[int, int]:
@@ -103,7 +132,7 @@ def lanes_and_rows(batch: int, in_flight: int) -> tuple[int, int]:
 def _run(job: GenerateJob) -> Generated | None:
     """One rank's part; the first stage's rank returns what came out."""
     try:
-        pipe = stage_pipeline(Path(job.checkpoint), job.code)
+        pipe = generating_pipeline(Path(job.checkpoint), job.code)
     except ValueError as exc:  # every rank alike: a checkpoint that cannot be loaded
         return Generated([], 0.0, str(exc).splitlines()[0])
     bar = None

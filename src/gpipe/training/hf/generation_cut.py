@@ -1,0 +1,95 @@
+"""Generating from a run whose Hugging Face model was traced.
+
+A causal LM whose class declares no pipeline plan (GPT-2, BLOOM, ...) is cut by tracing in
+``gpipe train``, and traced stages keep no KV cache. To generate, each rank cuts the model
+again, at the run's own places, by the layout ``gpipe.split(plan="hf")`` reads from its
+modules, and gives its stage the weights its traced stage holds (the same parameters, by
+their original names). On the meta device ``split`` cannot run the model to check that
+layout, so it is checked here on the run's weights: one forward of a probe batch through
+both cuts must give the same logits, or the traced stages stay and generation is refused
+as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpipe.engine.generation.lanes import cache_refusal
+from gpipe.pipeline import Pipeline
+from gpipe.splitting import PlanError, SplitModel, split
+from gpipe.training.hf.models import build_hf_meta
+from gpipe.training.models.sources import TrainModel, logits_of
+
+__all__ = ["cut_for_generation"]
+
+MakePipeline = Callable[[nn.Sequential, list[int]], Pipeline]
+
+
+def cut_for_generation(
+    traced_pipe: Pipeline, traced: nn.Sequential, model: TrainModel, make: MakePipeline
+) -> Pipeline:
+    """``traced_pipe`` where its stages keep a KV cache or cannot be cut by the model's
+    layout at the same places; otherwise a pipeline of the stages that layout cuts (built by
+    ``make(stages, balance)``, collective as ``Pipeline`` is), holding the same weights, once
+    a probe batch gives the same logits through both. The same answer on every rank."""
+    if not isinstance(traced, SplitModel):
+        return traced_pipe
+    stages = _plan_stages(traced, model)
+    if stages is None:
+        return traced_pipe
+    pipe = make(stages, [1] * len(stages))
+    stages.load_original_state_dict(traced.original_state_dict(module=traced_pipe), module=pipe)
+    probe = _probe(model)
+    traced_pipe.eval()  # no dropout: both cuts compute the same function
+    pipe.eval()
+    same = _same_logits(traced_pipe.forward(model.inputs(probe)), pipe.forward(probe))
+    verdict = torch.tensor([int(same)])
+    dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=pipe.group)  # the last rank's
+    return pipe if verdict.item() == 1 else traced_pipe
+
+
+def _plan_stages(traced: SplitModel, model: TrainModel) -> SplitModel | None:
+    """The model cut on meta at the run's places by the layout read from its modules, where
+    its stages were traced, keep no cache, and each would hold what its traced stage holds;
+    else None (decided alike on every rank: nothing here runs or communicates)."""
+    if model.kind != "hf" or model.packed:
+        return None
+    if cache_refusal(traced[0], 0) is None or model.split_at is None:
+        return None
+    try:
+        stages = split(build_hf_meta(model.hf_config or ""), at=model.split_at, plan="hf")
+    except (PlanError, ValueError, KeyError):
+        return None
+    if len(stages) != len(traced) or _held(stages) != _held(traced):
+        return None
+    return stages
+
+
+def _held(stages: SplitModel) -> list[set[str]]:
+    """The original names of the parameters each stage holds."""
+    return [
+        {stages.original_name(f"{index}.{name}") for name, _ in stage.named_parameters()}
+        for index, stage in enumerate(stages)
+    ]
+
+
+def _probe(model: TrainModel) -> torch.Tensor:
+    """Two rows of token ids, the same on every rank."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(model.vocab_size, (2, min(model.seq_len, 8)), generator=generator)
+
+
+def _same_logits(traced: object, cut: object) -> bool:
+    """On the last stage, whether the two cuts' logits agree to rounding (they run the same
+    modules on the same rows); True elsewhere, where there are none."""
+    if traced is None or cut is None:
+        return True
+    expected, got = logits_of(traced).float(), logits_of(cut).float()
+    if got.shape != expected.shape:
+        return False
+    tolerance = 64 * torch.finfo(torch.float32).eps * (float(expected.abs().max()) or 1.0)
+    return torch.allclose(got, expected, rtol=0.0, atol=tolerance)
