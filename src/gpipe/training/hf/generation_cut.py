@@ -34,15 +34,18 @@ def cut_for_generation(
 ) -> Pipeline:
     """``traced_pipe`` where its stages keep a KV cache or cannot be cut by the model's
     layout at the same places; otherwise a pipeline of the stages that layout cuts (built by
-    ``make(stages, balance)``, collective as ``Pipeline`` is), holding the same weights, once
-    a probe batch gives the same logits through both. The same answer on every rank."""
+    ``make(stages, balance)``, collective as ``Pipeline`` is) on the same tensors, once a
+    probe batch gives the same logits through both. The same answer on every rank."""
     if not isinstance(traced, SplitModel):
         return traced_pipe
     stages = _plan_stages(traced, model)
     if stages is None:
         return traced_pipe
+    # this rank's new stages take its traced stages' tensors themselves (assigned to their
+    # parameters on meta): no second copy, and the pipeline keeps real layers as they are
+    mine = nn.ModuleList(stages[index] for index in traced_pipe.stages)
+    stages.load_original_state_dict(traced.original_state_dict(module=traced_pipe), module=mine)
     pipe = make(stages, [1] * len(stages))
-    stages.load_original_state_dict(traced.original_state_dict(module=traced_pipe), module=pipe)
     probe = _probe(model)
     traced_pipe.eval()  # no dropout: both cuts compute the same function
     pipe.eval()
