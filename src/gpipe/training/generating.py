@@ -3,9 +3,10 @@ trained: what ``gpipe generate`` and ``gpipe sample`` run.
 
 Each process builds its stage as the run built it (the GPT's layers on the meta device, or
 the stages ``gpipe.split`` cut), loads its share of the checkpoint, and joins
-``Pipeline.generate``; the first process plans, shows progress and returns the tokens. A
-Hugging Face model the run traced (traced stages keep no KV cache) is cut again by the layout
-of its modules first (``gpipe.training.hf.generation_cut``).
+``Pipeline.generate``; the first process plans, shows progress and returns the tokens. To
+generate, a Hugging Face model the run traced (traced stages keep no KV cache) is cut again
+by the layout of its modules first (``gpipe.training.hf.generation_cut``); a sample continued
+past the window runs the run's own stages, as the run drew its own sample.
 """
 
 from __future__ import annotations
@@ -131,8 +132,10 @@ def lanes_and_rows(batch: int, in_flight: int) -> tuple[int, int]:
 
 def _run(job: GenerateJob) -> Generated | None:
     """One rank's part; the first stage's rank returns what came out."""
+    # a window continues one prompt as the run drew its own sample, through its own stages
+    build = stage_pipeline if job.window is not None else generating_pipeline
     try:
-        pipe = generating_pipeline(Path(job.checkpoint), job.code)
+        pipe = build(Path(job.checkpoint), job.code)
     except ValueError as exc:  # every rank alike: a checkpoint that cannot be loaded
         return Generated([], 0.0, str(exc).splitlines()[0])
     bar = None
