@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from gpipe.engine.generation import GenerationRefused
 from gpipe.pipeline import Pipeline
 from gpipe.training.hf.generation_cut import cut_for_generation
 from gpipe.training.models.sources import TrainModel
@@ -12,7 +13,8 @@ from gpipe.training.models.sources import TrainModel
 
 def cut(config: str, split_at: list[str]) -> dict:
     """The traced stages of the GPT-2 at ``config`` begun at ``split_at``, and what
-    ``cut_for_generation`` makes of them: whether it gave new stages and what they are."""
+    ``cut_for_generation`` makes of them: this rank's new stage and the tokens it generates
+    with the others, or the refusal."""
     model = TrainModel(
         source=f"hf:{Path(config).parent}", vocab_size=64, seq_len=16, split_at=split_at,
         hf_config=config,
@@ -27,13 +29,9 @@ def cut(config: str, split_at: list[str]) -> dict:
     with torch.no_grad():
         for param in pipe.parameters():
             param.normal_(0.0, 0.2)
-    found = cut_for_generation(pipe, traced, model, make)
-    stage = dict(found.named_children())[str(found.stage_index)]
-    return {"new": found is not pipe, "stage": type(stage).__name__, "generates": _greedy(found)}
-
-
-def _greedy(pipe: Pipeline) -> list[list[int]] | str:
     try:
-        return pipe.generate([[1, 2, 3], [4]], 3)
-    except ValueError as exc:  # GenerationRefused
-        return str(exc).splitlines()[0]
+        found = cut_for_generation(pipe, traced, model, make)
+    except GenerationRefused as exc:
+        return {"refused": str(exc)}
+    stage = dict(found.named_children())[str(found.stage_index)]
+    return {"stage": type(stage).__name__, "generates": found.generate([[1, 2, 3], [4]], 3)}

@@ -1,6 +1,6 @@
 """``gpipe.training.hf.generation_cut``: a traced GPT-2 (as `gpipe train` cuts a Hugging Face
 model that declares no pipeline plan) is cut again for generation where the run's places are
-between decoder layers, and stays traced, refused in one line, where they are not."""
+between decoder layers, and refused in one line, on every rank alike, where they are not."""
 
 import pytest
 
@@ -21,13 +21,18 @@ def gpt2(tmp_path_factory) -> str:
 def test_a_run_cut_between_decoder_layers_is_cut_again_and_generates(gpt2):
     results = run(cases.cut, 2, (gpt2, ["transformer.h.1"]), threads=1)
     for found in results.values():
-        assert found["new"] and found["stage"] == "PlanStage"
+        assert found["stage"] == "PlanStage"
         assert [len(tokens) for tokens in found["generates"]] == [3, 3]
     assert results[0]["generates"] == results[1]["generates"]
 
 
-def test_a_run_cut_inside_a_decoder_layer_stays_traced_and_refused(gpt2):
+def test_a_run_cut_inside_a_decoder_layer_is_refused_in_one_line(gpt2):
     results = run(cases.cut, 2, (gpt2, ["transformer.h.1.mlp"]), threads=1)
-    for found in results.values():
-        assert not found["new"] and found["stage"] == "SplitStage"
-        assert "needs layers that keep a KV cache" in found["generates"]
+    assert results[0] == results[1]
+    refused = results[0]["refused"]
+    assert len(refused.splitlines()) == 1
+    assert refused.startswith(
+        "generate() needs stages that keep a KV cache, and the run traced its Hugging Face "
+        "model (traced stages keep none); it cannot be cut again by its modules' layout: "
+    )
+    assert "['transformer.h.1.mlp'] are not decoder layers a stage can begin at" in refused

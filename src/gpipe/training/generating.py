@@ -25,6 +25,7 @@ from gpipe.pipeline import Pipeline
 from gpipe.training.checkpoints.format import read_run_record
 from gpipe.training.checkpoints.safe_reading import load_state
 from gpipe.training.generation import continued
+from gpipe.training.hf.generation_cut import cut_for_generation
 from gpipe.training.models.sources import TrainModel, model_from_dict
 from gpipe.training.models.trained import check_code_named
 from gpipe.training.options import PRECISIONS, TrainOptions
@@ -85,12 +86,7 @@ def generating_pipeline(checkpoint: Path, code: str | None = None) -> Pipeline:
     """``stage_pipeline``, or where the run traced a Hugging Face model (stages that keep no
     KV cache), the same weights in the stages its layout cuts at the same places
     (``gpipe.training.hf.generation_cut``)."""
-    pipe, layers, model, make = _loaded(checkpoint, code)
-    if model.kind != "hf":
-        return pipe
-    from gpipe.training.hf.generation_cut import cut_for_generation
-
-    return cut_for_generation(pipe, layers, model, make)
+    return cut_for_generation(*_loaded(checkpoint, code))
 
 
 def _loaded(

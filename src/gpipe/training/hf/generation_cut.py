@@ -18,7 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gpipe.comm.process_group import bounded_wait
+from gpipe.engine.generation import GenerationRefused
 from gpipe.engine.generation.lanes import cache_refusal
+from gpipe.errors import first_line
 from gpipe.pipeline import Pipeline
 from gpipe.splitting import PlanError, SplitModel, split
 from gpipe.training.hf.models import build_hf_meta
@@ -32,15 +35,16 @@ MakePipeline = Callable[[nn.Sequential, list[int]], Pipeline]
 def cut_for_generation(
     traced_pipe: Pipeline, traced: nn.Sequential, model: TrainModel, make: MakePipeline
 ) -> Pipeline:
-    """``traced_pipe`` where its stages keep a KV cache or cannot be cut by the model's
-    layout at the same places; otherwise a pipeline of the stages that layout cuts (built by
+    """``traced_pipe`` where its stages keep a KV cache (or are no Hugging Face model's);
+    otherwise a pipeline of the stages the model's layout cuts at the same places (built by
     ``make(stages, balance)``, collective as ``Pipeline`` is) on the same tensors, once a
-    probe batch gives the same logits through both. The same answer on every rank."""
-    if not isinstance(traced, SplitModel):
+    probe batch gives the same logits through both. Where that cannot be, it raises
+    ``GenerationRefused`` saying why, the same on every rank."""
+    if not isinstance(traced, SplitModel) or model.kind != "hf" or model.packed:
+        return traced_pipe
+    if cache_refusal(traced[0], 0) is None:  # they generate as they are
         return traced_pipe
     stages = _plan_stages(traced, model)
-    if stages is None:
-        return traced_pipe
     # this rank's new stages take its traced stages' tensors themselves (assigned to their
     # parameters on meta): no second copy, and the pipeline keeps real layers as they are
     mine = nn.ModuleList(stages[index] for index in traced_pipe.stages)
@@ -54,26 +58,33 @@ def cut_for_generation(
         same = _same_logits(expected, pipe.forward(probe))
     except Exception:
         same = False
-    verdict = torch.tensor([int(same)])
-    dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=pipe.group)  # the last rank's
-    return pipe if verdict.item() == 1 else traced_pipe
+    verdict = torch.tensor([int(same)])  # the last rank's, told to the others
+    work = dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=pipe.group, async_op=True)
+    bounded_wait(work, pipe.timeout, pipe.stage_index, "the check of the cut for generation")
+    if verdict.item() != 1:
+        raise _refused("the stages of that layout do not compute what the traced stages do")
+    return pipe
 
 
-def _plan_stages(traced: SplitModel, model: TrainModel) -> SplitModel | None:
-    """The model cut on meta at the run's places by the layout read from its modules, where
-    its stages were traced, keep no cache, and each would hold what its traced stage holds;
-    else None (decided alike on every rank: nothing here runs or communicates)."""
-    if model.kind != "hf" or model.packed:
-        return None
-    if cache_refusal(traced[0], 0) is None or model.split_at is None:
-        return None
+def _plan_stages(traced: SplitModel, model: TrainModel) -> SplitModel:
+    """The model cut on meta at the run's places by the layout read from its modules, each
+    stage holding what its traced stage holds (decided alike on every rank: nothing here
+    runs or communicates)."""
+    at = list(model.split_at or [])
     try:
-        stages = split(build_hf_meta(model.hf_config or ""), at=model.split_at, plan="hf")
-    except (PlanError, ValueError, KeyError):
-        return None
+        stages = split(build_hf_meta(model.hf_config or ""), at=at, plan="hf")
+    except (PlanError, ValueError, KeyError) as exc:
+        raise _refused(first_line(exc)) from None
     if len(stages) != len(traced) or _held(stages) != _held(traced):
-        return None
+        raise _refused(f"the run's cut, at {at}, is not between its decoder layers")
     return stages
+
+
+def _refused(why: str) -> GenerationRefused:
+    return GenerationRefused(
+        "generate() needs stages that keep a KV cache, and the run traced its Hugging Face "
+        f"model (traced stages keep none); it cannot be cut again by its modules' layout: {why}"
+    )
 
 
 def _held(stages: SplitModel) -> list[set[str]]:
