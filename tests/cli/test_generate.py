@@ -143,7 +143,7 @@ def test_a_traced_hugging_face_run_generates_as_its_unsplit_model(
     transformers = pytest.importorskip("transformers", reason="the test extra installs it")
     from gpipe.training.models.trained import checkpoint_at, load_trained
 
-    config = transformers.GPT2Config(
+    config = transformers.GPT2Config(  # with dropout that a check run in training mode meets
         n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=32, resid_pdrop=0.5
     )
     config.save_pretrained(tmp_path / "gpt2")

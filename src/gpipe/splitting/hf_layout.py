@@ -37,6 +37,7 @@ __all__ = [
     "layout_to_cut_by",
     "plan_bounds",
     "plan_layout",
+    "same_to_rounding",
 ]
 
 
@@ -245,11 +246,7 @@ def check_read_plan(model: nn.Module, stages: Sequence[nn.Module]) -> None:
         model.train(was_training)
         for stage in stages:
             stage.train(was_training)
-    # the stages run the model's own modules on the same rows in the same order: what they
-    # compute differs from the model's by rounding at most, where a wrong plan may differ
-    # by little (a norm of hidden states whose scale is already about one)
-    tolerance = 64 * torch.finfo(expected.dtype).eps * (float(expected.abs().max()) or 1.0)
-    if got.shape != expected.shape or not torch.allclose(got, expected, 0.0, tolerance):
+    if not same_to_rounding(got, expected):
         raise PlanError(
             f"{type(model).__name__} declares no pipeline plan, and the stages of the one "
             "read from its modules do not compute what the model does; pass plan=None to cut "
@@ -362,3 +359,14 @@ def plan_bounds(
         )
     counts = partition(layer_costs(model, layout, balance, example), parts)
     return [sum(counts[:i]) for i in range(parts + 1)]
+
+
+def same_to_rounding(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether stages that run a model's own modules on the same rows in the same order
+    computed its ``expected`` logits: they differ by rounding at most, within 64 units of
+    ``expected``'s largest value, where a wrong layout may differ by little (a norm of hidden
+    states whose scale is already about one). Logits that are not finite compare nothing."""
+    if got.shape != expected.shape or not bool(torch.isfinite(expected).all()):
+        return False
+    tolerance = 64 * torch.finfo(expected.dtype).eps * (float(expected.abs().max()) or 1.0)
+    return torch.allclose(got, expected, rtol=0.0, atol=tolerance)
