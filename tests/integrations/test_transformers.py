@@ -111,6 +111,16 @@ def test_the_saved_folder_is_the_trained_model(plain, pipelined_run):
     assert saved.config.tie_word_embeddings
     for name, value in saved.state_dict().items():
         torch.testing.assert_close(value, plain["weights"][name], rtol=1e-4, atol=1e-5)
+    # the tied head is written once, as the model's own save_pretrained writes it
+    saved.save_pretrained(out / "resaved")
+    assert _tensor_names(out / "final") == _tensor_names(out / "resaved")
+
+
+def _tensor_names(folder):
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+        return set(weights.keys())
 
 
 def test_a_checkpoint_resumes_to_the_same_losses(pipelined_run):

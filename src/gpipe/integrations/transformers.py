@@ -66,6 +66,18 @@ Weights = str | os.PathLike[str] | Mapping[str, Tensor]
 _SCHEDULER = "scheduler.pt"  # as the Trainer names it
 
 
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    """Each further name of a parameter that ``model`` ties (the head to the embedding),
+    mapped to its first name."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        seen = first.setdefault(id(parameter), name)
+        if seen != name:
+            tied[name] = seen
+    return tied
+
+
 def _optimizer_file(stage: int, stages: int) -> str:
     return f"optimizer.stage-{stage}-of-{stages}.pt"
 
@@ -155,6 +167,8 @@ class _Pipelined:
             )
         if callable(getattr(original, "tie_weights", None)):
             original.tie_weights()  # as from_pretrained does; a model built on meta is not yet
+        # read before the other stages are released, which unties what this rank does not hold
+        self._tied_names = _tied_names(original)
         # The stages run the model class's own forward: a forward a trainer set on the
         # instance (TRL's fused LM head) would run the whole model, and the model's own
         # activation checkpointing is the pipeline's to do (checkpoint= below).
@@ -374,6 +388,11 @@ class _Pipelined:
         dist.gather_object(mine, pieces, dst=0)
         if pieces is not None:
             whole = {k: v for piece in pieces for k, v in piece.items()}
+            # Each stage holds its own copy of a tied parameter, equal after every step;
+            # save_pretrained writes a tied parameter once where its names share one tensor.
+            for name, first in self._tied_names.items():
+                if name in whole and first in whole:
+                    whole[name] = whole[first]
             os.makedirs(folder, exist_ok=True)
             self.model.original.save_pretrained(folder, state_dict=whole)
             if self.processing_class is not None:
