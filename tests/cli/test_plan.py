@@ -1,5 +1,6 @@
 """`gpipe plan`: the per-stage table, and --max-layers finds the largest model that fits."""
 
+import io
 import re
 
 import pytest
@@ -135,6 +136,11 @@ def test_a_v_is_planned_on_two_stages_a_process_unasked_and_on_sub_sequences(cap
     [
         (["--seq-chunks", "3"], "--seq-chunks 3 does not divide --seq-len 128"),
         (["--seq-chunks", "4", "--schedule", "interleaved"], "runs with --schedule gpipe, 1f1b"),
+        (
+            ["--seq-chunks", "2", "--schedule", "v-half"],
+            "--seq-chunks 2 runs with --schedule gpipe, 1f1b, zero-bubble, zero-bubble-v, "
+            "got v-half",
+        ),
         (["--seq-chunks", "4", "--suggest"], "--seq-chunks 4 is not planned with --suggest yet"),
         (["--seq-chunks", "0"], "--seq-chunks must be a positive integer, got 0"),
     ],
@@ -163,3 +169,22 @@ def test_sub_sequences_of_tensor_parallel_stages_carry_their_ranks_heads(capsys)
                "4", "--checkpoint", "always", "--tensor-parallel", "2"]  # fmt: skip
     assert main(options) == 0
     assert "as 4 sub-sequences" in capsys.readouterr().out
+
+
+class _ClosedPipe:
+    """Standard output whose reader has gone (``gpipe plan ... | head``)."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self):
+        raise io.UnsupportedOperation("fileno")  # as a captured stream's
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdout", _ClosedPipe())
+    assert main([*MODEL, "--n-layer", "6"]) == 141  # SIGPIPE's status, as a Unix command ends
+    assert capsys.readouterr().err == ""  # no traceback

@@ -204,6 +204,13 @@ def test_bad_input_is_one_line(capsys, args, message):
         ({"num_hidden_layers": 32.0}, "layers must be a positive integer, got 32.0"),
         ({"num_key_value_heads": 0}, "kv_heads must be a positive integer, got 0"),
         ({"moe_layers": 5}, "moe_layers must be a list of block indices, got 5"),
+        # a count of the wrong kind is named as given, not multiplied first
+        ({"n_shared_experts": "2"}, "n_shared_experts must be a non-negative integer, got '2'"),
+        # a width of 0 is refused, not read as the default
+        ({"intermediate_size": 0}, "ffn must be a positive integer, got 0"),
+        ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
+        ({"attention_dropout": "x"}, "attention_dropout must be a probability, got 'x'"),
+        ({"moe_layers": [0, 32]}, "moe_layers names blocks [32], but the model has 32 (0 to 31)"),
     ],
 )
 def test_a_malformed_config_is_one_line(tmp_path, capsys, fields, message):
@@ -214,7 +221,7 @@ def test_a_malformed_config_is_one_line(tmp_path, capsys, fields, message):
     args = ["plan", "--cluster", "8xH100-SXM", "--model", f"hf:{path}", "--global-batch", "64"]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1, err
+    assert message in err and err.count("\n") == 1 and len(err) < 300, err
 
 
 def test_cluster_flags_need_cluster(capsys):
@@ -343,3 +350,90 @@ def test_a_search_under_flash_attention_tries_no_selective_recomputation(capsys)
     assert {p["layout"]["recompute"] for p in json.loads(capsys.readouterr().out)["best"]} == {
         "selective"
     }
+
+
+@pytest.mark.parametrize(
+    ("config", "seq_len"),
+    [
+        ({"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12}, "4096"),
+        ({"model_type": "llama", "max_position_embeddings": 1024}, "1025"),
+    ],
+    ids=["gpt2 n_positions", "llama max_position_embeddings"],
+)
+def test_a_sequence_longer_than_the_models_context_is_planned_with_a_note(
+    tmp_path, capsys, config, seq_len
+):
+    """gpipe train refuses --seq-len above the config's longest sequence; the plan of such a
+    step (a longer context, planned before extending it) is printed with a note that says so."""
+    base = {
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "vocab_size": 1000,
+        "n_positions": 1024,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**base, **config}))
+    args = ["plan", "--cluster", "8xH100-SXM", "--model", f"hf:{path}", "--global-batch", "64"]
+    assert main([*args, "--seq-len", seq_len]) == 0
+    err = capsys.readouterr().err
+    assert f"note: --seq-len {seq_len} is above the model's longest sequence of 1024" in err, err
+    assert err.count("\n") == 1
+    assert main([*args, "--seq-len", "1024", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["seq_len"] == 1024
+    # the GPT's shape flags are refused with a config, tying among them
+    assert main([*args, "--no-tie-embeddings"]) == 2
+    err = capsys.readouterr().err
+    assert "--no-tie-embeddings is the GPT's; --model hf:" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "pinned",
+    [
+        {"--virtual-stages": "2"},
+        {"--virtual-stages": "3", "--stages": "4"},
+        {"--schedule": "interleaved", "--virtual-stages": "1"},
+        {"--shard": "full"},
+        {"--shard": "gradients", "--stages": "4"},
+    ],
+    ids=["v 2", "v 3 on 4 stages", "interleaved v 1", "shard full", "shard gradients"],
+)
+def test_search_lists_only_layouts_with_the_flags_given(capsys, pinned):
+    """Each flag given is pinned: every layout listed has it, as the plan of that one layout
+    would (--virtual-stages 2 is not a schedule of one stage per process, --shard is not a
+    layout of one replica)."""
+    flags = [x for item in pinned.items() for x in item]
+    argv = [*GPT[:2], "16xH100-SXM", *GPT[3:], "--global-batch", "256", *flags]
+    assert main([*argv, "--search", "--top", "20", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["best"]
+    for p in found["best"]:
+        layout = p["layout"]
+        for flag, value in pinned.items():
+            got = layout[flag[2:].replace("-", "_")]
+            assert str(got) == value, (flag, layout)
+        # the same layout, planned alone, runs
+        one = [
+            "--tensor-parallel",
+            str(layout["tensor_parallel"]),
+            "--stages",
+            str(layout["stages"]),
+            "--schedule",
+            layout["schedule"],
+            "--virtual-stages",
+            str(layout["virtual_stages"]),
+            "--micro-batch",
+            str(layout["micro_batch"]),
+            "--recompute",
+            layout["recompute"],
+            "--shard",
+            layout["shard"],
+        ]
+        assert main([*argv[: argv.index("--global-batch")], "--global-batch", "256", *one]) == 0
+        capsys.readouterr()
+
+
+def test_a_cluster_of_one_node_says_node(capsys):
+    argv = [*GPT[:2], "8xH100-SXM", *GPT[3:], "--global-batch", "64"]
+    assert main(argv) == 0
+    assert "cluster 8xH100-SXM: 1 node of 8, " in capsys.readouterr().out

@@ -59,6 +59,27 @@ def test_a_v_that_settles_late_is_simulated_until_it_does(monkeypatch, m):
     assert got.bubble > 0
 
 
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 4), ("zero-bubble-v", 2)])
+def test_one_process_s_long_step_is_extended_too(monkeypatch, schedule, v):
+    """On K = 1 every micro-batch adds the same time from the second on: a step of many
+    micro-batches (a search over a large batch on few GPUs) is extended, not simulated
+    micro-batch by micro-batch, and comes out as the whole simulation."""
+    import gpipe.planning.cluster as cluster
+
+    extended = []
+    original = cluster._extended
+    monkeypatch.setattr(cluster, "_extended", lambda *a: extended.append(a) or original(*a))
+    layout = _layout(data_parallel=32, stages=1, global_batch=32 * 40)
+    layout = dataclasses.replace(layout, schedule=schedule, virtual_stages=v, recompute="none")
+    got = predict(SHAPE, layout)
+    assert extended
+    model = StepModel.of(SHAPE, layout)
+    whole = simulate(build(schedule, 1, 40, v), model.costs(), data_parallel=32)
+    assert got.step_time_s - model.optimizer_seconds() == pytest.approx(whole.makespan, rel=1e-9)
+    memory = model.peak_memory(list(whole.peak_rank_activation_bytes))
+    assert got.memory.total == pytest.approx(memory.total, rel=1e-9)
+
+
 def test_recomputation_trades_memory_for_time():
     none, selective, full = (
         predict(SHAPE, _layout(recompute=r)) for r in ("none", "selective", "full")

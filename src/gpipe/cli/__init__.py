@@ -9,6 +9,8 @@ One module per command, each adding its parser to ``main``'s; what they share li
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 
 from gpipe.cli import bench, export, generate, plan, sample, simulate, train, view
@@ -25,10 +27,23 @@ def main(argv: list[str] | None = None) -> int:
         command.add_parser(sub)
     try:
         args = parser.parse_args(argv)
-        return args.command(args)
+        code = args.command(args)
+        sys.stdout.flush()  # here, where a reader that went away is caught below
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except (UsageError, ConfigError) as exc:
         print(f"gpipe: error: {exc}", file=sys.stderr)
         return 2
     except PipelineError as exc:
         print(f"gpipe: failed: {exc}", file=sys.stderr)
         return 1
+
+
+def _reader_gone() -> int:
+    """What reads the output stopped (``gpipe plan ... | head``): end quietly, as a Unix
+    command does, with the status of SIGPIPE. Standard output now goes nowhere, so that
+    Python's own flush at exit does not fail on the closed pipe again."""
+    with contextlib.suppress(OSError, ValueError):  # no file behind it: nothing to flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141

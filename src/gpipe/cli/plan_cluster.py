@@ -139,18 +139,30 @@ def _shape(args: argparse.Namespace) -> TransformerShape:
     try:
         kind, target = parse_model(args.model)
         if kind == "hf":
-            for flag in ("n_layer", "d_model", "n_head", "d_ff", "vocab_size", "dropout"):
-                if getattr(args, flag) is not None:
-                    raise ValueError(
-                        f"--{flag.replace('_', '-')} is the GPT's; --model {args.model} gives "
-                        "its shape in its config"
-                    )
+            gpt = ("n_layer", "d_model", "n_head", "d_ff", "vocab_size", "dropout")
+            given = [f for f in gpt if getattr(args, f) is not None]
+            if args.no_tie_embeddings:  # a switch: False when not given
+                given.append("no_tie_embeddings")
+            if given:
+                raise ValueError(
+                    f"--{given[0].replace('_', '-')} is the GPT's; --model {args.model} gives "
+                    "its shape in its config"
+                )
             shape = from_hf_config(target)
             if args.seq_len is None:
                 args.seq_len = shape.max_seq_len
             if args.seq_len is None:
                 raise ValueError(
                     f"--model {args.model}: its config gives no length; pass --seq-len"
+                )
+            if shape.max_seq_len is not None and args.seq_len > shape.max_seq_len:
+                # planned all the same (a longer context is what one plans before extending
+                # it), but gpipe train refuses it for this config
+                print(
+                    f"note: --seq-len {args.seq_len} is above the model's longest sequence of "
+                    f"{shape.max_seq_len} (the max_position_embeddings or n_positions of "
+                    f"--model {args.model}): gpipe train runs at most {shape.max_seq_len}",
+                    file=sys.stderr,
                 )
             return shape
         if kind != "gpt":

@@ -37,7 +37,8 @@ def _model_line(shape: TransformerShape, p: Prediction) -> str:
 def _cluster_line(cluster: Cluster, stack: str) -> str:
     d = cluster.device
     return (
-        f"cluster {cluster}: {cluster.nodes:,} nodes of {d.gpus_per_node}, "
+        f"cluster {cluster}: {cluster.nodes:,} node{'s' * (cluster.nodes != 1)} of "
+        f"{d.gpus_per_node}, "
         f"{d.peak_tflops:g} TFLOP/s dense 16-bit peak, {d.memory_gib:g} GiB each; "
         f"software {stack}"
     )

@@ -87,7 +87,7 @@ def _simulate(schedule: str, k: int, m: int, v: int, d: int, costs: Costs) -> _R
         return simulate(build(schedule, k, n, v), costs, data_parallel=d)
 
     n = 2 * k
-    while k > 1 and n + k < m:
+    while n + k < m:
         before, after = run(n), run(n + k)
         if _steady(before, after):
             return _extended(before, after, (m - n) / k)

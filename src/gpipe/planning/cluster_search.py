@@ -84,21 +84,47 @@ class Search:
 
 
 def _divisors(n: int) -> list[int]:
-    return [i for i in range(1, n + 1) if n % i == 0]
+    """``n``'s divisors, ascending (found up to its square root: a cluster may be large)."""
+    small = [i for i in range(1, math.isqrt(n) + 1) if n % i == 0]
+    return small + [n // i for i in reversed(small) if i * i != n]
 
 
 def _virtual(shape: TransformerShape, k: int, schedule: str, space: SearchSpace) -> list[int]:
-    """Stages per process to try with ``schedule`` on K processes."""
+    """Stages per process to try with ``schedule`` on K processes: those of
+    ``space.virtual_stages`` that the schedule holds (a V holds two, which 1 and 2 both
+    name, as ``check_virtual_stages`` reads them), or if none are given, those that divide a
+    process's layers; none where the schedule holds none of those given."""
     placement = traits(schedule).placement
+    pinned = space.virtual_stages
     if placement is Placement.ONE_PER_RANK:
-        return [1]
+        return [1] if pinned is None or 1 in pinned else []
     if placement is Placement.V:
-        return [2] if 2 * k <= shape.layers else []
+        held = pinned is None or 1 in pinned or 2 in pinned
+        return [2] if held and 2 * k <= shape.layers else []
     per = shape.layers // k
-    if space.virtual_stages is not None:
-        return [v for v in space.virtual_stages if v >= 2 and k * v <= shape.layers]
+    if pinned is not None:
+        return [v for v in pinned if v >= 1 and k * v <= shape.layers]
     found = [v for v in _divisors(per) if 2 <= v <= _MOST_VIRTUAL] if shape.layers % k == 0 else []
     return found or ([2] if 2 * k <= shape.layers else [])
+
+
+def _why_no_virtual(schedule: str, space: SearchSpace) -> str:
+    """Why ``_virtual`` gave ``schedule`` no stages per process to try."""
+    placement = traits(schedule).placement
+    if space.virtual_stages is not None and placement is Placement.ONE_PER_RANK:
+        return "--virtual-stages given, and the schedule runs one stage per process"
+    if space.virtual_stages is not None and placement is Placement.V:
+        return "--virtual-stages given, and the schedule holds two stages per process"
+    return "more stages than layers"
+
+
+def _schedules(shape: TransformerShape, k: int, space: SearchSpace) -> list[str]:
+    """The schedules to try on K processes: all of the space's, or on one process (where
+    they run alike) the first that holds the stages per process given."""
+    if k > 1:
+        return list(space.schedules)
+    held = (s for s in space.schedules if _virtual(shape, k, s, space))
+    return [next(held, space.schedules[0])]
 
 
 def _layouts(
@@ -139,13 +165,19 @@ def _layouts(
                     rejected["the global batch does not divide into D x micro-batch"] += 1
                     continue
                 m = global_batch // (d * b)
-                for schedule in space.schedules if k > 1 else space.schedules[:1]:
-                    for v in _virtual(shape, k, schedule, space):
+                for schedule in _schedules(shape, k, space):
+                    virtual = _virtual(shape, k, schedule, space)
+                    if not virtual:
+                        rejected[_why_no_virtual(schedule, space)] += 1
+                    for v in virtual:
                         if not traits(schedule).runs(k, m, v):
                             rejected["the schedule does not run M micro-batches on K"] += 1
                             continue
+                        shards = list(space.shards) if d > 1 else [None] * (None in space.shards)
+                        if not shards:
+                            rejected["--shard splits states over replicas: D is 1"] += 1
                         for recompute in recomputes:
-                            for shard in space.shards if d > 1 else (None,):
+                            for shard in shards:
                                 yield Layout(
                                     cluster,
                                     d,

@@ -294,7 +294,10 @@ def _shape_of(
     if kv is None and config.get("multi_query"):
         kv = 1
     dropouts = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "dropout")
-    ffn = _first(config, "intermediate_size", "n_inner", "ffn_hidden_size") or 4 * hidden
+    ffn = _first(config, "intermediate_size", "n_inner", "ffn_hidden_size")
+    ffn = 4 * hidden if ffn is None else ffn  # a width of 0 is refused, not defaulted
+    head_dim = _first(config, "head_dim")
+    head_dim = hidden // heads if head_dim is None else head_dim
     latent = _latent_attention(config)
     return TransformerShape(
         name=str(config.get("_name_or_path") or kind or file.parent.name or "hf model"),
@@ -302,16 +305,26 @@ def _shape_of(
         hidden=hidden,
         heads=heads,
         kv_heads=latent.pop("kv_heads", None) or (heads if kv is None else kv),
-        head_dim=latent.pop("head_dim", None) or _first(config, "head_dim") or hidden // heads,
+        head_dim=latent.pop("head_dim", None) or head_dim,
         **latent,
         ffn=ffn,
         vocab=vocab,
         gated=kind in _GATED or act.lower() in _GATED_ACTS,
         tied=bool(config.get("tie_word_embeddings", kind in ("gpt2", "bloom", "opt"))),
-        dropout=any(float(config.get(k) or 0) > 0 for k in dropouts),
+        dropout=any(_probability(config, k) > 0 for k in dropouts),
         max_seq_len=_first(config, "max_position_embeddings", "n_positions", "seq_length"),
         **_experts(config, layers, ffn),
     )
+
+
+def _probability(config: dict[str, Any], key: str) -> float:
+    """A config's dropout probability ``key`` (0 if not given)."""
+    value = config.get(key)
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ValueError(f"{key} must be a probability, got {value!r}")
+    return float(value)
 
 
 def _latent_attention(config: dict[str, Any]) -> dict[str, Any]:
@@ -346,13 +359,18 @@ def _experts(config: dict[str, Any], layers: int, ffn: int) -> dict[str, Any]:
     if not experts:
         return {}
     width = _first(config, "moe_intermediate_size") or ffn
-    shared = _first(config, "shared_expert_intermediate_size") or width * (
-        _first(config, "n_shared_experts", "moe_num_shared_experts", "num_shared_experts") or 0
-    )
+    shared = _first(config, "shared_expert_intermediate_size")
+    if shared is None:  # DeepSeek's: a count of experts as wide as the routed ones
+        names = ("n_shared_experts", "moe_num_shared_experts", "num_shared_experts")
+        count = next((k for k in names if config.get(k) is not None), None)
+        if count is not None:
+            _check_count("the config", count, config[count], least=0)
+            _check_count("the config", "expert_ffn", width, least=1)
+        shared = width * (0 if count is None else config[count])
     first_dense = _first(config, "first_k_dense_replace") or 0
     step = _first(config, "decoder_sparse_step", "moe_layer_freq") or 1
-    only_mlp = set(_indices(config, "mlp_only_layers") or ())
-    listed = _indices(config, "moe_layers")
+    only_mlp = set(_indices(config, "mlp_only_layers", layers) or ())
+    listed = _indices(config, "moe_layers", layers)
 
     def dense(i: int) -> bool:
         if listed is not None:
@@ -371,11 +389,18 @@ def _experts(config: dict[str, Any], layers: int, ffn: int) -> dict[str, Any]:
     }
 
 
-def _indices(config: dict[str, Any], key: str) -> list[int] | None:
+def _indices(config: dict[str, Any], key: str, layers: int) -> list[int] | None:
     """A config's list of block indices (``moe_layers``, ``mlp_only_layers``), if given."""
     value = config.get(key)
     if value is None:
         return None
-    if not isinstance(value, list) or not all(isinstance(i, int) for i in value):
+    if not isinstance(value, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    ):
         raise ValueError(f"{key} must be a list of block indices, got {value!r}")
+    outside = [i for i in value if not 0 <= i < layers]
+    if outside:
+        raise ValueError(
+            f"{key} names blocks {outside}, but the model has {layers} (0 to {layers - 1})"
+        )
     return value
