@@ -95,6 +95,22 @@ def test_generate_refuses_bad_input_in_one_line(run, tmp_path, capsys):
     assert f"--out {missing}: the folder {tmp_path / 'no'} does not exist" in (
         capsys.readouterr().err
     )
+    folder = tmp_path / "a folder"
+    folder.mkdir()
+    argv = ["generate", str(run), "--prompts", str(prompts), "--out", str(folder)]
+    assert main([*argv, "--max-new-tokens", "2"]) == 2  # before the stages start
+    err = capsys.readouterr().err.strip()
+    assert err == f"gpipe: error: --out {folder}: a folder, not a file to write", err
+
+
+def test_sample_refuses_a_temperature_that_is_no_positive_number(run, capsys):
+    """Refused in one line before the stages start: no traceback of the processes."""
+    for given in ("0", "-1", "nan", "inf"):
+        assert main(["sample", str(run), "--tokens", "2", "--temperature", given]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (
+            f"gpipe: error: --temperature must be a positive number, got {float(given)}"
+        ), err
 
 
 def test_prompts_the_stages_refuse_end_in_one_line(

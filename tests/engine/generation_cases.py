@@ -183,6 +183,12 @@ def refusals() -> list[str]:
         except (ValueError, TypeError) as exc:
             found.append(f"{type(exc).__name__}: {exc}")
     assert pipe.training and all(layer.training for layer in pipe.children())
+    # a call that runs gives each module back the mode it had: a layer put in eval mode of
+    # its own stays there while the others train again
+    held = [m for m in pipe.modules() if isinstance(m, nn.Dropout)]
+    held[0].eval()
+    pipe.generate(good, 2)
+    assert not held[0].training and all(m.training for m in held[1:]), "modes not kept"
     return found
 
 

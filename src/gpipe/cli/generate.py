@@ -126,6 +126,8 @@ def _generate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not out.parent.is_dir():  # found now, not after generating
         raise UsageError(f"--out {out}: the folder {out.parent} does not exist")
+    if out.is_dir():
+        raise UsageError(f"--out {out}: a folder, not a file to write")
     eos = None if args.no_eos else args.eos_token_id
     if eos is None and not args.no_eos:
         eos = tokenizer.eos_id
@@ -153,10 +155,13 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError(str(exc).splitlines()[-1]) from None
     if found.refused is not None:
         raise UsageError(_at_its_line(found.refused, Path(args.prompts), numbers))
-    with out.open("w") as f:
-        for item, tokens in zip(objects, found.tokens, strict=True):
-            text = tokenizer.decode(tokens)
-            f.write(json.dumps({**item, "completion_ids": tokens, "completion": text}) + "\n")
+    try:
+        with out.open("w") as f:
+            for item, tokens in zip(objects, found.tokens, strict=True):
+                text = tokenizer.decode(tokens)
+                f.write(json.dumps({**item, "completion_ids": tokens, "completion": text}) + "\n")
+    except OSError as exc:  # such as no permission to write there
+        raise UsageError(f"--out {out}: {exc.strerror or exc}") from None
     total = sum(len(t) for t in found.tokens)
     rate = total / found.seconds if found.seconds > 0 else float("inf")
     print(

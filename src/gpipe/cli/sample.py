@@ -4,6 +4,7 @@ per stage, as it trained) where they keep a KV cache, else the whole model in th
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,8 @@ def _sample(args: argparse.Namespace) -> int:
 
     positive("tokens", args.tokens)
     positive("top-k", args.top_k)
-    if args.temperature <= 0:
-        raise UsageError(f"--temperature must be positive, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise UsageError(f"--temperature must be a positive number, got {args.temperature}")
     try:
         path = checkpoint_at(args.path)
         model = trained_model(path)

@@ -28,6 +28,7 @@ __all__ = [
     "LayerCache",
     "add_rows",
     "keep_rows",
+    "limit_columns",
     "pad_columns",
     "trim_columns",
 ]
@@ -114,7 +115,8 @@ class KVCache:
     """The keys and values of one attention layer of the built-in GPT. In generation they lie
     in buffers with room for more columns: a new token's keys and values are written in
     place, not concatenated (which would copy the whole cache at every token); the buffers
-    double when full. Sub-sequences in training keep each sub-sequence's keys and values
+    double when full, but past ``limit`` columns (the context, where generation sets it) only
+    as far as needed. Sub-sequences in training keep each sub-sequence's keys and values
     apart instead (``add_sub_sequence``): the gradient reaches each, and the attention of
     every later sub-sequence keeps the same tensors rather than a longer copy of its own."""
 
@@ -122,6 +124,7 @@ class KVCache:
         self._keys: Tensor | None = None
         self._values: Tensor | None = None
         self._length = 0
+        self.limit: int | None = None
         self._sub_sequences: list[tuple[Tensor, Tensor]] = []
 
     @property
@@ -148,10 +151,12 @@ class KVCache:
         """Add the new tokens' keys and values after the cached ones; returns all of them."""
         old, new = self._length, keys.shape[-2]
         if self._keys is None or self._values is None:
-            self._keys, self._values = self._room(keys, new), self._room(values, new)
+            room = self._room_for(new, 16)
+            self._keys, self._values = self._room(keys, room), self._room(values, room)
         elif old + new > self._keys.shape[-2]:
-            self._keys = self._grown(self._keys[..., :old, :], keys, old + new)
-            self._values = self._grown(self._values[..., :old, :], values, old + new)
+            room = self._room_for(old + new, 2 * (old + new))
+            self._keys = self._grown(self._keys[..., :old, :], keys, room)
+            self._values = self._grown(self._values[..., :old, :], values, room)
         self._keys[..., old : old + new, :] = keys
         self._values[..., old : old + new, :] = values
         self._length = old + new
@@ -172,14 +177,19 @@ class KVCache:
         """Start from the sub-sequences ``carry`` handed on."""
         self._sub_sequences = list(zip(carried[::2], carried[1::2], strict=True))
 
+    def _room_for(self, needed: int, wanted: int) -> int:
+        """Columns of a new buffer that holds ``needed``: ``wanted``, but no more than
+        ``limit`` unless ``needed`` is more."""
+        wanted = max(needed, wanted)
+        return wanted if self.limit is None else max(needed, min(wanted, self.limit))
+
     @staticmethod
     def _room(like: Tensor, columns: int) -> Tensor:
-        shape = (*like.shape[:-2], max(columns, 16), like.shape[-1])
-        return like.new_empty(shape)
+        return like.new_empty((*like.shape[:-2], columns, like.shape[-1]))
 
     @staticmethod
     def _grown(held: Tensor, like: Tensor, columns: int) -> Tensor:
-        buffer = KVCache._room(like, 2 * columns)
+        buffer = KVCache._room(like, columns)
         buffer[..., : held.shape[-2], :] = held
         return buffer
 
@@ -188,6 +198,15 @@ def _each(caches: Sequence[LayerCache | None]) -> Iterator[KVLayer]:
     for cache in caches:
         if cache is not None:
             yield from cache.kv_layers()
+
+
+def limit_columns(caches: Sequence[LayerCache | None], limit: int | None) -> None:
+    """Let no layer's buffers (the built-in GPT's, which grow by doubling) grow past
+    ``limit`` columns unless a forward needs more: generation sets the model's context, which
+    no row outgrows, so that the caches hold what ``gpipe plan --generate`` counts."""
+    for kv in _each(caches):
+        if isinstance(kv, KVCache):
+            kv.limit = limit
 
 
 def keep_rows(caches: Sequence[LayerCache | None], index: Tensor) -> None:

@@ -19,13 +19,15 @@ __all__ = ["Settings", "checked_prompts", "checked_settings"]
 
 @dataclass(frozen=True)
 class Settings:
-    """What every stage needs to know of a generation, as the first stage decided it."""
+    """What every stage needs to know of a generation, as the first stage decided it;
+    ``context``: the model's, that no sequence outgrows (None: unknown)."""
 
     max_new_tokens: int
     sampling: Sampling
     eos_token_id: int | None
     in_flight: int
     prefill_chunk: int | None
+    context: int | None = None
 
 
 def _integer(value: Any) -> int | None:
@@ -137,6 +139,7 @@ def checked_settings(
     prefill_chunk: Any,
     n_stages: int,
     vocab: int | None,
+    context: int | None = None,
 ) -> Settings:
     """Every argument but the prompts checked; ``seed=None`` with sampling draws one here."""
     new = _positive("max_new_tokens", max_new_tokens)
@@ -163,4 +166,4 @@ def checked_settings(
     chunk = _positive("prefill_chunk", prefill_chunk, optional=True)
     if drawn is None:
         drawn = random.SystemRandom().randrange(2**63)
-    return Settings(new, Sampling(heat, k, nucleus, drawn), eos, lanes, chunk)
+    return Settings(new, Sampling(heat, k, nucleus, drawn), eos, lanes, chunk, context)

@@ -23,6 +23,7 @@ from gpipe.runtime.kv_cache import (
     LayerCache,
     add_rows,
     keep_rows,
+    limit_columns,
     pad_columns,
     trim_columns,
 )
@@ -109,10 +110,12 @@ class _Prefill:
 
 
 class StageCaches:
-    """This stage's caches: one per lane and one per prompt being prefilled."""
+    """This stage's caches: one per lane and one per prompt being prefilled; the GPT's hold
+    no more columns than ``context`` (the model's), as ``gpipe plan --generate`` counts."""
 
-    def __init__(self, stage: CachedStage) -> None:
+    def __init__(self, stage: CachedStage, context: int | None = None) -> None:
         self.stage = stage
+        self.context = context
         self.device = stage.device
         self.lanes: dict[int, _Lane] = {}
         self._prefills: dict[int, _Prefill] = {}
@@ -128,11 +131,16 @@ class StageCaches:
         ]
         return decoded, filled
 
+    def _new_caches(self) -> list[LayerCache | None]:
+        caches = self.stage.new_caches()
+        limit_columns(caches, self.context)
+        return caches
+
     def apply(self, task: Task) -> None:
         """Leaves, then joins, as the first stage planned them."""
         lane = self.lanes.get(task.lane)
         if lane is None:
-            lane = self.lanes[task.lane] = _Lane(self.stage.new_caches())
+            lane = self.lanes[task.lane] = _Lane(self._new_caches())
             lane.valid = lane.valid.to(self.device)
         for sequence in task.leaves:
             self._prefills.pop(sequence, None)
@@ -188,7 +196,7 @@ class StageCaches:
         """Tokens ``[start, start + n)`` of a prompt, in its own cache."""
         prefill = self._prefills.get(sequence)
         if prefill is None:
-            prefill = self._prefills[sequence] = _Prefill(self.stage.new_caches())
+            prefill = self._prefills[sequence] = _Prefill(self._new_caches())
         if prefill.length != start:
             raise RuntimeError(
                 f"stage {self.stage.index}: prompt {sequence} is prefilled up to token "

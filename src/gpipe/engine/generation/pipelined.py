@@ -153,6 +153,7 @@ class Generation:
                 prefill_chunk=prefill_chunk,
                 n_stages=self.n_stages,
                 vocab=vocab,
+                context=context,
             )
             checked.extend(checked_prompts(prompts, settings.max_new_tokens, vocab, context))
             return settings
@@ -160,9 +161,9 @@ class Generation:
         group = self.placement.group
         what = "checking generate()'s arguments"
         settings = on_first_rank(decide, group, what, passed_on=_PASSED_ON)
-        caches = StageCaches(self.stage)
+        caches = StageCaches(self.stage, settings.context)
         tokens: list[list[int]] = []
-        was_training = self.module.training
+        modes = [(m, m.training) for m in self.module.modules()]
         self.module.eval()  # no dropout while generating
         try:
             if self.is_first:
@@ -171,7 +172,10 @@ class Generation:
                 self._follow(caches, settings)
             self.transport.flush()
         finally:
-            self.module.train(was_training)
+            # each module as it was (a layer may have been put in eval mode of its own):
+            # parents first, each child then setting its own part again
+            for module, training in modes:
+                module.train(training)
         return on_first_rank(lambda: tokens, group, "generating")
 
     # -- the first stage ---------------------------------------------------------------------
