@@ -15,10 +15,11 @@ def test_the_cache_is_every_row_of_every_group_at_the_full_context():
         [100, 200], [3, 2], kv_width=8, dtype_bytes=4, batch=10, context=16, in_flight=3
     )
     per_row = 2 * 16 * 8 * 4  # keys and values of one row in one layer
-    assert found.rows_per_group == 4  # 10 sequences in 3 groups: 4, 4 and 2, padded to 4
-    assert [s.cache_bytes for s in found.stages] == [3 * 12 * per_row, 2 * 12 * per_row]
-    assert [s.transient_bytes for s in found.stages] == [4 * per_row, 4 * per_row]
-    assert found.peak_bytes == 100 + 36 * per_row + 4 * per_row
+    assert found.rows_per_group == 4  # 10 sequences in 3 groups: 4, 3 and 3
+    # every sequence once (the groups are not padded to one number of rows)
+    assert [s.cache_bytes for s in found.stages] == [3 * 10 * per_row, 2 * 10 * per_row]
+    assert [s.transient_bytes for s in found.stages] == [4 * per_row, 4 * per_row]  # the largest
+    assert found.peak_bytes == 100 + 30 * per_row + 4 * per_row
     with pytest.raises(ValueError, match="in_flight must be a positive integer, got 0"):
         plan_generation([1], [1], kv_width=1, dtype_bytes=4, batch=1, context=1, in_flight=0)
 
@@ -45,7 +46,7 @@ def test_gpipe_plan_generate_prints_each_stages_cache(capsys):
     argv += ["--in-flight", "2", "--n-layer", "24", "--d-model", "1024", "--n-head", "16"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "16 sequences of up to 1024 tokens, 2 groups in flight of 8 each" in out
+    assert "16 sequences of up to 1024 tokens, 2 groups in flight of up to 8 each" in out
     assert out.count("1.50 GiB") == 2  # 12 blocks x 16 rows x 1024 tokens x 2 x 1024 x 4 bytes
     assert main([*argv, "--device-memory", "2GiB"]) == 1  # 2.32 GiB a stage
 

@@ -121,7 +121,7 @@ def plan_generating(args: argparse.Namespace, kind: str, dtype: torch.dtype, mem
 def _print(args: argparse.Namespace, result: GenerationPlan, cut: str, memory: int) -> None:
     print(
         f"generating with {args.model}: {result.batch} sequences of up to {result.context} "
-        f"tokens, {result.in_flight} groups in flight of {result.rows_per_group} each "
+        f"tokens, {result.in_flight} groups in flight of up to {result.rows_per_group} each "
         f"({args.dtype}); {len(result.stages)} stages, {cut}"
     )
     header = ["stage", "attention layers", "weights", "KV cache", "growing", "total"]

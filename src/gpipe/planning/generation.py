@@ -2,10 +2,11 @@
 group of sequences in flight (``Pipeline.generate``).
 
 Every stage holds, for each of its attention layers, the keys and values of every sequence in
-flight: ``in_flight`` groups of ``ceil(batch / in_flight)`` rows, each row as long as the
-context at most (a group's rows are padded to its longest). A layer's cache grows by
-concatenation, so while it grows the old and the new tensor of one group's layer are both
-held: that transient is counted too. No gradients, optimizer state or kept activations.
+flight: ``batch`` rows in ``in_flight`` groups of at most ``ceil(batch / in_flight)``, each row
+as long as the context at most (a group's rows are padded to its longest, never past the
+context). While a group's layer cache grows, its old and new buffers are both held: that
+transient, one group's layer, is counted too. No gradients, optimizer state or kept
+activations.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def plan_generation(
         StageGeneration(
             attention_layers=layers,
             weight_bytes=int(weights),
-            cache_bytes=layers * in_flight * rows * per_layer_row,
+            cache_bytes=layers * batch * per_layer_row,  # the groups hold every row once
             transient_bytes=rows * per_layer_row if layers else 0,
         )
         for weights, layers in zip(weight_bytes, attention_layers, strict=True)
