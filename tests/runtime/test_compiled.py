@@ -4,6 +4,8 @@ across real processes; under a split backward the layers train eager and run com
 forward passes. The tests compile with AOTAutograd's graphs and no code generation
 (backend "aot_eager"); BENCHMARKS.md measures the default backend."""
 
+import re
+
 import pytest
 from torch import nn
 
@@ -45,13 +47,44 @@ def test_compiled_layers_train_as_eager_ones(schedule, balance, checkpoint):
     ("value", "error", "words"),
     [
         ("yes", TypeError, "compile must be True, False or a dict of torch.compile's keyword"),
-        ({1: "x"}, TypeError, "got dict"),
+        (1, TypeError, r"keyword arguments, got 1 \(int\)$"),
+        (
+            {1: "x"},
+            TypeError,
+            r"compile's keys must be torch.compile's keyword names .*got \{1: 'x'\}",
+        ),
         ({"backend": "nope"}, ValueError, "backend 'nope' is not one torch.compile knows: "),
     ],
 )
 def test_a_bad_compile_is_refused(value, error, words):
     with pytest.raises(error, match=words):
         check_compile(value)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "words"),
+    [
+        ({"bogus": 1}, TypeError, "unexpected keyword argument 'bogus'"),
+        ({"mode": "fastest"}, ValueError, "Unrecognized mode=fastest"),
+        ({"dynamic": "yes"}, ValueError, "Expected enable to be a bool"),
+        ({"options": {"no_such_option": 1}}, ValueError, "Unexpected optimization option"),
+        ({"backend": 3}, TypeError, "backend must be a name or a callable, got 3"),
+        ({"backend": None}, TypeError, "backend must be a name or a callable, got None"),
+    ],
+)
+def test_options_torch_compile_does_not_take_are_refused_in_one_line_naming_compile(
+    monkeypatch, value, error, words
+):
+    """Checked when the pipeline is built, before any process group work: not by every
+    rank's torch.compile after it, nor at the first step's forward (a backend that is not
+    callable fails only there, and the other ranks then lose its stage)."""
+    with pytest.raises(error, match=f"^compile={re.escape(repr(value))}: .*{words}") as caught:
+        check_compile(value)
+    assert "\n" not in str(caught.value)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(error, match=f"^compile={re.escape(repr(value))}: "):
+        Pipeline(nn.Sequential(nn.Linear(2, 2)), [1], compile=value)
 
 
 def test_one_whole_graph_a_layer_is_refused_on_sub_sequences():

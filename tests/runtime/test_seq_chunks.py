@@ -14,6 +14,7 @@ from gpipe.models.gpt import GPTConfig, build_gpt
 from gpipe.runtime.seq_chunks import (
     Carries,
     SeqChunks,
+    check_seq_chunks,
     join_sequence,
     run_cached,
     split_sequence,
@@ -144,6 +145,19 @@ def test_what_sub_sequences_cannot_run_is_refused_before_any_process_group_work(
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match=words):
         Pipeline(model(), [len(model())], **options)
+
+
+def test_seq_chunks_takes_any_integer_as_chunks_does():
+    """A NumPy or 0-d tensor integer (what a config or an argument parser may hand on) is
+    taken, as ``chunks`` takes it; what is not an integer is refused naming its value."""
+    numpy = pytest.importorskip("numpy")
+    for value in (numpy.int64(4), torch.tensor(4)):
+        seq = check_seq_chunks(value, "even", _gpt())
+        assert seq is not None and seq.chunks == 4 and type(seq.chunks) is int
+    assert check_seq_chunks(numpy.int64(1), "even", _gpt()) is None
+    for value in (4.0, "4", True, numpy.float64(4), torch.tensor(4.0), numpy.int64(0)):
+        with pytest.raises(ValueError, match="^seq_chunks must be a positive integer, got "):
+            check_seq_chunks(value, "even", _gpt())
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "deepseek_v32"])

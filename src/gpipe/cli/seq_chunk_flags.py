@@ -58,8 +58,11 @@ def check_plannable(args: argparse.Namespace, gpt: bool, default_schedule: str) 
     for flag, present in given.items():
         if present:
             raise UsageError(f"--seq-chunks {s} is not planned with {flag} yet")
-    if (args.schedule or default_schedule) not in SEQ_CHUNKED:
-        raise UsageError(f"--seq-chunks {s} runs with --schedule {', '.join(SEQ_CHUNKED)}")
+    schedule = args.schedule or default_schedule
+    if schedule not in SEQ_CHUNKED:
+        raise UsageError(
+            f"--seq-chunks {s} runs with --schedule {', '.join(SEQ_CHUNKED)}, got {schedule}"
+        )
     if args.seq_len % s:
         raise UsageError(f"--seq-chunks {s} does not divide --seq-len {args.seq_len}")
 

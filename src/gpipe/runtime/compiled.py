@@ -56,12 +56,16 @@ def check_compile(
         return None
     if compile is True:
         options: dict[str, Any] = {}
-    elif isinstance(compile, Mapping) and all(isinstance(k, str) for k in compile):
+    elif isinstance(compile, Mapping):
+        if not all(isinstance(k, str) for k in compile):
+            raise TypeError(
+                f"compile's keys must be torch.compile's keyword names (strings), got {compile!r}"
+            )
         options = dict(compile)
     else:
         raise TypeError(
             "compile must be True, False or a dict of torch.compile's keyword arguments, "
-            f"got {type(compile).__name__}"
+            f"got {compile!r} ({type(compile).__name__})"
         )
     if split_parameters:
         raise ValueError(
@@ -75,7 +79,34 @@ def check_compile(
             "fullgraph out"
         )
     check_backend(options.get("backend", "inductor"))
+    _check_options(compile, options)
     return options
+
+
+def _check_options(given: object, options: dict[str, Any]) -> None:
+    """Refuse, in one line naming ``compile=``, what ``torch.compile`` refuses of
+    ``options`` (a keyword it does not take, a mode, an inductor option or a ``dynamic`` it
+    does not know), and a backend that is neither a name nor a callable, which it would
+    refuse only at the first forward: here, when the pipeline is built, rather than on
+    every rank after the process group is joined. Nothing is compiled (``torch.compile``
+    compiles at the first call)."""
+    backend = options.get("backend", "inductor")
+    if not (isinstance(backend, str) or callable(backend)):
+        raise TypeError(
+            f"compile={given!r}: torch.compile's backend must be a name or a callable, "
+            f"got {backend!r}"
+        )
+    try:
+        torch.compile(_nothing, **options)
+    except (TypeError, ValueError, RuntimeError, AssertionError) as exc:
+        error = TypeError if isinstance(exc, TypeError) else ValueError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise error(f"compile={given!r}: torch.compile refuses these options: {first}") from None
+
+
+def _nothing(x: Any) -> Any:
+    """What the options are tried on."""
+    return x
 
 
 def check_backend(backend: object) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,12 +118,12 @@ def check_seq_chunks(
     seq_chunks: object, seq_split: object, module: nn.Sequential
 ) -> SeqChunks | None:
     """``seq_chunks`` and ``seq_split`` checked, for the layers of ``module`` (None for one
-    chunk: nothing is cut)."""
-    if isinstance(seq_chunks, bool) or not isinstance(seq_chunks, int) or seq_chunks < 1:
-        raise ValueError(f"seq_chunks must be a positive integer, got {seq_chunks!r}")
+    chunk: nothing is cut). Any integer is taken (a NumPy one, a 0-d tensor), as ``chunks``
+    takes it."""
+    chunks = _positive_chunks(seq_chunks)
     if seq_split not in SEQ_SPLITS:
         raise ValueError(f"seq_split must be one of {SEQ_SPLITS}, got {seq_split!r}")
-    if seq_chunks == 1:
+    if chunks == 1:
         return None
     refusal = seq_chunk_refusal(module)
     if refusal is not None:
@@ -136,7 +137,7 @@ def check_seq_chunks(
                 "width, read from its token embedding, and the model has no nn.Embedding"
             )
         width = embedding.embedding_dim
-    return SeqChunks(seq_chunks, str(seq_split), width)
+    return SeqChunks(chunks, str(seq_split), width)
 
 
 def check_seq_setup(
@@ -161,6 +162,18 @@ def check_seq_setup(
     for what, present in conflicts.items():
         if present:
             raise ValueError(f"seq_chunks={seq.chunks} does not run with {what} yet")
+
+
+def _positive_chunks(seq_chunks: object) -> int:
+    """``seq_chunks`` as an ``int``: an integer of any kind (``operator.index``), not a bool,
+    of at least 1; anything else is refused naming the value."""
+    chunks = 0
+    if not isinstance(seq_chunks, bool):
+        with contextlib.suppress(TypeError):
+            chunks = operator.index(seq_chunks)  # type: ignore[arg-type]
+    if chunks < 1:
+        raise ValueError(f"seq_chunks must be a positive integer, got {seq_chunks!r}")
+    return chunks
 
 
 def seq_chunk_refusal(module: nn.Sequential) -> str | None:
