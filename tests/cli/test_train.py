@@ -261,6 +261,12 @@ def test_bad_options_end_in_one_line_and_exit_code_2(capsys, tmp_path):
     assert "--schedule v-min needs --chunks of at least 2 for --stages 2, got 1" in (
         _usage_error(capsys, "train", "--schedule", "v-min", "--chunks", "1", *out)
     )
+    assert (
+        "--schedule v-min runs at least 2 micro-batches for --stages 2: each replica's share of "
+        "--batch-size must be at least 2 rows, got 1 (--batch-size 1 over 1 replica(s))"
+    ) in _usage_error(
+        capsys, "train", "--schedule", "v-min", "--chunks", "2", "--batch-size", "1", *out
+    )
     assert "--seq-len 64 is above the model's maximum of 32" in _usage_error(
         capsys, "train", "--preset", "tiny", "--seq-len", "64", *out
     )
@@ -538,6 +544,18 @@ def test_sub_sequences_are_refused_where_they_cannot_run(capsys):
         (["--seq-chunks", "0"], "--seq-chunks must be a positive integer, got 0"),
     ):
         assert words in _usage_error(capsys, *base, *more), more
+
+
+def test_sub_sequences_of_a_traced_hugging_face_model_are_refused_before_launch(capsys, tmp_path):
+    """A config that declares no pipeline plan is traced, and traced stages keep no keys and
+    values: refused in one line before any process starts, not after launch."""
+    transformers = pytest.importorskip("transformers", reason="the test extra installs it")
+    folder = tmp_path / "gpt2"
+    transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256).save_pretrained(folder)
+    argv = ["--model", f"hf:{folder}", "--seq-len", "32", "--seq-chunks", "2"]
+    message = _usage_error(capsys, "train", *argv, "--out", str(tmp_path / "run"))
+    assert "--seq-chunks 2 with --model hf:" in message, message
+    assert "gpt2 declares none" in message, message
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -90,3 +90,16 @@ def hand_built_step() -> dict:
 def test_a_valid_hand_built_schedule_is_accepted_and_runs_as_given():
     results = run(hand_built_step, 2)
     assert results == {r: {"name": "by hand", "runs": True} for r in range(2)}
+
+
+def test_a_step_with_fewer_rows_than_the_schedules_fewest_micro_batches_is_one_line():
+    """chunks=2 under v-min on 2 processes, and a short last mini-batch of one row: the step's
+    one micro-batch is refused in words that say what to pass, not the generator's."""
+    source = ScheduleSource.of("v-min")
+    assert source.build(2, 2, 2).n_microbatches == 2
+    expected = (
+        r"^schedule 'v-min' runs at least 2 micro-batches on 2 processes, but this step has 1 "
+        r"\(fewer rows than that\): pass mini-batches of at least 2 rows$"
+    )
+    with pytest.raises(ValueError, match=expected):
+        source.build(2, 1, 2)

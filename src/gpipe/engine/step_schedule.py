@@ -87,8 +87,16 @@ class ScheduleSource:
                 )
 
     def build(self, n_ranks: int, n_microbatches: int, per_rank: int) -> Schedule:
-        """The schedule of a step of ``n_microbatches`` micro-batches."""
+        """The schedule of a step of ``n_microbatches`` micro-batches (``chunks``, or as
+        many as the mini-batch has rows where it has fewer)."""
         if self.fixed is None:
+            fewest = traits(self.name).fewest_microbatches(n_ranks, per_rank)
+            if n_microbatches < fewest:
+                raise ValueError(
+                    f"schedule {self.name!r} runs at least {fewest} micro-batches on {n_ranks} "
+                    f"processes, but this step has {n_microbatches} (fewer rows than that): "
+                    f"pass mini-batches of at least {fewest} rows"
+                )
             return build(self.name, n_ranks, n_microbatches, per_rank)
         if n_microbatches != self.fixed.n_microbatches:
             raise ValueError(

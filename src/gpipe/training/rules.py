@@ -37,9 +37,9 @@ def multi_stage_schedules() -> str:
     return " or ".join(name for name in SCHEDULES if traits(name).several_stages_per_rank)
 
 
-def _check_seq_chunks(opts: TrainOptions, seq_len: int) -> None:
-    """--seq-chunks: a schedule that runs sub-sequences, nothing they do not run with, and a
-    --seq-len they cut evenly."""
+def _check_seq_chunks(opts: TrainOptions, seq_len: int, model: TrainModel) -> None:
+    """--seq-chunks: a schedule that runs sub-sequences, nothing they do not run with, a
+    --seq-len they cut evenly, and a Hugging Face model cut by its plan."""
     if opts.seq_chunks == 1:
         if opts.seq_split != "even":
             raise ConfigError(f"--seq-split {opts.seq_split} needs --seq-chunks of 2 or more")
@@ -60,6 +60,16 @@ def _check_seq_chunks(opts: TrainOptions, seq_len: int) -> None:
         )
     if seq_len < s:
         raise ConfigError(f"--seq-chunks {s} is more than --seq-len {seq_len} tokens")
+    if model.kind == "hf" and model.hf_config is not None:
+        from gpipe.training.hf.models import hf_config
+
+        config = hf_config(model.hf_config)
+        if not getattr(config, "base_model_pp_plan", None):  # traced: stages keep no cache
+            raise ConfigError(
+                f"--seq-chunks {s} with --model {model.source}: sub-sequences need a causal "
+                "LM whose stages hold its own layers, cut by the pipeline plan its config "
+                f"declares (base_model_pp_plan); {config.model_type} declares none"
+            )
 
 
 def _check_ranges(opts: TrainOptions) -> None:
@@ -115,7 +125,7 @@ def check_options(model: TrainModel, opts: TrainOptions) -> None:
         raise ConfigError(f"--compile-backend {opts.compile_backend} needs --compile")
     if opts.compile:
         _check_compile_backend(opts.compile_backend)
-    _check_seq_chunks(opts, opts.seq_len if opts.seq_len is not None else model.seq_len)
+    _check_seq_chunks(opts, opts.seq_len if opts.seq_len is not None else model.seq_len, model)
     layers = model_layer_count(model)
     if opts.batch_size < opts.data_parallel:
         raise ConfigError(
@@ -235,11 +245,19 @@ def _check_schedule(opts: TrainOptions, layers: int | None) -> None:
             f"{opts.chunks} and --batch-size {opts.batch_size} over {opts.data_parallel} "
             "replica(s)"
         )
+    fewest = schedule.fewest_microbatches(opts.stages, opts.virtual_stages)
     if not schedule.runs(opts.stages, opts.chunks, opts.virtual_stages):
-        fewest = schedule.fewest_microbatches(opts.stages, opts.virtual_stages)
         raise ConfigError(
             f"--schedule {opts.schedule} needs --chunks of at least {fewest} for --stages "
             f"{opts.stages}, got {opts.chunks}"
+        )
+    share = opts.batch_size // opts.data_parallel
+    if share < fewest:  # a step runs as many micro-batches as a replica's share has rows
+        raise ConfigError(
+            f"--schedule {opts.schedule} runs at least {fewest} micro-batches for --stages "
+            f"{opts.stages}: each replica's share of --batch-size must be at least {fewest} "
+            f"rows, got {share} (--batch-size {opts.batch_size} over {opts.data_parallel} "
+            "replica(s))"
         )
     if layers is not None and opts.parts > layers:
         raise ConfigError(
