@@ -14,6 +14,7 @@ holds every expert.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -322,9 +323,13 @@ def _probability(config: dict[str, Any], key: str) -> float:
     value = config.get(key)
     if value is None:
         return 0.0
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+    try:  # a number, or one written as a string
+        p = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        p = math.nan
+    if not 0 <= p <= 1:
         raise ValueError(f"{key} must be a probability, got {value!r}")
-    return float(value)
+    return p
 
 
 def _latent_attention(config: dict[str, Any]) -> dict[str, Any]:
