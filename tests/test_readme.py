@@ -31,3 +31,19 @@ def test_pipeline_example_runs(tmp_path):
 
 def test_skip_and_batchnorm_example_runs():
     exec(compile(_example("@skippable"), "README.md", "exec"), {})
+
+
+def test_every_python_snippet_of_the_readme_and_the_guides_is_python():
+    """The guides' snippets are fragments (they use names their prose defines), so only the
+    README's run here; each of them must at least be Python a user can paste."""
+    import ast
+
+    guides = [README, *sorted((README.parent / "docs").glob("*.md"))]
+    broken = []
+    for path in guides:
+        for i, code in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S)):
+            try:
+                ast.parse(code)
+            except SyntaxError as exc:
+                broken.append(f"{path.name}, python block {i + 1}, line {exc.lineno}: {exc.msg}")
+    assert not broken, broken
