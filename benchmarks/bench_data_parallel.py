@@ -91,7 +91,7 @@ def _allreduce_alone(pipe: Pipeline) -> float:
 
 
 def side_by_side(cfg: dict) -> dict:
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm import init_process_group
 
     init_process_group(torch.device("cpu"))
     config = GPTConfig(**cfg["model"])
@@ -128,7 +128,7 @@ def side_by_side(cfg: dict) -> dict:
 
 def peak_memory(cfg: dict, name: str) -> dict:
     """One contender alone in fresh processes: resident memory before and after its steps."""
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm import init_process_group
 
     init_process_group(torch.device("cpu"))
     config = GPTConfig(**cfg["model"])

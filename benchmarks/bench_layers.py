@@ -36,7 +36,7 @@ POLICIES = {
 
 
 def run(cfg: dict) -> dict:
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm import init_process_group
 
     init_process_group(torch.device("cpu"))
     config = GPTConfig(**cfg["model"])

@@ -129,7 +129,7 @@ BUILDERS = {"gpipe": _gpipe, "torch": _torch, "at_once": _at_once, "lone": _lone
 def run(cfg: dict) -> dict[str, list[float]]:
     """In one pair of processes, every contender in turn, one step at a time, so that drifts
     of the machine hit all alike. Returns each contender's seconds per step on this rank."""
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm import init_process_group
 
     init_process_group(torch.device("cpu"))
     x, y = _data(cfg["rows"], cfg["width"])

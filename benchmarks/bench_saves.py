@@ -84,7 +84,7 @@ def _stretch(pipe, optimizer, batch, writer, step: int) -> dict[str, float]:
 
 
 def side_by_side(cfg: dict) -> dict:
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm import init_process_group
 
     init_process_group(torch.device("cpu"))
     config = GPTConfig(**cfg["model"])

@@ -127,7 +127,7 @@ def _pipeline_steps(config: GPTConfig, batch: int, chunks: tuple[int, ...], repe
 
 
 def run(cfg: dict) -> dict:
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm import init_process_group
 
     init_process_group(torch.device("cpu"))
     torch.manual_seed(0)

@@ -98,7 +98,7 @@ class _SavedBytes:
 
 def run(cfg: dict) -> dict:
     """Every schedule in turn in this pair of processes; returns this rank's figures."""
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm import init_process_group
 
     init_process_group(torch.device("cpu"))
     x, y = _data(cfg["rows"], cfg["width"])

@@ -95,7 +95,7 @@ def peak(
     k: int, seq_chunks: int, length: int, width: int, split: str, blocks: int, schedule: str
 ) -> int:
     """This process's peak activation bytes in one step."""
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm import init_process_group
 
     init_process_group(torch.device("cpu"))
     pipe = _pipeline(k, seq_chunks, length, width, split, blocks, schedule=schedule)
@@ -107,7 +107,7 @@ def timed(
 ) -> dict[str, list[float]]:
     """Seconds per step of every contender, K = 2, taking turns in one pair of processes;
     under another schedule than 1F1B, 1F1B on whole micro-batches too."""
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm import init_process_group
 
     init_process_group(torch.device("cpu"))
     contenders = COMPILED if compiled else {n: (*c, False) for n, c in TIMED.items()}

@@ -97,7 +97,7 @@ def _tokens(config: GPTConfig, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def side_by_side(cfg: dict) -> dict:
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm import init_process_group
 
     init_process_group(torch.device("cpu"))
     config = GPTConfig(**cfg["model"])
@@ -144,7 +144,7 @@ def _gather_alone(pipe: Pipeline) -> float:
 
 def peak_memory(cfg: dict, name: str) -> int:
     """One contender alone in fresh processes: peak resident bytes after a few steps."""
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm import init_process_group
 
     init_process_group(torch.device("cpu"))
     config = GPTConfig(**cfg["model"])

@@ -51,7 +51,7 @@ def _model(blocks: int = BLOCKS, width: int = WIDTH, hidden: int = HIDDEN) -> nn
 
 def timed(repeats: int, warmup: int) -> dict[str, list[float]]:
     """Seconds per step of every schedule, K = 2, taking turns in one pair of processes."""
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm import init_process_group
 
     init_process_group(torch.device("cpu"))
     pipes = {}
@@ -73,7 +73,7 @@ def timed(repeats: int, warmup: int) -> dict[str, list[float]]:
 def run(k: int, schedule: str, blocks: int = BLOCKS) -> int:
     """This process's peak activation bytes in one step of ``schedule`` on ``k`` processes,
     the workload ``blocks`` blocks deep."""
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm import init_process_group
 
     init_process_group(torch.device("cpu"))
     stages = 2 * k if traits(schedule).placement is Placement.V else k

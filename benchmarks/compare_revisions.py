@@ -85,7 +85,7 @@ def run(cfg: dict, path: str, package: str) -> dict[str, dict[str, list[float]]]
         "after": importlib.import_module("gpipe"),
     }
     meters = {name: _meter(module.__name__) for name, module in versions.items()}
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm import init_process_group
 
     init_process_group(torch.device("cpu"))
     g = torch.Generator().manual_seed(1)

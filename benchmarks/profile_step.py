@@ -102,7 +102,7 @@ def _at_once(cfg: dict, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def run(cfg: dict) -> dict:
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm import init_process_group
 
     init_process_group(torch.device("cpu"))
     g = torch.Generator().manual_seed(1)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline, StageError
-from gpipe.pipeline import init_process_group
+from gpipe.comm.process_group import init_process_group
 
 from .small_models import BALANCES, SPLITS, batch, bn_model, mlp
 

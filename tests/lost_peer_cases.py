@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline
-from gpipe.pipeline import init_process_group
+from gpipe.comm.process_group import init_process_group
 
 from .small_models import BALANCES, batch, bn_model, mlp
 

@@ -147,7 +147,7 @@ def separate_envelopes(k: int) -> int:
     import torch.distributed as dist
 
     from gpipe.comm.distributed import DistributedTransport
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm.process_group import init_process_group
 
     init_process_group(torch.device("cpu"))
     side = dist.new_group(list(range(k)), backend="gloo")

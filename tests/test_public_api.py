@@ -77,7 +77,8 @@ MODULES = {
     "gpipe.models": ["GPTConfig", "build_gpt", "lm_loss", "generate"],
     "gpipe.models.gpt": ["GPTConfig", "build_gpt"],
     "gpipe.models.resnet": ["resnet"],
-    "gpipe.pipeline": ["Pipeline", "init_process_group"],
+    "gpipe.pipeline": ["Pipeline"],
+    "gpipe.comm": ["init_process_group", "rank_device"],
     "gpipe.data": [
         "BatchSampler",
         "ByteDataset",

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.functional import mse_loss
 
 from gpipe import GPipe
-from gpipe.comm.transport import InProcessTransport
+from gpipe.comm.in_process import InProcessTransport
 from gpipe.runtime.recompute import Layers
 
 from .small_models import BALANCES, SPLITS, UNET_BALANCES, batch, mlp, unet, unet_batch

@@ -121,7 +121,7 @@ def data_parallel(d: int) -> int:
     """D replicas of each two-per-process schedule against one un-pipelined step on the union
     of the shards, even and uneven shards (the uneven cut leaves one replica 3 rows: too few
     for dualpipe-v's 2K micro-batches and the interleaved schedules' multiple of K)."""
-    from gpipe.pipeline import init_process_group
+    from gpipe.comm.process_group import init_process_group
 
     init_process_group(torch.device("cpu"))
     k = dist.get_world_size() // d

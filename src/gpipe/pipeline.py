@@ -21,12 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe.comm.agreement import on_first_rank
-from gpipe.comm.process_group import (
-    backend_for,
-    finish_process_group,
-    init_process_group,
-    rank_device,
-)
+from gpipe.comm.process_group import rank_device
 from gpipe.engine import (
     IGNORE_INDEX,
     RankPlacement,
@@ -67,9 +62,6 @@ __all__ = [
     "StepResult",
     "StepTimes",
     "agreed_balance",
-    "finish_process_group",
-    "backend_for",
-    "init_process_group",
 ]
 
 LOSS_REDUCTIONS = ("mean", "sum")

@@ -16,7 +16,8 @@ import torch
 
 import gpipe.comm
 from gpipe.comm.distributed import DistributedTransport
-from gpipe.comm.transport import InProcessTransport, Transport
+from gpipe.comm.in_process import InProcessTransport
+from gpipe.comm.transport import Transport
 from gpipe.errors import StageError
 from gpipe.schedules import Kind
 

@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline
-from gpipe.pipeline import init_process_group
+from gpipe.comm.process_group import init_process_group
 from gpipe.schedules import SCHEDULES, traits
 
 from ..distributed_cases import _reference

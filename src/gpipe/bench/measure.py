@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from gpipe.bench.contenders import Contender, Runner, contenders
 from gpipe.bench.workloads import get_workload
-from gpipe.pipeline import init_process_group
+from gpipe.comm.process_group import init_process_group
 from gpipe.planning.memory import ActivationMeter
 
 __all__ = ["memory_pass", "timing_pass"]

@@ -230,7 +230,7 @@ def _templates(args: argparse.Namespace, tensor_parallel: int) -> tuple[Profile,
 def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> MemoryPlan:
     from gpipe.planning.balancing import partition
     from gpipe.runtime.partitions import even_balance
-    from gpipe.training.job import parse_balance
+    from gpipe.training.balance_choice import parse_balance
 
     prof = template.repeat(1, n_layer)
     parts = args.stages * args.virtual_stages

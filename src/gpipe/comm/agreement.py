@@ -1,6 +1,8 @@
 """Decisions every rank of a group must share (a cut of the model, a schedule): taken once,
 on the group's first rank, and told to the others, who agree even where their own clocks or
-inputs would not. A failure there is raised on every rank, so none waits for the others."""
+inputs would not (``on_first_rank``); and work each rank does for itself where a failure on
+one must stop them all (``on_every_rank``). A failure is raised on every rank, so none waits
+for the others."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import TypeVar, cast
 
 import torch.distributed as dist
 
-__all__ = ["on_first_rank"]
+__all__ = ["on_every_rank", "on_first_rank"]
 
 T = TypeVar("T")
 
@@ -41,3 +43,24 @@ def on_first_rank(
     if message is not None:
         raise ValueError(f"{what} on rank 0 failed: {message}")
     return cast(T, decision[0])  # what decide() returned on rank 0, unpickled
+
+
+def on_every_rank(
+    work: Callable[[], None], what: str, group: dist.ProcessGroup | None = None
+) -> None:
+    """Run ``work`` on every rank of ``group``, where it may fail on some (each reads its own
+    stage's weights): a failure anywhere is raised on every rank, as ValueError naming
+    ``what``, so that none waits for the others later. Bounded by the group's timeout."""
+    try:
+        work()
+        failed = None
+    except Exception as exc:  # every rank must hear of it, or the others would wait
+        failed = f"{type(exc).__name__}: {exc}"
+    found: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, failed, group=group)
+    if failed is not None:
+        raise ValueError(f"{what}: {failed}")
+    others = [(rank, text) for rank, text in enumerate(found) if text is not None]
+    if others:
+        rank, text = others[0]
+        raise ValueError(f"{what} failed on rank {rank}: {text}")

@@ -17,12 +17,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from gpipe.comm.in_process import InProcessTransport
 from gpipe.comm.message import Message, what
 from gpipe.comm.named_pipes import Pipes
 from gpipe.schedules import Action, Kind
 
-__all__ = ["InProcessTransport", "Message", "Transport", "what"]
+__all__ = ["Message", "Transport", "what"]
 
 
 @runtime_checkable

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from gpipe.comm.copy_streams import DeviceCopies
-from gpipe.comm.transport import InProcessTransport
+from gpipe.comm.in_process import InProcessTransport
 from gpipe.engine.given_batches import GivenForward, given_outputs, take_step_data
 from gpipe.engine.step_schedule import StepSchedules
 from gpipe.errors import PipelineError

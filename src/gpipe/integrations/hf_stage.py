@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, RandomSampler
 
 import gpipe
+from gpipe.comm.agreement import on_first_rank
 from gpipe.splitting import SplitModel
 from gpipe.splitting.hf_layout import declares_plan
 from gpipe.splitting.hf_plan import HEAD_ONLY
@@ -28,7 +29,6 @@ __all__ = [
     "PipelinedModel",
     "ReplicaAccelerator",
     "check_unsaved_buffers",
-    "on_every_rank",
     "release_other_stages",
     "split_model",
 ]
@@ -189,32 +189,12 @@ def _ordered_by_rank_zero(sampler_class: type) -> type:
 
         def ordered_by_rank_zero(sampler: Any) -> Iterator[Any]:
             own = cast(Any, sampler_class).__iter__
-            drawn = [list(own(sampler))] if dist.get_rank() == 0 else [None]
-            dist.broadcast_object_list(drawn, src=0)
-            return iter(cast(list[Any], drawn[0]))
+            drawn = on_first_rank(lambda: list(own(sampler)), None, "drawing the batches' order")
+            return iter(drawn)
 
         name = f"{sampler_class.__name__}OfRankZero"
         _ORDERED[sampler_class] = type(name, (sampler_class,), {"__iter__": ordered_by_rank_zero})
     return _ORDERED[sampler_class]
-
-
-def on_every_rank(work: Callable[[], None], what: str) -> None:
-    """Run ``work`` on every rank, where it may fail on some (each reads its own stage's
-    weights): a failure anywhere is raised on every rank, so that none waits for the
-    others in the first step. Collective over the world."""
-    try:
-        work()
-        failed = None
-    except Exception as exc:  # every rank must hear of it, or the others would wait
-        failed = f"{type(exc).__name__}: {exc}"
-    found: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, failed)
-    if failed is not None:
-        raise ValueError(f"{what}: {failed}")
-    others = [(rank, text) for rank, text in enumerate(found) if text is not None]
-    if others:
-        rank, text = others[0]
-        raise ValueError(f"{what} failed on rank {rank}: {text}")
 
 
 def check_unsaved_buffers(split: SplitModel, pipe: nn.Module, original: nn.Module) -> None:

@@ -39,6 +39,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import enable_full_determinism, set_seed
 
 import gpipe
+from gpipe.comm.agreement import on_every_rank
 from gpipe.engine import IGNORE_INDEX, StepResult, logits_of
 from gpipe.integrations.hf_options import (
     check_own,
@@ -52,7 +53,6 @@ from gpipe.integrations.hf_stage import (
     PipelinedModel,
     ReplicaAccelerator,
     check_unsaved_buffers,
-    on_every_rank,
     release_other_stages,
     split_model,
 )

@@ -1,6 +1,6 @@
 """Dimensions beside the pipeline: replicas of a stage (data parallelism), their sharding, its
-layers split over tensor ranks (tensor parallelism), experts spread over ranks, and
-parameters tied across stages.
+layers split over tensor ranks (tensor parallelism; a mixture of experts' stacked experts each
+split over them too), and parameters tied across stages.
 
 Two names are imported from their own modules, where a tensor plan uses them:
 ``gpipe.parallel.experts.ExpertsParallel`` and

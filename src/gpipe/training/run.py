@@ -306,7 +306,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else processes
     threads = (config.threads or threads_per_process(local)) if opts.device == "cpu" else None
     if torchrun:
-        from gpipe.pipeline import finish_process_group
+        from gpipe.comm.process_group import finish_process_group
         from gpipe.training.checkpoints.resuming import NothingToResume
 
         if threads is not None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe.comm.agreement import on_first_rank
+from gpipe.engine import logits_of as engine_logits_of
 from gpipe.models.gpt import GPTConfig, build_gpt, lm_loss
 from gpipe.splitting import SplitModel, split
 
@@ -50,18 +51,16 @@ def parse_model(value: str) -> tuple[str, str]:
 
 
 def logits_of(outputs: Any) -> Tensor:
-    """The logits in what a language model returns: the tensor itself, or its ``logits``
-    (a Hugging Face ``ModelOutput``, a dict)."""
-    if isinstance(outputs, Tensor):
-        return outputs
-    found = outputs.get("logits") if isinstance(outputs, dict) else None
-    found = getattr(outputs, "logits", None) if found is None else found
-    if not isinstance(found, Tensor):
+    """The logits in what a language model returns (``gpipe.engine.logits_of``: the tensor
+    itself, a Hugging Face ``ModelOutput``'s or a dict's ``logits``), refused in
+    ``gpipe train``'s words where there are none."""
+    try:
+        return engine_logits_of(outputs)
+    except TypeError:
         raise TypeError(
             f"the model returned {type(outputs).__name__}; gpipe train expects logits "
             "[batch, tokens, vocabulary]: a tensor, or an output with a 'logits' tensor"
-        )
-    return found
+        ) from None
 
 
 def model_loss(outputs: Any, targets: Tensor) -> Tensor:

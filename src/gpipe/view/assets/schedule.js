@@ -1,4 +1,4 @@
-// gpipe's schedule generators (gpipe/schedule.py) in JavaScript, action for action, so that the
+// gpipe's schedule generators (gpipe/schedules/) in JavaScript, action for action, so that the
 // page can compute schedules offline. tests/view/test_view_parity.py holds them to the Python ones.
 (function (root) {
   "use strict";
