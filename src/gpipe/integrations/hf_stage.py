@@ -17,9 +17,9 @@ from accelerate.utils import recursively_apply
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, RandomSampler
 
-import gpipe
 from gpipe.comm.agreement import on_first_rank
-from gpipe.splitting import SplitModel
+from gpipe.pipeline import Pipeline
+from gpipe.splitting import SplitModel, split
 from gpipe.splitting.hf_layout import declares_plan
 from gpipe.splitting.hf_plan import HEAD_ONLY
 
@@ -44,16 +44,16 @@ def split_model(model: nn.Module, parts: int) -> tuple[SplitModel, tuple[str, ..
     real modules in each stage); otherwise traced on ``input_ids`` and ``attention_mask``,
     on the meta device when the model's parameters are there."""
     if declares_plan(model):
-        return gpipe.split(model, parts=parts, plan="hf"), None
+        return split(model, parts=parts, plan="hf"), None
     device = next(model.parameters()).device
     ids = torch.zeros(2, 8, dtype=torch.long, device=device)
     example = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    return gpipe.split(model, (), example, parts=parts, plan=None), TRACED_INPUTS
+    return split(model, (), example, parts=parts, plan=None), TRACED_INPUTS
 
 
 class PipelinedModel(nn.Module):
     """What ``trainer.model`` is: this rank's stage of the model as ``.pipeline`` (a
-    ``gpipe.Pipeline``; its parameters are this module's), beside the model it was cut from
+    ``Pipeline``; its parameters are this module's), beside the model it was cut from
     (``.original``: its config, its parameter count, its ``save_pretrained``) and the
     ``.split`` that maps the stages' names to the model's.
 
@@ -65,7 +65,7 @@ class PipelinedModel(nn.Module):
     def __init__(
         self,
         original: nn.Module,
-        pipeline: gpipe.Pipeline,
+        pipeline: Pipeline,
         split: SplitModel,
         takes: tuple[str, ...] | None = None,
     ) -> None:
@@ -132,9 +132,9 @@ class ReplicaAccelerator(Accelerator):
     ``attach``es its pipeline.
     """
 
-    pipe: gpipe.Pipeline
+    pipe: Pipeline
 
-    def attach(self, pipe: gpipe.Pipeline) -> None:
+    def attach(self, pipe: Pipeline) -> None:
         self.pipe = pipe
 
     @property

@@ -38,7 +38,6 @@ from torch import Tensor, nn
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import enable_full_determinism, set_seed
 
-import gpipe
 from gpipe.comm.agreement import on_every_rank
 from gpipe.engine import IGNORE_INDEX, StepResult, logits_of
 from gpipe.integrations.hf_options import (
@@ -56,6 +55,7 @@ from gpipe.integrations.hf_stage import (
     release_other_stages,
     split_model,
 )
+from gpipe.pipeline import Pipeline
 from gpipe.runtime.microbatch import scatter_payload, split_sizes
 from gpipe.splitting import SplitModel
 from gpipe.training.hf import LazyWeights
@@ -178,7 +178,7 @@ class _Pipelined:
                 original, "activation_checkpointing_disable", "gradient_checkpointing_disable"
             )()
         split, takes = split_model(original, stages_of(self.args, data_parallel))
-        self.pipeline = gpipe.Pipeline(
+        self.pipeline = Pipeline(
             split,
             chunks=chunks,
             schedule=schedule,
