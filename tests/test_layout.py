@@ -91,6 +91,20 @@ def test_imports_never_go_up_a_layer():
     assert not upward, "imports that go up a layer:\n" + "\n".join(sorted(upward))
 
 
+def test_nothing_in_the_package_imports_its_entry_points():
+    """The top-level ``gpipe`` and torchgpipe's module names re-export what lives in the
+    layers; a module of the layers imports it from where it lives."""
+    modules = _modules()
+    found = [
+        f"{module} -> {name}"
+        for module, path in modules.items()
+        if module not in OUTSIDE
+        for name in _imports(path)
+        if name in OUTSIDE or (name.rpartition(".")[0] in OUTSIDE and name not in modules)
+    ]
+    assert not found, found
+
+
 def test_the_folders_import_each_other_without_cycles():
     modules = _modules()
     edges: dict[str, set[str]] = {area: set() for area in LAYERS}
