@@ -186,6 +186,22 @@ def test_train_from_python_is_the_command(trained, tmp_path):
         TrainConfig(device="tpu")
 
 
+def test_print_config_then_config_is_the_same_run(trained, tmp_path, capsys):
+    """``--print-config``'s file, read back by ``--config`` (with --out given on top, which
+    wins), runs the same losses as the flags it was printed from."""
+    flags = [*TINY, "--stages", "2", "--steps", "20", "--save-every", "10"]
+    assert main(["train", *flags, "--print-config"]) == 0
+    file = tmp_path / "run.toml"
+    file.write_text(capsys.readouterr().out)
+    out = tmp_path / "run"
+    with training_on_shared_processes():
+        assert main(["train", "--config", str(file), "--out", str(out)]) == 0
+    again, first = _losses(out), _losses(trained[2])
+    assert again.keys() == first.keys()
+    for step in first:
+        assert again[step] == pytest.approx(first[step], rel=1e-4), step
+
+
 def _typed(value: str):
     for kind in (int, float):
         try:
@@ -270,7 +286,7 @@ def test_bad_options_end_in_one_line_and_exit_code_2(capsys, tmp_path):
     assert "--seq-len 64 is above the model's maximum of 32" in _usage_error(
         capsys, "train", "--preset", "tiny", "--seq-len", "64", *out
     )
-    assert "checkpoint is not one of" in _usage_error(
+    assert "--checkpoint must be always, except_last or never, got 'sometimes'" in _usage_error(
         capsys, "train", "--checkpoint", "sometimes", *out
     )
     assert "unknown preset 'huge'" in _usage_error(capsys, "train", "--preset", "huge", *out)

@@ -46,13 +46,16 @@ def add_parser(sub: Any) -> None:
 
 def config_of(args: argparse.Namespace) -> TrainConfig:
     """The configuration the command line asks for: the flags given, and for the others a
-    ``--config`` file's values (or the defaults)."""
-    given = TrainConfig.from_dict(
-        {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
-    )
+    ``--config`` file's values (or the defaults). A flag given wins over the file even where
+    it says what the default says (``--out runs/gpt``)."""
+    flags = {
+        k: v
+        for k, v in vars(args).items()
+        if k in TrainConfig.__dataclass_fields__ and v is not None and v is not False
+    }
     if args.config is None:
-        return given
-    return TrainConfig(**(read_config_file(args.config).given() | given.given()))
+        return TrainConfig.from_dict(flags, where="")
+    return TrainConfig.from_dict(read_config_file(args.config).given() | flags, where="")
 
 
 def _train(args: argparse.Namespace) -> int:

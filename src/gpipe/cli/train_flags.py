@@ -200,7 +200,7 @@ def add_training_options(run: Any) -> None:
 
 
 def add_run_folder_options(out: Any) -> None:
-    out.add_argument("--out", default="runs/gpt", help="run folder (default runs/gpt)")
+    out.add_argument("--out", help="run folder (default runs/gpt)")
     out.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
     out.add_argument("--force", action="store_true", help="replace what is in the run folder")
     out.add_argument("--quiet", action="store_true", help="plain log lines, no progress bar")

@@ -116,6 +116,8 @@ class TrainConfig:
                 raise ConfigError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
         if self.report_to is not None:
             report_to_names(self.report_to)
+        if not self.out:
+            raise ConfigError("--out must name a run folder, got ''")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], where: str = "TrainConfig") -> TrainConfig:
@@ -123,20 +125,28 @@ class TrainConfig:
         is named, with the nearest known one."""
         known = [f.name for f in dataclasses.fields(cls)]
         fields_: dict[str, Any] = {}
+        spelled: dict[str, str] = {}
+        prefix = f"{where}: " if where else ""
         for raw, value in values.items():
             key = raw.replace("-", "_")
+            if key in spelled:
+                raise ConfigError(
+                    f"{prefix}{spelled[key]!r} and {raw!r} are the same key, given twice; "
+                    "keep one of them"
+                )
+            spelled[key] = raw
             if key not in known:
                 close = difflib.get_close_matches(key.replace("_", "-"), _flags(known), n=1)
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 raise ConfigError(
-                    f"{where}: unknown key {raw!r}{hint}; the keys are gpipe train's flags "
+                    f"{prefix}unknown key {raw!r}{hint}; the keys are gpipe train's flags "
                     "without the dashes (gpipe train --print-config lists them)"
                 )
             fields_[key] = value
         try:
             return cls(**fields_)
         except ValueError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+            raise ConfigError(f"{prefix}{exc}") from None
 
     def given(self) -> dict[str, Any]:
         """The fields set to something other than their default."""
@@ -156,9 +166,19 @@ def read_config_file(path: str | Path) -> TrainConfig:
     """The configuration a TOML file holds (``batch-size = 16``; ``batch_size`` is taken
     too); ConfigError naming the file and the key for anything else."""
     try:
-        table = tomllib.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file; expected a TOML file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path} is a folder; expected a TOML file") from None
+    except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--config {path}: {exc}") from None
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(
+            f"--config {path} is not TOML ({exc}); expected lines such as batch-size = 16"
+        ) from None
     types = dataclass_types(TrainConfig)
     for raw, value in table.items():
         key = raw.replace("-", "_")

@@ -157,10 +157,13 @@ def check_options(model: TrainModel, opts: TrainOptions) -> None:
         _check_auto(opts, model)
     else:
         _check_schedule(opts, layers)
+    _check_chunks(opts)
     try:
         check_checkpoint(opts.checkpoint)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    except ValueError:
+        raise ConfigError(
+            "--checkpoint must be always, except_last or never, got " + repr(opts.checkpoint)
+        ) from None
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda, but this machine has no CUDA device")
     check_report_to(opts.report_to)
@@ -215,10 +218,17 @@ def _check_auto(opts: TrainOptions, model: TrainModel) -> None:
         raise ConfigError(
             f"--balance {opts.balance}: --schedule auto chooses the cut by time; leave it out"
         )
+
+
+def _check_chunks(opts: TrainOptions) -> None:
+    """A micro-batch is a row at least: ``--chunks`` above a replica's rows would run fewer
+    micro-batches than asked (and than run.json records). With ``--pack`` the rows are
+    tokens' worth, checked against the documents (``check_pack``)."""
     share = opts.batch_size // opts.data_parallel
-    if opts.chunks is not None and opts.chunks > share:
+    if opts.chunks is not None and opts.chunks > share and not opts.pack:
         raise ConfigError(
-            f"--chunks {opts.chunks} is more than each replica's {share} rows of --batch-size"
+            f"--chunks {opts.chunks} is more than each replica's {share} rows of --batch-size "
+            f"{opts.batch_size}: give --chunks {share} or fewer, or a larger --batch-size"
         )
 
 
@@ -227,10 +237,11 @@ def _check_schedule(opts: TrainOptions, layers: int | None) -> None:
     from gpipe.training.job import parse_balance
 
     assert opts.chunks is not None  # None only under --schedule auto
-    try:
-        schedule = traits(opts.schedule)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    if opts.schedule not in SCHEDULES:
+        raise ConfigError(
+            f"--schedule must be auto or one of {', '.join(SCHEDULES)}, got {opts.schedule!r}"
+        )
+    schedule = traits(opts.schedule)
     if opts.virtual_stages > 1 and not schedule.several_stages_per_rank:
         raise ConfigError(
             f"--virtual-stages {opts.virtual_stages} needs --schedule {multi_stage_schedules()}, "

@@ -227,6 +227,8 @@ def resolve(config: TrainConfig) -> ResolvedRun:
     if config.threads is not None and config.threads < 1:
         raise ConfigError(f"--threads must be a positive integer, got {config.threads}")
     out = Path(config.resume or config.out)
+    if config.resume is None and out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {config.out} is a file; expected a run folder (a directory)")
     held = _this_jobs_run(out) if torchrun else None
     saved = held or _saved_run(config)
     model = resolve_model(config, saved and saved["model"], out)
@@ -241,7 +243,10 @@ def resolve(config: TrainConfig) -> ResolvedRun:
 def _resolved_config(config: TrainConfig, model: TrainModel, opts: TrainOptions) -> TrainConfig:
     """``config`` with every field as the run will use it: the model's shape and the options
     resolved, defaults filled in."""
-    values: dict[str, Any] = {"model": model.source, "split_at": ",".join(model.split_at or [])}
+    values: dict[str, Any] = {
+        "model": model.source,
+        "split_at": ",".join(model.split_at) if model.split_at else None,
+    }
     if model.kind == "gpt":
         shape = model.config
         values |= {flag: getattr(shape, name) for flag, name in GPT_FLAGS.items()}
@@ -250,8 +255,7 @@ def _resolved_config(config: TrainConfig, model: TrainModel, opts: TrainOptions)
     values |= {k: v for k, v in asdict(opts).items() if k in names}
     for name in ("out", "resume", "threads", "max_restarts", "force"):
         values[name] = getattr(config, name)
-    given: dict[str, Any] = {k: (v if v != "" else None) for k, v in values.items()}
-    return TrainConfig(**given)
+    return TrainConfig(**values)
 
 
 def train(config: TrainConfig) -> dict[str, Any] | None:

@@ -1,0 +1,162 @@
+"""``TrainConfig``, the flags of ``gpipe train`` as a dataclass: field for flag with the same
+defaults, its TOML form (``--config``, ``--print-config``), and the one-line errors for a
+configuration that cannot run, alike from the command and from ``train`` (nothing here starts
+a process; tests/cli/test_train.py runs configurations)."""
+
+import argparse
+import dataclasses
+import re
+
+import pytest
+
+from gpipe.cli import main
+from gpipe.cli.train import add_parser, config_of
+from gpipe.errors import ConfigError
+from gpipe.training import TrainConfig, train
+from gpipe.training.config import config_text, read_config_file
+from gpipe.training.run import resolve
+
+
+def _parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser()
+    add_parser(top.add_subparsers())
+    return top
+
+
+def _one_line(capsys, *argv: str) -> str:
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("gpipe: error: "), err
+    return err.removeprefix("gpipe: error: ")
+
+
+def test_every_flag_is_a_field_with_the_same_default():
+    """Each flag of ``gpipe train --help`` (but --config and --print-config) is the field of
+    its name, of its type, and vice versa; a flag left out is the field's default, and the
+    default its help states is the one the run resolves to."""
+    (train_parser,) = _parser()._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
+    actions = {a.dest: a for a in train_parser._actions if a.dest not in ("help",)}
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    assert set(actions) - set(fields) == {"config", "print_config"}
+    assert set(fields) - set(actions) == set()
+    resolved = resolve(TrainConfig()).config
+    for name, field in fields.items():
+        action = actions[name]
+        if isinstance(action, argparse._StoreTrueAction):
+            assert field.default is False and field.type == "bool", name
+            continue
+        assert action.default is None, name  # not given: the field's default
+        kind = {int: "int", float: "float", None: "str"}[action.type]
+        assert field.type in (f"{kind} | None", kind), name
+        stated = re.search(r"\(default:? ([\w.-]+)[);]", action.help or "")
+        if stated and getattr(resolved, name) is not None:
+            assert str(getattr(resolved, name)) == str((action.type or str)(stated.group(1))), name
+
+
+def test_a_flag_given_wins_over_the_file_even_at_its_default(tmp_path):
+    file = tmp_path / "run.toml"
+    file.write_text('out = "elsewhere"\nsteps = 7\nbatch-size = 4\n')
+    args = _parser().parse_args(["train", "--config", str(file), "--out", "runs/gpt"])
+    config = config_of(args)
+    assert (config.out, config.steps, config.batch_size) == ("runs/gpt", 7, 4)
+    args = _parser().parse_args(["train", "--config", str(file), "--steps", "9"])
+    assert (config_of(args).out, config_of(args).steps) == ("elsewhere", 9)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"steps": 3}\n', r"^--config \S+ is not TOML \(.*\); expected lines such as"),
+        ("steps: 3\n", r"^--config \S+ is not TOML"),
+        ('steps = "ten"\n', r"^--config \S+: steps must be an integer, got 'ten'$"),
+        ("batch_size = 2.5\n", r"^--config \S+: batch_size must be an integer, got 2.5$"),
+        ('quiet = "yes"\n', r"^--config \S+: quiet must be true or false, got 'yes'$"),
+        ("stepz = 3\n", r"^--config \S+: unknown key 'stepz' \(did you mean steps\?\)"),
+        (
+            "batch-size = 8\nbatch_size = 9\n",
+            r"^--config \S+: 'batch-size' and 'batch_size' are the same key, given twice",
+        ),
+    ],
+)
+def test_a_bad_config_file_is_one_line_naming_the_key(tmp_path, text, message):
+    file = tmp_path / "run.toml"
+    file.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        read_config_file(file)
+
+
+def test_a_config_path_that_is_no_file_is_one_line(tmp_path, capsys):
+    err = _one_line(capsys, "--config", str(tmp_path / "absent.toml"), "--print-config")
+    assert err == f"--config {tmp_path / 'absent.toml'}: no such file; expected a TOML file"
+    err = _one_line(capsys, "--config", str(tmp_path), "--print-config")
+    assert err == f"--config {tmp_path} is a folder; expected a TOML file"
+
+
+def test_missing_keys_are_the_defaults(tmp_path):
+    file = tmp_path / "run.toml"
+    file.write_text("steps = 3\n")
+    assert read_config_file(file) == TrainConfig(steps=3)
+
+
+def test_print_config_keeps_what_was_given_even_empty(tmp_path):
+    """An empty ``--prompt`` samples from nothing; the printed configuration (and run.json)
+    must say so, or the file read back runs with the default prompt."""
+    printed = resolve(TrainConfig(prompt="", preset="tiny")).config
+    assert printed.prompt == "" and printed.split_at is None
+    file = tmp_path / "run.toml"
+    file.write_text(config_text(printed))
+    assert read_config_file(file).prompt == ""
+    assert resolve(read_config_file(file)).config == printed
+
+
+def test_flag_errors_are_not_prefixed_with_the_class(capsys):
+    err = _one_line(capsys, "--report-to", "", "--print-config")
+    assert err.startswith("--report-to must be none or a comma-separated list"), err
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ({"steps": 0}, "--steps must be a positive integer, got 0"),
+        ({"batch_size": -1}, "--batch-size must be a positive integer, got -1"),
+        (
+            {"chunks": 64, "batch_size": 8},
+            "--chunks 64 is more than each replica's 8 rows of --batch-size 8: give --chunks 8 "
+            "or fewer, or a larger --batch-size",
+        ),
+        (
+            {"schedule": "nope"},
+            "--schedule must be auto or one of gpipe, 1f1b, zero-bubble, interleaved, ",
+        ),
+        ({"checkpoint": "sometimes"}, "--checkpoint must be always, except_last or never, got "),
+        ({"out": "{file}"}, "--out {file} is a file; expected a run folder (a directory)"),
+        ({"out": ""}, "--out must name a run folder, got ''"),
+    ],
+)
+def test_bad_values_fail_before_any_process_alike_from_python_and_the_command(
+    tmp_path, capsys, given, message
+):
+    """``train(TrainConfig(...))`` raises the one line the command prints, before any
+    process starts or anything is written."""
+    file = tmp_path / "a-file"
+    file.write_text("not a run folder")
+    given = {k: (v.format(file=file) if isinstance(v, str) else v) for k, v in given.items()}
+    message = message.format(file=file)
+    config = {"preset": "tiny", "seq_len": 16, "out": str(tmp_path / "run"), **given}
+    with pytest.raises(ConfigError) as raised:
+        train(TrainConfig(**config))
+    assert str(raised.value).startswith(message), raised.value
+    assert not (tmp_path / "run").exists()
+    flags = [a for k, v in config.items() for a in ("--" + k.replace("_", "-"), str(v))]
+    assert _one_line(capsys, *flags).startswith(message)
+
+
+def test_config_is_a_plain_dataclass():
+    import gpipe.training
+
+    assert "TrainConfig" in gpipe.training.__all__
+    config = TrainConfig(steps=5, preset="tiny")
+    assert dataclasses.replace(config, steps=6) == TrainConfig(steps=6, preset="tiny")
+    assert dataclasses.replace(config, steps=5) == config and config != TrainConfig()
+    with pytest.raises(ConfigError, match=r"--device must be one of cpu, cuda, got 'tpu'"):
+        dataclasses.replace(config, device="tpu")
