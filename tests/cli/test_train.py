@@ -286,6 +286,13 @@ def test_bad_options_end_in_one_line_and_exit_code_2(capsys, tmp_path):
     assert "--seq-len 64 is above the model's maximum of 32" in _usage_error(
         capsys, "train", "--preset", "tiny", "--seq-len", "64", *out
     )
+    # the model's shape refused in the flags' names, not GPTConfig's fields
+    assert "--dropout must be in [0, 1), got 1.0" in _usage_error(
+        capsys, "train", "--dropout", "1", *out
+    )
+    assert "--d-model must be divisible by --n-head, got --d-model=128, --n-head=3" in (
+        _usage_error(capsys, "train", "--n-head", "3", *out)
+    )
     assert "--checkpoint must be always, except_last or never, got 'sometimes'" in _usage_error(
         capsys, "train", "--checkpoint", "sometimes", *out
     )
@@ -357,6 +364,11 @@ def test_a_run_folder_is_not_overwritten_without_force(capsys, trained):
     err = _usage_error(capsys, "train", "--preset", "tiny", "--out", str(run))
     assert "is not empty; pass --force" in err
     assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_a_resumed_runs_printed_config_names_its_own_folder(capsys, trained):
+    assert main(["train", "--resume", str(trained[1]), "--print-config"]) == 0
+    assert f"out = {json.dumps(str(trained[1]))}" in capsys.readouterr().out.splitlines()
 
 
 def test_resume_refuses_a_different_model(capsys, trained, tmp_path):

@@ -255,6 +255,8 @@ def _resolved_config(config: TrainConfig, model: TrainModel, opts: TrainOptions)
     values |= {k: v for k, v in asdict(opts).items() if k in names}
     for name in ("out", "resume", "threads", "max_restarts", "force"):
         values[name] = getattr(config, name)
+    if config.resume is not None:  # the run lives where it is continued, whatever --out says
+        values["out"] = config.resume
     return TrainConfig(**values)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,13 +97,22 @@ def _gpt_fields(config: TrainConfig, saved: dict[str, Any] | None, out: Path) ->
         else:
             gpt = GPTConfig.from_dict({k: v for k, v in saved.items() if k != "source"})
     except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(str(exc).strip("'\"")) from None
+        message = str(exc).strip("'\"")
+        raise ConfigError(message if saved is not None else _in_flags(message)) from None
     differ = {k: v for k, v in overrides.items() if getattr(gpt, k) != v}
     if differ:
         asked = ", ".join(f"{k}={v}" for k, v in differ.items())
         held = ", ".join(f"{k}={getattr(gpt, k)}" for k in differ)
         raise ConfigError(f"the checkpoint in {out} holds a model with {held}, not {asked}")
     return gpt.to_dict()
+
+
+def _in_flags(message: str) -> str:
+    """``GPTConfig``'s refusal of a shape the flags asked for, in the flags' names
+    (``GPTConfig.seq_len`` is ``--context``)."""
+    for flag, field_ in GPT_FLAGS.items():
+        message = re.sub(rf"\b(GPTConfig\.)?{field_}\b", "--" + flag.replace("_", "-"), message)
+    return message
 
 
 def _hf_model(target: str, split_at: list[str] | None) -> TrainModel:
