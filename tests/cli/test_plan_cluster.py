@@ -413,22 +413,9 @@ def test_search_lists_only_layouts_with_the_flags_given(capsys, pinned):
             got = layout[flag[2:].replace("-", "_")]
             assert str(got) == value, (flag, layout)
         # the same layout, planned alone, runs
-        one = [
-            "--tensor-parallel",
-            str(layout["tensor_parallel"]),
-            "--stages",
-            str(layout["stages"]),
-            "--schedule",
-            layout["schedule"],
-            "--virtual-stages",
-            str(layout["virtual_stages"]),
-            "--micro-batch",
-            str(layout["micro_batch"]),
-            "--recompute",
-            layout["recompute"],
-            "--shard",
-            layout["shard"],
-        ]
+        keys = ("tensor_parallel", "stages", "schedule", "virtual_stages", "micro_batch")
+        keys += ("recompute", "shard")
+        one = [x for key in keys for x in (f"--{key.replace('_', '-')}", str(layout[key]))]
         assert main([*argv[: argv.index("--global-batch")], "--global-batch", "256", *one]) == 0
         capsys.readouterr()
 
