@@ -27,9 +27,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gpipe.runtime.stage import IGNORE_INDEX
+
 __all__ = ["IGNORE_INDEX", "Plan", "counts_of", "pack", "plan", "spread"]
 
-IGNORE_INDEX = -100  # what torch's cross_entropy skips by default
 Plan = list[list[list[int]]]  # micro-batch -> row -> the indices of its sequences, in order
 _MAX_IMPROVEMENTS = 10_000  # moves and swaps tried after the greedy pass, at most
 

@@ -13,10 +13,9 @@ import torch
 from torch import Tensor
 
 from gpipe.runtime.dtensors import is_dtensor
+from gpipe.runtime.stage import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "TokenLogprobs", "logits_of", "token_logprobs"]
-
-IGNORE_INDEX = -100  # a target that has no log-probability (padding, a document's end)
 
 
 def logits_of(outputs: Any) -> Tensor:

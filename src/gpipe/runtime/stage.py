@@ -36,7 +36,7 @@ from gpipe.runtime.weight_gradients import Owners, WeightGradients, owners
 from gpipe.skip.layout import StagePorts
 from gpipe.skip.tracker import StageTracker, use_tracker
 
-__all__ = ["NO_TARGET", "Grads", "LossFn", "Stage"]
+__all__ = ["IGNORE_INDEX", "NO_TARGET", "Grads", "LossFn", "Stage"]
 
 LossFn = Callable[..., Tensor]
 
@@ -47,6 +47,8 @@ class _NoTarget:
 
 
 NO_TARGET: Any = _NoTarget()  # the target of a step without targets: loss_fn(outputs) alone
+# a target token that counts for nothing (padding, a document's end): cross_entropy's default
+IGNORE_INDEX = -100
 
 
 @dataclass
