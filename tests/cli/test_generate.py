@@ -103,6 +103,26 @@ def test_generate_refuses_bad_input_in_one_line(run, tmp_path, capsys):
     assert err == f"gpipe: error: --out {folder}: a folder, not a file to write", err
 
 
+def test_generate_refuses_bad_sampling_flags_by_name_before_the_stages_start(run, tmp_path, capsys):
+    """A negative --temperature, a --top-p outside (0, 1] or a negative --eos-token-id were
+    refused only once the stages had started and loaded the checkpoint, and then by
+    ``generate``'s argument names (``top_p must be ...``), not the flags'."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"ids": [1, 2]}\n')
+    argv = ["generate", str(run), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")]
+    for flags, message in (
+        (["--temperature", "-1"], "--temperature must be a number >= 0 (0: greedy), got -1.0"),
+        (["--temperature", "nan"], "--temperature must be a number >= 0 (0: greedy), got nan"),
+        (["--top-p", "0"], "--top-p must be a number in (0, 1], got 0.0"),
+        (["--top-p", "1.5"], "--top-p must be a number in (0, 1], got 1.5"),
+        (["--top-p", "nan"], "--top-p must be a number in (0, 1], got nan"),
+        (["--eos-token-id", "-2"], "--eos-token-id must be a token id (>= 0), got -2"),
+    ):
+        assert main([*argv, "--max-new-tokens", "2", *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"gpipe: error: {message}", err
+
+
 def test_sample_refuses_a_temperature_that_is_no_positive_number(run, capsys):
     """Refused in one line before the stages start: no traceback of the processes."""
     for given in ("0", "-1", "nan", "inf"):

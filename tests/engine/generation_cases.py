@@ -177,11 +177,16 @@ def refusals() -> list[str]:
         ((good, 3), {"in_flight": 0}),
         ((good, 3), {"prefill_chunk": 0}),
         ((["hello"], 3), {}),
+        (([{5: 6}], 3), {}),
     ):
         try:
             pipe.generate(*args, **kwargs)
         except (ValueError, TypeError) as exc:
             found.append(f"{type(exc).__name__}: {exc}")
+    try:  # refused, not taken for "no room": every sequence would come back empty
+        pipe.generator().generate(good, 3, rows_per_lane=-1)
+    except ValueError as exc:
+        found.append(f"{type(exc).__name__}: {exc}")
     assert pipe.training and all(layer.training for layer in pipe.children())
     # a call that runs gives each module back the mode it had: a layer put in eval mode of
     # its own stays there while the others train again

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpipe.engine.generation.checks import checked_settings
+from gpipe.engine.generation.checks import checked_prompts, checked_settings
 
 from ..workers import run
 from . import generation_cases as cases
@@ -72,6 +72,8 @@ def test_bad_input_is_refused_in_one_line_on_every_rank():
         "ValueError: in_flight must be a positive integer or None, got 0",
         "ValueError: prefill_chunk must be a positive integer or None, got 0",
         "TypeError: prompt 0 is a str: each prompt is a list of token ids",
+        "TypeError: prompt 0 is a dict: each prompt is a list of token ids",
+        "ValueError: rows_per_lane must be a positive integer or None, got -1",
     ]
 
 
@@ -109,6 +111,42 @@ def test_numpy_and_torch_numbers_are_taken_as_python_ones():
     for flag in (np.True_, torch.tensor(True), torch.tensor([5])):  # no bools, one number
         with pytest.raises(ValueError, match="top_k must be a positive integer or None"):
             settings(3, 0.0, flag, None, None, 3)
+
+
+def test_prompts_whose_ids_have_no_order_or_that_are_one_number_are_refused():
+    """A dict or a set iterates, but not over a prompt's ids in order (a dict's keys would
+    have been generated from); a 0-d tensor or array is one number, which used to fail as
+    "iteration over a 0-d tensor", naming no prompt."""
+    for prompt, what in (
+        ({5: 6}, "a dict"),
+        ({5, 6}, "a set"),
+        (torch.tensor(5), "a 0-d Tensor"),
+        (np.array(5), "a 0-d ndarray"),
+    ):
+        with pytest.raises(TypeError, match=f"^prompt 1 is {what}: each prompt is a list of"):
+            checked_prompts([[1, 2], prompt], 3, 64, 40)
+    ids = [range(1, 3), (1, 2), torch.tensor([1, 2]), np.array([1, 2]), iter([1, 2])]
+    assert checked_prompts(ids, 3, 64, 40) == [[1, 2]] * 5  # in order: taken
+
+
+def test_settings_past_any_float_and_bad_rows_per_lane_are_refused_by_name():
+    """An int too large for a float was an OverflowError from inside the check; a
+    ``rows_per_lane`` below 1 let no sequence into a lane, and every one came back empty."""
+
+    def settings(**given):
+        base = {"temperature": 0.0, "top_k": None, "top_p": None, "eos_token_id": None}
+        base |= {"seed": 1, "in_flight": None, "prefill_chunk": None}
+        return checked_settings(3, **{**base, **given}, n_stages=2, vocab=64)
+
+    with pytest.raises(ValueError, match="^temperature must be a number >= 0"):
+        settings(temperature=10**400)
+    with pytest.raises(ValueError, match=r"^top_p must be a number in \(0, 1\]"):
+        settings(top_p=10**400)
+    for rows in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="^rows_per_lane must be a positive integer or None"):
+            settings(rows_per_lane=rows)
+    assert settings(rows_per_lane=np.int64(2)).rows_per_lane == 2
+    assert settings().rows_per_lane is None
 
 
 def test_models_without_a_cache_are_refused_on_every_rank():

@@ -20,6 +20,16 @@ def test_prompts_spread_over_the_lanes_and_are_prefilled_whole_without_a_chunk()
     assert plan.task(1) is None  # nothing left for it before its tokens come back
 
 
+def test_no_more_lanes_than_prompts_are_kept():
+    """A lane beyond one per prompt never holds a sequence: ``in_flight=10**9`` kept a
+    billion of them (minutes, and gigabytes) for two prompts."""
+    plan = Scheduler([[1, 2], [3]], 2, lanes=1000)
+    assert plan.lanes == 2
+    assert plan.task(0) == Task(0, pieces=(Piece(0, 0, (1, 2), True),))
+    assert plan.task(1) == Task(1, pieces=(Piece(1, 0, (3,), True),))
+    assert Scheduler([], 2, lanes=3).lanes == 1  # no prompt: one lane, idle
+
+
 def test_a_prefilled_prompt_joins_its_lane_with_its_first_token_and_leaves_when_done():
     plan = Scheduler([[1, 2, 3]], 2, lanes=1)
     plan.task(0)

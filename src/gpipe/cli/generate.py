@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,17 @@ def _at_its_line(refusal: str, path: Path, numbers: list[int]) -> str:
     return f"--prompts {path}, line {numbers[int(found[1])]}: the prompt {found[2]}"
 
 
+def _check_sampling(args: argparse.Namespace) -> None:
+    """The sampling flags that need no model, refused by their own names before the stages
+    start (the stages would refuse them by ``generate``'s argument names, after loading)."""
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UsageError(f"--temperature must be a number >= 0 (0: greedy), got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:  # NaN is no number in (0, 1]
+        raise UsageError(f"--top-p must be a number in (0, 1], got {args.top_p}")
+    if args.eos_token_id is not None and args.eos_token_id < 0:
+        raise UsageError(f"--eos-token-id must be a token id (>= 0), got {args.eos_token_id}")
+
+
 def _generate(args: argparse.Namespace) -> int:
     from gpipe.training.checkpoints.format import read_run_record
     from gpipe.training.data.tokenizer import IdTokenizer, load_tokenizer
@@ -113,6 +125,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     for flag in ("max_new_tokens", "top_k", "in_flight", "prefill_chunk", "batch_size", "threads"):
         positive(flag.replace("_", "-"), getattr(args, flag))
+    _check_sampling(args)
     try:
         checkpoint = checkpoint_at(args.path)
         train = read_run_record(checkpoint).get("train") or {}

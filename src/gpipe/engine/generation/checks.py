@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,8 @@ __all__ = ["Settings", "checked_prompts", "checked_settings"]
 @dataclass(frozen=True)
 class Settings:
     """What every stage needs to know of a generation, as the first stage decided it;
-    ``context``: the model's, that no sequence outgrows (None: unknown)."""
+    ``context``: the model's, that no sequence outgrows (None: unknown); ``rows_per_lane``:
+    the most sequences a lane holds at once (None: every prompt, spread over the lanes)."""
 
     max_new_tokens: int
     sampling: Sampling
@@ -28,6 +29,7 @@ class Settings:
     in_flight: int
     prefill_chunk: int | None
     context: int | None = None
+    rows_per_lane: int | None = None
 
 
 def _integer(value: Any) -> int | None:
@@ -55,7 +57,10 @@ def _real(value: Any) -> float | None:
             return None
         real = float(value.item())
     elif isinstance(value, numbers.Real):
-        real = float(value)
+        try:
+            real = float(value)
+        except OverflowError:  # an int past any float: no finite number
+            return None
     else:
         return None
     return real if math.isfinite(real) else None
@@ -86,6 +91,17 @@ def _a(noun: str) -> str:
     return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
+def _not_a_prompt(value: Any) -> str | None:
+    """What ``value`` is if it cannot be a prompt's ids in order: text, a mapping or a set
+    (iterable, but not over ids in the prompt's order), a 0-d tensor or array (one number,
+    which iterates into an error of its own), anything not iterable; None if it can."""
+    if getattr(value, "ndim", None) == 0:
+        return _a(f"0-d {type(value).__name__}")
+    if isinstance(value, (str, bytes, Mapping, Set)) or not hasattr(value, "__iter__"):
+        return _a(type(value).__name__)
+    return None
+
+
 def checked_prompts(
     prompts: Any, max_new_tokens: int, vocab: int | None, context: int | None
 ) -> list[list[int]]:
@@ -98,10 +114,9 @@ def checked_prompts(
         )
     checked = []
     for i, prompt in enumerate(prompts):
-        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
-            raise TypeError(
-                f"prompt {i} is {_a(type(prompt).__name__)}: each prompt is a list of token ids"
-            )
+        what = _not_a_prompt(prompt)
+        if what is not None:
+            raise TypeError(f"prompt {i} is {what}: each prompt is a list of token ids")
         ids = [_token(t, i, at) for at, t in enumerate(prompt)]
         if not ids:
             raise ValueError(f"prompt {i} is empty: give at least one token id")
@@ -140,6 +155,7 @@ def checked_settings(
     n_stages: int,
     vocab: int | None,
     context: int | None = None,
+    rows_per_lane: Any = None,
 ) -> Settings:
     """Every argument but the prompts checked; ``seed=None`` with sampling draws one here."""
     new = _positive("max_new_tokens", max_new_tokens)
@@ -164,6 +180,7 @@ def checked_settings(
         raise ValueError(f"seed must be an integer or None, got {seed!r}")
     lanes = _positive("in_flight", in_flight, optional=True) or n_stages
     chunk = _positive("prefill_chunk", prefill_chunk, optional=True)
+    rows = _positive("rows_per_lane", rows_per_lane, optional=True)
     if drawn is None:
         drawn = random.SystemRandom().randrange(2**63)
-    return Settings(new, Sampling(heat, k, nucleus, drawn), eos, lanes, chunk, context)
+    return Settings(new, Sampling(heat, k, nucleus, drawn), eos, lanes, chunk, context, rows)

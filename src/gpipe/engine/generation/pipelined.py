@@ -154,6 +154,7 @@ class Generation:
                 n_stages=self.n_stages,
                 vocab=vocab,
                 context=context,
+                rows_per_lane=rows_per_lane,
             )
             checked.extend(checked_prompts(prompts, settings.max_new_tokens, vocab, context))
             return settings
@@ -167,7 +168,7 @@ class Generation:
         self.module.eval()  # no dropout while generating
         try:
             if self.is_first:
-                tokens = self._lead(caches, checked, settings, rows_per_lane, on_tokens)
+                tokens = self._lead(caches, checked, settings, on_tokens)
             else:
                 self._follow(caches, settings)
             self.transport.flush()
@@ -184,7 +185,6 @@ class Generation:
         caches: StageCaches,
         prompts: list[list[int]],
         settings: Settings,
-        rows_per_lane: int | None,
         on_tokens: Callable[[int], None] | None,
     ) -> list[list[int]]:
         """Plan every lane's trips until every sequence has ended; returns their tokens."""
@@ -193,7 +193,7 @@ class Generation:
             prompts,
             settings.max_new_tokens,
             lanes=settings.in_flight,
-            rows_per_lane=rows_per_lane,
+            rows_per_lane=settings.rows_per_lane,
             prefill_chunk=settings.prefill_chunk,
             eos_token_id=settings.eos_token_id,
             on_tokens=on_tokens,

@@ -57,8 +57,9 @@ class _Lane:
 
 
 class Scheduler:
-    """The plan of ``lanes`` lanes of at most ``rows_per_lane`` sequences each, over
-    ``prompts`` (token ids) that each get up to ``max_new_tokens`` new tokens.
+    """The plan of ``lanes`` lanes (no more than there are prompts) of at most
+    ``rows_per_lane`` sequences each, over ``prompts`` (token ids) that each get up to
+    ``max_new_tokens`` new tokens.
 
     ``first_token`` holds, per sequence, when its first token came back (``time.perf_counter``);
     ``on_tokens(n)`` hears of every ``n`` tokens that come back."""
@@ -79,6 +80,8 @@ class Scheduler:
         self.eos_token_id = eos_token_id
         self.prefill_chunk = prefill_chunk
         n = len(self.prompts)
+        # a lane beyond one per prompt would never hold a sequence: none is kept for it
+        lanes = max(1, min(lanes, n))
         self.rows_per_lane = rows_per_lane or max(1, math.ceil(n / lanes))
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.first_token: list[float | None] = [None] * n
