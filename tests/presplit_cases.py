@@ -86,3 +86,29 @@ def equivalence(k: int) -> int:
     counts = torch.tensor([float(length) for length, rows in LENGTHS_ROWS for _ in range(rows)])
     _check(pipe, token_model(), given, counts=counts)
     return cases + 1
+
+
+def outputs_and_refusals(k: int) -> dict:
+    """``return_outputs=True`` on micro-batches of 7, 31, 12 and 64 tokens, under 1F1B (the
+    last stage on the last process) and V-Half (on the first): the list of each one's
+    outputs, in order, equal to the whole model's, from ``step`` and ``evaluate``; and V-Min
+    given fewer micro-batches than it runs, refused in words that ask for micro-batches."""
+    given = microbatches()
+    reference = token_model()
+    expected = [reference(x).detach() for x, _ in given]
+    found: dict = {}
+    for schedule, balance in (("1f1b", [8 // k] * k), ("v-half", [2] * 2 * k)):
+        pipe = Pipeline(token_model(), balance, schedule=schedule, loss_fn=token_mean)
+        for method in (pipe.step, pipe.evaluate):
+            result = method(microbatches=given, return_outputs=True)
+            if pipe.is_last:
+                assert isinstance(result.outputs, list) and len(result.losses) == len(given)
+                for out, ref in zip(result.outputs, expected, strict=True):
+                    torch.testing.assert_close(out, ref, **EXACT)
+            found[schedule, method.__name__] = pipe.is_last
+    pipe = Pipeline(token_model(), [2] * 2 * k, chunks=2, schedule="v-min", loss_fn=token_mean)
+    try:
+        pipe.step(microbatches=given[:1])
+    except Exception as exc:  # the first rank refuses; the others lose it
+        found["refused"] = f"{type(exc).__name__}: {exc}"
+    return found

@@ -103,3 +103,19 @@ def test_a_step_with_fewer_rows_than_the_schedules_fewest_micro_batches_is_one_l
     )
     with pytest.raises(ValueError, match=expected):
         source.build(2, 1, 2)
+
+
+def test_too_few_micro_batches_of_ones_own_are_refused_asking_for_micro_batches_not_rows():
+    """``step(microbatches=...)`` decides M itself: more rows would not help, so the refusal
+    asks for micro-batches, at least the schedule's fewest, or exactly a fixed one's."""
+    with pytest.raises(ValueError, match=r"has 1 \(microbatches= lists that many\): pass at "):
+        ScheduleSource.of("v-min").build(2, 1, 2, given=True)
+    fixed = ScheduleSource.of(gpipe(2, 3))
+    expected = (
+        r"^schedule 'gpipe' runs 3 micro-batches, but this step has 4 \(microbatches= lists "
+        r"that many\): pass exactly 3 micro-batches$"
+    )
+    with pytest.raises(ValueError, match=expected):
+        fixed.build(2, 4, 1, given=True)
+    with pytest.raises(ValueError, match=r"has 2 \(fewer rows than chunks\): pass mini-batches"):
+        fixed.build(2, 2, 1)

@@ -153,3 +153,18 @@ def test_simulate_writes_and_reads_schedule_files(tmp_path, capsys):
     path.write_text("0F0,0F1,0B0\n1F0,1B0,1F1,1B1\n")
     assert main(["simulate", "--schedule-csv", str(path)]) == 2
     assert "rank 0 lacks 0B1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zero-bubble-v"])
+def test_a_sequence_pipelined_schedule_is_refused_rather_than_written_as_micro_batches(
+    tmp_path, name
+):
+    """Its units (sub-sequence j of micro-batch i is unit i x S + j) would come back as M x S
+    micro-batches of their own, which a pipeline would run whole."""
+    from gpipe.schedules.seq_chunked import seq_chunked
+
+    schedule = seq_chunked(name, 4 if name == "zero-bubble-v" else 2, 3, 2)
+    path = tmp_path / "schedule.csv"
+    with pytest.raises(ValueError, match="no sub-sequences: .* seq_chunks=2; write one without"):
+        to_csv(schedule, path)
+    assert not path.exists()

@@ -51,11 +51,12 @@ OutputsFor = Callable[[list[int]], dict[int, Any]]
 
 class StepResult(NamedTuple):
     """What ``step(..., return_outputs=True)`` returns: the loss on every rank; on the last
-    stage the mini-batch's outputs (detached, micro-batches gathered in order) and each
+    stage the mini-batch's outputs (detached, micro-batches gathered in order; with
+    ``microbatches=``, the list of each one's, which may differ in length) and each
     micro-batch's loss, as ``loss_fn`` gave it; None elsewhere."""
 
     loss: Tensor
-    outputs: Batch | None
+    outputs: Batch | list[Any] | None
     losses: list[Tensor | None] | None
 
 
@@ -208,7 +209,7 @@ class StepRunner:
         started = perf_counter()
         rows, sizes, parts = self._start(inputs, given)
         m = len(sizes)
-        schedule = self.schedules.step(m, training)
+        schedule = self.schedules.step(m, training, given is not None)
         units = schedule.n_microbatches  # m, or m x seq_chunks sub-sequences
         data = self._data(
             self._sequence_units(parts),
@@ -229,7 +230,7 @@ class StepRunner:
             raise
         times = StepTimes(perf_counter() - started, busy, waited, buckets, early)
         self._join_units(data, m)
-        return self._answer(loss, data, m, keep_outputs), times
+        return self._answer(loss, data, m, keep_outputs, given is not None), times
 
     def evaluate(
         self,
@@ -249,7 +250,7 @@ class StepRunner:
             self._targets(targets, rows, sizes, data, counts=counts, given=given)
         self._run(self.schedules.forward(m), data, training)
         loss = self._loss(data, m)
-        return self._answer(loss, data, m, keep_outputs)
+        return self._answer(loss, data, m, keep_outputs, given is not None)
 
     def forward(self, inputs: Any, training: bool) -> Any:
         """The outputs of a forward alone, on the last stage, micro-batches gathered in order;
@@ -431,17 +432,18 @@ class StepRunner:
         return loss
 
     def _answer(
-        self, loss: Tensor, data: StepData, m: int, keep_outputs: bool
+        self, loss: Tensor, data: StepData, m: int, keep_outputs: bool, given: bool
     ) -> Tensor | StepResult:
         """The loss; with ``keep_outputs``, also the last stage's outputs and per-micro-batch
-        losses."""
+        losses. The user's own micro-batches (``given``) keep their outputs apart, in a list,
+        as ``forward_only`` does: they may differ in length, which no join can hold."""
         if not keep_outputs:
             return loss
         if not self.placement.is_last:
             return StepResult(loss, None, None)
         assert data.loss_weights is not None
-        outputs = gather_payload([data.outputs[i] for i in range(m)])
-        outputs = with_tensors(outputs, [t.detach() for t in tensors_of(outputs)])
+        each = [_detached(data.outputs[i]) for i in range(m)]
+        outputs = each if given else gather_payload(each)
         losses = [
             (data.losses[i] / data.loss_weights[i]).detach() if data.loss_weights[i] else None
             for i in range(m)
@@ -526,6 +528,11 @@ class StepRunner:
     def _forget_sums(self) -> None:
         for buckets in self.buckets.values():
             buckets.reset()
+
+
+def _detached(payload: Any) -> Any:
+    """``payload`` with every tensor detached."""
+    return with_tensors(payload, [t.detach() for t in tensors_of(payload)])
 
 
 def _check_per_token(counted: Tensor, length: int) -> None:

@@ -86,25 +86,38 @@ class ScheduleSource:
                     f"schedule {fixed.name!r} is for {needed} {what}, the pipeline has {given}"
                 )
 
-    def build(self, n_ranks: int, n_microbatches: int, per_rank: int) -> Schedule:
+    def build(
+        self, n_ranks: int, n_microbatches: int, per_rank: int, given: bool = False
+    ) -> Schedule:
         """The schedule of a step of ``n_microbatches`` micro-batches (``chunks``, or as
-        many as the mini-batch has rows where it has fewer)."""
+        many as the mini-batch has rows where it has fewer; or the user's own, ``given``,
+        of which a refusal then asks micro-batches rather than rows)."""
         if self.fixed is None:
             fewest = traits(self.name).fewest_microbatches(n_ranks, per_rank)
             if n_microbatches < fewest:
                 raise ValueError(
                     f"schedule {self.name!r} runs at least {fewest} micro-batches on {n_ranks} "
-                    f"processes, but this step has {n_microbatches} (fewer rows than that): "
-                    f"pass mini-batches of at least {fewest} rows"
+                    f"processes, but this step has {n_microbatches} "
+                    + _what_to_pass(fewest, given, "fewer rows than that")
                 )
             return build(self.name, n_ranks, n_microbatches, per_rank)
         if n_microbatches != self.fixed.n_microbatches:
+            needed = self.fixed.n_microbatches
             raise ValueError(
-                f"schedule {self.name!r} runs {self.fixed.n_microbatches} micro-batches, but "
-                f"this step has {n_microbatches} (fewer rows than chunks): pass mini-batches "
-                f"of at least {self.fixed.n_microbatches} rows"
+                f"schedule {self.name!r} runs {needed} micro-batches, but this step has "
+                f"{n_microbatches} "
+                + _what_to_pass(needed, given, "fewer rows than chunks", exactly=True)
             )
         return self.fixed
+
+
+def _what_to_pass(needed: int, given: bool, why: str, exactly: bool = False) -> str:
+    """The end of a refused step's message: the micro-batches (``exactly`` that many, or
+    more) or the rows it needs."""
+    if given:
+        count = f"exactly {needed}" if exactly else f"at least {needed}"
+        return f"(microbatches= lists that many): pass {count} micro-batches"
+    return f"({why}): pass mini-batches of at least {needed} rows"
 
 
 @dataclass(frozen=True)
@@ -144,14 +157,14 @@ class StepSchedules:
     def n_stages(self) -> int:
         return len(self.stage_to_rank)
 
-    def step(self, n_microbatches: int, training: bool = True) -> Schedule:
-        """The schedule of a training step of ``n_microbatches`` micro-batches; in eval mode
-        (``training=False``) nothing is re-materialized."""
+    def step(self, n_microbatches: int, training: bool = True, given: bool = False) -> Schedule:
+        """The schedule of a training step of ``n_microbatches`` micro-batches (the user's
+        own where ``given``); in eval mode (``training=False``) nothing is re-materialized."""
         per_rank = self.n_stages // self.n_ranks
         if self.seq_chunks > 1:
             schedule = seq_chunked(self.source.name, self.n_stages, n_microbatches, self.seq_chunks)
         else:
-            schedule = self.source.build(self.n_ranks, n_microbatches, per_rank)
+            schedule = self.source.build(self.n_ranks, n_microbatches, per_rank, given)
         schedule = add_skips(schedule, self.routes)
         mode = self.checkpoint if training else "never"
         units = schedule.n_microbatches

@@ -227,6 +227,11 @@ def to_csv(schedule: Schedule, path: str | PathLike[str], messages: bool = False
             "PyTorch's schedule files have no skip or recomputation actions: write the "
             "schedule before add_skips and add_recompute"
         )
+    if schedule.seq_chunks > 1:  # read back, its sub-sequences would be micro-batches
+        raise ValueError(
+            f"PyTorch's schedule files have no sub-sequences: this schedule cuts each "
+            f"micro-batch into seq_chunks={schedule.seq_chunks}; write one without seq_chunks"
+        )
     rows = []
     rank_of = schedule.stage_to_rank
     for program in schedule.programs:
