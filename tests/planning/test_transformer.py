@@ -245,3 +245,172 @@ def test_latent_attention_projects_through_its_latents(tmp_path):
     assert shape.attention_flops(4096) == 2 * 4096 * heads * (192 + 128)
     without_q_latent = _shape(tmp_path, {**DEEPSEEK_V3, "q_lora_rank": None})
     assert without_q_latent.attention_products()[0] == (h, heads * 192, "out")
+
+
+# Dense families as their published config.json files give them: the keys that shape them,
+# tie_word_embeddings left to the family's default as the files leave it
+GEMMA_2_2B = {
+    "model_type": "gemma2",
+    "num_hidden_layers": 26,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "vocab_size": 256000,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+GEMMA_3_1B = {
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 26,
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "vocab_size": 262144,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+FALCON_7B = {
+    "model_type": "falcon",
+    "num_hidden_layers": 32,
+    "hidden_size": 4544,
+    "num_attention_heads": 71,
+    "multi_query": True,
+    "parallel_attn": True,
+    "vocab_size": 65024,
+}
+LLAMA_4_TEXT = {
+    "model_type": "llama4_text",
+    "num_hidden_layers": 48,
+    "hidden_size": 5120,
+    "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 202048,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "num_local_experts": 16,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 1,
+}
+LLAMA_4_SCOUT = {"model_type": "llama4", "text_config": LLAMA_4_TEXT}
+LLAMA_4_MAVERICK = {
+    "model_type": "llama4",
+    "text_config": {**LLAMA_4_TEXT, "num_local_experts": 128, "interleave_moe_layer_step": 2},
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "billions", "tied"),
+    [
+        (GEMMA_2_2B, 2.614, True),
+        (GEMMA_3_1B, 1.000, True),
+        (FALCON_7B, 6.921, True),
+        ({**GEMMA_2_2B, "tie_word_embeddings": False}, 3.204, False),
+    ],
+    ids=["gemma-2-2b", "gemma-3-1b", "falcon-7b", "gemma-2 untied as its config says"],
+)
+def test_a_family_that_ties_by_default_counts_its_embedding_once(tmp_path, config, billions, tied):
+    """Gemma's and Falcon's config files leave tie_word_embeddings out: their families tie
+    by default, as transformers builds them; a config that says otherwise wins."""
+    shape = _shape(tmp_path, config)
+    assert shape.tied is tied
+    assert shape.params() == pytest.approx(billions * 1e9, rel=1e-3)
+
+
+def test_gemma_3_is_gated_as_text_only_and_inside_its_multimodal_config(tmp_path):
+    """Gemma 3's MLP is GeGLU (gelu_pytorch_tanh names no gate): three matrices."""
+    alone = _shape(tmp_path, GEMMA_3_1B)
+    assert alone.gated and alone.layer_params() == 1152 * 256 * (4 + 2 * 1 + 4) + 3 * 1152 * 6912
+    text = {**GEMMA_3_1B, "num_hidden_layers": 34, "hidden_size": 2560, "intermediate_size": 10240}
+    text |= {"num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 262208}
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 1152, "num_hidden_layers": 27}
+    multimodal = {"model_type": "gemma3", "text_config": text, "vision_config": vision}
+    shape = _shape(tmp_path, multimodal)
+    assert shape.gated and shape.tied and shape.hidden == 2560
+    assert shape.params() == pytest.approx(3.88e9, rel=0.01)  # Gemma 3 4B less its vision tower
+
+
+@pytest.mark.parametrize(
+    ("config", "total", "active", "dense"),
+    [(LLAMA_4_SCOUT, 107.8, 17.2, ()), (LLAMA_4_MAVERICK, 400.7, 17.2, tuple(range(0, 48, 2)))],
+    ids=["scout", "maverick"],
+)
+def test_llama_4_has_a_shared_expert_and_wider_dense_blocks(tmp_path, config, total, active, dense):
+    """Llama 4 (published: Scout 109 B with its vision tower, Maverick 400 B, 17 B active):
+    each block with experts runs one shared expert beside its routed one, and Maverick's
+    dense blocks (every other, from the first) have an MLP of intermediate_size_mlp."""
+    shape = _shape(tmp_path, config)
+    assert (shape.expert_ffn, shape.shared_ffn, shape.ffn) == (8192, 8192, 16384)
+    assert shape.dense_blocks == dense
+    assert shape.params() == pytest.approx(total * 1e9, rel=1e-3)
+    assert shape.active_params() == pytest.approx(active * 1e9, rel=1e-2)
+
+
+def test_opts_mlp_width_is_its_ffn_dim(tmp_path):
+    config = {"model_type": "opt", "num_hidden_layers": 4, "hidden_size": 1024}
+    config |= {"num_attention_heads": 16, "vocab_size": 50272, "ffn_dim": 2048}
+    shape = _shape(tmp_path, config)
+    assert (shape.ffn, shape.gated, shape.tied) == (2048, False, True)
+
+
+@pytest.mark.parametrize(
+    ("config", "what"),
+    [
+        (
+            {"model_type": "bert", "num_hidden_layers": 12, "hidden_size": 768}
+            | {"num_attention_heads": 12, "intermediate_size": 3072, "vocab_size": 30522},
+            "model_type bert is an encoder;",
+        ),
+        (
+            {"model_type": "t5", "num_layers": 6, "d_model": 512, "num_heads": 8}
+            | {"vocab_size": 32128, "is_encoder_decoder": True},
+            "model_type t5 is an encoder-decoder;",
+        ),
+        (
+            {**GEMMA_2_2B, "model_type": "my_seq2seq", "is_encoder_decoder": True},
+            "model_type my_seq2seq is an encoder-decoder;",
+        ),
+    ],
+    ids=["bert", "t5", "is_encoder_decoder"],
+)
+def test_an_encoder_is_refused_in_one_line(tmp_path, config, what):
+    with pytest.raises(ValueError, match=f"--model hf:.*: {what} .* decoder-only") as caught:
+        _shape(tmp_path, config)
+    assert "\n" not in str(caught.value)
+
+
+def _tiny(config: dict) -> dict:
+    """``config`` shrunk to a model transformers builds in a moment, its structure kept."""
+    small = {"num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 96}
+    small |= {"num_attention_heads": 4, "intermediate_size": 128, "moe_intermediate_size": 32}
+    small |= {"shared_expert_intermediate_size": 48, "intermediate_size_mlp": 160}
+    small |= {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "head_dim": 32}
+    small |= {"q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8}
+    small |= {"qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 1}
+    small |= {"num_experts_per_tok": 2}
+    kv = {"num_key_value_heads": 2} if config.get("num_key_value_heads", 1) != 1 else {}
+    return {**config, **{k: v for k, v in small.items() if k in config}, **kv}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [GEMMA_2_2B, GEMMA_3_1B, FALCON_7B, LLAMA_4_TEXT, MIXTRAL_8X7B, QWEN2_57B_A14B, DEEPSEEK_V3],
+    ids=["gemma2", "gemma3_text", "falcon", "llama4_text", "mixtral", "qwen2_moe", "deepseek_v3"],
+)
+def test_the_count_is_the_matrices_transformers_builds(tmp_path, config):
+    """Each family's shape, read from a small config of its structure, counts the matrices
+    of the model transformers builds from it: each tied one once, and no vectors (norms,
+    biases, Qwen-MoE's gate of its shared expert)."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    tiny = _tiny(config)
+    (tmp_path / "config.json").write_text(json.dumps(tiny))
+    hf = transformers.AutoConfig.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() > 1 and min(p.shape) > 1)
+    assert from_hf_config(tmp_path).params() == matrices

@@ -22,20 +22,30 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from gpipe.parallel.sharding import TRAINED_SHARD_MODES
+from gpipe.planning.bubbles import scenario
 from gpipe.planning.closed_forms import closed_form_bubble, closed_form_peak
 from gpipe.planning.cluster import Prediction, predict
 from gpipe.planning.cluster_layout import Layout, check_layout, splits_over
 from gpipe.planning.cluster_memory import MemoryParts
 from gpipe.planning.cluster_step import StepModel
+from gpipe.planning.costs import Costs
 from gpipe.planning.hardware import Cluster
 from gpipe.planning.layer_costs import RECOMPUTE, STACKS
+from gpipe.planning.replay import simulate
 from gpipe.planning.transformer import TransformerShape
 from gpipe.schedules import Placement, traits
 
 __all__ = ["SIMULATED", "Estimate", "Search", "SearchSpace", "estimate", "search"]
 
 SIMULATED = 8  # layouts the simulator ranks, besides the best of each schedule
-_SCHEDULES = ("1f1b", "interleaved", "zero-bubble", "interleaved-zero-bubble", "zero-bubble-v")
+# Every schedule but those another of the list dominates in this model: gpipe (1f1b's bubble,
+# all M micro-batches held), looped-bfs (interleaved's bubble, all M held) and dualpipe-v
+# (zero-bubble-v's V with half a micro-batch more held and, without expert parallelism's
+# messages to hide, no smaller a bubble). V-Half and V-Min hold a half and a third of 1F1B's
+# activations: where nothing else fits without recomputation, they can be the fastest.
+_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "zero-bubble", "interleaved-zero-bubble")
+_SCHEDULES += ("zero-bubble-v", "v-half", "v-min")
+_CAPPED_V = ("v-half", "v-min")  # no closed-form bubble: estimated by simulation
 _MOST_VIRTUAL = 8  # the most stages per process a looped schedule is searched with
 
 
@@ -63,6 +73,7 @@ class Estimate:
     layout: Layout
     step_s: float
     memory: MemoryParts
+    rough: bool = False  # a V-Half or V-Min bubble not simulated yet (``estimate``'s rough)
 
 
 @dataclass
@@ -212,10 +223,55 @@ def _peaks(schedule: str, k: int, m: int, v: int) -> tuple[float, ...]:
     return closed_form_peak(schedule, k, m, v) or (float(m),) * k
 
 
-def estimate(shape: TransformerShape, layout: Layout, model: StepModel | None = None) -> Estimate:
-    """A layout's step and memory from the closed forms, without simulating; a layout that
-    does not fit its device gets no step time (infinity). ``model``: the layout's
-    ``StepModel``, if the caller has it."""
+def _fallback_bubble(
+    schedule: str, k: int, m: int, v: int, mean: Sequence[float], rough: bool
+) -> float:
+    """A bubble to rank a layout by where its schedule has no closed form at its costs
+    (``mean``: a stage's forward, backward with its recomputation, and weight gradient): a
+    looped schedule's, or the memory-capped Vs' simulated, or where ``rough`` (simulating
+    them takes seconds on many processes) 1F1B's, about the least they reach on more than a
+    few."""
+    if schedule in _CAPPED_V:
+        if rough:
+            return (k - 1) / (m + k - 1)
+        f, b, w = mean
+        return _capped_v_bubble(schedule, k, m, _tenths(b / f), _tenths(w / f))
+    return (k - 1) / (v * m + k - 1)
+
+
+def _tenths(ratio: float) -> float:
+    """``ratio`` to a tenth (at least a tenth), so that layouts of near costs share a simulation
+    (the bubble moves by a few points per tenth of B / W)."""
+    return max(0.1, round(ratio, 1))
+
+
+@functools.lru_cache(maxsize=1024)
+def _capped_v_bubble(schedule: str, k: int, m: int, backward: float, weight: float) -> float:
+    """V-Half's or V-Min's bubble on K processes, a forward taking 1: their order is played
+    for F = B = W, so their bubble grows with B / W (about 1F1B's at F = B = W, twice that
+    where recomputation doubles B) and no formula holds. Simulated at 2K and 3K micro-batches
+    and extended along that line past 3K, as ``cluster.predict`` extends a long step."""
+    costs = Costs(forward=1.0, backward=backward, weight=weight)
+
+    def makespan(n: int) -> float:
+        return simulate(*scenario(schedule, k, n, costs, 2)).makespan
+
+    if m <= 3 * k:
+        span = makespan(m)
+    else:
+        two, three = makespan(2 * k), makespan(3 * k)
+        span = three + (m - 3 * k) * (three - two) / k
+    work = m * (1.0 + backward + weight)
+    return max(0.0, 1.0 - work / span)
+
+
+def estimate(
+    shape: TransformerShape, layout: Layout, model: StepModel | None = None, rough: bool = False
+) -> Estimate:
+    """A layout's step and memory from the closed forms, without simulating the step; a
+    layout that does not fit its device gets no step time (infinity). ``model``: the
+    layout's ``StepModel``, if the caller has it. ``rough``: V-Half and V-Min's bubble taken
+    as 1F1B's rather than simulated (``_refine`` simulates those that then rank high)."""
     model = model or StepModel.of(shape, layout)
     k, m, v = layout.stages, layout.microbatches, layout.virtual_stages
     held = model.held
@@ -231,7 +287,8 @@ def estimate(shape: TransformerShape, layout: Layout, model: StepModel | None = 
     mean = [sum(x) / k for x in (f, bwd, w)]
     bubble = closed_form_bubble(layout.schedule, k, m, v, *mean) if k > 1 else 0.0
     if bubble is None:
-        bubble = (k - 1) / (v * m + k - 1)
+        recomputed = [mean[0], mean[1] + sum(r) / k, mean[2]]
+        bubble = _fallback_bubble(layout.schedule, k, m, v, recomputed, rough)
     makespan = m * max(work) / (1 - bubble)
     # the gradients' reduction past the last backward; the gather past the first forward
     dp = layout.data_parallel
@@ -244,7 +301,40 @@ def estimate(shape: TransformerShape, layout: Layout, model: StepModel | None = 
     exposed = max(max(0.0, x - y) for x, y in zip(ring, last, strict=True)) if dp > 1 else 0.0
     gather = max(max(0.0, g - y) for g, y in zip(model.gather_seconds(), first, strict=True))
     step = makespan + exposed + gather + model.optimizer_seconds()
-    return Estimate(layout, step, memory)
+    return Estimate(layout, step, memory, rough and layout.schedule in _CAPPED_V)
+
+
+def _chosen(fitting: list[Estimate], schedules: Sequence[str]) -> list[Estimate]:
+    """The estimates to simulate, of ``fitting`` sorted: the best ``SIMULATED``, the best of
+    each schedule (so the table compares them) and the best that gpipe trains."""
+    chosen = fitting[:SIMULATED]
+    extra = [next((e for e in fitting if e.layout.schedule == s), None) for s in schedules]
+    extra.append(next((e for e in fitting if e.layout.shard in TRAINED_SHARD_MODES), None))
+    for best_of in extra:
+        if best_of is not None and best_of not in chosen:
+            chosen.append(best_of)
+    return chosen
+
+
+def _refine(
+    shape: TransformerShape,
+    fitting: list[Estimate],
+    models: dict[tuple[object, ...], StepModel],
+    schedules: Sequence[str],
+) -> list[Estimate]:
+    """``_chosen`` of ``fitting`` (sorted here) once no rough estimate is among them: each
+    V-Half or V-Min layout that ranks there on its rough bubble is estimated again with its
+    simulated one, which only the few that rank high need, and the ranking redone."""
+    while True:
+        fitting.sort(key=lambda e: e.step_s)
+        chosen = _chosen(fitting, schedules)
+        rough = [i for i, e in enumerate(fitting) if e.rough and e in chosen]
+        if not rough:
+            return chosen
+        for i in rough:
+            layout = fitting[i].layout
+            model = dataclasses.replace(models[_unsharded(layout)], layout=layout)
+            fitting[i] = estimate(shape, layout, model)
 
 
 def search(
@@ -277,7 +367,7 @@ def search(
         key = _unsharded(layout)
         if key not in models:
             models[key] = StepModel.of(shape, layout)
-        guess = estimate(shape, layout, dataclasses.replace(models[key], layout=layout))
+        guess = estimate(shape, layout, dataclasses.replace(models[key], layout=layout), True)
         if guess.memory.total <= memory:
             fitting.append(guess)
         else:
@@ -285,14 +375,7 @@ def search(
             if found.least is None or guess.memory.total < found.least.memory.total:
                 found.least = guess
     found.fitting = len(fitting)
-    fitting.sort(key=lambda e: e.step_s)
-    chosen = fitting[:SIMULATED]
-    # the best of each schedule too, so the table compares them, and the best gpipe trains
-    extra = [next((e for e in fitting if e.layout.schedule == s), None) for s in space.schedules]
-    extra.append(next((e for e in fitting if e.layout.shard in TRAINED_SHARD_MODES), None))
-    for best_of in extra:
-        if best_of is not None and best_of not in chosen:
-            chosen.append(best_of)
+    chosen = _refine(shape, fitting, models, space.schedules)
     predicted = sorted(
         (p for p in (predict(shape, e.layout) for e in chosen) if p.fits()),
         key=lambda p: (p.step_time_s, p.memory.total),

@@ -25,7 +25,21 @@ __all__ = ["TransformerShape", "from_hf_config", "gpt_shape"]
 _GATED = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo", "olmo2"}
 _GATED |= {"phi3", "cohere", "internlm2", "granite", "yi", "baichuan", "exaone"}
 _GATED |= {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "gpt_oss", "granitemoe"}
+_GATED |= {"gemma3_text", "llama4", "llama4_text"}  # Gemma 3's GeGLU names no gated act
 _GATED_ACTS = {"silu", "swish", "swiglu", "geglu"}
+# Families whose config class ties the output matrix to the embedding unless the config says
+# otherwise (transformers' defaults of tie_word_embeddings; the others default to untied).
+_TIED = {"gpt2", "bloom", "opt", "gpt_neo", "gpt_bigcode", "gpt-sw3", "openai-gpt", "xglm"}
+_TIED |= {"gemma", "gemma2", "gemma3", "gemma3_text", "falcon", "mpt", "starcoder2"}
+_TIED |= {"cohere", "cohere2", "smollm3", "ernie4_5", "ernie4_5_moe", "jetmoe", "minicpm3"}
+# Families with one always-run shared expert as wide as the routed ones, which their
+# configs do not name (Llama 4's MoE blocks).
+_ONE_SHARED_EXPERT = {"llama4", "llama4_text"}
+# Encoders and encoder-decoders: their configs give a width, depth and heads too, but not
+# the decoder the planner prices.
+_NOT_DECODERS = {"bert", "roberta", "xlm-roberta", "deberta", "deberta-v2", "distilbert"}
+_NOT_DECODERS |= {"albert", "electra", "mpnet", "modernbert", "t5", "mt5", "umt5", "bart"}
+_NOT_DECODERS |= {"mbart", "pegasus", "marian", "whisper", "longt5", "switch_transformers"}
 
 
 @dataclass(frozen=True)
@@ -268,6 +282,7 @@ def from_hf_config(path: str | Path) -> TransformerShape:
     if not isinstance(text, dict):
         raise ValueError(f"--model hf:{path}: text_config must be a JSON object, got {text!r}")
     config = {**config, **text}
+    _check_decoder(config, path)
     layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
     hidden = _first(config, "hidden_size", "n_embd", "d_model")
     heads = _first(config, "num_attention_heads", "n_head")
@@ -280,6 +295,18 @@ def from_hf_config(path: str | Path) -> TransformerShape:
         return _shape_of(config, file, (layers, hidden, heads, vocab))
     except (ValueError, TypeError) as exc:  # a field of the wrong kind, named where it is read
         raise ValueError(f"--model hf:{path}: {exc}") from None
+
+
+def _check_decoder(config: dict[str, Any], path: str | Path) -> None:
+    """Refuse, in one line, an encoder or encoder-decoder's config: read as a decoder's, its
+    shapes would be priced as a model it is not."""
+    kind = str(config.get("model_type", "")).lower()
+    if config.get("is_encoder_decoder") or kind in _NOT_DECODERS:
+        what = "an encoder-decoder" if config.get("is_encoder_decoder") else "an encoder"
+        raise ValueError(
+            f"--model hf:{path}: model_type {kind or '(none)'} is {what}; --cluster plans "
+            "decoder-only causal LMs (GPT-2, Llama, Mistral, Qwen, Gemma and the like)"
+        )
 
 
 def _shape_of(
@@ -295,8 +322,9 @@ def _shape_of(
     if kv is None and config.get("multi_query"):
         kv = 1
     dropouts = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "dropout")
-    ffn = _first(config, "intermediate_size", "n_inner", "ffn_hidden_size")
+    ffn = _first(config, "intermediate_size", "n_inner", "ffn_hidden_size", "ffn_dim")
     ffn = 4 * hidden if ffn is None else ffn  # a width of 0 is refused, not defaulted
+    dense_ffn = _first(config, "intermediate_size_mlp")  # Llama 4: dense blocks' MLP, not experts'
     head_dim = _first(config, "head_dim")
     head_dim = hidden // heads if head_dim is None else head_dim
     latent = _latent_attention(config)
@@ -308,10 +336,10 @@ def _shape_of(
         kv_heads=latent.pop("kv_heads", None) or (heads if kv is None else kv),
         head_dim=latent.pop("head_dim", None) or head_dim,
         **latent,
-        ffn=ffn,
+        ffn=ffn if dense_ffn is None else dense_ffn,
         vocab=vocab,
         gated=kind in _GATED or act.lower() in _GATED_ACTS,
-        tied=bool(config.get("tie_word_embeddings", kind in ("gpt2", "bloom", "opt"))),
+        tied=bool(config.get("tie_word_embeddings", kind in _TIED)),
         dropout=any(_probability(config, k) > 0 for k in dropouts),
         max_seq_len=_first(config, "max_position_embeddings", "n_positions", "seq_length"),
         **_experts(config, layers, ffn),
@@ -354,10 +382,11 @@ def _experts(config: dict[str, Any], layers: int, ffn: int) -> dict[str, Any]:
     """A mixture of experts' fields of ``TransformerShape`` as the families' configs name
     them (none for a dense model): the routed experts and how many a token takes, their
     width (``moe_intermediate_size``, else ``intermediate_size``), the shared experts'
-    (Qwen-MoE's one of its own width, DeepSeek-style ``n_shared_experts`` of the experts'),
-    and the blocks that keep a dense MLP (the first ``first_k_dense_replace``, those off
-    ``decoder_sparse_step`` or ``moe_layer_freq``, those in ``mlp_only_layers``, or those
-    not in ``moe_layers``)."""
+    (Qwen-MoE's one of its own width, DeepSeek-style ``n_shared_experts`` of the experts',
+    Llama 4's one unnamed), and the blocks that keep a dense MLP (the first
+    ``first_k_dense_replace``, those off ``decoder_sparse_step``,
+    ``interleave_moe_layer_step`` or ``moe_layer_freq``, those in ``mlp_only_layers``, or
+    those not in ``moe_layers``)."""
     experts = _first(
         config, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"
     )
@@ -371,16 +400,20 @@ def _experts(config: dict[str, Any], layers: int, ffn: int) -> dict[str, Any]:
         if count is not None:
             _check_count("the config", count, config[count], least=0)
             _check_count("the config", "expert_ffn", width, least=1)
-        shared = width * (0 if count is None else config[count])
+        default = int(str(config.get("model_type", "")).lower() in _ONE_SHARED_EXPERT)
+        shared = width * (default if count is None else config[count])
     first_dense = _first(config, "first_k_dense_replace") or 0
-    step = _first(config, "decoder_sparse_step", "moe_layer_freq") or 1
+    # Qwen-MoE's and Llama 4's step count from 1 (block step - 1 is the first with experts),
+    # DeepSeek's moe_layer_freq from 0
+    from_one = ("decoder_sparse_step", "interleave_moe_layer_step")
+    step = _first(config, *from_one, "moe_layer_freq") or 1
     only_mlp = set(_indices(config, "mlp_only_layers", layers) or ())
     listed = _indices(config, "moe_layers", layers)
 
     def dense(i: int) -> bool:
         if listed is not None:
             return i not in listed
-        off_step = (i + 1) % step != 0 if "decoder_sparse_step" in config else i % step != 0
+        off_step = (i + 1) % step != 0 if any(k in config for k in from_one) else i % step != 0
         return i < first_dense or i in only_mlp or (step > 1 and off_step)
 
     return {
