@@ -42,3 +42,34 @@ def agree() -> int:
         assert whole.dtype == torch.float64 and (whole[:, -1] == 0).all()
         checked += 1
     return checked
+
+
+def refusals() -> list[str]:
+    """Targets the last stage refuses, then good ones: each refusal is a one-line ValueError
+    on every rank, and the good call after it reads none of the refused call's messages (the
+    last stage read them one call late, silently wrong). Returns this rank's messages."""
+    pipe = Pipeline(token_model(), [4, 4], chunks=2, schedule="1f1b", timeout=30)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randint(VOCAB, (4, 6), generator=generator)
+    y = torch.randint(VOCAB, (4, 6), generator=generator)
+    bad = [
+        {"inputs": x, "targets": y[:, :5]},  # one token short
+        {"inputs": x, "targets": y[:3]},  # a row short
+        {"inputs": x, "targets": y + VOCAB},  # outside the vocabulary
+        {"inputs": x, "targets": y.double()},  # not token ids
+        {"microbatches": [(x[:2], y[:2]), (x[2:], y[2:, :5])]},
+        {"microbatches": [(x[:2], {"y": y[:2]}), (x[2:], {"y": y[2:]})]},
+    ]
+    said = []
+    for kwargs in bad:
+        other = torch.randint(VOCAB, (4, 6), generator=generator)  # what a late read gets
+        try:
+            pipe.forward_only(**kwargs)
+        except ValueError as exc:
+            said.append(str(exc))
+        else:
+            said.append("no error")
+        found = pipe.forward_only(other, y)
+        if pipe.is_last:
+            torch.testing.assert_close(found, _expected(other, y), **EXACT)
+    return said

@@ -393,7 +393,14 @@ def _generating(args: argparse.Namespace, kind: str) -> int:
     for flag in ("suggest", "max_layers"):
         if getattr(args, flag):
             raise UsageError(f"--{flag.replace('_', '-')} plans training; leave out --generate")
-    args.stages = args.stages or _PLAN_DEFAULTS["stages"]
+    if args.stages is None:  # --stages 0 is refused below, not taken for the default
+        args.stages = _PLAN_DEFAULTS["stages"]
+    several = args.schedule is not None and traits(args.schedule).several_stages_per_rank
+    if (args.virtual_stages or 1) > 1 or several:
+        raise UsageError(
+            "--generate plans one stage per process, as generate() runs: leave out "
+            "--virtual-stages and a --schedule of several stages per process"
+        )
     args.balance = args.balance or ("even" if kind == "gpt" else "params")
     args.dtype = args.dtype or "float32"
     _check_model(args, "stages")

@@ -69,12 +69,32 @@ def _kv_width(config: Any) -> int:
     return int(kv_heads) * int(head_dim)
 
 
+def _cut_by_plan(model: nn.Module, args: argparse.Namespace) -> list[Any]:
+    """``model`` cut by its pipeline plan (or the layout read from its modules) on the meta
+    device, at ``--split-at`` or by parameters: the stages that generate, each keeping the
+    model's own cache (``gpipe plan``'s training plan profiles a traced cut instead, which
+    keeps none)."""
+    from gpipe.errors import first_line
+    from gpipe.splitting import split
+
+    at = None if args.split_at is None else args.split_at.split(",")
+    try:
+        stages = split(model, at=at, parts=None if at else args.stages, plan="hf")
+    except Exception as exc:  # CutError, or a model whose layout cannot be read
+        raise UsageError(f"--model {args.model}: {first_line(exc)}") from None
+    if len(stages) != args.stages:
+        raise UsageError(
+            f"--split-at {args.split_at} gives {len(stages)} stages, but --stages asks for "
+            f"{args.stages}"
+        )
+    return list(stages)
+
+
 def _split_model(
     args: argparse.Namespace, dtype: torch.dtype
 ) -> tuple[list[int], list[int], int, str]:
     """A Hugging Face model cut by its plan: each stage's weights and decoder layers."""
-    from gpipe.cli.plan_model import _build, _split
-    from gpipe.splitting import PlanStage
+    from gpipe.cli.plan_model import _build
     from gpipe.training.models.resolve import longest_sequence
 
     model = _build(args).to(device="meta", dtype=dtype)
@@ -82,12 +102,7 @@ def _split_model(
         args.seq_len = longest_sequence(model)
     if args.seq_len is None:
         raise UsageError(f"--model {args.model}: its longest sequence is unknown; pass --seq-len")
-    stages = _split(model, args, args.stages)
-    if not all(isinstance(s, PlanStage) for s in stages):
-        raise UsageError(
-            f"--model {args.model} is cut by tracing: its stages keep no KV cache, so it does "
-            "not generate through the pipeline (a Hugging Face model with a pipeline plan does)"
-        )
+    stages = _cut_by_plan(model, args)
     weights = [_bytes_of(s) for s in stages]
     attention = [s.stop - s.start for s in stages]
     return weights, attention, _kv_width(getattr(model, "config", None)), "cut by its plan"

@@ -6,12 +6,14 @@ no activation kept for a backward; ``logprobs`` computes them on the last stage.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from gpipe.comm.process_group import bounded_wait
 from gpipe.engine.logprobs import IGNORE_INDEX, TokenLogprobs
 from gpipe.engine.presplit import Presplit, given_microbatches
 from gpipe.engine.runner import StepRunner
@@ -19,17 +21,23 @@ from gpipe.engine.runner import StepRunner
 __all__ = ["forward_logprobs"]
 
 
-def _check_targets(targets: Any, given: Presplit | None) -> None:
-    """Refuse missing targets on the last stage before any message is sent."""
-    if given is not None and given.targets is None:
+# the bytes of the last stage's refusal that every rank gets (its first line, cut to fit)
+_REFUSAL_BYTES = 1024
+
+
+def _check_given(given: Presplit) -> None:
+    """Refuse ``microbatches=`` without targets or with targets other than tensors of token
+    ids: every rank holds the list, so every rank refuses it before any message is sent."""
+    if given.targets is None:
         raise ValueError(
             "forward_logprobs needs targets: give microbatches=[(inputs, targets), ...]"
         )
-    if given is None and not isinstance(targets, Tensor):
-        raise ValueError(
-            "forward_logprobs needs targets on the last stage: a tensor of token ids with "
-            f"the inputs' rows, got {type(targets).__name__}"
-        )
+    for i, target in enumerate(given.targets):
+        if not isinstance(target, Tensor):
+            raise ValueError(
+                f"microbatches[{i}] targets must be a tensor of token ids, got "
+                f"{type(target).__name__}"
+            )
 
 
 def _last_targets(targets: Any, given: Presplit | None, sizes: list[int]) -> list[Tensor]:
@@ -38,9 +46,58 @@ def _last_targets(targets: Any, given: Presplit | None, sizes: list[int]) -> lis
     if given is not None:
         assert given.targets is not None
         return list(given.targets)
-    if targets.size(0) != sum(sizes):
-        raise ValueError(f"targets have {targets.size(0)} rows but inputs have {sum(sizes)}")
+    if not isinstance(targets, Tensor):
+        raise ValueError(
+            "forward_logprobs needs targets on the last stage: a tensor of token ids with "
+            f"the inputs' rows, got {type(targets).__name__}"
+        )
+    if targets.dim() == 0 or targets.size(0) != sum(sizes):
+        rows = "no" if targets.dim() == 0 else targets.size(0)
+        raise ValueError(f"targets have {rows} rows but inputs have {sum(sizes)}")
     return list(targets.split(sizes))
+
+
+def _logprobs_for(
+    targets: Any, given: Presplit | None, ignore_index: int
+) -> Callable[[list[int]], TokenLogprobs]:
+    """What the last stage puts each micro-batch's outputs in; targets it refuses are kept
+    as its refusal, so that the forward still runs to its end (``TokenLogprobs``)."""
+
+    def made(sizes: list[int]) -> TokenLogprobs:
+        try:
+            found = _last_targets(targets, given, sizes)
+        except ValueError as exc:
+            return TokenLogprobs([], ignore_index, refused=str(exc))
+        if given is not None:
+            names = [f"microbatches[{i}] targets" for i in range(len(found))]
+        else:
+            names = [f"targets (micro-batch {i})" for i in range(len(found))]
+        return TokenLogprobs(found, ignore_index, names=names)
+
+    return made
+
+
+def _agree(runner: StepRunner, refused: str | None) -> None:
+    """Raise the last stage's refusal of its targets on every rank, once the forward has run
+    to its end (nothing of it is left in the channels for the next one to read)."""
+    placement = runner.placement
+    if placement.n_ranks > 1:
+        words = torch.zeros(_REFUSAL_BYTES, dtype=torch.uint8)
+        if refused is not None:
+            said = refused.splitlines()[0].encode()[: _REFUSAL_BYTES - 1] or b"?"
+            words[: len(said)] = torch.frombuffer(bytearray(said), dtype=torch.uint8)
+        words = words.to(runner.device)
+        last = placement.n_stages - 1
+        src = placement.global_rank(placement.rank_of(last))
+        work = dist.broadcast(words, src=src, group=placement.group, async_op=True)
+        waiting = "waiting for the last stage to check its targets"
+        bounded_wait(work, runner.timeout, runner.stage_index, waiting, f"stage {last}")
+        said = bytes(words.cpu().tolist()).rstrip(b"\0")
+        refused = said.decode(errors="replace") if said else None
+        if refused is not None and not placement.is_last:
+            refused = f"the last stage refused its targets: {refused}"
+    if refused is not None:
+        raise ValueError(refused)
 
 
 @torch.no_grad()
@@ -65,16 +122,22 @@ def forward_logprobs(
     dropped. Returns, on the rank of the last stage, a tensor shaped like ``targets`` (with
     ``microbatches=``, one per micro-batch, in order), 0 where the target is
     ``ignore_index``; None on every other rank. Collective: every rank of the pipeline calls
-    it.
+    it. Targets the last stage refuses (not of the logits' shape, a token id outside the
+    vocabulary) are a ValueError on every rank once the forward has run to its end, so that
+    the next call reads none of this one's messages.
     """
     given = given_microbatches(inputs, targets, microbatches)
-    if runner.placement.is_last:
-        _check_targets(targets, given)
+    if given is not None:
+        _check_given(given)
+    made: list[TokenLogprobs] = []
+    logprobs_for = _logprobs_for(targets, given, ignore_index)
 
-    def logprobs_for(sizes: list[int]) -> TokenLogprobs:
-        return TokenLogprobs(_last_targets(targets, given, sizes), ignore_index)
+    def outputs_for(sizes: list[int]) -> TokenLogprobs:
+        made.append(logprobs_for(sizes))
+        return made[-1]
 
-    found = runner.forward_each(inputs, training, given=given, outputs_for=logprobs_for)
+    found = runner.forward_each(inputs, training, given=given, outputs_for=outputs_for)
+    _agree(runner, made[0].refused if made else None)
     if found is None:
         return None
     return found if given is not None else torch.cat(found)

@@ -49,6 +49,8 @@ def token_logprobs(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_I
             f"logits of shape {tuple(logits.shape)} do not fit targets of shape "
             f"{tuple(targets.shape)}: expected logits of shape (*targets.shape, vocab)"
         )
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be token ids (an integer tensor), got {targets.dtype}")
     if not logits.dtype.is_floating_point or logits.element_size() < 4:
         logits = logits.float()
     kept = targets != ignore_index
@@ -60,14 +62,49 @@ def token_logprobs(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_I
 class TokenLogprobs(dict[int, Tensor]):
     """Where the last stage puts each micro-batch's outputs (``StepData.outputs``): it keeps
     only their log-probabilities of ``targets[microbatch]``, so that the logits of one
-    micro-batch are freed as soon as the next one runs."""
+    micro-batch are freed as soon as the next one runs.
 
-    def __init__(self, targets: Sequence[Tensor], ignore_index: int = IGNORE_INDEX) -> None:
+    Targets that do not fit their logits are not raised here, mid-forward: the first refusal
+    is kept in ``refused`` (``names[microbatch]`` says which targets) and later micro-batches
+    are still received, so that the pipeline's channels hold nothing of this forward when the
+    caller raises it (``forward_only`` does, on every rank)."""
+
+    def __init__(
+        self,
+        targets: Sequence[Tensor],
+        ignore_index: int = IGNORE_INDEX,
+        *,
+        names: Sequence[str] | None = None,
+        refused: str | None = None,
+    ) -> None:
         super().__init__()
         self.targets = targets
         self.ignore_index = ignore_index
+        self.names = names
+        self.refused = refused
 
     def __setitem__(self, microbatch: int, outputs: Any) -> None:
         logits = logits_of(outputs).detach()
-        target = self.targets[microbatch].to(logits.device)
-        super().__setitem__(microbatch, token_logprobs(logits, target, self.ignore_index))
+        if self.refused is None:
+            target = self.targets[microbatch].to(logits.device)
+            try:
+                _check_vocabulary(target, logits.shape[-1], self.ignore_index)
+                super().__setitem__(microbatch, token_logprobs(logits, target, self.ignore_index))
+                return
+            except ValueError as exc:
+                name = self.names[microbatch] if self.names else "targets"
+                self.refused = f"{name}: {exc}"
+        super().__setitem__(microbatch, logits.new_empty(0))  # refused: nothing to return
+
+
+def _check_vocabulary(targets: Tensor, vocab: int, ignore_index: int) -> None:
+    """Refuse a target outside the vocabulary, other than ``ignore_index``, before ``gather``
+    meets it (on CUDA, a device-side assertion that ends the process)."""
+    kept = targets != ignore_index
+    outside = kept & ((targets < 0) | (targets >= vocab))
+    if outside.any():
+        found = int(targets[outside][0])
+        raise ValueError(
+            f"token id {found} is outside the vocabulary of {vocab} logits (and is not "
+            f"ignore_index={ignore_index})"
+        )
