@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class ScheduleError(ValueError):
@@ -50,12 +51,12 @@ _NEIGHBOUR = {Kind.SEND_F: 1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: 1}
 FORWARD_KINDS = frozenset({Kind.FORWARD, Kind.SEND_F, Kind.RECV_F, Kind.SEND_SKIP, Kind.RECV_SKIP})
 
 
-@dataclass(frozen=True, slots=True)
-class Action:
+class Action(NamedTuple):
     """One step of one stage on one micro-batch; printed compactly, e.g. ``1F0`` or ``0RECV_B3``.
 
     A skip action also names the stage at the other end: ``0SEND_SKIP3@2`` is stage 0 sending
-    micro-batch 3's skip tensors to stage 2.
+    micro-batch 3's skip tensors to stage 2. A named tuple: schedules hold millions of them,
+    made, hashed and compared in the executor's and the simulator's loops.
     """
 
     stage: int
@@ -125,24 +126,7 @@ def with_communication(
     stage: int, n_stages: int, compute: Sequence[tuple[Kind, int]]
 ) -> list[Action]:
     """Wrap each compute action of one stage with the receives before it and sends after it."""
-    program: list[Action] = []
-    first, last = stage == 0, stage == n_stages - 1
-    for kind, mb in compute:
-        if kind is Kind.FORWARD:
-            if not first:
-                program.append(Action(stage, Kind.RECV_F, mb))
-            program.append(Action(stage, Kind.FORWARD, mb))
-            if not last:
-                program.append(Action(stage, Kind.SEND_F, mb))
-        elif kind is Kind.BACKWARD:
-            if not last:
-                program.append(Action(stage, Kind.RECV_B, mb))
-            program.append(Action(stage, Kind.BACKWARD, mb))
-            if not first:
-                program.append(Action(stage, Kind.SEND_B, mb))
-        else:  # a weight gradient needs nothing from other stages
-            program.append(Action(stage, kind, mb))
-    return program
+    return _with_messages([(kind, stage, mb) for kind, mb in compute], n_stages)
 
 
 def programs_of(
@@ -150,14 +134,32 @@ def programs_of(
 ) -> tuple[tuple[Action, ...], ...]:
     """Each rank's program from its order of (kind, stage, micro-batch) compute actions, with
     the receives and sends around each."""
-    return tuple(
-        tuple(
-            a
-            for kind, stage, mb in order
-            for a in with_communication(stage, n_stages, [(kind, mb)])
-        )
-        for order in orders
-    )
+    return tuple(tuple(_with_messages(order, n_stages)) for order in orders)
+
+
+def _with_messages(order: Sequence[tuple[Kind, int, int]], n_stages: int) -> list[Action]:
+    """``order``'s compute actions, each with the receive before it and the send after it
+    that its stage's neighbours exchange (one loop: schedules run to millions of actions)."""
+    program: list[Action] = []
+    add = program.append
+    last = n_stages - 1
+    forward, backward = Kind.FORWARD, Kind.BACKWARD
+    for kind, stage, mb in order:
+        if kind is forward:
+            if stage:
+                add(Action(stage, Kind.RECV_F, mb))
+            add(Action(stage, kind, mb))
+            if stage != last:
+                add(Action(stage, Kind.SEND_F, mb))
+        elif kind is backward:
+            if stage != last:
+                add(Action(stage, Kind.RECV_B, mb))
+            add(Action(stage, kind, mb))
+            if stage:
+                add(Action(stage, Kind.SEND_B, mb))
+        else:  # a weight gradient needs nothing from other stages
+            add(Action(stage, kind, mb))
+    return program
 
 
 def rank_count(n_stages: int, n_ranks: int | None, name: str) -> int:
