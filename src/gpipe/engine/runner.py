@@ -24,6 +24,7 @@ from gpipe.comm.process_group import bounded_wait
 from gpipe.engine.loss_weights import loss_weights, scatter_targets
 from gpipe.engine.placement import BuiltStages, RankPlacement, StageRecipe
 from gpipe.engine.presplit import Presplit, first_parts, given_targets, later_sizes
+from gpipe.engine.sequence_units import SequenceUnits
 from gpipe.engine.step_schedule import StepSchedules
 from gpipe.errors import StageError
 from gpipe.parallel.replicas import GradientBuckets
@@ -37,8 +38,6 @@ from gpipe.runtime.microbatch import (
     check_payload,
     gather_payload,
 )
-from gpipe.runtime.seq_chunks import join_sequence, sequence_length, split_sequence
-from gpipe.runtime.stage import NO_TARGET
 from gpipe.runtime.stage_streams import StageStreams
 from gpipe.runtime.timeline import Recorder
 from gpipe.schedules import Action, Kind, Schedule
@@ -129,8 +128,9 @@ class StepRunner:
 
     Its public attributes are the step's collaborators, there to be read (and, in tests, one
     replaced): ``transport``, ``replicas``, ``buckets`` (each stage's gradient sums over the
-    replicas), ``sharded`` (the stages sharded over them, or None), ``tied`` and ``streams``
-    (a CUDA stream per stage with ``overlap_stages``, else None)."""
+    replicas), ``sharded`` (the stages sharded over them, or None), ``tied``, ``streams``
+    (a CUDA stream per stage with ``overlap_stages``, else None) and ``units`` (the
+    sub-sequences of ``seq_chunks``, else None)."""
 
     def __init__(
         self,
@@ -156,8 +156,12 @@ class StepRunner:
         self.timeout = timeout
         self.replicas = recipe.replicas
         self.deferred_batch_norm = recipe.deferred_batch_norm
-        self.seq_chunks = recipe.seq_chunks  # a training step's micro-batches, cut in units
-        self._microbatch_weights: list[float] = []  # their loss weights before the cut
+        # a training step's micro-batches cut along their sequence (``seq_chunks``), or None
+        self.units = (
+            None
+            if recipe.seq_chunks is None
+            else SequenceUnits(recipe.seq_chunks, loss_reduction)
+        )
         self.recorder = recorder
         # a CUDA stream per stage, so that independent work of this rank's stages overlaps
         self.streams = StageStreams(placement.stages, self.device) if overlap_stages else None
@@ -210,26 +214,29 @@ class StepRunner:
         rows, sizes, parts = self._start(inputs, given)
         m = len(sizes)
         schedule = self.schedules.step(m, training, given is not None)
-        units = schedule.n_microbatches  # m, or m x seq_chunks sub-sequences
+        n_units = schedule.n_microbatches  # m, or m x seq_chunks sub-sequences
         data = self._data(
-            self._sequence_units(parts),
+            parts if self.units is None else self.units.inputs(parts),
             build_graph=True,
             checkpoint=schedule.recomputed.__contains__,
             keep_outputs=keep_outputs,
         )
+        weights: list[float] = []  # with units, the micro-batches' own loss weights
         if self.placement.is_last:
             self._targets(targets, rows, sizes, data, scale, counts, given)
-            self._target_units(data, counts, sizes)
+            if self.units is not None:
+                weights = self.units.targets(data, counts, sizes)
         busy = self._run(schedule, data, training)
         try:
-            loss = self._loss(data, units) / scale
+            loss = self._loss(data, n_units) / scale
             waited, buckets, early = self._sum_gradients()
             self.tied.sum()
         except BaseException:
             self._forget_sums()  # a retried step must not take this one's sums
             raise
         times = StepTimes(perf_counter() - started, busy, waited, buckets, early)
-        self._join_units(data, m)
+        if self.units is not None and self.placement.is_last:
+            self.units.join(data, m, weights)
         return self._answer(loss, data, m, keep_outputs, given is not None), times
 
     def evaluate(
@@ -349,76 +356,6 @@ class StepRunner:
             device=self.device,
         )
 
-    def _sequence_units(self, parts: list[Any] | None) -> list[Any] | None:
-        """With ``seq_chunks``, each micro-batch's inputs cut into its sub-sequences."""
-        if parts is None or self.seq_chunks is None:
-            return parts
-        if not isinstance(parts[0], Tensor):
-            raise TypeError(
-                "seq_chunks cuts token ids, a tensor [rows, tokens], into sub-sequences; got "
-                f"a {type(parts[0]).__name__}: packed documents and other payloads are not "
-                "supported with seq_chunks yet"
-            )
-        seq = self.seq_chunks
-        return [
-            unit
-            for part in parts
-            for unit in split_sequence(part, seq.lengths(sequence_length(part)))
-        ]
-
-    def _target_units(self, data: StepData, counts: Any, sizes: list[int]) -> None:
-        """With ``seq_chunks``, each micro-batch's targets cut into its sub-sequences, each
-        with its share of the micro-batch's loss weight: for a mean loss, the share of its
-        tokens, or with ``counts`` (one per token) of its tokens' counts; the whole weight,
-        for losses that add up. A sub-sequence whose tokens all count 0 weighs nothing."""
-        seq = self.seq_chunks
-        if seq is None:
-            return
-        assert data.targets is not None and data.loss_weights is not None
-        per_token = None if counts is None else torch.as_tensor(counts, dtype=torch.float64)
-        if per_token is not None and per_token.dim() != 2:
-            raise ValueError(
-                "with seq_chunks, counts= needs one count per token (rows x tokens, such as "
-                "targets != -100): a sub-sequence's share of the mean is its tokens' count"
-            )
-        rows = [None] * len(sizes) if per_token is None else per_token.cpu().split(sizes)
-        targets, weights = [], []
-        self._microbatch_weights = list(data.loss_weights)
-        for target, weight, counted in zip(data.targets, data.loss_weights, rows, strict=True):
-            if target is NO_TARGET:
-                raise ValueError(
-                    "seq_chunks needs targets: each sub-sequence's loss is taken on its own "
-                    "tokens' targets"
-                )
-            length = sequence_length(target)
-            lengths = seq.lengths(length)
-            targets += split_sequence(target, lengths)
-            if self.loss_reduction == "sum":
-                shares = [1.0] * seq.chunks
-            elif counted is None:
-                shares = seq.weights(length)
-            else:
-                _check_per_token(counted, length)
-                units = [float(c.sum()) for c in counted.split(lengths, dim=1)]
-                shares = [unit / sum(units) for unit in units]
-            weights += [weight * share for share in shares]
-        data.targets, data.loss_weights = targets, weights
-
-    def _join_units(self, data: StepData, m: int) -> None:
-        """With ``seq_chunks``, each micro-batch's outputs and loss from its sub-sequences'."""
-        seq = self.seq_chunks
-        if seq is None or not self.placement.is_last:
-            return
-        s = seq.chunks
-        if data.keep_outputs and data.outputs:
-            data.outputs = {
-                i: join_sequence([data.outputs[i * s + j] for j in range(s)]) for i in range(m)
-            }
-        data.losses = {
-            i: torch.stack([data.losses[i * s + j] for j in range(s)]).sum() for i in range(m)
-        }
-        data.loss_weights = self._microbatch_weights
-
     def _loss(self, data: StepData, m: int) -> Tensor:
         """The mini-batch loss, computed on the last stage and known to every rank."""
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -533,12 +470,3 @@ class StepRunner:
 def _detached(payload: Any) -> Any:
     """``payload`` with every tensor detached."""
     return with_tensors(payload, [t.detach() for t in tensors_of(payload)])
-
-
-def _check_per_token(counted: Tensor, length: int) -> None:
-    """A micro-batch's counts per token must cover its sequence."""
-    if counted.shape[1] != length:
-        raise ValueError(
-            f"counts= per token must cover each sequence of {length} tokens, got "
-            f"{counted.shape[1]} a row"
-        )
