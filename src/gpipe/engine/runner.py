@@ -158,9 +158,7 @@ class StepRunner:
         self.deferred_batch_norm = recipe.deferred_batch_norm
         # a training step's micro-batches cut along their sequence (``seq_chunks``), or None
         self.units = (
-            None
-            if recipe.seq_chunks is None
-            else SequenceUnits(recipe.seq_chunks, loss_reduction)
+            None if recipe.seq_chunks is None else SequenceUnits(recipe.seq_chunks, loss_reduction)
         )
         self.recorder = recorder
         # a CUDA stream per stage, so that independent work of this rank's stages overlaps
