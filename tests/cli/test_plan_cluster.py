@@ -214,7 +214,7 @@ def test_bad_input_is_one_line(capsys, args, message):
     ],
 )
 def test_a_malformed_config_is_one_line(tmp_path, capsys, fields, message):
-    from ..planning.test_transformer import MIXTRAL_8X7B
+    from ..planning.test_hf_config import MIXTRAL_8X7B
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**MIXTRAL_8X7B, **fields}))
@@ -283,9 +283,9 @@ def test_a_mixture_of_experts_runs_its_routed_experts_and_holds_them_all(tmp_pat
     faster than one as wide as all eight."""
     from gpipe.planning.cluster_step import step_flops
     from gpipe.planning.hardware import parse_cluster
-    from gpipe.planning.transformer import from_hf_config
+    from gpipe.planning.hf_config import from_hf_config
 
-    from ..planning.test_transformer import MIXTRAL_8X7B
+    from ..planning.test_hf_config import MIXTRAL_8X7B
 
     got = _moe_plan(capsys, tmp_path, MIXTRAL_8X7B, "--recompute", "full", "--json")
     assert got["model"]["experts"] == 8 and got["model"]["experts_per_token"] == 2
@@ -312,7 +312,7 @@ def test_a_mixture_of_experts_runs_its_routed_experts_and_holds_them_all(tmp_pat
 def test_search_over_a_mixture_of_experts_gives_a_command_gpipe_train_runs(tmp_path, capsys):
     """Splitting the experts over T GPUs is what makes Mixtral fastest on 32 H100s, and
     gpipe train splits them: the command it prints takes them so."""
-    from ..planning.test_transformer import MIXTRAL_8X7B
+    from ..planning.test_hf_config import MIXTRAL_8X7B
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(MIXTRAL_8X7B))
@@ -327,7 +327,7 @@ def test_search_over_a_mixture_of_experts_gives_a_command_gpipe_train_runs(tmp_p
 
 
 def test_deepseek_v3_with_latent_attention_and_dense_first_blocks_is_planned(tmp_path, capsys):
-    from ..planning.test_transformer import DEEPSEEK_V3
+    from ..planning.test_hf_config import DEEPSEEK_V3
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(DEEPSEEK_V3))
@@ -424,3 +424,39 @@ def test_a_cluster_of_one_node_says_node(capsys):
     argv = [*GPT[:2], "8xH100-SXM", *GPT[3:], "--global-batch", "64"]
     assert main(argv) == 0
     assert "cluster 8xH100-SXM: 1 node of 8, " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("keys", "cheaper"),
+    [
+        ({"sliding_window": 4096}, True),
+        ({"sliding_window": None}, False),
+        ({"sliding_window": 32768}, False),  # as long as the sequence: full attention
+        ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}, False),
+    ],
+    ids=["window", "null", "window-of-s", "qwen2-off"],
+)
+def test_a_sliding_window_is_priced_as_its_band(tmp_path, capsys, keys, cheaper):
+    """Mistral 7B at 32,768 tokens: over a window of 4,096 the step is faster and its
+    model FLOPs (MFU x step time) 0.581 of full attention's; a window disabled or as long as
+    the sequence prices exactly as none."""
+    config = {"model_type": "mistral", "num_hidden_layers": 32, "hidden_size": 4096}
+    config |= {"intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8}
+    config |= {"vocab_size": 32000, "hidden_act": "silu", "max_position_embeddings": 32768}
+
+    def plan(extra: dict) -> dict:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps({**config, **extra}))
+        args = ["plan", "--cluster", "8xH100-SXM", "--model", f"hf:{path}", "--global-batch", "8"]
+        args += ["--tensor-parallel", "8", "--recompute", "full", "--json"]
+        assert main(args) == 0
+        return json.loads(capsys.readouterr().out)
+
+    full = plan({"sliding_window": None, "model_type": keys.get("model_type", "mistral")})
+    got = plan(keys)
+    if not cheaper:
+        assert got == full
+        return
+    assert got["step_time_s"] < 0.75 * full["step_time_s"]
+    flops = got["mfu"] * got["step_time_s"] / (full["mfu"] * full["step_time_s"])
+    assert flops == pytest.approx(0.5811, abs=1e-4)

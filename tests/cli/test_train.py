@@ -629,7 +629,7 @@ def test_files_that_are_not_utf8_are_named_in_one_line(tmp_path):
     named, not a UnicodeDecodeError's traceback (--prompts: tests/cli/test_generate.py)."""
     from gpipe.errors import ConfigError
     from gpipe.planning.hardware import load_devices
-    from gpipe.planning.transformer import from_hf_config
+    from gpipe.planning.hf_config import from_hf_config
     from gpipe.training.config import read_config_file
 
     bad = tmp_path / "latin1"

@@ -9,10 +9,13 @@ import pytest
 from gpipe.planning.cluster import predict
 from gpipe.planning.cluster_layout import Layout
 from gpipe.planning.cluster_search import Search, SearchSpace, estimate, search
-from gpipe.planning.cluster_step import StepModel
+from gpipe.planning.cluster_step import StepModel, kinds_per_stage
 from gpipe.planning.hardware import parse_cluster
+from gpipe.planning.hf_config import from_hf_config
+from gpipe.planning.layer_costs import Work, attention_costs
 from gpipe.planning.replay import simulate
-from gpipe.planning.transformer import TransformerShape, from_hf_config, gpt_shape
+from gpipe.planning.roofline import Link
+from gpipe.planning.transformer import TransformerShape, gpt_shape
 from gpipe.schedules import build
 
 SHAPE = gpt_shape(16, 2048, 16, 51200)
@@ -188,3 +191,75 @@ def test_a_capped_v_is_estimated_near_its_simulation(llama_search, schedule):
     looped formula would promise half their bubble and crowd out the layouts simulated)."""
     best = llama_search(schedule).best[0]
     assert estimate(_llama_405b(), best.layout).step_s == pytest.approx(best.step_time_s, rel=0.05)
+
+
+# Mistral 7B's shapes, over a sliding window of 4,096 tokens on every block or none
+MISTRAL = TransformerShape("mistral", 32, 4096, 32, 8, 128, 14336, 32000, gated=True)
+MISTRAL_SWA = dataclasses.replace(MISTRAL, windows=(4096,) * 32)
+
+
+def _long(seq_len: int = 32768, **changes) -> Layout:
+    base = Layout(parse_cluster("8xH100-SXM"), 1, 8, 1, 8, 1, seq_len, "1f1b", 1, "full")
+    return dataclasses.replace(base, **changes)
+
+
+def test_a_sliding_window_makes_a_long_sequence_cheaper_by_its_flops():
+    """At 32,768 tokens a window of 4,096 counts ``2 w - w^2 / s`` = 7,680 keys a query
+    (0.234 of the square) and FlashAttention runs the band's 3,840 and an edge block's 64
+    instead of the triangle's 16,384 and 64 (0.237): the step is faster, and its model
+    FLOPs fall by the keys no longer counted, 0.581 of the full model's."""
+    s, tokens, q_v = 32768, 8 * 32768, 2 * 4096
+    full, swa = predict(MISTRAL, _long()), predict(MISTRAL_SWA, _long())
+    assert swa.step_time_s < 0.75 * full.step_time_s
+    (hw_full, model_full), (hw_swa, model_swa) = (
+        StepModel.of(shape, _long()).flops() for shape in (MISTRAL, MISTRAL_SWA)
+    )
+    saved = tokens * 32 * 2 * (s - 7680) * q_v  # one forward's
+    assert model_full - model_swa == pytest.approx(3 * saved, rel=1e-12)
+    assert hw_full - hw_swa == pytest.approx(4 * saved, rel=1e-12)  # full recomputation
+    assert model_swa / model_full == pytest.approx(0.5811, abs=1e-4)
+    # the attention core's forward: FlashAttention's executed products in the ratio of keys
+    layout = _long()
+    core = _attention_forward(MISTRAL, layout, None), _attention_forward(MISTRAL, layout, 4096)
+    assert core[1] / core[0] == pytest.approx((3840 + 64) / (16384 + 64), rel=1e-12)
+
+
+def _attention_forward(shape: TransformerShape, layout: Layout, window: int | None) -> float:
+    """The attention core's forward seconds on one GPU of the layout's group."""
+    device, t = layout.cluster.device, layout.tensor_parallel
+    link = Link.of_group(device, t)
+    work = Work(device, t, layout.micro_batch, layout.seq_len, link, layout.recompute)
+    return attention_costs(shape, work, window)[0]
+
+
+@pytest.mark.parametrize("stack", ["megatron-core", "megatron-2021"])
+def test_a_window_as_long_as_the_sequence_costs_exactly_full_attention(stack):
+    windowed = dataclasses.replace(MISTRAL, windows=(4096,) * 13 + (8192,) * 19)
+    for recompute in ("none", "selective", "full"):
+        layout = _long(4096, recompute=recompute, stack=stack, global_batch=16)
+        assert predict(windowed, layout) == predict(MISTRAL, layout)
+
+
+def test_unfused_attention_computes_and_keeps_the_whole_square_under_a_window():
+    """The unfused products and softmax run over every score and mask those outside the
+    window: the same time and memory, though fewer FLOPs count."""
+    layout = _long(8192, stack="megatron-2021", recompute="selective", global_batch=16)
+    full, swa = predict(MISTRAL, layout), predict(MISTRAL_SWA, layout)
+    assert (swa.step_time_s, swa.memory) == (full.step_time_s, full.memory)
+    assert swa.mfu < full.mfu
+
+
+def test_gemma_2s_alternate_windows_fall_where_their_blocks_do():
+    """Gemma 2's window on its even blocks: cut in two stages of 13, the first holds 7 of
+    them, the second 6, and each stage costs its blocks of each kind."""
+    gemma = TransformerShape("gemma-2", 26, 2304, 8, 4, 256, 9216, 256000, gated=True)
+    gemma = dataclasses.replace(gemma, tied=True, windows=(4096, None) * 13)
+    kinds = kinds_per_stage(gemma, 2)
+    assert kinds == {(False, None): [6, 7], (True, None): [0, 0], (False, 4096): [7, 6]}
+    layout = _long(16384, stages=2, tensor_parallel=4)
+    model = StepModel.of(gemma, layout)
+    full = StepModel.of(dataclasses.replace(gemma, windows=()), layout)
+    per_block = (full.stages[0].forward - model.stages[0].forward) / 7
+    assert per_block > 0
+    assert full.stages[1].forward - model.stages[1].forward == pytest.approx(6 * per_block)
+    assert model.flops()[1] < full.flops()[1]

@@ -21,8 +21,9 @@ from gpipe.planning.cluster_layout import Layout, check_virtual_stages
 from gpipe.planning.cluster_memory import BYTES_PER_PARAM
 from gpipe.planning.cluster_search import SearchSpace, search
 from gpipe.planning.hardware import Cluster, Device, load_devices, parse_cluster
+from gpipe.planning.hf_config import from_hf_config
 from gpipe.planning.layer_costs import RECOMPUTE, STACKS
-from gpipe.planning.transformer import TransformerShape, from_hf_config, gpt_shape
+from gpipe.planning.transformer import TransformerShape, gpt_shape
 from gpipe.schedules import Placement, traits
 
 __all__ = ["add_cluster_arguments", "is_cluster_plan", "plan_cluster"]

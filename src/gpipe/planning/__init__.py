@@ -23,6 +23,7 @@ from gpipe.planning.cluster_layout import Layout
 from gpipe.planning.cluster_step import pipeline_costs, stage_costs
 from gpipe.planning.generation import GenerationPlan, plan_generation
 from gpipe.planning.hardware import CATALOGUE, Cluster, Device, load_devices, parse_cluster
+from gpipe.planning.hf_config import from_hf_config
 from gpipe.planning.layer_costs import PassCosts, Software, Work, block_costs
 from gpipe.planning.memory import ActivationMeter, MemoryPlan, Profile, plan, sub_sequence_carry
 from gpipe.planning.roofline import Link, matmul_seconds
@@ -39,7 +40,7 @@ from gpipe.planning.simulate import (
     sub_sequence_costs,
 )
 from gpipe.planning.suggest import flop_costs, search, timed_costs
-from gpipe.planning.transformer import TransformerShape, from_hf_config, gpt_shape
+from gpipe.planning.transformer import TransformerShape, gpt_shape
 
 __all__ = [
     "CATALOGUE",

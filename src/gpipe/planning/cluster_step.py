@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpipe.planning.cluster_layout import Layout, blocks_per_stage, stage_params
+from gpipe.planning.cluster_layout import Layout, layers_per_stage, stage_params
 from gpipe.planning.cluster_memory import (
     BYTES_PER_PARAM,
     FRAMEWORK_BYTES,
@@ -27,7 +27,7 @@ from gpipe.planning.roofline import COLLECTIVE_EFFICIENCY, Link, stream_seconds
 from gpipe.planning.transformer import TransformerShape
 from gpipe.schedules import traits
 
-__all__ = ["StepModel", "pipeline_costs", "stage_costs", "step_flops"]
+__all__ = ["StepModel", "kinds_per_stage", "pipeline_costs", "stage_costs", "step_flops"]
 
 _OPTIMIZER_BYTES = {"bf16": 30, "fp16": 30}  # Adam's reads and writes a parameter
 
@@ -37,9 +37,10 @@ def step_flops(
 ) -> tuple[float, float]:
     """FLOPs of a step over ``tokens`` tokens: as Megatron-LM's equation 3 counts them
     (forward, backward twice the forward, and the forward again that ``recompute`` redoes;
-    the logits three times) and the model's own (without recomputation)."""
+    the logits three times) and the model's own (without recomputation); windowed blocks
+    count the attention of their window."""
     blocks = shape.blocks_flops(seq_len)
-    selective = shape.layers * shape.attention_flops(seq_len)
+    selective = shape.blocks_attention_flops(seq_len)
     again = {"none": 0.0, "selective": selective, "full": blocks}[recompute]
     model = tokens * (3 * blocks + 3 * shape.logit_flops())
     return model + tokens * again, model
@@ -53,10 +54,12 @@ def stage_costs(
     *,
     moe_block: PassCosts | None = None,
     moe_counts: Sequence[int] = (),
+    others: Sequence[tuple[PassCosts, Sequence[int]]] = (),
 ) -> list[PassCosts]:
     """Each stage's costs per micro-batch: ``counts[s]`` blocks (and ``moe_counts[s]``
-    blocks with experts), the embedding on the first stage and the head on the last. The
-    layers' costs may come from the roofline (a cluster plan) or from timing them
+    blocks with experts, and of each of ``others``, blocks of another kind such as those
+    with a sliding window, its count), the embedding on the first stage and the head on
+    the last. The layers' costs may come from the roofline (a cluster plan) or from timing them
     (``benchmarks.bench_scaling`` on this machine's CPU): the pipeline is assembled the same
     way from either."""
     scaled = {n: block.times(n) for n in set(counts)}
@@ -65,6 +68,8 @@ def stage_costs(
         stages = [
             s + moe_block.times(n) if n else s for s, n in zip(stages, moe_counts, strict=True)
         ]
+    for other, other_counts in others:
+        stages = [s + other.times(n) if n else s for s, n in zip(stages, other_counts, strict=True)]
     stages[0] = stages[0] + embedding
     stages[-1] = stages[-1] + head
     return stages
@@ -107,9 +112,31 @@ def pipeline_costs(
 
 
 @functools.lru_cache(maxsize=4096)
-def _block(shape: TransformerShape, work: Work, moe: bool = False) -> PassCosts:
+def _block(
+    shape: TransformerShape, work: Work, moe: bool = False, window: int | None = None
+) -> PassCosts:
     """One block's costs, the same for every layout with this shape of work."""
-    return block_costs(shape, work, moe)
+    return block_costs(shape, work, moe, window)
+
+
+def kinds_per_stage(
+    shape: TransformerShape, n_stages: int, seq_len: int | None = None
+) -> dict[tuple[bool, int | None], list[int]]:
+    """Per kind of block (with experts or not, its attention window), how many of them each
+    stage holds (``layers_per_stage``'s blocks in order); the dense and the expert blocks
+    with full attention always listed, and with them those whose window spans ``seq_len``
+    (so that they cost exactly what full attention does)."""
+    kinds = [(moe, None if seq_len and w and w >= seq_len else w) for moe, w in shape.block_kinds()]
+    counts: dict[tuple[bool, int | None], list[int]] = {
+        (False, None): [0] * n_stages,
+        (True, None): [0] * n_stages,
+    }
+    start = 0
+    for stage, n in enumerate(layers_per_stage(shape.layers, n_stages)):
+        for kind in kinds[start : start + n]:
+            counts.setdefault(kind, [0] * n_stages)[stage] += 1
+        start += n
+    return counts
 
 
 @dataclass(frozen=True)
@@ -137,7 +164,8 @@ class StepModel:
             layout.recompute,
             layout.software,
         )
-        dense, moe = blocks_per_stage(shape, layout.n_stages)
+        kinds = kinds_per_stage(shape, layout.n_stages, layout.seq_len)
+        dense, moe = kinds.pop((False, None)), kinds.pop((True, None))
         stages = stage_costs(
             embedding_costs(shape, work),
             _block(shape, work),
@@ -145,6 +173,7 @@ class StepModel:
             dense,
             moe_block=_block(shape, work, moe=True) if shape.is_moe else None,
             moe_counts=moe,
+            others=[(_block(shape, work, m, w), n) for (m, w), n in kinds.items()],
         )
         params = stage_params(shape, layout)
         placement, n, k = traits(layout.schedule).placement, layout.n_stages, layout.stages

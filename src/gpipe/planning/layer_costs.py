@@ -28,6 +28,7 @@ __all__ = [
     "PassCosts",
     "Software",
     "Work",
+    "attention_costs",
     "block_costs",
     "embedding_costs",
     "head_costs",
@@ -172,14 +173,22 @@ def _products(shape: TransformerShape, t: int, moe: bool) -> list[tuple[float, i
     return attention + router + shared + mlp(shape.expert_ffn, share, shape.experts)
 
 
-def _attention(shape: TransformerShape, work: Work) -> tuple[float, float, float, float]:
+def attention_costs(
+    shape: TransformerShape, work: Work, window: int | None = None
+) -> tuple[float, float, float, float]:
     """The attention core's forward and backward seconds, its stored bytes per micro-batch,
-    and (unfused) the bytes of the score matrices among them."""
+    and (unfused) the bytes of the score matrices among them. FlashAttention skips the
+    blocks a causal mask or a ``window`` hides; the unfused products compute the whole
+    square and the softmax masks it, window or not."""
     d, s, b = work.device, work.seq_len, work.micro_batch
     heads = shape.heads / work.tensor_parallel
     qk, v = shape.head_dim, shape.v_width // shape.heads  # numbers a head multiplies
     if work.software.attention == "flash":
-        executed = 2.0 * b * heads * s * s * (qk + v) * min(1.0, 0.5 + 64 / s)  # causal
+        if window is None or window >= s:
+            executed = 2.0 * b * heads * s * s * (qk + v) * min(1.0, 0.5 + 64 / s)  # causal
+        else:  # the band's pairs, and the blocks its edge cuts, computed whole
+            keys = min(float(s), shape.causal_pairs(s, window) / s + 64)
+            executed = 2.0 * b * heads * s * keys * (qk + v)
         forward = flash_seconds(d, executed)
         backward = flash_seconds(d, 2.5 * executed, backward=True)
         return forward, backward, 4.0 * b * heads * s, 0.0  # the softmax's log-sum-exp
@@ -194,16 +203,19 @@ def _attention(shape: TransformerShape, work: Work) -> tuple[float, float, float
     return forward, backward, kept, kept
 
 
-def block_costs(shape: TransformerShape, work: Work, moe: bool = False) -> PassCosts:
+def block_costs(
+    shape: TransformerShape, work: Work, moe: bool = False, window: int | None = None
+) -> PassCosts:
     """One transformer block's costs for one micro-batch on one GPU of the group: a dense
-    block's, or (``moe``) one whose MLP is the shape's experts."""
+    block's, or (``moe``) one whose MLP is the shape's experts; its attention over the whole
+    prefix, or a ``window``."""
     d, t, n = work.device, work.tensor_parallel, work.tokens
     h, drop = shape.hidden, (1.0 if shape.dropout else 0.0)
     products = [(n * share, i, o, c) for share, i, o, c in _products(shape, t, moe)]
     gemm_f = sum(matmul_seconds(d, m, o, i, c) for m, i, o, c in products)
     gemm_input = sum(matmul_seconds(d, m, i, o, c) for m, i, o, c in products)
     gemm_weight = sum(matmul_seconds(d, i, o, m, c) for m, i, o, c in products)
-    attn_f, attn_b, attn_kept, scores = _attention(shape, work)
+    attn_f, attn_b, attn_kept, scores = attention_costs(shape, work, window)
     # per token, 16-bit: two norms (read, write), two residual adds with bias and dropout
     # (read two, write one, a mask), the MLP's activation (gated: reads two); with experts,
     # each token's copies sent to its experts and their outputs summed back (read, write)
