@@ -1,5 +1,5 @@
 """The exceptions gpipe raises, so callers can catch pipeline failures precisely, and how
-another library's exception is told in gpipe's one-line messages."""
+another library's exception, or a count, is told in gpipe's one-line messages."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ __all__ = [
     "PipelineError",
     "StageError",
     "first_line",
+    "counted",
 ]
 
 
@@ -44,3 +45,9 @@ def first_line(exc: BaseException) -> str:
     one-line refusal quotes of an error a reader or tracer met."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def counted(count: int, word: str, suffix: str = "s") -> str:
+    """``count`` of ``word``: ``1 process``, ``2 processes`` (with ``suffix="es"``), so that a
+    message about one process, stage or group reads right."""
+    return f"{count} {word if count == 1 else word + suffix}"

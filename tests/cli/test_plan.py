@@ -80,6 +80,22 @@ def test_sizes_and_bad_input():
             "--schedule zero-bubble-v places two stages per process in a V: --virtual-stages "
             "is 2, got 3",
         ),
+        (  # a V is two stages a process: 1 given is not taken for one
+            ["--schedule", "v-min", "--virtual-stages", "1"],
+            "--schedule v-min places two stages per process in a V: --virtual-stages is 2, got 1",
+        ),
+        (  # --suggest searched the V at two, saying --virtual-stages 2 was fastest
+            [
+                "--suggest",
+                "--device-memory",
+                "80GiB",
+                "--schedule",
+                "v-half",
+                "--virtual-stages",
+                "3",
+            ],
+            "--schedule v-half places two stages per process in a V: --virtual-stages is 2, got 3",
+        ),
     ],
 )
 def test_bad_options_end_in_one_line(capsys, args, message):

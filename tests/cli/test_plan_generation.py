@@ -106,9 +106,23 @@ def test_the_plan_counts_what_the_caches_of_a_stage_hold(tmp_path, capsys):
         (["--stages", "0"], "--stages must be a positive integer, got 0"),  # was 4 stages
         (["--virtual-stages", "2"], "--generate plans one stage per process"),
         (["--schedule", "interleaved"], "--generate plans one stage per process"),
+        # generate() runs one pipeline of whole sequences: the training plan's options
+        (["--data-parallel", "2"], "--data-parallel plans training; leave out --generate"),
+        (["--chunks", "4"], "--chunks plans training; leave out --generate"),
+        (["--measure"], "--measure plans training; leave out --generate"),
+        (["--checkpoint", "always"], "--checkpoint plans training; leave out --generate"),
+        (["--shard", "optimizer"], "--shard plans training; leave out --generate"),
     ],
 )
 def test_what_generate_cannot_run_is_refused_in_one_line(capsys, flags, said):
     assert main(["plan", "--generate", "--n-layer", "4", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert said in err and "\n" not in err, err
+
+
+def test_one_of_each_is_counted_in_the_singular(capsys):
+    argv = ["plan", "--generate", "--n-layer", "2", "--stages", "1", "--batch-size", "1"]
+    assert main([*argv, "--seq-len", "1"]) == 0
+    assert "1 sequence of up to 1 token, 1 group in flight of up to 1 each (float32); 1 stage," in (
+        capsys.readouterr().out
+    )

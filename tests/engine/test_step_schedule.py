@@ -105,6 +105,15 @@ def test_a_step_with_fewer_rows_than_the_schedules_fewest_micro_batches_is_one_l
         source.build(2, 1, 2)
 
 
+def test_too_few_micro_batches_for_one_process_say_process_not_processes():
+    """v-min on one process needs two micro-batches: both refusals count it as one process."""
+    source = ScheduleSource.of("v-min")
+    with pytest.raises(ValueError, match=r"at least 2 for 1 process, got chunks=1$"):
+        source.check(2, 1, 1)
+    with pytest.raises(ValueError, match=r"at least 2 micro-batches on 1 process, but"):
+        source.build(1, 1, 2)
+
+
 def test_too_few_micro_batches_of_ones_own_are_refused_asking_for_micro_batches_not_rows():
     """``step(microbatches=...)`` decides M itself: more rows would not help, so the refusal
     asks for micro-batches, at least the schedule's fewest, or exactly a fixed one's."""

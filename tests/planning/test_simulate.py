@@ -249,6 +249,48 @@ def test_cli_reads_costs_and_reports_bad_input_in_one_line(tmp_path, capsys):
         assert err.startswith("gpipe: error: ") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize(
+    ("name", "v"), [("v-half", 3), ("v-min", 1), ("zero-bubble-v", 4), ("dualpipe-v", 3)]
+)
+def test_cli_refuses_stages_per_process_that_a_v_named_does_not_hold(capsys, name, v):
+    """A V holds two stages per process whatever --virtual-stages says: another number is
+    refused naming the flag, what was given and what a V takes, not silently ignored."""
+    assert main(["simulate", "--schedule", name, "--virtual-stages", str(v)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert (
+        f"--schedule {name} places two stages per process in a V: --virtual-stages is 2, got {v}"
+        in err
+    )
+    assert main(["simulate", "--schedule", name, "--virtual-stages", "2"]) == 0
+    capsys.readouterr()
+
+
+def test_cli_virtual_stages_of_every_schedule_unnamed_are_the_looped_ones(capsys):
+    """With no --schedule, --virtual-stages 3 is the looped schedules', beside the V's two."""
+    assert main(["simulate", "--stages", "2", "--chunks", "6", "--virtual-stages", "3"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in SCHEDULES)
+
+
+def test_cli_exits_2_saying_why_when_every_schedule_named_is_skipped(capsys):
+    """v-min on 4 processes needs 3 micro-batches: with 1, nothing is simulated, which is an
+    error in one line on stderr; beside a schedule that runs, it is a row of the table."""
+    assert main(["simulate", "--schedule", "v-min", "--chunks", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured
+    assert captured.err.startswith(
+        "gpipe: error: --schedule v-min: v-min needs at least 3 micro-batches for 4 ranks"
+    )
+    assert main(["simulate", "--schedule", "v-min,gpipe", "--chunks", "1"]) == 0
+    assert "v-min     skipped: v-min needs at least 3" in capsys.readouterr().out
+
+
+def test_cli_counts_one_stage_and_one_micro_batch_in_the_singular(capsys):
+    assert main(["simulate", "--stages", "1", "--chunks", "1", "--schedule", "gpipe"]) == 0
+    assert capsys.readouterr().out.startswith("1 stage, 1 micro-batch, costs ")
+
+
 def test_cli_plot_writes_a_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "timelines.png"

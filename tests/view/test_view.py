@@ -186,6 +186,8 @@ def test_gpipe_view_plays_a_schedule_file_with_the_files_shape(tmp_path, capsys)
         (["--schedule", "interleaved", "--chunks", "6"],
          "--schedule interleaved needs --chunks a multiple of --stages, got 6 and 4"),
         (["--virtual-stages", "9"], "--virtual-stages must be a whole number from 1 to 8"),
+        (["--schedule", "v-min", "--virtual-stages", "3"],
+         "--schedule v-min places two stages per process in a V: --virtual-stages is 2, got 3"),
         (["--out", "/no/such/folder/page.html"], "--out /no/such/folder/page.html: "),
         (["--costs", "/no/such/costs.json"], "--costs /no/such/costs.json: "),
     ],

@@ -6,6 +6,7 @@ import argparse
 from typing import NoReturn
 
 from gpipe.planning.simulate import Costs
+from gpipe.schedules import Placement, traits
 from gpipe.training.rules import multi_stage_schedules, positive
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "PAGE_OPTIONS",
     "Parser",
     "UsageError",
+    "check_v_stages",
     "multi_stage_schedules",
     "microbatch_tokens",
     "positive",
@@ -39,6 +41,20 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
+
+
+def check_v_stages(schedule: str, virtual_stages: int | None) -> None:
+    """Refuse ``--virtual-stages`` other than a V schedule's own count (None: not given),
+    which the V would otherwise ignore: it holds two stages per process whatever is asked."""
+    kind = traits(schedule)
+    if kind.placement is not Placement.V or virtual_stages is None:
+        return
+    held = kind.stages_per_rank(virtual_stages)
+    if virtual_stages != held:
+        raise UsageError(
+            f"--schedule {schedule} places two stages per process in a V: --virtual-stages "
+            f"is {held}, got {virtual_stages}"
+        )
 
 
 def read_costs(path: str, n_stages: int) -> Costs:

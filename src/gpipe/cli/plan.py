@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gpipe.cli.common import UsageError, multi_stage_schedules
+from gpipe.cli.common import UsageError, check_v_stages, multi_stage_schedules
 from gpipe.cli.plan_cluster import add_cluster_arguments, is_cluster_plan, plan_cluster
 from gpipe.cli.plan_generation import add_generation_arguments, plan_generating
 from gpipe.cli.plan_model import (
@@ -276,12 +276,7 @@ def _check(args: argparse.Namespace, gpt: bool) -> None:
     if args.virtual_stages > 1 and not schedule.several_stages_per_rank:
         raise UsageError(f"--virtual-stages needs --schedule {multi_stage_schedules()}")
     if schedule.placement is Placement.V:  # a V holds two stages a process, unasked
-        if args.virtual_stages not in (1, 2):
-            raise UsageError(
-                f"--schedule {args.schedule} places two stages per process in a V: "
-                f"--virtual-stages is 2, got {args.virtual_stages}"
-            )
-        args.virtual_stages = 2
+        args.virtual_stages = schedule.stages_per_rank(args.virtual_stages)
     if schedule.microbatches_per_round and args.chunks % args.stages:
         raise UsageError(
             f"--schedule {args.schedule} needs --chunks a multiple of --stages {args.stages}"
@@ -337,6 +332,8 @@ def _plan(args: argparse.Namespace) -> int:
         return _generating(args, kind)
     if args.in_flight is not None:
         raise UsageError("--in-flight needs --generate")
+    if args.schedule is not None:  # before the defaults, so that a 1 given is told too
+        check_v_stages(args.schedule, args.virtual_stages)
     if not gpt:
         check_split_options(args)
     elif args.suggest:
@@ -388,11 +385,35 @@ def _check_tensor(args: argparse.Namespace, gpt: bool) -> None:
     check_heads(t, args.n_head)
 
 
+# Options of training plans that generation has no use for: one pipeline (generate() runs no
+# replicas), no micro-batches, no backward to recompute for, nothing searched or timed.
+_TRAINING_ONLY = (
+    "suggest",
+    "max_layers",
+    "chunks",
+    "checkpoint",
+    "measure",
+    "top",
+    "max_stages",
+    "reshard_after_forward",
+)
+
+
+def _training_option(args: argparse.Namespace) -> str | None:
+    """The first option given that only a training plan reads, which --generate would ignore."""
+    if args.data_parallel != 1:  # 1 where not given
+        return "data_parallel"
+    if args.shard not in (None, "none"):
+        return "shard"
+    given = (flag for flag in _TRAINING_ONLY if getattr(args, flag) not in (None, False))
+    return next(given, None)
+
+
 def _generating(args: argparse.Namespace, kind: str) -> int:
     """``--generate``: the memory of generating, on the stages given."""
-    for flag in ("suggest", "max_layers"):
-        if getattr(args, flag):
-            raise UsageError(f"--{flag.replace('_', '-')} plans training; leave out --generate")
+    flag = _training_option(args)
+    if flag is not None:
+        raise UsageError(f"--{flag.replace('_', '-')} plans training; leave out --generate")
     if args.stages is None:  # --stages 0 is refused below, not taken for the default
         args.stages = _PLAN_DEFAULTS["stages"]
     several = args.schedule is not None and traits(args.schedule).several_stages_per_rank

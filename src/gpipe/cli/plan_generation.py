@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from gpipe.cli.common import UsageError
+from gpipe.errors import counted
 from gpipe.planning.generation import GenerationPlan, plan_generation
 from gpipe.planning.memory import format_bytes
 
@@ -135,9 +136,10 @@ def plan_generating(args: argparse.Namespace, kind: str, dtype: torch.dtype, mem
 
 def _print(args: argparse.Namespace, result: GenerationPlan, cut: str, memory: int) -> None:
     print(
-        f"generating with {args.model}: {result.batch} sequences of up to {result.context} "
-        f"tokens, {result.in_flight} groups in flight of up to {result.rows_per_group} each "
-        f"({args.dtype}); {len(result.stages)} stages, {cut}"
+        f"generating with {args.model}: {counted(result.batch, 'sequence')} of up to "
+        f"{counted(result.context, 'token')}, {counted(result.in_flight, 'group')} in flight of "
+        f"up to {result.rows_per_group} each ({args.dtype}); "
+        f"{counted(len(result.stages), 'stage')}, {cut}"
     )
     header = ["stage", "attention layers", "weights", "KV cache", "growing", "total"]
     header.append(f"fits {format_bytes(memory)}")

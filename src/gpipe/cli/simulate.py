@@ -10,12 +10,14 @@ from gpipe.cli.common import (
     MICROBATCH_TOKENS_HELP,
     PAGE_OPTIONS,
     UsageError,
+    check_v_stages,
     microbatch_tokens,
     multi_stage_schedules,
     read_costs,
 )
 from gpipe.cli.plan_tensor import add_link_argument, link_of
 from gpipe.cli.seq_chunk_flags import add_seq_chunks_argument, check_simulable
+from gpipe.errors import counted
 from gpipe.planning.bubbles import split_costs
 from gpipe.planning.simulate import Costs, SimResult, compare, scenario, simulate
 from gpipe.schedules import SCHEDULES, build, from_csv, get_schedule, to_csv
@@ -80,7 +82,7 @@ def add_parser(sub: Any) -> None:
         default=2,
         metavar="V",
         help=f"stages per rank for the {multi_stage_schedules()} schedule, each with 1/V of "
-        "the rank's costs (default 2)",
+        "the rank's costs (default 2; a V schedule takes 2 only)",
     )
     add_seq_chunks_argument(
         p, "each costs, holds and sends 1/S of it; peaks count micro-batches' worth of them"
@@ -167,6 +169,9 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.schedule_csv is not None:
         return _simulate_file(args)
     names = _schedule_names(args.schedule)
+    if args.schedule:  # none named, --virtual-stages is the looped ones' and a V keeps 2
+        for name in names:
+            check_v_stages(name, args.virtual_stages)
     costs = DEFAULT_COSTS if args.costs is None else read_costs(args.costs, args.stages)
     costs = costs if tokens is None else costs.with_tokens(tokens)
     costs, tensor = _tensor_costs(args, costs)
@@ -186,12 +191,14 @@ def _simulate(args: argparse.Namespace) -> int:
         args.reshard_after_forward,
         args.seq_chunks,
     )
+    _check_any_simulated(rows)
     source = args.costs or "default: forward 1, backward 1, weight 1 per stage"
     replicas = f", {args.data_parallel} replicas" if args.data_parallel > 1 else ""
     replicas += f" sharded {shard}" if shard else ""
     sizes = "" if tokens is None else f" of {args.microbatch_tokens} tokens"
     sizes += f", each as {args.seq_chunks} sub-sequences" if args.seq_chunks > 1 else ""
-    print(f"{args.stages} stages, {args.chunks} micro-batches{sizes}{replicas}, costs {source}")
+    counts = f"{counted(args.stages, 'stage')}, {counted(args.chunks, 'micro-batch', 'es')}"
+    print(f"{counts}{sizes}{replicas}, costs {source}")
     if tensor:
         print(tensor)
     print(_table(rows, args.stages, args.chunks, costs, args.data_parallel > 1, shard))
@@ -210,13 +217,24 @@ def _simulate(args: argparse.Namespace) -> int:
             for row in rows
             if "note" not in row
         ]
-        if not results:
-            raise UsageError(f"--plot {args.plot}: no schedule runs at these sizes")
         _plot(results, args.plot)
         print(f"timelines: {args.plot}")
     if page is not None:
         print(f"page: {write_page(args.html, page)}")
     return 0
+
+
+def _check_any_simulated(rows: list[dict[str, Any]]) -> None:
+    """A table of skipped schedules alone simulated nothing: say why, as a usage error, rather
+    than print it and exit 0 (some skipped beside others simulated are noted in the table)."""
+    if all("note" in row for row in rows):
+        reasons = (f"--schedule {row['schedule']}: {_reason(row['note'])}" for row in rows)
+        raise UsageError("; ".join(reasons))
+
+
+def _reason(note: str) -> str:
+    """Why ``compare`` skipped a schedule, without the table's ``skipped:``."""
+    return note.removeprefix("skipped: ")
 
 
 def _tensor_costs(args: argparse.Namespace, costs: Costs) -> tuple[Costs, str]:

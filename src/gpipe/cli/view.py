@@ -10,6 +10,7 @@ from gpipe.cli.common import (
     MICROBATCH_TOKENS_HELP,
     PAGE_OPTIONS,
     UsageError,
+    check_v_stages,
     microbatch_tokens,
     multi_stage_schedules,
     read_costs,
@@ -45,7 +46,8 @@ def add_parser(sub: Any) -> None:
         type=int,
         default=2,
         metavar="V",
-        help=f"stages per rank with --schedule {multi_stage_schedules()} (default 2)",
+        help=f"stages per rank with --schedule {multi_stage_schedules()} (default 2; a V "
+        "schedule takes 2 only)",
     )
     p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, default="never", help="default never")
     p.add_argument(
@@ -88,6 +90,7 @@ def _view(args: argparse.Namespace) -> int:
     values = (args.stages, args.chunks, args.schedule, args.virtual_stages, args.checkpoint)
     try:
         if fixed is None:
+            check_v_stages(args.schedule, args.virtual_stages)
             check_settings(*values, costs, names=PAGE_OPTIONS)
             settings = Settings(*values, costs)
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpipe.engine.placement import check_stages_per_rank
+from gpipe.errors import counted
 from gpipe.runtime.recompute import Layers, should_checkpoint
 from gpipe.schedules import (
     Kind,
@@ -71,8 +72,8 @@ class ScheduleSource:
             fewest = declared(n_ranks) if declared is not None else 1
             if chunks < fewest:
                 raise ValueError(
-                    f"schedule {self.name!r} needs chunks of at least {fewest} for {n_ranks} "
-                    f"processes, got chunks={chunks}"
+                    f"schedule {self.name!r} needs chunks of at least {fewest} for "
+                    f"{counted(n_ranks, 'process', 'es')}, got chunks={chunks}"
                 )
             return
         fixed = self.fixed
@@ -96,8 +97,8 @@ class ScheduleSource:
             fewest = traits(self.name).fewest_microbatches(n_ranks, per_rank)
             if n_microbatches < fewest:
                 raise ValueError(
-                    f"schedule {self.name!r} runs at least {fewest} micro-batches on {n_ranks} "
-                    f"processes, but this step has {n_microbatches} "
+                    f"schedule {self.name!r} runs at least {fewest} micro-batches on "
+                    f"{counted(n_ranks, 'process', 'es')}, but this step has {n_microbatches} "
                     + _what_to_pass(fewest, given, "fewer rows than that")
                 )
             return build(self.name, n_ranks, n_microbatches, per_rank)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpipe.errors import ConfigError
+from gpipe.errors import ConfigError, counted
 from gpipe.training.config import TrainConfig, config_values
 from gpipe.training.models.resolve import GPT_FLAGS, check_pack, resolve_model, starting_weights
 from gpipe.training.options import RunSpec, TrainOptions
@@ -308,7 +308,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     )
     processes = opts.stages * opts.data_parallel * opts.tensor_parallel
     if not torchrun or os.environ["RANK"] == "0":
-        print(f"{processes} {_plural(processes, 'process', 'es')}: {layout_text(opts)}", flush=True)
+        print(f"{counted(processes, 'process', 'es')}: {layout_text(opts)}", flush=True)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else processes
     threads = (config.threads or threads_per_process(local)) if opts.device == "cpu" else None
     if torchrun:
@@ -331,16 +331,10 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     return summary
 
 
-def _plural(count: int, word: str, suffix: str = "s") -> str:
-    return word if count == 1 else word + suffix
-
-
 def layout_text(opts: TrainOptions) -> str:
     """How the processes are laid out, for the log: ``2 stages x 1 replica x 2 tensor ranks``."""
     k, d, t = opts.stages, opts.data_parallel, opts.tensor_parallel
-    return (
-        f"{k} {_plural(k, 'stage')} x {d} {_plural(d, 'replica')} x {t} tensor {_plural(t, 'rank')}"
-    )
+    return f"{counted(k, 'stage')} x {counted(d, 'replica')} x {counted(t, 'tensor rank')}"
 
 
 def shape_from_world(config: TrainConfig, opts: TrainOptions, world: int) -> None:
