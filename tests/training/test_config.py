@@ -131,6 +131,10 @@ def test_flag_errors_are_not_prefixed_with_the_class(capsys):
         ({"checkpoint": "sometimes"}, "--checkpoint must be always, except_last or never, got "),
         ({"out": "{file}"}, "--out {file} is a file; expected a run folder (a directory)"),
         ({"out": ""}, "--out must name a run folder, got ''"),
+        (  # a V holds two stages per process: another count would be ignored
+            {"schedule": "v-min", "virtual_stages": 3, "chunks": 4},
+            "--schedule v-min places two stages per process in a V: --virtual-stages is 2, got 3",
+        ),
     ],
 )
 def test_bad_values_fail_before_any_process_alike_from_python_and_the_command(

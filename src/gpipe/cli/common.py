@@ -6,8 +6,7 @@ import argparse
 from typing import NoReturn
 
 from gpipe.planning.simulate import Costs
-from gpipe.schedules import Placement, traits
-from gpipe.training.rules import multi_stage_schedules, positive
+from gpipe.training.rules import check_v_stages, multi_stage_schedules, positive
 
 __all__ = [
     "MICROBATCH_TOKENS_HELP",
@@ -41,20 +40,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
-
-
-def check_v_stages(schedule: str, virtual_stages: int | None) -> None:
-    """Refuse ``--virtual-stages`` other than a V schedule's own count (None: not given),
-    which the V would otherwise ignore: it holds two stages per process whatever is asked."""
-    kind = traits(schedule)
-    if kind.placement is not Placement.V or virtual_stages is None:
-        return
-    held = kind.stages_per_rank(virtual_stages)
-    if virtual_stages != held:
-        raise UsageError(
-            f"--schedule {schedule} places two stages per process in a V: --virtual-stages "
-            f"is {held}, got {virtual_stages}"
-        )
 
 
 def read_costs(path: str, n_stages: int) -> Costs:

@@ -14,7 +14,7 @@ import torch
 from gpipe.errors import ConfigError
 from gpipe.runtime.compiled import check_backend
 from gpipe.runtime.recompute import check_checkpoint
-from gpipe.schedules import SCHEDULES, SEQ_CHUNKED, traits
+from gpipe.schedules import SCHEDULES, SEQ_CHUNKED, Placement, traits
 from gpipe.training.models.resolve import model_layer_count
 from gpipe.training.options import TrainOptions
 from gpipe.training.trackers import check_report_to
@@ -22,7 +22,7 @@ from gpipe.training.trackers import check_report_to
 if TYPE_CHECKING:
     from gpipe.training.models.sources import TrainModel
 
-__all__ = ["check_options", "multi_stage_schedules", "positive"]
+__all__ = ["check_options", "check_v_stages", "multi_stage_schedules", "positive"]
 
 
 def positive(name: str, value: Any) -> None:
@@ -35,6 +35,20 @@ def multi_stage_schedules() -> str:
     """The registered schedules that place several stages on each rank, as ``--schedule``
     values for a message: ``interleaved``, or ``a or b``."""
     return " or ".join(name for name in SCHEDULES if traits(name).several_stages_per_rank)
+
+
+def check_v_stages(schedule: str, virtual_stages: int | None) -> None:
+    """Refuse ``--virtual-stages`` other than a V schedule's own count (None: not given),
+    which the V would otherwise ignore: it holds two stages per process whatever is asked."""
+    kind = traits(schedule)
+    if kind.placement is not Placement.V or virtual_stages is None:
+        return
+    held = kind.stages_per_rank(virtual_stages)
+    if virtual_stages != held:
+        raise ConfigError(
+            f"--schedule {schedule} places two stages per process in a V: --virtual-stages "
+            f"is {held}, got {virtual_stages}"
+        )
 
 
 def _check_seq_chunks(opts: TrainOptions, seq_len: int, model: TrainModel) -> None:
@@ -242,6 +256,7 @@ def _check_schedule(opts: TrainOptions, layers: int | None) -> None:
             f"--schedule must be auto or one of {', '.join(SCHEDULES)}, got {opts.schedule!r}"
         )
     schedule = traits(opts.schedule)
+    check_v_stages(opts.schedule, None if opts.virtual_stages == 1 else opts.virtual_stages)
     if opts.virtual_stages > 1 and not schedule.several_stages_per_rank:
         raise ConfigError(
             f"--virtual-stages {opts.virtual_stages} needs --schedule {multi_stage_schedules()}, "
