@@ -491,7 +491,8 @@ class Pipeline(nn.Module):
         row, or one per token (rows x tokens, such as ``targets != -100``; what ``seq_chunks``
         needs to weigh each sub-sequence). Returns the
         loss, the same on every rank; with ``return_outputs``, a ``StepResult`` that also
-        holds the last stage's outputs and each micro-batch's loss. With a ``scaler``
+        holds the last stage's outputs (with ``microbatches=``, a list of each one's) and
+        each micro-batch's loss. With a ``scaler``
         (float16) the loss is scaled on the last stage; then ``unscale_``, ``scaler.step``
         and ``scaler.update`` as usual.
         """

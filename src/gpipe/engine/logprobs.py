@@ -49,8 +49,7 @@ def token_logprobs(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_I
             f"logits of shape {tuple(logits.shape)} do not fit targets of shape "
             f"{tuple(targets.shape)}: expected logits of shape (*targets.shape, vocab)"
         )
-    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise ValueError(f"targets must be token ids (an integer tensor), got {targets.dtype}")
+    _check_ids(targets)
     if not logits.dtype.is_floating_point or logits.element_size() < 4:
         logits = logits.float()
     kept = targets != ignore_index
@@ -86,9 +85,10 @@ class TokenLogprobs(dict[int, Tensor]):
     def __setitem__(self, microbatch: int, outputs: Any) -> None:
         logits = logits_of(outputs).detach()
         if self.refused is None:
-            target = self.targets[microbatch].to(logits.device)
-            try:
+            target = self.targets[microbatch]
+            try:  # checked where the targets are (the user's, mostly on the CPU): no device sync
                 _check_vocabulary(target, logits.shape[-1], self.ignore_index)
+                target = target.to(logits.device)
                 super().__setitem__(microbatch, token_logprobs(logits, target, self.ignore_index))
                 return
             except ValueError as exc:
@@ -97,9 +97,17 @@ class TokenLogprobs(dict[int, Tensor]):
         super().__setitem__(microbatch, logits.new_empty(0))  # refused: nothing to return
 
 
+def _check_ids(targets: Tensor) -> None:
+    """Refuse targets that are not token ids: floats, complex numbers, booleans."""
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be token ids (an integer tensor), got {targets.dtype}")
+
+
 def _check_vocabulary(targets: Tensor, vocab: int, ignore_index: int) -> None:
-    """Refuse a target outside the vocabulary, other than ``ignore_index``, before ``gather``
-    meets it (on CUDA, a device-side assertion that ends the process)."""
+    """Refuse targets that are not token ids, or a target outside the vocabulary (other than
+    ``ignore_index``), before ``gather`` meets it (on CUDA, a device-side assertion that ends
+    the process)."""
+    _check_ids(targets)
     kept = targets != ignore_index
     outside = kept & ((targets < 0) | (targets >= vocab))
     if outside.any():
