@@ -92,7 +92,8 @@ def outputs_and_refusals(k: int) -> dict:
     """``return_outputs=True`` on micro-batches of 7, 31, 12 and 64 tokens, under 1F1B (the
     last stage on the last process) and V-Half (on the first): the list of each one's
     outputs, in order, equal to the whole model's, from ``step`` and ``evaluate``; and V-Min
-    given fewer micro-batches than it runs, refused in words that ask for micro-batches."""
+    given fewer micro-batches than it runs, refused on every process in words that ask for
+    micro-batches."""
     given = microbatches()
     reference = token_model()
     expected = [reference(x).detach() for x, _ in given]
@@ -109,6 +110,6 @@ def outputs_and_refusals(k: int) -> dict:
     pipe = Pipeline(token_model(), [2] * 2 * k, chunks=2, schedule="v-min", loss_fn=token_mean)
     try:
         pipe.step(microbatches=given[:1])
-    except Exception as exc:  # the first rank refuses; the others lose it
+    except Exception as exc:  # every rank refuses, before any waits on another
         found["refused"] = f"{type(exc).__name__}: {exc}"
     return found

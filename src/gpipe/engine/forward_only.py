@@ -10,19 +10,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from gpipe.comm.process_group import bounded_wait
 from gpipe.engine.logprobs import IGNORE_INDEX, TokenLogprobs
 from gpipe.engine.presplit import Presplit, given_microbatches
 from gpipe.engine.runner import StepRunner
 
 __all__ = ["forward_logprobs"]
-
-
-# the bytes of the last stage's refusal that every rank gets (its first line, cut to fit)
-_REFUSAL_BYTES = 1024
 
 
 def _check_given(given: Presplit) -> None:
@@ -79,23 +73,24 @@ def _logprobs_for(
 
 def _agree(runner: StepRunner, refused: str | None) -> None:
     """Raise the last stage's refusal of its targets on every rank, once the forward has run
-    to its end (nothing of it is left in the channels for the next one to read)."""
+    to its end (nothing of it is left in the channels for the next one to read): its length
+    goes to every rank, and its words only where there is one."""
     placement = runner.placement
     if placement.n_ranks > 1:
-        words = torch.zeros(_REFUSAL_BYTES, dtype=torch.uint8)
-        if refused is not None:
-            said = refused.splitlines()[0].encode()[: _REFUSAL_BYTES - 1] or b"?"
-            words[: len(said)] = torch.frombuffer(bytearray(said), dtype=torch.uint8)
-        words = words.to(runner.device)
-        last = placement.n_stages - 1
-        src = placement.global_rank(placement.rank_of(last))
-        work = dist.broadcast(words, src=src, group=placement.group, async_op=True)
-        waiting = "waiting for the last stage to check its targets"
-        bounded_wait(work, runner.timeout, runner.stage_index, waiting, f"stage {last}")
-        said = bytes(words.cpu().tolist()).rstrip(b"\0")
-        refused = said.decode(errors="replace") if said else None
-        if refused is not None and not placement.is_last:
-            refused = f"the last stage refused its targets: {refused}"
+        last = placement.rank_of(placement.n_stages - 1)
+        what = "the last stage's check of its targets"
+        said = b"" if refused is None else refused.encode()
+        size = torch.tensor([len(said)], dtype=torch.int64, device=runner.device)
+        runner.broadcast(size, last, what)
+        if int(size):
+            if placement.is_last:
+                words = torch.frombuffer(bytearray(said), dtype=torch.uint8)
+            else:
+                words = torch.zeros(int(size), dtype=torch.uint8)
+            words = runner.broadcast(words.to(runner.device), last, what)
+            if not placement.is_last:
+                text = words.cpu().numpy().tobytes().decode(errors="replace")
+                refused = f"the last stage refused its targets: {text}"
     if refused is not None:
         raise ValueError(refused)
 

@@ -209,9 +209,12 @@ class StepRunner:
         ``keep_outputs``) and the times. ``training``: the modules' mode (in eval mode nothing
         is re-materialized, and deferred BatchNorm commits nothing)."""
         started = perf_counter()
+        # the user's own micro-batches are on every rank: all refuse too few, none waits
+        schedule = None if given is None else self.schedules.step(len(given.sizes), training, True)
         rows, sizes, parts = self._start(inputs, given)
         m = len(sizes)
-        schedule = self.schedules.step(m, training, given is not None)
+        if schedule is None:
+            schedule = self.schedules.step(m, training)
         n_units = schedule.n_microbatches  # m, or m x seq_chunks sub-sequences
         data = self._data(
             parts if self.units is None else self.units.inputs(parts),
@@ -299,7 +302,7 @@ class StepRunner:
         parts = None
         if self.recorder is not None:
             if self.placement.n_ranks > 1:  # align the ranks' clocks: a step starts here
-                self._broadcast(torch.zeros(1, device=self.device), 0, "the start of the step")
+                self.broadcast(torch.zeros(1, device=self.device), 0, "the start of the step")
             self.recorder.step()
         if self.placement.is_first:
             try:
@@ -361,7 +364,7 @@ class StepRunner:
             loss += sum(data.losses[i].double() for i in range(m))
         if self.placement.n_ranks > 1:
             last = self.placement.rank_of(self.placement.n_stages - 1)
-            self._broadcast(loss, last, "the loss")
+            self.broadcast(loss, last, "the loss")
         if self.replicas is not None:
             self.replicas.sum(loss, "the loss", self.stage_index)
         return loss
@@ -385,7 +388,7 @@ class StepRunner:
         ]
         return StepResult(loss, outputs, losses)
 
-    def _broadcast(self, value: Tensor, src_rank: int, what: str) -> Tensor:
+    def broadcast(self, value: Tensor, src_rank: int, what: str) -> Tensor:
         """Broadcast from ``src_rank``; losing it ends in StageError rather than a hang."""
         src_stage = src_rank  # its first stage
         work = dist.broadcast(
