@@ -75,6 +75,9 @@ def test_sizes_and_bad_input():
         (["--n-head", "3"], "--d-model 256 must be a multiple of --n-head 3"),
         (["--balance", "1,1"], "--balance must be time, params, even, or 4 positive"),
         (["--stages", "9", "--n-layer", "2"], "--stages 9 x --virtual-stages 1 is more than"),
+        # a 0 given is given, not taken for a switch left off
+        (["--top", "0"], "--top needs --suggest"),
+        (["--max-stages", "0"], "--max-stages needs --suggest"),
         (
             ["--schedule", "zero-bubble-v", "--virtual-stages", "3"],
             "--schedule zero-bubble-v places two stages per process in a V: --virtual-stages "

@@ -42,7 +42,7 @@ def test_a_model_without_a_plan_is_cut_by_the_layout_of_its_modules(tmp_path, ca
     argv = ["plan", "--generate", "--model", _config(tmp_path, GPT2), "--stages", "3"]
     assert main([*argv, "--batch-size", "5", "--seq-len", "32", "--in-flight", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "3 stages, cut by its plan" in lines[0]
+    assert "3 stages, cut by its module layout" in lines[0]
     # layers 1, 2, 1, each 5 rows x 32 tokens x 2 x 32 x 4 bytes
     assert [line.split()[1] for line in lines[2:]] == ["1", "2", "1"]
     caches = [" ".join(line.split()[4:6]) for line in lines[2:]]
@@ -50,17 +50,53 @@ def test_a_model_without_a_plan_is_cut_by_the_layout_of_its_modules(tmp_path, ca
 
 
 @pytest.mark.parametrize(
-    ("flags", "said"),
+    ("flags", "cut"),
     [
-        (["--split-at", "model.layers.2"], "--split-at model.layers.2 gives 2 stages, but"),
-        (["--split-at", "lm_head"], "'lm_head'] are not decoder layers a stage can begin at"),
+        ([], "2 stages, cut by its plan"),
+        (["--split-at", "model.layers.1"], "2 stages, cut at --split-at model.layers.1"),
     ],
 )
-def test_a_cut_that_does_not_fit_is_one_line(tmp_path, capsys, flags, said):
-    argv = ["plan", "--generate", "--model", _config(tmp_path, LLAMA), "--stages", "3", *flags]
+def test_the_cut_is_said_as_it_was_made(tmp_path, capsys, flags, cut):
+    argv = ["plan", "--generate", "--model", _config(tmp_path, LLAMA), "--stages", "2", *flags]
+    assert main(argv) == 0
+    assert cut in capsys.readouterr().out.splitlines()[0]
+
+
+def test_split_at_alone_gives_the_stages(tmp_path, capsys):
+    """Without --stages, the cuts say how many stages there are (not the default 4)."""
+    argv = ["plan", "--generate", "--model", _config(tmp_path, LLAMA)]
+    assert main([*argv, "--split-at", "model.layers.1"]) == 0
+    assert "2 stages, cut at --split-at model.layers.1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("model", "flags", "said"),
+    [
+        (LLAMA, ["--split-at", "model.layers.2"], "--split-at model.layers.2 gives 2 stages, but"),
+        (LLAMA, ["--split-at", "lm_head"], "'lm_head'] are not decoder layers a stage can begin"),
+        # said with the flag typed, not split's parts=6
+        (GPT2, ["--stages", "6"], "--stages 6 is more than the model's 4 decoder layers"),
+    ],
+)
+def test_a_cut_that_does_not_fit_is_one_line(tmp_path, capsys, model, flags, said):
+    argv = ["plan", "--generate", "--model", _config(tmp_path, model), "--stages", "3", *flags]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert said in err and "\n" not in err and "Traceback" not in err, err
+    assert "parts=" not in err, err
+
+
+def test_a_cut_of_other_stages_than_asked_names_no_split_at_not_given(
+    tmp_path, capsys, monkeypatch
+):
+    import gpipe.splitting
+
+    cut = gpipe.splitting.split
+    monkeypatch.setattr(gpipe.splitting, "split", lambda *a, **k: cut(*a, **{**k, "parts": 1}))
+    argv = ["plan", "--generate", "--model", _config(tmp_path, LLAMA), "--stages", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is cut into 1 stage, but --stages asks for 2" in err and "None" not in err, err
 
 
 def test_the_plan_counts_what_the_caches_of_a_stage_hold(tmp_path, capsys):
@@ -104,11 +140,17 @@ def test_the_plan_counts_what_the_caches_of_a_stage_hold(tmp_path, capsys):
     ("flags", "said"),
     [
         (["--stages", "0"], "--stages must be a positive integer, got 0"),  # was 4 stages
-        (["--virtual-stages", "2"], "--generate plans one stage per process"),
-        (["--schedule", "interleaved"], "--generate plans one stage per process"),
+        # generate() runs no schedule: any one given would be ignored
+        (["--virtual-stages", "2"], "--virtual-stages plans training; leave out --generate"),
+        (["--schedule", "interleaved"], "--schedule plans training; leave out --generate"),
+        (["--schedule", "1f1b"], "--schedule plans training; leave out --generate"),
         # generate() runs one pipeline of whole sequences: the training plan's options
         (["--data-parallel", "2"], "--data-parallel plans training; leave out --generate"),
         (["--chunks", "4"], "--chunks plans training; leave out --generate"),
+        # a 0 given is given, not taken for a switch left off
+        (["--chunks", "0"], "--chunks plans training; leave out --generate"),
+        (["--top", "0"], "--top plans training; leave out --generate"),
+        (["--max-stages", "0"], "--max-stages plans training; leave out --generate"),
         (["--measure"], "--measure plans training; leave out --generate"),
         (["--checkpoint", "always"], "--checkpoint plans training; leave out --generate"),
         (["--shard", "optimizer"], "--shard plans training; leave out --generate"),

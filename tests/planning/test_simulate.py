@@ -27,11 +27,13 @@ from gpipe.schedules import (
     SCHEDULES,
     Action,
     Kind,
+    Placement,
     Schedule,
     ScheduleError,
     add_skips,
     forward_only,
     gpipe,
+    traits,
     validate,
 )
 
@@ -266,11 +268,27 @@ def test_cli_refuses_stages_per_process_that_a_v_named_does_not_hold(capsys, nam
     capsys.readouterr()
 
 
+def test_cli_virtual_stages_named_beside_a_looped_schedule_are_its(capsys):
+    """--virtual-stages 4 is interleaved's when it is named beside a V: both run, the V on
+    its two, rather than the V's refusal ending the comparison."""
+    argv = ["simulate", "--stages", "4", "--chunks", "8", "--virtual-stages", "4"]
+    assert main([*argv, "--schedule", "interleaved,zero-bubble-v"]) == 0
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line]
+    assert "interleaved" in rows and "zero-bubble-v" in rows
+
+
 def test_cli_virtual_stages_of_every_schedule_unnamed_are_the_looped_ones(capsys):
-    """With no --schedule, --virtual-stages 3 is the looped schedules', beside the V's two."""
+    """With no --schedule, --virtual-stages 3 is the looped schedules', beside the V's two
+    and one of the others: every schedule runs (no row skipped), and its peak live column
+    has one entry per stage, 2 processes x its stages per process."""
     assert main(["simulate", "--stages", "2", "--chunks", "6", "--virtual-stages", "3"]) == 0
-    out = capsys.readouterr().out
-    assert all(name in out for name in SCHEDULES)
+    lines = map(str.split, capsys.readouterr().out.splitlines())
+    rows = {cells[0]: cells[1:] for cells in lines if cells and cells[0] in SCHEDULES}
+    assert list(rows) == list(SCHEDULES)
+    assert not [name for name, cells in rows.items() if cells[0] == "skipped:"]
+    per_process = {Placement.ONE_PER_RANK: 1, Placement.LOOPED: 3, Placement.V: 2}
+    peaks = {name: len(cells[4:]) for name, cells in rows.items()}
+    assert peaks == {name: 2 * per_process[traits(name).placement] for name in SCHEDULES}
 
 
 def test_cli_exits_2_saying_why_when_every_schedule_named_is_skipped(capsys):

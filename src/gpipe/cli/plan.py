@@ -256,9 +256,15 @@ def _check_model(args: argparse.Namespace, *more: str) -> None:
         raise UsageError(f"--d-model {args.d_model} must be a multiple of --n-head {args.n_head}")
 
 
+def _given(value: object) -> bool:
+    """Whether an option was given: a switch on, or any value, 0 among them (``0 in (None,
+    False)`` holds, as 0 == False)."""
+    return value is not None and value is not False
+
+
 def _check(args: argparse.Namespace, gpt: bool) -> None:
     for flag in ("suggest", "max_stages", "measure", "top"):
-        if getattr(args, flag) not in (None, False):
+        if _given(getattr(args, flag)):
             raise UsageError(
                 f"--{flag.replace('_', '-')} needs --suggest (or --cluster's --search)"
             )
@@ -386,8 +392,11 @@ def _check_tensor(args: argparse.Namespace, gpt: bool) -> None:
 
 
 # Options of training plans that generation has no use for: one pipeline (generate() runs no
-# replicas), no micro-batches, no backward to recompute for, nothing searched or timed.
+# replicas), one stage per process and no schedule, no micro-batches, no backward to
+# recompute for, nothing searched or timed.
 _TRAINING_ONLY = (
+    "schedule",
+    "virtual_stages",
     "suggest",
     "max_layers",
     "chunks",
@@ -405,7 +414,7 @@ def _training_option(args: argparse.Namespace) -> str | None:
         return "data_parallel"
     if args.shard not in (None, "none"):
         return "shard"
-    given = (flag for flag in _TRAINING_ONLY if getattr(args, flag) not in (None, False))
+    given = (flag for flag in _TRAINING_ONLY if _given(getattr(args, flag)))
     return next(given, None)
 
 
@@ -415,13 +424,8 @@ def _generating(args: argparse.Namespace, kind: str) -> int:
     if flag is not None:
         raise UsageError(f"--{flag.replace('_', '-')} plans training; leave out --generate")
     if args.stages is None:  # --stages 0 is refused below, not taken for the default
-        args.stages = _PLAN_DEFAULTS["stages"]
-    several = args.schedule is not None and traits(args.schedule).several_stages_per_rank
-    if (args.virtual_stages or 1) > 1 or several:
-        raise UsageError(
-            "--generate plans one stage per process, as generate() runs: leave out "
-            "--virtual-stages and a --schedule of several stages per process"
-        )
+        cuts = len(args.split_at.split(",")) if args.split_at else None
+        args.stages = _PLAN_DEFAULTS["stages"] if cuts is None else cuts + 1
     args.balance = args.balance or ("even" if kind == "gpt" else "params")
     args.dtype = args.dtype or "float32"
     _check_model(args, "stages")

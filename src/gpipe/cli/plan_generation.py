@@ -70,31 +70,49 @@ def _kv_width(config: Any) -> int:
     return int(kv_heads) * int(head_dim)
 
 
-def _cut_by_plan(model: nn.Module, args: argparse.Namespace) -> list[Any]:
+def _cut_by_plan(model: nn.Module, args: argparse.Namespace) -> tuple[list[Any], str]:
     """``model`` cut by its pipeline plan (or the layout read from its modules) on the meta
     device, at ``--split-at`` or by parameters: the stages that generate, each keeping the
     model's own cache (``gpipe plan``'s training plan profiles a traced cut instead, which
-    keeps none)."""
+    keeps none), and how it was cut."""
     from gpipe.errors import first_line
     from gpipe.splitting import split
+    from gpipe.splitting.hf_layout import plan_layout
 
     at = None if args.split_at is None else args.split_at.split(",")
     try:
+        layout = plan_layout(model)  # what split cuts by under plan="hf"
+        if at is None and args.stages > layout.n_layers:  # said with the flag typed
+            raise UsageError(
+                f"--stages {args.stages} is more than the model's {layout.n_layers} decoder "
+                "layers (each stage holds at least one)"
+            )
         stages = split(model, at=at, parts=None if at else args.stages, plan="hf")
+    except UsageError:
+        raise
     except Exception as exc:  # CutError, or a model whose layout cannot be read
         raise UsageError(f"--model {args.model}: {first_line(exc)}") from None
     if len(stages) != args.stages:
+        cut = "is cut into" if at is None else f"at --split-at {args.split_at} gives"
         raise UsageError(
-            f"--split-at {args.split_at} gives {len(stages)} stages, but --stages asks for "
-            f"{args.stages}"
+            f"--model {args.model} {cut} {counted(len(stages), 'stage')}, but --stages asks "
+            f"for {args.stages}"
         )
-    return list(stages)
+    return list(stages), _how_cut(args, layout.read)
+
+
+def _how_cut(args: argparse.Namespace, read: bool) -> str:
+    """The cut as the header says it: where the user named it, else by what split read."""
+    if args.split_at is not None:
+        return f"cut at --split-at {args.split_at}"
+    return "cut by its module layout" if read else "cut by its plan"
 
 
 def _split_model(
     args: argparse.Namespace, dtype: torch.dtype
 ) -> tuple[list[int], list[int], int, str]:
-    """A Hugging Face model cut by its plan: each stage's weights and decoder layers."""
+    """A Hugging Face model cut by its plan or module layout: each stage's weights and
+    decoder layers, and how it was cut."""
     from gpipe.cli.plan_model import _build
     from gpipe.training.models.resolve import longest_sequence
 
@@ -103,10 +121,10 @@ def _split_model(
         args.seq_len = longest_sequence(model)
     if args.seq_len is None:
         raise UsageError(f"--model {args.model}: its longest sequence is unknown; pass --seq-len")
-    stages = _cut_by_plan(model, args)
+    stages, cut = _cut_by_plan(model, args)
     weights = [_bytes_of(s) for s in stages]
     attention = [s.stop - s.start for s in stages]
-    return weights, attention, _kv_width(getattr(model, "config", None)), "cut by its plan"
+    return weights, attention, _kv_width(getattr(model, "config", None)), cut
 
 
 def plan_generating(args: argparse.Namespace, kind: str, dtype: torch.dtype, memory: int) -> int:

@@ -20,7 +20,7 @@ from gpipe.cli.seq_chunk_flags import add_seq_chunks_argument, check_simulable
 from gpipe.errors import counted
 from gpipe.planning.bubbles import split_costs
 from gpipe.planning.simulate import Costs, SimResult, compare, scenario, simulate
-from gpipe.schedules import SCHEDULES, build, from_csv, get_schedule, to_csv
+from gpipe.schedules import SCHEDULES, Placement, build, from_csv, get_schedule, to_csv, traits
 from gpipe.view import Settings, check_settings
 from gpipe.view import write as write_page
 
@@ -169,7 +169,9 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.schedule_csv is not None:
         return _simulate_file(args)
     names = _schedule_names(args.schedule)
-    if args.schedule:  # none named, --virtual-stages is the looped ones' and a V keeps 2
+    # --virtual-stages is the looped schedules'; where none is among those named (all of
+    # them are, when none is named), a V, which keeps 2, is asked for another count in vain
+    if not any(traits(name).placement is Placement.LOOPED for name in names):
         for name in names:
             check_v_stages(name, args.virtual_stages)
     costs = DEFAULT_COSTS if args.costs is None else read_costs(args.costs, args.stages)
