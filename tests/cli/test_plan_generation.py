@@ -104,9 +104,8 @@ def test_the_plan_counts_what_the_caches_of_a_stage_hold(tmp_path, capsys):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import gpipe
-    from gpipe.engine.generation import Sampler, Sampling, Scheduler
-    from gpipe.engine.generation.lanes import CachedStage, StageCaches
-    from gpipe.engine.generation.sampling import picked
+
+    from ..engine.one_stage import stepped
 
     argv = ["plan", "--generate", "--model", _config(tmp_path, LLAMA), "--stages", "1"]
     assert main([*argv, "--batch-size", "3", "--in-flight", "1"]) == 0
@@ -115,23 +114,16 @@ def test_the_plan_counts_what_the_caches_of_a_stage_hold(tmp_path, capsys):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     stage = gpipe.split(model, parts=1, plan="hf")[0]
-    caches = StageCaches(CachedStage(stage, 0, torch.device("cpu"), None), context=32)
-    plan = Scheduler([[1] * 8, [2] * 3, [3] * 5], 24, lanes=1)  # 8 + 24 - 1 columns at most
-    sampler, held = Sampler(Sampling()), 0
-    with torch.no_grad():
-        while (task := plan.task(0)) is not None:
-            x = torch.tensor(task.inputs)[:, None]
-            pieces = [torch.tensor(p.ids)[None] for p in task.pieces]
-            x, pieces = caches.run(task, x, pieces)
-            plan.take(0, *picked(sampler, task, x, pieces))
-            layers = [kv for c in caches.lanes[0].caches if c is not None for kv in c.kv_layers()]
-            storages = {
-                t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for kv in layers
-                for t in (kv.keys, kv.values)
-                if t is not None
-            }
-            held = max(held, sum(storages.values()))
+    held = 0
+    for _, caches in stepped(stage, [[1] * 8, [2] * 3, [3] * 5], 24, 32):  # 31 columns at most
+        layers = [kv for c in caches.lanes[0].caches if c is not None for kv in c.kv_layers()]
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for kv in layers
+            for t in (kv.keys, kv.values)
+            if t is not None
+        }
+        held = max(held, sum(storages.values()))
     # the last token is never fed: 31 columns of the 32 the plan counts
     assert planned == [f"{held * 32 / 31 / 1024:.2f}", "KiB"], (held, planned)
 

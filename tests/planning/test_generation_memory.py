@@ -60,29 +60,21 @@ def test_the_gpts_caches_never_hold_more_columns_than_the_context():
     """A lane's buffers double when full, but never past the context the plan counts: a
     prompt of 25 tokens with 16 new ones (40 fed, of a context of 40) would otherwise grow
     its buffer to 2 x 26 columns at its first decoding step."""
-    from gpipe.engine.generation import Sampler, Sampling, Scheduler
-    from gpipe.engine.generation.lanes import CachedStage, StageCaches
-    from gpipe.engine.generation.sampling import picked
+    from ..engine.one_stage import stepped
 
     torch.manual_seed(0)
     config = GPTConfig(n_layer=2, d_model=16, n_head=2, seq_len=40, vocab_size=32)
     model = build_gpt(config).eval()
     prompts = [[1] * 25, [2] * 3, [3] * 12]
-    plan = Scheduler(prompts, 16, lanes=1, prefill_chunk=5)
-    caches = StageCaches(CachedStage(model, 0, torch.device("cpu"), None), context=40)
-    sampler, widest = Sampler(Sampling()), 0
-    with torch.no_grad():
-        while (task := plan.task(0)) is not None:
-            x = torch.tensor(task.inputs)[:, None]
-            pieces = [torch.tensor(p.ids)[None] for p in task.pieces]
-            x, pieces = caches.run(task, x, pieces)
-            plan.take(0, *picked(sampler, task, x, pieces))
-            held = [c for lane in caches.lanes.values() for c in lane.caches if c is not None]
-            for kv in (kv for cache in held for kv in cache.kv_layers() if kv.keys is not None):
-                if not kv.keys.numel():
-                    continue  # no rows left
-                # bytes of the whole buffer, over those of one column of every row
-                column = kv.keys[..., :1, :].numel() * kv.keys.element_size()
-                widest = max(widest, kv.keys.untyped_storage().nbytes() // column)
+    widest = 0
+    for step in stepped(model, prompts, 16, 40, prefill_chunk=5):
+        plan, caches = step  # the plan, whose tokens are checked at the end
+        held = [c for lane in caches.lanes.values() for c in lane.caches if c is not None]
+        for kv in (kv for cache in held for kv in cache.kv_layers() if kv.keys is not None):
+            if not kv.keys.numel():
+                continue  # no rows left
+            # bytes of the whole buffer, over those of one column of every row
+            column = kv.keys[..., :1, :].numel() * kv.keys.element_size()
+            widest = max(widest, kv.keys.untyped_storage().nbytes() // column)
     assert [len(t) for t in plan.tokens] == [16, 16, 16]
     assert 26 < widest <= 40, widest
