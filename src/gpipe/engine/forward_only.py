@@ -6,7 +6,7 @@ no activation kept for a backward; ``logprobs`` computes them on the last stage.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -51,24 +51,17 @@ def _last_targets(targets: Any, given: Presplit | None, sizes: list[int]) -> lis
     return list(targets.split(sizes))
 
 
-def _logprobs_for(
-    targets: Any, given: Presplit | None, ignore_index: int
-) -> Callable[[list[int]], TokenLogprobs]:
-    """What the last stage puts each micro-batch's outputs in; targets it refuses are kept
-    as its refusal, so that the forward still runs to its end (``TokenLogprobs``)."""
-
-    def made(sizes: list[int]) -> TokenLogprobs:
-        try:
-            found = _last_targets(targets, given, sizes)
-        except ValueError as exc:
-            return TokenLogprobs([], ignore_index, refused=str(exc))
-        if given is not None:
-            names = [f"microbatches[{i}] targets" for i in range(len(found))]
-        else:
-            names = [f"targets (micro-batch {i})" for i in range(len(found))]
-        return TokenLogprobs(found, ignore_index, names=names)
-
-    return made
+def _token_logprobs(
+    targets: Any, given: Presplit | None, ignore_index: int, sizes: list[int]
+) -> TokenLogprobs:
+    """What the last stage puts the outputs of micro-batches of ``sizes`` rows in; targets it
+    refuses are kept as its refusal, so that the forward still runs to its end."""
+    try:
+        found = _last_targets(targets, given, sizes)
+    except ValueError as exc:
+        return TokenLogprobs([], ignore_index, refused=str(exc))
+    name = "microbatches[{}] targets" if given is not None else "targets (micro-batch {})"
+    return TokenLogprobs(found, ignore_index, names=[name.format(i) for i in range(len(found))])
 
 
 def _agree(runner: StepRunner, refused: str | None) -> None:
@@ -124,11 +117,10 @@ def forward_logprobs(
     given = given_microbatches(inputs, targets, microbatches)
     if given is not None:
         _check_given(given)
-    made: list[TokenLogprobs] = []
-    logprobs_for = _logprobs_for(targets, given, ignore_index)
+    made: list[TokenLogprobs] = []  # the last stage's, once it knows the micro-batches' rows
 
     def outputs_for(sizes: list[int]) -> TokenLogprobs:
-        made.append(logprobs_for(sizes))
+        made.append(_token_logprobs(targets, given, ignore_index, sizes))
         return made[-1]
 
     found = runner.forward_each(inputs, training, given=given, outputs_for=outputs_for)
