@@ -33,7 +33,7 @@ def _pipes(tags=(0,)) -> tuple[Pipes, Pipes]:
     return Pipes(outgoing, {}), Pipes({}, incoming)
 
 
-def _send(pipes: Pipes, tag: int, message, info=(0, 0)) -> None:
+def _send(pipes: Pipes, tag: int, message, info=(0, 0, 0)) -> None:
     transport_cases.pipe_send(pipes, (1, tag), message, info)
 
 
@@ -49,9 +49,9 @@ def test_a_message_arrives_whole_with_its_info_and_each_tensor_in_storage_of_its
         torch.arange(7),
         torch.empty(0, 4),
     )
-    _send(writer, 0, sent, info=(4, 12))
+    _send(writer, 0, sent, info=(1, 4, 12))
     got, info = _recv(reader, 0)
-    assert info == (4, 12)
+    assert info == (1, 4, 12)
     assert got[1] is None and len(got) == 4
     for a, b in zip(got, sent, strict=True):
         if b is not None:

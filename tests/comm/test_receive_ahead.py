@@ -2,7 +2,8 @@
 next posted as soon as a message is taken and none beyond what the step brings; bigger buffers
 after a grow envelope; the step's info read off the first message, which stays to be received;
 with separate envelopes, a peer's messages taken in the order it sent them; a wait that fails
-names the stage and what it waited for; channels through pipes read from the pipes.
+names the stage and what it waited for; channels through pipes read from the pipes; what an
+earlier call (one that failed) left on a channel is dropped, not taken for the next call's.
 
 In one process: torch.distributed's point-to-point is replaced by a wire of queued messages
 (``Wire``), which fills each posted buffer with the next message of its channel when waited on.
@@ -19,7 +20,7 @@ from gpipe.comm import envelope, payload, receive_ahead
 from gpipe.comm.channel_map import ChannelMap
 from gpipe.comm.named_pipes import Pipes
 from gpipe.comm.receive_ahead import FIRST_CAPACITY, ReceiveAhead
-from gpipe.errors import StageError
+from gpipe.errors import PipelineError, StageError
 from gpipe.schedules import Action, Kind
 
 from . import transport_cases
@@ -64,7 +65,7 @@ class Wire:
     def put(self, item, src=PEER, group=None, tag=0):
         self.queued.setdefault((group, src, tag), deque()).append(item)
 
-    def send(self, message, tag, info=(0, 0), capacity=FIRST_CAPACITY, group=None):
+    def send(self, message, tag, info=(0, 0, 0), capacity=FIRST_CAPACITY, group=None):
         """``message`` as DistributedTransport sends it in one envelope (after a grow envelope
         where it does not fit ``capacity``)."""
         items, form, structure = payload.encode(message)
@@ -73,7 +74,7 @@ class Wire:
             self.put(envelope.grow_envelope(described.total), group=group, tag=tag)
         self.put(envelope.pack(items, described), group=group, tag=tag)
 
-    def send_separate(self, message, tag, info=(0, 0)):
+    def send_separate(self, message, tag, info=(0, 0, 0)):
         """``message`` as DistributedTransport sends it on a device: its description on the
         envelopes' group, then its tensors in one stream on the data group."""
         items, form, structure = payload.encode(message)
@@ -128,7 +129,7 @@ def test_a_message_bigger_than_the_buffers_follows_a_grow_envelope_and_later_buf
     ahead.begin(_programs(*_forwards(2)), 0)
     big = torch.randn(FIRST_CAPACITY // 4)
     wire.send(big, FORWARD_TAG)
-    wire.send(torch.ones(1), FORWARD_TAG, capacity=envelope.describe((big,), 0, (0, 0)).total)
+    wire.send(torch.ones(1), FORWARD_TAG, capacity=envelope.describe((big,), 0, (0, 0, 0)).total)
     torch.testing.assert_close(ahead.recv(0, 1, 0, Kind.RECV_F), big)
     grown = wire.posted[-1][3]
     assert grown > FIRST_CAPACITY and grown >= big.numel() * 4
@@ -138,8 +139,8 @@ def test_a_message_bigger_than_the_buffers_follows_a_grow_envelope_and_later_buf
 def test_the_info_of_the_first_message_is_read_before_the_step_and_the_message_stays(wire):
     """A later rank learns the step's size from its first message, before it knows its program."""
     ahead = _receiving()
-    wire.send(torch.zeros(3), FORWARD_TAG, info=(2, 12))
-    wire.send(torch.ones(3), FORWARD_TAG, info=(2, 12))
+    wire.send(torch.zeros(3), FORWARD_TAG, info=(0, 2, 12))
+    wire.send(torch.ones(3), FORWARD_TAG, info=(0, 2, 12))
     assert ahead.peek(0, 1, Kind.RECV_F) == (2, 12)
     assert ahead.peek(0, 1, Kind.RECV_F) == (2, 12)  # the same message, still there
     ahead.begin(_programs(*_forwards(2)), 0)
@@ -205,7 +206,7 @@ def test_a_channel_through_a_pipe_is_read_from_the_pipe(wire):
     ahead.pipes = Pipes({}, {(PEER, FORWARD_TAG): read})
     ahead.begin(_programs(*_forwards(2)), 0)
     assert wire.posted == []  # the kernel holds what arrives: nothing to post
-    transport_cases.pipe_send(sender, (0, FORWARD_TAG), torch.ones(2), info=(2, 4))
+    transport_cases.pipe_send(sender, (0, FORWARD_TAG), torch.ones(2), info=(0, 2, 4))
     assert ahead.peek(0, 1, Kind.RECV_F) == (2, 4)
     torch.testing.assert_close(ahead.recv(0, 1, 0, Kind.RECV_F), torch.ones(2))
     with pytest.raises(StageError, match="stage 1: timed out after 0.5 s waiting for activations"):
@@ -213,3 +214,57 @@ def test_a_channel_through_a_pipe_is_read_from_the_pipe(wire):
     sender.close()
     with pytest.raises(StageError, match="stage 1: lost stage 0 .*closed its end"):
         ahead.recv(0, 1, 1, Kind.RECV_F)
+
+
+def _a_failed_call(ahead, wire) -> None:
+    """Call 1 brings three messages and fails after the first; the other two stay on the wire."""
+    ahead.new_call(1)
+    ahead.begin(_programs(*_forwards(3)), 0)
+    for i in range(3):
+        wire.send(torch.full((2,), float(i)), FORWARD_TAG, info=(1, 3, 6))
+    ahead.peek(0, 1, Kind.RECV_F)  # taken, then the call fails before it asks for it
+
+
+def test_what_a_failed_call_left_is_dropped_and_the_next_call_takes_its_own(wire):
+    ahead = _receiving()
+    _a_failed_call(ahead, wire)
+    ahead.new_call(2)
+    for i in range(2):
+        wire.send(torch.full((2,), 10.0 + i), FORWARD_TAG, info=(2, 2, 4))
+    assert ahead.peek(0, 1, Kind.RECV_F) == (2, 4)  # the step's words, not call 1's
+    ahead.begin(_programs(*_forwards(2)), 0)
+    for i in range(2):
+        torch.testing.assert_close(ahead.recv(0, 1, i, Kind.RECV_F), torch.full((2,), 10.0 + i))
+    assert not any(wire.queued.values())  # everything sent was taken, and nothing more asked
+
+
+def test_a_message_of_a_later_call_says_the_ranks_do_not_make_the_same_calls(wire):
+    ahead = _receiving()
+    ahead.new_call(1)
+    wire.send(torch.ones(2), FORWARD_TAG, info=(2, 1, 2))
+    with pytest.raises(PipelineError, match=r"^stage 1: stage 0 sent a message of call 2 during"):
+        ahead.peek(0, 1, Kind.RECV_F)
+
+
+def test_with_separate_envelopes_an_earlier_calls_message_is_refused_not_misread(wire):
+    """Its tensors are in the peer's one stream, among the next call's: none can be dropped."""
+    ahead = _receiving(separate=True)
+    ahead.new_call(2)
+    wire.send_separate(torch.ones(2), FORWARD_TAG, info=(1, 1, 2))
+    with pytest.raises(PipelineError, match="build the pipeline again after a failed step"):
+        ahead.peek(0, 1, Kind.RECV_F)
+
+
+def test_through_a_pipe_what_a_failed_call_left_is_dropped(wire):
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    sender = Pipes({(0, FORWARD_TAG): write}, {})
+    ahead = _receiving()
+    ahead.pipes = Pipes({}, {(PEER, FORWARD_TAG): read})
+    for call, value in ((1, 0.0), (1, 1.0), (2, 2.0)):
+        transport_cases.pipe_send(sender, (0, FORWARD_TAG), torch.full((2,), value), (call, 1, 2))
+    ahead.new_call(2)
+    assert ahead.peek(0, 1, Kind.RECV_F) == (1, 2)
+    torch.testing.assert_close(ahead.recv(0, 1, 0, Kind.RECV_F), torch.full((2,), 2.0))
+    sender.close()

@@ -56,7 +56,7 @@ TRANSPORTS = _transports()
 
 
 def test_the_protocol_declares_what_the_facades_use():
-    wanted = {"info", "channels", "use_pipes", "begin", "peek", "send", "recv", "flush"}
+    wanted = {"info", "new_call", "channels", "use_pipes", "begin", "peek", "send", "recv", "flush"}
     assert _declared() >= wanted
 
 

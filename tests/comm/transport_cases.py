@@ -44,7 +44,7 @@ PROGRAMS = [
 ]
 
 
-def pipe_send(pipes, channel, message, info=(0, 0)) -> None:
+def pipe_send(pipes, channel, message, info=(0, 0, 0)) -> None:
     """``message`` as ``DistributedTransport`` writes it to a pipe: its header, its tensors."""
     items, form, structure = payload.encode(message)
     described = envelope.describe(items, form, info, structure, aligned=False)

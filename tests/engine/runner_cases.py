@@ -69,6 +69,20 @@ def runner(
     )
 
 
+class FailsOnce(nn.Module):
+    """Raises in the forward of its micro-batch 2, once."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            raise ValueError("once")
+        return x
+
+
 def reference(x, y) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The un-pipelined step: its loss and each parameter's gradient, by name."""
     model = mlp()
@@ -109,3 +123,33 @@ def two_ranks(local_pipes: bool) -> dict:
     else:
         assert loss.outputs is None and loss.losses is None
     return {"loss": loss.loss.item(), "info": tuple(step_runner.transport.info)}
+
+
+def after_a_failed_call(local_pipes: bool) -> str | None:
+    """A forward that fails on the second stage at micro-batch 2, after the first stage sent
+    it every micro-batch and returned, then a training step and a forward: both exact, the
+    failed call's micro-batches 2 and 3 never taken for theirs. Returns this rank's error."""
+    init_process_group(CPU)
+    rank = dist.get_rank()
+    model = mlp()
+    model.insert(6, FailsOnce())  # in the second stage
+    step_runner = runner(model, (4, 5), "1f1b", rank=rank, n_ranks=2, local_pipes=local_pipes)
+    x, y = batch(16)
+    failed = None
+    try:
+        step_runner.forward(x if rank == 0 else None, training=True)
+    except ValueError as exc:
+        failed = str(exc)
+    loss, _ = step_runner.train(
+        x if rank == 0 else None,
+        y if rank == 1 else None,
+        scale=1.0,
+        counts=None,
+        keep_outputs=False,
+        training=True,
+    )
+    torch.testing.assert_close(loss, reference(x, y)[0].double(), **EXACT)
+    outputs = step_runner.forward(x if rank == 0 else None, training=True)
+    if rank == 1:
+        torch.testing.assert_close(outputs, mlp()(x).detach(), **EXACT)
+    return failed

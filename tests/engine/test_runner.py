@@ -3,7 +3,8 @@ step gives the un-pipelined loss and gradients and says where its time went; an 
 a forward alone keep no graph; outputs come back whole or as each micro-batch's; a failed step
 leaves nothing behind for the next; each step begins its transport with the programs of its
 schedule and the step's size. In this process, both stages on its one rank; then a stage on
-each of two processes, where the second reads the step's size off its first message."""
+each of two processes, where the second reads the step's size off its first message, and a
+call that failed on one of them leaves nothing that the next calls take for theirs."""
 
 import pytest
 import torch
@@ -77,23 +78,9 @@ def test_fewer_rows_than_chunks_make_fewer_micro_batches(runner):
     assert len(result.losses) == 2
 
 
-class _FailsOnce(nn.Module):
-    """Raises in the forward of its micro-batch 2, once."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        if self.calls == 3:
-            raise ValueError("once")
-        return x
-
-
 def test_a_failed_step_leaves_nothing_behind_for_the_next(one_process_group):
     model = mlp()
-    model.insert(6, _FailsOnce())  # in the second stage
+    model.insert(6, cases.FailsOnce())  # in the second stage
     runner = cases.runner(model, (4, 5), SCHEDULE)
     x, y = batch(16)
     with pytest.raises(ValueError, match="once"):
@@ -149,3 +136,11 @@ def test_a_stage_on_each_of_two_processes_and_the_second_reads_the_steps_size(lo
     results = run(cases.two_ranks, 2, (local_pipes,), threads=1)
     assert results[0]["loss"] == results[1]["loss"]
     assert results[0]["info"] == results[1]["info"] == (CHUNKS, 10)
+
+
+@pytest.mark.parametrize("local_pipes", [False, True], ids=["gloo", "pipes"])
+def test_a_call_that_failed_on_one_process_leaves_nothing_the_next_calls_take(local_pipes):
+    """The first process saw no error (it sent every micro-batch and returned); what the
+    second did not take is dropped, and the calls after it are exact on both."""
+    results = run(cases.after_a_failed_call, 2, (local_pipes,), threads=1)
+    assert results == {0: None, 1: "once"}

@@ -44,11 +44,11 @@ class DistributedTransport:
     receives of a step; ``recv`` waits at most ``timeout`` seconds for a message, and
     ``flush`` as long for each send to be taken, so a peer that died or stalls ends in a
     StageError naming the stage. ``info`` (the step's micro-batch and row counts) travels in
-    every envelope; ``peek`` reads it from the first message of a channel before the step's
-    program is known.
+    every envelope after the call's number (``new_call``); ``peek`` reads it from the first
+    message of a channel before the step's program is known.
     """
 
-    info: tuple[int, ...] = (0,) * envelope.N_INFO
+    info: tuple[int, ...] = (0,) * (envelope.N_INFO - 1)  # the call's number goes first
 
     def __init__(
         self,
@@ -76,6 +76,7 @@ class DistributedTransport:
         self._capacity: dict[tuple[int, int], int] = {}  # a receiver's buffers, as sent to
         self._local: dict[int, deque[Message]] = {}  # between two stages of this process
         self._pipes: Pipes | None = None  # to processes of this machine (``use_pipes``)
+        self._call = 0  # the call this process is in (``new_call``), sent in every envelope
 
     def channels(
         self, stages: Sequence[int], skips: Sequence[tuple[int, int]]
@@ -89,6 +90,13 @@ class DistributedTransport:
         if pipes is not None and self._separate:
             raise PipelineError("pipes carry CPU tensors; this transport's are on a device")
         self._pipes = self._receiving.pipes = pipes
+
+    def new_call(self) -> None:
+        """Begin the next call: what this process kept of the last one (a call that failed)
+        is dropped, and so is every earlier call's message that arrives from now on."""
+        self._call += 1
+        self._local.clear()
+        self._receiving.new_call(self._call)
 
     def begin(self, programs: Sequence[Sequence[Action]], rank: int) -> None:
         """Post the first receive of every channel that rank ``rank``'s program receives on
@@ -109,15 +117,16 @@ class DistributedTransport:
         self._reap()
         sent = (src, dst, microbatch)
         items, form, structure = payload.encode(message)
+        info = (self._call, *self.info)
         if self._pipes is not None and (peer, tag) in self._pipes.outgoing:
-            described = envelope.describe(items, form, self.info, structure, aligned=False)
+            described = envelope.describe(items, form, info, structure, aligned=False)
             parts = [t.detach().contiguous() for t in items if t is not None]
             try:
                 self._pipes.send((peer, tag), [envelope.header(described), *parts])
             except PipeClosed as exc:
                 raise StageError(src, f"lost stage {dst} ({exc}) sending to it") from exc
             return
-        described = envelope.describe(items, form, self.info, structure)
+        described = envelope.describe(items, form, info, structure)
         if self._separate:
             self._send_separate(items, described, peer, tag, sent)
             return
@@ -156,7 +165,11 @@ class DistributedTransport:
     ) -> None:
         """``tag=None``: the tensors of separate envelopes, in one stream per pair of
         processes, as NCCL delivers them whatever the tag."""
-        work = dist.isend(tensor, dst=peer, group=group, tag=0 if tag is None else tag)
+        try:
+            work = dist.isend(tensor, dst=peer, group=group, tag=0 if tag is None else tag)
+        except RuntimeError as exc:  # gloo closes a pair after a timeout on it: for good
+            src, dst, _ = sent
+            raise StageError(src, f"lost stage {dst} ({str(exc).splitlines()[0]})") from exc
         assert work is not None  # None only where this process is not in the group
         self._pending.append((work, tensor, sent))
 

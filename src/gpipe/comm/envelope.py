@@ -16,8 +16,10 @@ Laid out as one buffer (``aligned``), every tensor starts on a 64-byte boundary,
 receiver can use views into the buffer it received; laid out as a stream (pipes), the bytes
 follow each other and the receiver reads each tensor into storage of its own.
 
-``info`` words ride along with every message (the step's micro-batch and row counts), so
-that a stage learns them from its first input instead of from a collective. A *grow*
+``info`` words ride along with every message: the number of the call it belongs to (a step, an
+evaluation, a forward: ``Transport.new_call``), so that what a failed call left on the wire is
+told apart from the next call's messages, and the step's micro-batch and row counts, so that a
+stage learns them from its first input instead of from a collective. A *grow*
 envelope carries no message: it tells the receiver to post bigger buffers from now on.
 """
 
@@ -44,7 +46,7 @@ __all__ = [
 ]
 
 MESSAGE, GROW = 1, 2
-N_INFO = 2  # words of step information in every envelope
+N_INFO = 3  # words of information in every envelope: the call, then the step's two
 _ALIGN = 64
 _FIXED = 6 + N_INFO  # kind, total bytes, header words, items, form, structure bytes, info
 FIXED_BYTES = 8 * _FIXED

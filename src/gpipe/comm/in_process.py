@@ -33,7 +33,7 @@ class InProcessTransport:
     is nothing to post ahead and no channel to another process.
     """
 
-    info: tuple[int, ...] = (0,) * envelope.N_INFO
+    info: tuple[int, ...] = (0,) * (envelope.N_INFO - 1)  # the step's words, as carried
 
     def __init__(
         self,
@@ -58,6 +58,11 @@ class InProcessTransport:
         """Pipes reach other processes, and no stage is in another: only None is taken."""
         if pipes is not None:
             raise PipelineError("an in-process transport has no other process to reach")
+
+    def new_call(self) -> None:
+        """Forget what a failed call left sent and never received."""
+        with self._cond:
+            self._box.clear()
 
     def begin(self, programs: Sequence[Sequence[Action]], rank: int) -> None:
         """Nothing to post ahead: a send puts its message straight where the receive looks."""

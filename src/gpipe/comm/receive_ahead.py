@@ -5,6 +5,9 @@ next one as soon as the previous message is taken. A *grow* envelope makes the c
 bigger buffers from then on. With separate envelopes (CUDA), a peer's tensors arrive in the
 order it sent them whatever their channel, so the messages sent before the one asked for are
 taken first and kept, each for its own channel.
+
+A message of an earlier call (one that failed on some stage before it received everything
+sent to it) is dropped as it arrives, and the channel waits for the next.
 """
 
 from __future__ import annotations
@@ -91,6 +94,14 @@ class ReceiveAhead:
         # separate envelopes: each peer's messages to this process in the order it sends them
         self._sends_from: dict[int, deque[_Channel]] = {}
         self.pipes: Pipes | None = None
+        self._call = 0  # the call whose messages are taken: earlier ones are dropped
+
+    def new_call(self, call: int) -> None:
+        """Take the messages of call ``call`` from now on; those of earlier calls, kept or
+        still to arrive, are dropped."""
+        self._call = call
+        for inbox in self._inboxes.values():
+            inbox.ready.clear()
 
     def _inbox(self, src: int, dst: int, kind: Kind) -> tuple[tuple[int, int], _Inbox]:
         key = (self._channels.rank(src), self._channels.tag(kind, src, dst))
@@ -196,6 +207,31 @@ class ReceiveAhead:
         if self._piped(key):
             return self._take_piped(key, src, dst, microbatch, kind)
         while True:
+            buffer, words = self._envelope(key, inbox, src, dst, microbatch, kind)
+            items, form, info, used, structure = envelope.read(buffer, words)
+            if self._of_this_call(info, src, dst):
+                break
+            inbox.to_post += 1  # the dropped message took a receive this call counts on
+        if self._separate:
+            items = self._fetch(items, key[0], dst, src, microbatch, kind)
+        elif used < buffer.numel() - buffer.numel() // 8:  # much slack: do not keep it alive
+            items = tuple(None if t is None else t.clone() for t in items)
+        if inbox.to_post > 0:
+            self._post(key, inbox)
+        return _Arrived(payload.decode(items, form, structure), info[1:], (src, dst, kind))
+
+    def _envelope(
+        self,
+        key: tuple[int, int],
+        inbox: _Inbox,
+        src: int,
+        dst: int,
+        microbatch: int,
+        kind: Kind,
+    ) -> tuple[Tensor, list[int]]:
+        """The next message envelope of a channel and its header words, after any grow
+        envelopes (each makes the channel post bigger buffers)."""
+        while True:
             if inbox.posted is None:
                 inbox.to_post = max(inbox.to_post, 1)
                 self._post(key, inbox)
@@ -205,33 +241,43 @@ class ReceiveAhead:
             inbox.posted = None
             words = envelope.header_words(buffer)
             if words[0] != envelope.GROW:
-                break
+                return buffer, words
             inbox.capacity = words[1]  # the message follows in a bigger buffer
-        items, form, info, used, structure = envelope.read(buffer, words)
-        if self._separate:
-            items = self._fetch(items, key[0], dst, src, microbatch, kind)
-        elif used < buffer.numel() - buffer.numel() // 8:  # much slack: do not keep it alive
-            items = tuple(None if t is None else t.clone() for t in items)
-        if inbox.to_post > 0:
-            self._post(key, inbox)
-        return _Arrived(payload.decode(items, form, structure), info, (src, dst, kind))
+
+    def _of_this_call(self, info: tuple[int, ...], src: int, dst: int) -> bool:
+        """Whether a message belongs to this call; False for an earlier call's, to drop."""
+        call = info[0]
+        if call == self._call:
+            return True
+        if call > self._call:
+            raise PipelineError(
+                f"stage {dst}: stage {src} sent a message of call {call} during call "
+                f"{self._call}: the ranks do not make the same calls"
+            )
+        if self._separate:  # its tensors are somewhere in the peer's stream: none can be told
+            raise PipelineError(
+                f"stage {dst}: a message of an earlier call that failed arrived from stage "
+                f"{src}; with separate envelopes (CUDA) it cannot be dropped: build the "
+                "pipeline again after a failed step"
+            )
+        return False
 
     def _take_piped(
         self, key: tuple[int, int], src: int, dst: int, microbatch: int, kind: Kind
     ) -> _Arrived:
         assert self.pipes is not None
-        try:
-            items, form, info, structure = self.pipes.recv(key, self._timeout_s)
-        except PipeTimeout as exc:
-            raise StageError(
-                dst,
-                f"timed out after {self._timeout_s:g} s waiting for {what(kind, microbatch, src)}",
-            ) from exc
-        except PipeClosed as exc:
-            raise StageError(
-                dst, f"lost stage {src} ({exc}) waiting for {what(kind, microbatch, src)}"
-            ) from exc
-        return _Arrived(payload.decode(items, form, structure), info, (src, dst, kind))
+        while True:
+            try:
+                items, form, info, structure = self.pipes.recv(key, self._timeout_s)
+            except PipeTimeout as exc:
+                waited = f"waiting for {what(kind, microbatch, src)}"
+                raise StageError(dst, f"timed out after {self._timeout_s:g} s {waited}") from exc
+            except PipeClosed as exc:
+                raise StageError(
+                    dst, f"lost stage {src} ({exc}) waiting for {what(kind, microbatch, src)}"
+                ) from exc
+            if self._of_this_call(info, src, dst):
+                return _Arrived(payload.decode(items, form, structure), info[1:], (src, dst, kind))
 
     def _fetch(
         self,

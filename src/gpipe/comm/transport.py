@@ -9,7 +9,8 @@ Transports carry a tensor, a tuple whose items are tensors or None (a gradient n
 needs), or any payload (``payload``: a pytree of tensors and plain values); they keep its
 shape (a 1-tuple stays a 1-tuple) and each tensor's ``requires_grad``, so the receiving
 stage knows which gradients to send back. Every wait is bounded: a peer that never answers
-ends in a StageError naming the stage.
+ends in a StageError naming the stage, and a call that failed leaves nothing that a later
+call would take for its own.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ class Transport(Protocol):
 
     info: tuple[int, ...]
     """The step's info words (micro-batch and row counts), carried by every message sent."""
+
+    def new_call(self) -> None:
+        """Begin the next call (a step, an evaluation, a forward), which every rank does in
+        step, before anything else of the call: a message an earlier call sent and never
+        received (it failed on some stage) is dropped as it arrives, not taken for this
+        call's."""
 
     def channels(
         self, stages: Sequence[int], skips: Sequence[tuple[int, int]]

@@ -299,6 +299,7 @@ class StepRunner:
         first message, which every step's program begins by receiving, so the pipeline needs
         no collective for them. Replicas share their row counts (one small all-reduce), and a
         traced step aligns the ranks' clocks with a broadcast."""
+        self.transport.new_call()  # first, on every rank: what a failed call left is dropped
         parts = None
         if self.recorder is not None:
             if self.placement.n_ranks > 1:  # align the ranks' clocks: a step starts here

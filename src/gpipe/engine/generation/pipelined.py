@@ -139,6 +139,7 @@ class Generation:
 
         checked: list[list[int]] = []
         self.runs += 1
+        self.transport.new_call()  # what a failed generate() left on the way is dropped
 
         def decide() -> Settings:
             vocab, context = self._limits()
