@@ -15,6 +15,13 @@ import torch
 
 from gpipe.cli.common import UsageError, check_v_stages, multi_stage_schedules
 from gpipe.cli.plan_cluster import add_cluster_arguments, is_cluster_plan, plan_cluster
+from gpipe.cli.plan_flags import (
+    PLAN_DEFAULTS,
+    check_model_flags,
+    check_tensor_flags,
+    check_training_flags,
+    training_only_flag,
+)
 from gpipe.cli.plan_generation import add_generation_arguments, plan_generating
 from gpipe.cli.plan_model import (
     add_model_arguments,
@@ -22,11 +29,10 @@ from gpipe.cli.plan_model import (
     model_kind,
     plan_split,
 )
-from gpipe.cli.plan_shard import add_shard_arguments, plan_options, planned_shard, searched_shards
+from gpipe.cli.plan_shard import add_shard_arguments, plan_options, searched_shards
 from gpipe.cli.plan_tables import print_plan, print_suggestions
 from gpipe.cli.plan_tensor import (
     add_link_argument,
-    check_heads,
     one_rank,
     tensor_options,
     with_collectives,
@@ -51,7 +57,7 @@ from gpipe.planning.suggest import (
     timed_costs,
 )
 from gpipe.runtime.recompute import CHECKPOINT_MODES
-from gpipe.schedules import SCHEDULES, Placement, traits
+from gpipe.schedules import SCHEDULES
 
 __all__ = ["add_parser", "parse_bytes"]
 
@@ -158,17 +164,6 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(command=_plan)
 
 
-_PLAN_DEFAULTS = {
-    "stages": 4,
-    "chunks": 8,
-    "schedule": "gpipe",
-    "virtual_stages": 1,
-    "checkpoint": "except_last",
-    "balance": "even",
-    "device_memory": "16GiB",
-}
-
-
 def _config(args: argparse.Namespace, n_layer: int) -> Any:
     from gpipe.models.gpt import GPTConfig
 
@@ -247,63 +242,6 @@ def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> Memo
     )
 
 
-def _check_model(args: argparse.Namespace, *more: str) -> None:
-    for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len", "batch_size", *more):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    if args.n_head is not None and args.d_model % args.n_head:
-        raise UsageError(f"--d-model {args.d_model} must be a multiple of --n-head {args.n_head}")
-
-
-def _given(value: object) -> bool:
-    """Whether an option was given: a switch on, or any value, 0 among them (``0 in (None,
-    False)`` holds, as 0 == False)."""
-    return value is not None and value is not False
-
-
-def _check(args: argparse.Namespace, gpt: bool) -> None:
-    for flag in ("suggest", "max_stages", "measure", "top"):
-        if _given(getattr(args, flag)):
-            raise UsageError(
-                f"--{flag.replace('_', '-')} needs --suggest (or --cluster's --search)"
-            )
-    for name, value in _PLAN_DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    _check_model(args, "stages", "chunks", "virtual_stages", "data_parallel")
-    if args.batch_size < args.data_parallel:
-        raise UsageError(
-            f"--batch-size {args.batch_size} cannot give each of --data-parallel "
-            f"{args.data_parallel} replicas a row"
-        )
-    planned_shard(args)
-    schedule = traits(args.schedule)
-    if args.virtual_stages > 1 and not schedule.several_stages_per_rank:
-        raise UsageError(f"--virtual-stages needs --schedule {multi_stage_schedules()}")
-    if schedule.placement is Placement.V:  # a V holds two stages a process, unasked
-        args.virtual_stages = schedule.stages_per_rank(args.virtual_stages)
-    if schedule.microbatches_per_round and args.chunks % args.stages:
-        raise UsageError(
-            f"--schedule {args.schedule} needs --chunks a multiple of --stages {args.stages}"
-        )
-    if args.balance == "time":
-        raise UsageError(
-            "--balance time needs a run to time, or --suggest; gpipe plan cuts even, by params "
-            "or as given"
-        )
-    if args.max_layers and args.balance not in ("even", "params"):
-        raise UsageError("--max-layers cuts each candidate itself: --balance even or params")
-    if not gpt:  # gpipe.split says how many stages the model can be cut into
-        return
-    layers = args.n_layer + 2
-    if not args.max_layers and args.stages * args.virtual_stages > layers:
-        raise UsageError(
-            f"--stages {args.stages} x --virtual-stages {args.virtual_stages} is more than the "
-            f"model's {layers} layers ({args.n_layer} blocks, embedding and head)"
-        )
-
-
 def _most_layers(args: argparse.Namespace, template: Profile, memory: int) -> int | None:
     """The most blocks whose plan fits: doubling until one does not, then bisection."""
     smallest = max(1, args.stages * args.virtual_stages - 2)
@@ -332,8 +270,8 @@ def _plan(args: argparse.Namespace) -> int:
         args.data_parallel = 1
     kind = model_kind(args)
     gpt = kind == "gpt"
-    check_plannable(args, gpt, str(_PLAN_DEFAULTS["schedule"]))
-    _check_tensor(args, gpt)
+    check_plannable(args, gpt, str(PLAN_DEFAULTS["schedule"]))
+    check_tensor_flags(args, gpt)
     if args.generate:
         return _generating(args, kind)
     if args.in_flight is not None:
@@ -344,7 +282,7 @@ def _plan(args: argparse.Namespace) -> int:
         check_split_options(args)
     elif args.suggest:
         return _suggest(args)
-    _check(args, gpt)
+    check_training_flags(args, gpt)
     args.tensor_parallel = args.tensor_parallel or 1
     try:
         memory = parse_bytes(args.device_memory)
@@ -372,65 +310,19 @@ def _plan(args: argparse.Namespace) -> int:
     return _advise(args, result, memory)
 
 
-def _check_tensor(args: argparse.Namespace, gpt: bool) -> None:
-    """``--tensor-parallel`` and ``--tp-link``: the built-in GPT's training plans only, T a
-    divisor of the heads (the rest of the plan, the vocabulary among it, is checked where the
-    model is split)."""
-    t = args.tensor_parallel
-    if t is None or t == 1:
-        if args.tp_link is not None and not args.suggest:
-            raise UsageError("--tp-link is the link of --tensor-parallel T's ranks: give T > 1")
-        return
-    if not gpt:
-        raise UsageError(
-            f"--tensor-parallel plans the built-in GPT's split; for --model {args.model} "
-            "plan one rank of each stage (T = 1)"
-        )
-    if args.generate:
-        raise UsageError("--tensor-parallel plans training; leave out --generate")
-    check_heads(t, args.n_head)
-
-
-# Options of training plans that generation has no use for: one pipeline (generate() runs no
-# replicas), one stage per process and no schedule, no micro-batches, no backward to
-# recompute for, nothing searched or timed.
-_TRAINING_ONLY = (
-    "schedule",
-    "virtual_stages",
-    "suggest",
-    "max_layers",
-    "chunks",
-    "checkpoint",
-    "measure",
-    "top",
-    "max_stages",
-    "reshard_after_forward",
-)
-
-
-def _training_option(args: argparse.Namespace) -> str | None:
-    """The first option given that only a training plan reads, which --generate would ignore."""
-    if args.data_parallel != 1:  # 1 where not given
-        return "data_parallel"
-    if args.shard not in (None, "none"):
-        return "shard"
-    given = (flag for flag in _TRAINING_ONLY if _given(getattr(args, flag)))
-    return next(given, None)
-
-
 def _generating(args: argparse.Namespace, kind: str) -> int:
     """``--generate``: the memory of generating, on the stages given."""
-    flag = _training_option(args)
+    flag = training_only_flag(args)
     if flag is not None:
         raise UsageError(f"--{flag.replace('_', '-')} plans training; leave out --generate")
     if args.stages is None:  # --stages 0 is refused below, not taken for the default
         cuts = len(args.split_at.split(",")) if args.split_at else None
-        args.stages = _PLAN_DEFAULTS["stages"] if cuts is None else cuts + 1
+        args.stages = PLAN_DEFAULTS["stages"] if cuts is None else cuts + 1
     args.balance = args.balance or ("even" if kind == "gpt" else "params")
     args.dtype = args.dtype or "float32"
-    _check_model(args, "stages")
+    check_model_flags(args, "stages")
     try:
-        memory = parse_bytes(str(args.device_memory or _PLAN_DEFAULTS["device_memory"]))
+        memory = parse_bytes(str(args.device_memory or PLAN_DEFAULTS["device_memory"]))
         return plan_generating(args, kind, _DTYPES[args.dtype], memory)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -465,7 +357,7 @@ def _suggest(args: argparse.Namespace) -> int:
         raise UsageError("--suggest needs --device-memory, the memory of one device (e.g. 16GiB)")
     if args.max_layers:
         raise UsageError("--suggest plans the model as given: leave out --max-layers")
-    _check_model(args, "stages", "chunks", "max_stages", "top")
+    check_model_flags(args, "stages", "chunks", "max_stages", "top")
     shards = searched_shards(args)
     if args.chunks is not None and args.chunks > args.batch_size:
         raise UsageError(
