@@ -13,6 +13,7 @@ and ``named_parameters`` read like the original model's.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -499,6 +500,8 @@ class Pipeline(nn.Module):
         _need_loss_fn(self.loss_fn, "step", return_outputs)
         given = given_microbatches(inputs, targets, microbatches)
         scale = self.precision.loss_scale(scaler)
+        if self.mesh is not None and self.training:  # the T ranks of a stage drop out alike
+            self.mesh.align_random_state(self.device)
         answer, self.last_step = self.runner.train(
             inputs,
             targets,
@@ -578,6 +581,8 @@ class Pipeline(nn.Module):
         seeded from ``seed`` and its index, so the same seed gives the same tokens whatever
         ``in_flight`` and the number of stages (``gpipe.engine.generation``; docs/generation.md).
         The layers run in eval mode, without gradients; no ``loss_fn`` is needed."""
+        if seed is None and self.mesh is not None:  # the T ranks of a stage sample alike
+            seed = self.mesh.first_tensor_ranks(random.SystemRandom().randrange(2**63))
         return self.generator().generate(
             prompts,
             max_new_tokens,

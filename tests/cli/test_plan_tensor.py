@@ -86,3 +86,23 @@ def test_simulate_splits_the_costs_and_adds_the_all_reduces(capsys, tmp_path):
 def test_tp_link_without_t_is_refused(capsys):
     assert main([*MODEL, "--tp-link", "A100-80GB"]) == 2
     assert "--tp-link is the link of --tensor-parallel" in capsys.readouterr().err
+
+
+def test_simulate_refuses_tp_allreduces_without_t_and_names_each_bad_flag(capsys, tmp_path):
+    """--tp-allreduces was ignored without --tensor-parallel, and a bad T or count was told
+    with the other flag's value beside it."""
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"forward": 1.0, "backward": 1.0, "message_bytes": 1e9}')
+    base = ["simulate", "--stages", "2", "--chunks", "4", "--schedule", "1f1b", "--costs"]
+    refusals = {
+        ("--tp-allreduces", "4"): "--tp-allreduces 4 counts the all-reduces of --tensor-parallel",
+        ("--tensor-parallel", "0"): "--tensor-parallel must be a positive integer, got 0",
+        ("--tensor-parallel", "2", "--tp-allreduces", "-1"): "--tp-allreduces must be at least "
+        "0, got -1",
+    }
+    for flags, refusal in refusals.items():
+        assert main([*base, str(costs), *flags]) == 2
+        err = capsys.readouterr().err
+        assert refusal in err and err.count("\n") == 1, err
+    assert main([*base, str(costs), "--tensor-parallel", "2"]) == 0
+    assert "for 2 all-reduces of 1e+09 bytes" in capsys.readouterr().out

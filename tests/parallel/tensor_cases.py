@@ -152,6 +152,18 @@ def compositions() -> dict:
         want = torch.log_softmax(logits, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
         torch.testing.assert_close(logprobs, want, **GRADIENTS)
     done["forward_only"] = True
+    # micro-batches cut along their sequence, the later sub-sequences attending to the
+    # earlier ones' keys and values, which are split by heads
+    pipe = Pipeline(
+        gpt(), [2, 2], chunks=2, loss_fn=lm_loss, tensor_parallel=T, seq_chunks=2, timeout=30
+    )
+    reference = gpt()
+    loss = pipe.step(*_ends(pipe, x, y))
+    expected = lm_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), **EXACT)
+    _check_gradients(pipe, reference)
+    done["seq_chunks"] = True
     return done
 
 
@@ -349,3 +361,21 @@ def vocabulary_parallel_loss() -> dict:
             want = torch.log_softmax(reference(x), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
         torch.testing.assert_close(logprobs, want, **GRADIENTS)
     return done
+
+
+def ranks_draw_alike() -> dict:
+    """Processes seeded apart (``torch.manual_seed(rank)``, as data-parallel scripts do) at
+    T = 2: the tensor ranks of a stage still drop out alike in a step, so the gradients of
+    the parameters they keep whole are equal; and ``generate`` samples alike with no seed."""
+    config = GPTConfig(n_layer=2, d_model=32, n_head=4, vocab_size=64, seq_len=16, dropout=0.3)
+    torch.manual_seed(0)
+    pipe = Pipeline(
+        build_gpt(config).double(), [2, 2], chunks=2, loss_fn=lm_loss, tensor_parallel=T
+    )
+    torch.manual_seed(dist.get_rank())
+    x, y = tokens(4, seed=9)
+    pipe.step(*_ends(pipe, x, y))
+    whole = [p.grad.flatten() for p in pipe.parameters() if not isinstance(p, DTensor)]
+    pipe.eval()
+    sampled = pipe.generate([[5, 6, 7], [8, 9]], 6, temperature=1.0)
+    return {"whole gradients": torch.cat(whole).tolist(), "sampled": sampled}

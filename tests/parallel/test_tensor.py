@@ -33,17 +33,27 @@ def test_data_tensor_and_pipeline_together_on_eight_processes():
 
 
 def test_tensor_parallel_composes_with_the_other_options():
-    """Uneven and pre-split micro-batches, evaluate, forward_only; DeferredBatchNorm between
-    split layers; bfloat16 autocast with a GradScaler and clipping; greedy generation."""
+    """Uneven and pre-split micro-batches, evaluate, forward_only, seq_chunks; DeferredBatchNorm
+    between split layers; bfloat16 autocast with a GradScaler and clipping; greedy generation."""
     results = run(cases.compositions, 4, threads=1)
     assert all(
-        r == {"uneven": True, "presplit": True, "forward_only": True} for r in results.values()
+        r == {"uneven": True, "presplit": True, "forward_only": True, "seq_chunks": True}
+        for r in results.values()
     )
     assert all(run(cases.batch_norm, 4, threads=1).values())
     gaps = run(cases.mixed_precision, 4, threads=1)
     assert all(gap < 0.05 for gap in gaps.values()), gaps
     tokens = run(cases.generation, 4, threads=1)
     assert len({repr(t) for t in tokens.values()}) == 1  # every rank returns the same
+
+
+def test_the_tensor_ranks_of_a_stage_draw_alike_when_processes_are_seeded_apart():
+    """Dropout in a step and sampling in generate: different draws on the T ranks of a stage
+    would make their whole copies part (each rank's own gradients, its own tokens)."""
+    results = run(cases.ranks_draw_alike, 4, threads=1)
+    for tensor_rank_1, tensor_rank_0 in ((1, 0), (3, 2)):
+        assert results[tensor_rank_1] == results[tensor_rank_0]
+    assert results[0]["sampled"] == results[2]["sampled"]  # every rank returns the same
 
 
 def test_the_loss_over_logits_split_by_vocabulary_equals_the_unsplit_models():

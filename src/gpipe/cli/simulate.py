@@ -92,7 +92,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--tp-allreduces",
         type=int,
-        default=2,
         metavar="N",
         help="with --tensor-parallel: all-reduces per stage per forward and per backward "
         "(default 2, one transformer block's)",
@@ -232,22 +231,27 @@ def _reason(note: str) -> str:
 
 def _tensor_costs(args: argparse.Namespace, costs: Costs) -> tuple[Costs, str]:
     """``costs`` of one rank of T per stage, and a line that says so (empty without)."""
-    t = args.tensor_parallel
-    if t < 1 or args.tp_allreduces < 0:
-        raise UsageError(
-            f"--tensor-parallel must be a positive integer and --tp-allreduces at least 0, "
-            f"got {t} and {args.tp_allreduces}"
-        )
+    t, allreduces = args.tensor_parallel, args.tp_allreduces
+    if t < 1:
+        raise UsageError(f"--tensor-parallel must be a positive integer, got {t}")
+    if allreduces is not None and allreduces < 0:
+        raise UsageError(f"--tp-allreduces must be at least 0, got {allreduces}")
     if t == 1:
         if args.tp_link is not None:
             raise UsageError("--tp-link is the link of --tensor-parallel T's ranks: give T > 1")
+        if allreduces is not None:
+            raise UsageError(
+                f"--tp-allreduces {allreduces} counts the all-reduces of --tensor-parallel T's "
+                "ranks: give T > 1"
+            )
         return costs, ""
+    allreduces = 2 if allreduces is None else allreduces
     if args.schedule_csv is not None or args.html is not None:
         raise UsageError("--tensor-parallel: the page and --schedule-csv play T = 1; drop it")
     device, link = link_of(args, t)
     # seconds only where the costs are (a message's size says so): unit costs stay unit
     sized = costs.message_bytes > 0
-    comm = args.tp_allreduces * link.ring(costs.message_bytes, t, passes=2) if sized else 0.0
+    comm = allreduces * link.ring(costs.message_bytes, t, passes=2) if sized else 0.0
     k = args.stages
 
     def split(name: str, extra: float = 0.0) -> list[float]:
@@ -263,7 +267,7 @@ def _tensor_costs(args: argparse.Namespace, costs: Costs) -> tuple[Costs, str]:
     )
     world = k * args.data_parallel * t
     collectives = (
-        f"each F and B +{comm:.3g} s for {args.tp_allreduces} all-reduces of "
+        f"each F and B +{comm:.3g} s for {allreduces} all-reduces of "
         f"{costs.message_bytes:g} bytes on {device.name}'s link"
         if sized
         else "collectives free (the costs give no message_bytes)"

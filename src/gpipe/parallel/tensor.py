@@ -17,15 +17,16 @@ stages ``gpipe.split`` cuts from a Hugging Face model by its ``base_model_tp_pla
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gpipe.comm.agreement import on_first_rank
 from gpipe.runtime.dtensors import is_dtensor
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ __all__ = [
     "resolve_plan",
 ]
 
+V = TypeVar("V")
 MESH_DIMS = ("pipeline", "data", "tensor")
 STYLES = ("colwise", "rowwise", "sequence")
 
@@ -101,6 +103,35 @@ class ParallelMesh:
     @property
     def data(self) -> DeviceMesh:
         return self.mesh["data"]
+
+    def first_tensor_ranks(self, value: V) -> V:
+        """``value`` as the first tensor rank of this rank's stage has it: what each rank
+        would draw on its own (a sampling seed) must be one on the T ranks of a stage, whose
+        copies of the activations and tokens must stay equal."""
+        return on_first_rank(lambda: value, self.group("tensor"), "agreeing over tensor ranks")
+
+    def align_random_state(self, device: torch.device) -> None:
+        """Give every tensor rank of this stage the random state of the first (CPU, and
+        ``device``'s where it is a GPU), so that they draw the same dropout masks on the
+        whole activations they each hold: ranks seeded apart (``torch.manual_seed(rank)``)
+        would otherwise compute different gradients for the parameters they keep whole."""
+        group = self.group("tensor")
+        source = dist.get_global_rank(group, 0)
+        wire = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        states: list[tuple[Callable[[], Tensor], Callable[[Tensor], None]]] = [
+            (torch.get_rng_state, torch.set_rng_state)
+        ]
+        if device.type == "cuda":
+            states.append(
+                (
+                    lambda: torch.cuda.get_rng_state(device),
+                    lambda state: torch.cuda.set_rng_state(state, device),
+                )
+            )
+        for get, put in states:
+            state = get().to(wire)
+            dist.broadcast(state, source, group=group)
+            put(state.cpu())
 
 
 def declared_plan(module: nn.Sequential) -> dict[str, PlanValue]:
