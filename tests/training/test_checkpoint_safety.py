@@ -296,7 +296,8 @@ def test_a_record_that_does_not_fit_its_tensors_stops_generate_in_one_line(copy,
     every stage's load fails alike, and the command says why in one line (it ended in
     tracebacks of every process)."""
     step = _step(copy, 6)
-    _edit_json(step / "gpipe.json", lambda r: r["model"].update(d_model=2 * r["model"]["d_model"]))
+    for record in (step / "gpipe.json", copy / "run.json"):  # the run's own model, as said
+        _edit_json(record, lambda r: r["model"].update(d_model=2 * r["model"]["d_model"]))
     _update_manifest(step)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"ids": [1, 2]}\n')
@@ -385,3 +386,131 @@ def test_an_automatic_restart_skips_a_poisoned_checkpoint(copy, run, tmp_path):
     losses, reference = _losses(copy), _losses(run)
     for step in range(1, 7):
         assert losses[step] == pytest.approx(reference[step], rel=1e-5), step
+
+
+def test_a_stored_tensor_unlike_its_metadata_is_refused(copy):
+    """Metadata of DCP's own classes that sends one tensor to another's bytes (a larger
+    one: DCP narrowed it to fit and loaded it without a word) or gives it another dtype
+    (DCP cast it) is a damaged checkpoint, skipped for the one before."""
+    checkpoint = _step(copy, 6)
+    metadata = read_metadata(checkpoint)
+    stored = metadata.storage_data
+    position = next(i for i in stored if i.fqn == "model.0.position")
+    token = next(i for i in stored if i.fqn == "model.0.token.weight")
+    _tampered(checkpoint, storage_data={**stored, position: stored[token]})
+    (refusal,) = refusals(checkpoint)
+    assert refusal == (
+        "__0_0.distcp holds model.0.position as torch.float32 [256, 32], "
+        "where its metadata says torch.float32 [32, 32]"
+    )
+    metadata = read_metadata(checkpoint)
+    entry = metadata.state_dict_metadata["model.0.position"]
+    entry.properties = dataclasses.replace(entry.properties, dtype=torch.float16)
+    _tampered(checkpoint, storage_data=stored, state_dict_metadata=metadata.state_dict_metadata)
+    with pytest.warns(DamagedCheckpointWarning, match=r"\[32, 32\], where its metadata says "):
+        assert latest_checkpoint(copy / "checkpoints") == _step(copy, 3)
+
+
+def test_links_in_a_checkpoint_are_damage_and_retention_removes_only_the_link(copy, tmp_path):
+    """A checkpoint's file that is a link (its record read from elsewhere), and a checkpoint
+    folder that is one, are damaged; retention removes such a folder's link, never what it
+    points at, and a save of the same step replaces it."""
+    from gpipe.training.checkpoints.format import finish_save
+    from gpipe.training.checkpoints.retention import Retention, prune_checkpoints
+
+    outside = tmp_path / "outside"
+    shutil.copytree(_step(copy, 3), outside)
+    record = _step(copy, 6) / "gpipe.json"
+    record.unlink()
+    record.symlink_to(outside / "gpipe.json")
+    _update_manifest(_step(copy, 6))
+    assert "gpipe.json is a link" in verify_checkpoint(_step(copy, 6))[0]
+    for step in (9, 12):
+        _step(copy, step).symlink_to(outside)
+    assert verify_checkpoint(_step(copy, 12), checksums=False) == [
+        "step-000012 is a link; a run's checkpoints lie in its own folder"
+    ]
+    prune_checkpoints(copy / "checkpoints", Retention(keep=1), written=_step(copy, 3))
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == [
+        "step-000003",
+        "step-000006",
+        "step-000009",
+        "step-000012",
+    ]  # the links are newer than the step written: damaged, kept for people to look at
+    shutil.copytree(_step(copy, 3), copy / "checkpoints" / ".step-000012.partial")
+    finish_save(copy / "checkpoints", 12, {"saved": "again"}, None)  # replaced the link
+    assert not _step(copy, 12).is_symlink()
+    prune_checkpoints(copy / "checkpoints", Retention(keep=1), written=_step(copy, 12))
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["step-000012"]
+    assert {p.name for p in outside.iterdir()} == {p.name for p in _step(copy, 12).iterdir()}
+
+
+def test_retention_never_counts_a_skipped_checkpoint_as_the_newest_good_one(copy):
+    """Resumed from step 3 past a step 6 whose contents are damaged (its sizes whole), the
+    run saves step 4: with --keep 1, step 4 stays (it was removed, with step 3, leaving
+    only the damaged step 6, so a restart had nothing to continue from)."""
+    from gpipe.training.checkpoints.retention import Retention, prune_checkpoints
+
+    shutil.copytree(_step(copy, 3), _step(copy, 4))
+    damaged = _step(copy, 6) / "__0_0.distcp"
+    data = bytearray(damaged.read_bytes())
+    data[100] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    removed = prune_checkpoints(copy / "checkpoints", Retention(keep=1), written=_step(copy, 4))
+    assert removed == [_step(copy, 3)]
+    assert [p.name for p in sorted((copy / "checkpoints").iterdir())] == [
+        "step-000004",
+        "step-000006",
+    ]
+
+
+def test_a_checkpoint_of_another_model_is_skipped_on_resume(copy):
+    """A checkpoint copied in from another run (its record names another model than the
+    run's run.json) is damage: resume goes on from the one before (the processes failed
+    loading it into the run's model)."""
+    _edit_json(_step(copy, 6) / "gpipe.json", lambda r: r["model"].update(d_model=64))
+    _update_manifest(_step(copy, 6))
+    said = r"holds another model than its run's .*run\.json \(they differ in d_model\)"
+    with pytest.warns(DamagedCheckpointWarning, match=said):
+        assert latest_checkpoint(copy / "checkpoints", run=True) == _step(copy, 3)
+
+
+def test_resume_refuses_a_run_folder_whose_outputs_are_links(copy, tmp_path, capsys):
+    """A run folder whose sample.txt links outside it: continuing it wrote the sample over
+    the file linked to; now one line, before any process starts."""
+    precious = tmp_path / "precious"
+    precious.write_text("mine")
+    (copy / "sample.txt").unlink(missing_ok=True)
+    (copy / "sample.txt").symlink_to(precious)
+    err = _one_line_error(capsys, "train", "--resume", copy, "--steps", "7", "--quiet")
+    assert f"{copy / 'sample.txt'} is a link to {precious}, and the run would write" in err
+    assert precious.read_text() == "mine"
+
+
+def test_export_refuses_a_tokenizer_folder_whose_files_link_outside_it(tmp_path):
+    """The run's tokenizer folder holds a link named like a tokenizer file to a key: it was
+    copied into the export; links inside the folder, or into a Hugging Face cache's blobs,
+    still are."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    from gpipe.training.hf.export import tokenizer_files
+
+    from ..text_cases import word_tokenizer
+
+    raw = Tokenizer.from_file(str(word_tokenizer(tmp_path / "t.json")))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
+    snapshot = tmp_path / "models--a--b" / "snapshots" / "rev"
+    fast.save_pretrained(tmp_path / "saved")
+    (tmp_path / "models--a--b" / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in (tmp_path / "saved").iterdir():
+        blob = tmp_path / "models--a--b" / "blobs" / file.name
+        file.rename(blob)
+        (snapshot / file.name).symlink_to(f"../../blobs/{file.name}")
+    assert "tokenizer.json" in tokenizer_files(snapshot)
+    secret = tmp_path / "id_rsa"
+    secret.write_text("SECRET")
+    (snapshot / "vocab.txt").symlink_to(secret)
+    with pytest.raises(ValueError, match=r"vocab\.txt is a link to .*id_rsa, outside the tok"):
+        tokenizer_files(snapshot)

@@ -44,6 +44,7 @@ __all__ = [
     "load_model_weights",
     "read_description",
     "read_run_record",
+    "remove_folder",
     "save_checkpoint",
     "saved_state",
     "verify_checkpoint",
@@ -76,19 +77,47 @@ def verify_checkpoint(path: Path, *, checksums: bool = True, run: bool = False) 
     be whole and list the data's index and the description, and every file it lists must be
     there with its size. With ``checksums``, every file must also match its SHA-256, the
     description must be a JSON object with the step (with ``run``, the record of a ``gpipe
-    train`` run, field by field), and every pickle in the data must read by the allow-lists
-    of ``safe_reading`` (a digest proves a file whole, not harmless: whoever edits a file
-    can edit the manifest too)."""
+    train`` run, field by field, of the model its run folder's ``run.json`` trains), and
+    every pickle in the data must read by the allow-lists of ``safe_reading`` (a digest
+    proves a file whole, not harmless: whoever edits a file can edit the manifest too)."""
     problems = verify(path, checksums=checksums, required=(".metadata", DESCRIPTION))
     if problems or not checksums:
         return problems
     from gpipe.training.checkpoints.safe_reading import refusals
 
     try:
-        read_run_record(path) if run else read_description(path)
+        if run:
+            _check_same_model(path, read_run_record(path))
+        else:
+            read_description(path)
     except ValueError as exc:
         return [str(exc)]
     return refusals(path)
+
+
+RUN_RECORD = "run.json"  # beside ``checkpoints/``: the run's model and options
+
+
+def _check_same_model(path: Path, record: dict[str, Any]) -> None:
+    """ValueError if the checkpoint at ``path`` holds another model than the run whose
+    ``checkpoints`` folder it lies in (a checkpoint copied in from another run): resumed,
+    its tensors would not fit the stages the run builds. Where a split model is cut is
+    learnt after ``run.json`` is written, so it is not compared."""
+    run_file = path.parent.parent / RUN_RECORD
+    if path.parent.name != "checkpoints" or not run_file.is_file():
+        return
+    mine = _shape(record.get("model", {}))
+    theirs = _shape(checked_run_record(run_file).get("model", {}))
+    differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    if differ:
+        raise ValueError(
+            f"{path / DESCRIPTION}: holds another model than its run's {run_file} "
+            f"(they differ in {', '.join(differ)}): a checkpoint of another run"
+        )
+
+
+def _shape(model: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in model.items() if k != "split_at"}
 
 
 def latest_checkpoint(root: Path, *, checksums: bool = True, run: bool = False) -> Path | None:
@@ -117,8 +146,17 @@ def discard_partial(root: Path) -> list[Path]:
         if p.is_dir() and p.name.startswith(f".{_PREFIX}") and p.suffix in (".partial", ".stale")
     ]
     for path in left:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_folder(path)
     return sorted(left)
+
+
+def remove_folder(path: Path) -> None:
+    """Remove the folder ``path`` of a run's checkpoints, whatever is left of it; a link is
+    removed itself, never what it points at (a run folder may come from someone else)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def read_description(path: Path) -> dict[str, Any]:
@@ -255,7 +293,7 @@ def begin_save(root: Path, step: int, group: dist.ProcessGroup | None) -> Path:
     partial = root / f".{_PREFIX}{step:06d}.partial"
     if _is_writer(group):
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
+        remove_folder(partial)
         partial.mkdir()
     _barrier(group)
     return partial
@@ -288,10 +326,10 @@ def finish_save(
         _fsync_dir(partial)
         if final.exists():  # the same step saved again, after a resume: replace it whole
             stale = root / f".{final.name}.stale"
-            shutil.rmtree(stale, ignore_errors=True)
+            remove_folder(stale)
             os.replace(final, stale)
             os.replace(partial, final)
-            shutil.rmtree(stale)
+            remove_folder(stale)
         else:
             os.replace(partial, final)
         _fsync_dir(root)

@@ -70,14 +70,19 @@ def _read(folder: Path) -> dict[str, Digest] | str:
 
 def verify(folder: Path, *, checksums: bool = True, required: tuple[str, ...] = ()) -> list[str]:
     """What is wrong with the checkpoint in ``folder``: an empty list if its manifest is whole
-    and every file it lists is there with its size (and, with ``checksums``, its SHA-256).
-    ``required`` names files the manifest must list."""
+    and every file it lists is there, in the folder itself (no link), with its size (and,
+    with ``checksums``, its SHA-256). ``required`` names files the manifest must list."""
+    if folder.is_symlink():
+        return [f"{folder.name} is a link; a run's checkpoints lie in its own folder"]
     files = _read(folder)
     if isinstance(files, str):
         return [files]
     problems = [f"{name} not in {MANIFEST}" for name in required if name not in files]
     for name, expected in sorted(files.items()):
         path = folder / name
+        if path.is_symlink():
+            problems.append(f"{name} is a link; a checkpoint's files lie in its folder")
+            continue
         if not path.is_file():
             problems.append(f"{name} is missing")
             continue

@@ -10,7 +10,23 @@ from pathlib import Path
 from gpipe.comm.agreement import on_first_rank
 from gpipe.training.checkpoints.format import discard_partial, latest_checkpoint
 
-__all__ = ["NothingToResume", "resume_point", "trim_metrics"]
+__all__ = [
+    "RUN_OUTPUTS",
+    "NothingToResume",
+    "check_outputs_unlinked",
+    "resume_point",
+    "trim_metrics",
+]
+
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "sample.txt",
+    "trace.json",
+    "bubble.json",
+    "view.html",
+    "timeline.png",
+)
+"""The files a run writes at the top of its folder, again when it is continued."""
 
 
 class NothingToResume(FileNotFoundError):
@@ -42,6 +58,19 @@ def resume_point(
             raise NothingToResume(f"no checkpoint in {root} verifies; nothing to resume from")
         return None
     return root / choice
+
+
+def check_outputs_unlinked(out: Path) -> None:
+    """ValueError, naming it, if a file the run writes in ``out`` is a link: a run folder may
+    come from someone else, and continuing it would write through the link, over a file
+    outside the folder."""
+    for name in RUN_OUTPUTS:
+        path = out / name
+        if path.is_symlink():
+            raise ValueError(
+                f"--resume {out}: {path} is a link to {os.readlink(path)}, and the run would "
+                "write through it; a run writes its files in its own folder: remove the link"
+            )
 
 
 def trim_metrics(path: Path, step: int) -> None:

@@ -3,11 +3,10 @@ that a run of weeks does not fill its disk and never loses its last good checkpo
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpipe.training.checkpoints.format import checkpoint_dirs, verify_checkpoint
+from gpipe.training.checkpoints.format import checkpoint_dirs, remove_folder, verify_checkpoint
 
 __all__ = ["Retention", "prune_checkpoints"]
 
@@ -37,19 +36,29 @@ def _step(path: Path) -> int:
     return int(path.name.rsplit("-", 1)[1])
 
 
-def prune_checkpoints(root: Path, retention: Retention, *, checksums: bool = False) -> list[Path]:
+def prune_checkpoints(
+    root: Path, retention: Retention, *, checksums: bool = False, written: Path | None = None
+) -> list[Path]:
     """Remove the checkpoints under ``root`` that ``retention`` no longer keeps; returns them.
 
     Kept: milestones; the newest ``keep`` that verify (sizes only unless ``checksums``: each
     was checked in full when it was written); and any damaged one newer than the newest good
     one, for people to look at. Removed: the other good ones, and damaged ones older than the
     newest good one, which a resume would never choose. With no good checkpoint, nothing is
-    removed. Call it on one process, while no save is renaming a folder into place.
+    removed. ``written``, the checkpoint just saved: any newer one is one a resume skipped
+    as damaged (a run goes on from its newest good checkpoint), whatever its sizes say, so
+    it is kept for people to look at and never counted as good. Call it on one process,
+    while no save is renaming a folder into place.
     """
     if retention.keep is None:
         return []
     found = checkpoint_dirs(root)
-    good = [p for p in found if not verify_checkpoint(p, checksums=checksums)]
+    last = _step(written) if written is not None else None
+    good = [
+        p
+        for p in found
+        if (last is None or _step(p) <= last) and not verify_checkpoint(p, checksums=checksums)
+    ]
     if not good:
         return []
     kept = set(good[-retention.keep :])
@@ -61,8 +70,8 @@ def prune_checkpoints(root: Path, retention: Retention, *, checksums: bool = Fal
             continue
         # renamed first, so a folder half deleted is never taken for a checkpoint
         doomed = path.with_name(f".{path.name}.stale")
-        shutil.rmtree(doomed, ignore_errors=True)
+        remove_folder(doomed)
         path.rename(doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        remove_folder(doomed)
         removed.append(path)
     return removed

@@ -200,15 +200,16 @@ def _load_item(stream: IO[bytes]) -> Any:
 
 def refusals(folder: Path) -> list[str]:
     """Why the checkpoint in ``folder`` must not be opened: an empty list if its metadata
-    and every item it stores read by the allow-lists alone. Reads every file once."""
+    and every item it stores read by the allow-lists alone, each tensor of the size and
+    dtype its metadata gives it. Reads every file once."""
     try:
         metadata = read_metadata(folder)
     except CheckpointRefused as exc:
         return [f"{METADATA_FILE} {exc.reason}"]
     problems: list[str] = []
-    by_file: dict[str, list[Any]] = {}
-    for info in metadata.storage_data.values():
-        by_file.setdefault(info.relative_path, []).append(info)
+    by_file: dict[str, list[tuple[MetadataIndex, Any]]] = {}
+    for index, info in metadata.storage_data.items():
+        by_file.setdefault(info.relative_path, []).append((index, info))
     for name, items in sorted(by_file.items()):
         if (folder / name).is_symlink():
             problems.append(f"{name} is a link; a checkpoint's files lie in its folder")
@@ -216,17 +217,41 @@ def refusals(folder: Path) -> list[str]:
         try:
             with open(folder / name, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                for info in sorted(items, key=lambda i: i.offset):
+                for index, info in sorted(items, key=lambda item: item[1].offset):
                     if info.offset + info.length > size:
                         problems.append(f"{name} ends before an item it should hold")
                         break
                     f.seek(info.offset)
-                    _load_item(io.BytesIO(f.read(info.length)))
+                    item = _load_item(io.BytesIO(f.read(info.length)))
+                    wrong = _unlike(item, index, metadata.state_dict_metadata[index.fqn])
+                    if wrong is not None:
+                        problems.append(f"{name} holds {wrong}")
+                        break
         except OSError as exc:
             problems.append(f"{name} unreadable ({exc.strerror or exc})")
         except Exception as exc:  # a refused global, or bytes that are no pickle at all
             problems.append(f"{name} refused: {_first_line(exc)}")
     return problems
+
+
+def _unlike(item: Any, index: MetadataIndex, entry: Any) -> str | None:
+    """How a stored tensor differs from what the metadata says of its chunk (its size, its
+    dtype), or None: DCP would narrow a larger tensor to the chunk's size and cast another
+    dtype, loading other values than the checkpoint names without a word."""
+    if not isinstance(entry, TensorStorageMetadata):
+        return None
+    sizes = next((c.sizes for c in entry.chunks if c.offsets == index.offset), None)
+    dtype = getattr(entry.properties, "dtype", None)
+    if sizes is None:
+        return f"{index.fqn} at {index.offset}, where its metadata has no chunk"
+    if not isinstance(item, torch.Tensor):
+        return f"a {type(item).__name__} for {index.fqn}, which its metadata says is a tensor"
+    if item.shape != sizes or item.dtype != dtype:
+        return (
+            f"{index.fqn} as {item.dtype} {list(item.shape)}, "
+            f"where its metadata says {dtype} {list(sizes)}"
+        )
+    return None
 
 
 class SafeReader(FileSystemReader):

@@ -343,4 +343,5 @@ def _write(job: _Job, buffers: list[Tensor], lineage: tuple[int, int]) -> tuple[
     problems = verify_checkpoint(path, checksums=False)
     if problems:  # never prune on the strength of a checkpoint that does not verify
         return str(path), [], "; ".join(problems)
-    return str(path), [str(p) for p in prune_checkpoints(root, job.retention)], None
+    removed = prune_checkpoints(root, job.retention, written=path)
+    return str(path), [str(p) for p in removed], None

@@ -272,7 +272,7 @@ class CheckpointWriter:
                 stacklevel=2,
             )
             return
-        self.removed += prune_checkpoints(self.root, self.retention)
+        self.removed += prune_checkpoints(self.root, self.retention, written=path)
 
     @property
     def in_flight(self) -> int | None:

@@ -91,12 +91,34 @@ def tokenizer_files(path: str | Path) -> dict[str, Path]:
     load_tokenizer(path)  # a ValueError in one line if it is not a tokenizer
     if path.is_file():
         return {"tokenizer.json": path}
-    return {
+    files = {
         file.name: file
         for file in path.iterdir()
         if file.is_file()
         and (file.name.startswith(_TOKENIZER_PREFIXES) or file.suffix == ".tiktoken")
     }
+    for file in files.values():
+        _check_own_file(file, path)
+    return files
+
+
+def _check_own_file(file: Path, folder: Path) -> None:
+    """ValueError unless ``file`` of the tokenizer ``folder`` is the folder's own: a link
+    may point only inside it, or, in a Hugging Face cache snapshot (``.../snapshots/REV``),
+    into its repository's ``blobs``. A link elsewhere (to a key) would be copied into the
+    export as if it were the tokenizer's."""
+    if not file.is_symlink():
+        return
+    home = folder.resolve()
+    roots = [home]
+    if home.parent.name == "snapshots":
+        roots.append(home.parent.parent / "blobs")
+    target = file.resolve()
+    if not any(target.is_relative_to(root) for root in roots):
+        raise ValueError(
+            f"the run's --tokenizer {folder}: {file.name} is a link to {target}, outside the "
+            "tokenizer's folder; gpipe export copies only the tokenizer's own files"
+        )
 
 
 def _save_quietly(model: PreTrainedModel, folder: Path) -> None:
