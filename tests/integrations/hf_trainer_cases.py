@@ -124,8 +124,9 @@ def losses(trainer: Any) -> list[float]:
 
 def pipelined_run(out: str) -> dict[str, Any]:
     """One process of K = 2: train 20 steps (a checkpoint at 10), evaluate, predict, save;
-    then resume from the checkpoint in a fresh trainer, and train 3 steps (under 1f1b) from
-    the same model built on meta, its weights read from a folder."""
+    then resume from the checkpoint in a fresh trainer, and train 3 steps (under a V
+    schedule) from the same model built on meta, its weights read from a folder, saving
+    the weights alone, and resume from them."""
     import torch.distributed as dist
     from accelerate import init_empty_weights
     from transformers import LlamaForCausalLM
@@ -135,7 +136,10 @@ def pipelined_run(out: str) -> dict[str, Any]:
     trainer = PipelineTrainer(**trainer_inputs(out), chunks=2)
     trainer.train()
     found: dict[str, Any] = {"losses": losses(trainer), "stage": type(trainer.split[0]).__name__}
-    found["eval_loss"] = trainer.evaluate()["eval_loss"]
+    found["total_flos"] = trainer.state.total_flos
+    found["num_parameters"] = trainer.model.num_parameters(exclude_embeddings=True)
+    evaluated = trainer.evaluate()
+    found["eval_loss"], found["eval_keys"] = evaluated["eval_loss"], sorted(evaluated)
     predicted = trainer.predict(rows(6, 3))
     found["predictions"] = torch.as_tensor(predicted.predictions)
     found["label_ids"] = torch.as_tensor(predicted.label_ids)
@@ -154,11 +158,16 @@ def pipelined_run(out: str) -> dict[str, Any]:
     dist.barrier()
     with init_empty_weights():  # parameters on meta, buffers (rotary tables) real
         empty = LlamaForCausalLM(model().config)
-    start = trainer_inputs(out, max_steps=3, save_strategy="no") | {"model": empty}
+    model_only = {"max_steps": 3, "save_steps": 3, "save_only_model": True}
+    start = trainer_inputs(f"{out}/model-only", **model_only) | {"model": empty}
     weights = f"{out}/initial"
-    from_meta = PipelineTrainer(**start, chunks=2, weights=weights, schedule="1f1b")
+    # under a V schedule: 4 stages, 2 a process (it was cut into 2, which it could not run)
+    from_meta = PipelineTrainer(**start, chunks=2, weights=weights, schedule="zero-bubble-v")
     from_meta.train()
     found["from_meta"] = losses(from_meta)
+    # a checkpoint of the weights alone resumes with a fresh optimizer, as the plain Trainer's
+    found["model_only"] = sorted(os.listdir(f"{out}/model-only/checkpoint-3"))
+    from_meta.train(resume_from_checkpoint=f"{out}/model-only/checkpoint-3")
     return found
 
 

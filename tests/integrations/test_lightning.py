@@ -178,3 +178,25 @@ def test_a_module_pipelined_by_an_earlier_trainer_goes_on_with_a_new_one(one_pro
             logger=False, enable_progress_bar=False, enable_model_summary=False,
         ).validate(module, val, verbose=False)  # fmt: skip
     assert "\n" not in str(refused.value)
+
+
+def test_the_loss_lightning_gets_back_has_the_steps_dtype(one_process_world):
+    """The pipeline sums its micro-batches' losses in float64; a step of a float32 module
+    returns its loss in float32, as on one device (it came back as float64)."""
+
+    class Dtypes(cases.L.Callback):
+        def __init__(self) -> None:
+            self.seen: list[torch.dtype] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.seen.append(outputs["loss"].dtype)
+
+    module = cases.Regression()
+    module.net.float()
+    x, y = cases.loaders()[0].dataset.tensors
+    rows = cases.TensorDataset(x[:16].float(), y[:16].float())
+    dtypes = Dtypes()
+    cases.fit_on_one_process(
+        module, batches=cases.DataLoader(rows, batch_size=8), callbacks=[dtypes]
+    )
+    assert dtypes.seen == [torch.float32, torch.float32]

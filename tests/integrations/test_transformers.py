@@ -28,9 +28,13 @@ def plain(tmp_path_factory):
         trainer = Trainer(**cases.trainer_inputs(out, save_strategy="no"))
         trainer.train()
         predicted = trainer.predict(cases.rows(6, 3))
+        evaluated = trainer.evaluate()
         return {
             "losses": cases.losses(trainer),
-            "eval_loss": trainer.evaluate()["eval_loss"],
+            "total_flos": trainer.state.total_flos,
+            "num_parameters": trainer.model.num_parameters(exclude_embeddings=True),
+            "eval_loss": evaluated["eval_loss"],
+            "eval_keys": sorted(evaluated),
             "predictions": torch.as_tensor(predicted.predictions),
             "label_ids": torch.as_tensor(predicted.label_ids),
             "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
@@ -54,6 +58,10 @@ def test_losses_step_for_step_as_the_plain_trainer(plain, pipelined_run):
     print(f"largest relative difference over {cases.STEPS} logged losses: {worst:.2e}")
     assert worst <= 1e-5
     assert found[1]["losses"] == mine  # every rank logs the same
+    # the operations counted once a replica (they were 0: the Trainer counts by the model's
+    # num_parameters), of the whole model with its tied head once (it was counted twice)
+    assert found[0]["num_parameters"] == found[1]["num_parameters"] == plain["num_parameters"]
+    assert found[0]["total_flos"] == found[1]["total_flos"] == plain["total_flos"] > 0
 
 
 def test_batches_grouped_by_length_come_in_the_plain_trainers_order(tmp_path):
@@ -77,6 +85,8 @@ def test_evaluation_and_predictions_as_the_plain_trainer(plain, pipelined_run):
     found, _ = pipelined_run
     for rank in (0, 1):
         assert found[rank]["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5)
+        # the model counts as prepared: no eval_model_preparation_time the plain one lacks
+        assert found[rank]["eval_keys"] == plain["eval_keys"]
         torch.testing.assert_close(
             found[rank]["predictions"], plain["predictions"], rtol=1e-4, atol=5e-4
         )
@@ -137,8 +147,18 @@ def test_a_checkpoint_resumes_to_the_same_losses(pipelined_run):
 
 
 def test_a_model_built_on_meta_reads_its_stage_from_a_folder(pipelined_run):
+    """It trains under a V schedule (two stages a process) to the losses of the same
+    weights under gpipe."""
     found, _ = pipelined_run
     assert found[0]["from_meta"] == pytest.approx(found[0]["losses"][:3], rel=1e-6)
+
+
+def test_a_checkpoint_of_the_weights_alone_resumes(pipelined_run):
+    """save_only_model=True writes no optimizer state: resuming takes a fresh one, as the
+    plain Trainer does (it was refused for lacking optimizer.stage-0-of-2.pt)."""
+    found, _ = pipelined_run
+    assert "model.safetensors" in found[0]["model_only"]
+    assert not any(name.startswith("optimizer") for name in found[0]["model_only"])
 
 
 def test_replicas_share_the_global_batch_as_one_process_does(tmp_path):
@@ -223,6 +243,8 @@ def test_trainer_arguments_it_cannot_take(tmp_path):
         PipelineTrainer(model=model, args=args, chunks=0)
     with pytest.raises(ValueError, match="schedule must be one of .*, got 'fifo'"):
         PipelineTrainer(model=model, args=args, schedule="fifo")  # before the process group
+    with pytest.raises(ValueError, match="schedule='auto' is not taken by PipelineTrainer"):
+        PipelineTrainer(model=model, args=args, schedule="auto")  # it needs a sample batch
     with pytest.raises(ValueError, match="launch the script with torchrun --nproc-per-node K\\*D"):
         PipelineTrainer(model=model, args=args)  # this process has no process group
 

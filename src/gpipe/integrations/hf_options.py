@@ -19,6 +19,7 @@ __all__ = [
     "check_own",
     "check_own_loss",
     "check_trainer_arguments",
+    "parts_of",
     "refused_options",
     "stages_of",
 ]
@@ -154,8 +155,18 @@ def check_own(chunks: object, schedule: object, data_parallel: object) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if not isinstance(schedule, str):
         raise TypeError(f"schedule must be a schedule's name, got {type(schedule).__name__}")
-    if schedule != "auto":  # an unknown name is refused here, before the process group
-        ScheduleSource.of(schedule)
+    if schedule == "auto":
+        raise ValueError(
+            "schedule='auto' is not taken by PipelineTrainer: it times the model on a sample "
+            "batch before the Trainer has one; name a schedule of gpipe.schedules.SCHEDULES"
+        )
+    ScheduleSource.of(schedule)  # an unknown name is refused here, before the process group
+
+
+def parts_of(schedule: str, stages: int) -> int:
+    """The parts to cut the model into for ``stages`` processes a pipeline under
+    ``schedule``: two a process under a V schedule (``zero-bubble-v``, ``v-half``)."""
+    return ScheduleSource.of(schedule).parts(stages)
 
 
 def stages_of(args: Any, data_parallel: int) -> int:

@@ -54,8 +54,8 @@ def split_model(model: nn.Module, parts: int) -> tuple[SplitModel, tuple[str, ..
 class PipelinedModel(nn.Module):
     """What ``trainer.model`` is: this rank's stage of the model as ``.pipeline`` (a
     ``Pipeline``; its parameters are this module's), beside the model it was cut from
-    (``.original``: its config, its parameter count, its ``save_pretrained``) and the
-    ``.split`` that maps the stages' names to the model's.
+    (``.original``: its config, its ``save_pretrained``) and the ``.split`` that maps the
+    stages' names to the model's; ``num_parameters()`` counts the whole model's.
 
     Calling it runs the pipeline's forward on the first stage's inputs and returns the last
     stage's outputs there (None on other ranks). Its ``forward`` has the original's
@@ -68,9 +68,11 @@ class PipelinedModel(nn.Module):
         pipeline: Pipeline,
         split: SplitModel,
         takes: tuple[str, ...] | None = None,
+        tied: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
         self.pipeline = pipeline
+        self._tied = dict(tied or {})  # each further name of a tied parameter: its first
         self._held = (original, split)  # not submodules: their other stages are not ours
         self.config = getattr(original, "config", None)
         self.generation_config = getattr(original, "generation_config", None)
@@ -115,6 +117,22 @@ class PipelinedModel(nn.Module):
         """Nothing to do: under ``gradient_checkpointing`` the pipeline was built to
         re-materialize every micro-batch's stage in the backward (``checkpoint="always"``)."""
 
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """The whole model's count, as ``PreTrainedModel.num_parameters`` gave it before the
+        cut (a tied head counted once, though the last stage holds a copy of its own),
+        whatever this rank holds: the ``Trainer`` counts a step's operations by it."""
+        skipped = set(self._tied)
+        if exclude_embeddings:
+            embeddings = (
+                n for n, m in self.original.named_modules() if isinstance(m, nn.Embedding)
+            )
+            skipped.update(f"{name}.weight" for name in embeddings)
+        return sum(
+            p.numel()
+            for name, p in self.original.named_parameters()
+            if name not in skipped and (p.requires_grad or not only_trainable)
+        )
+
     def floating_point_ops(self, inputs: Mapping[str, Any]) -> int:
         """The whole model's count, as the ``Trainer`` logs it (``total_flos``)."""
         count = getattr(self.original, "floating_point_ops", None)
@@ -146,7 +164,12 @@ class ReplicaAccelerator(Accelerator):
         return self.pipe.replicas.replica if self.pipe.replicas is not None else 0
 
     def prepare_model(self, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        return model  # placed, run under autocast and synchronized by the pipeline
+        """``model`` as it is (the pipeline places it, runs it under autocast and synchronizes
+        it), known as prepared: the ``Trainer`` otherwise prepares it again at every
+        evaluation and logs an ``eval_model_preparation_time`` the plain one does not."""
+        if all(m is not model for m in self._models):
+            self._models.append(model)
+        return model
 
     def prepare_data_loader(self, data_loader: DataLoader[Any], *args: Any, **kwargs: Any) -> Any:
         sampler = getattr(data_loader, "sampler", None)

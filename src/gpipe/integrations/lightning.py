@@ -79,7 +79,11 @@ class _Network(nn.Module):
 
 
 def _with_loss(output: STEP_OUTPUT, loss: Tensor) -> STEP_OUTPUT:
-    """``training_step``'s output with its loss replaced by ``loss``."""
+    """``training_step``'s output with its loss replaced by ``loss``, in the dtype of the loss
+    the step computed (the pipeline sums its micro-batches' losses in float64)."""
+    given = output.get("loss") if isinstance(output, Mapping) else output
+    if isinstance(given, Tensor) and given.is_floating_point():
+        loss = loss.to(given.dtype)
     if isinstance(output, Tensor):
         return loss
     if isinstance(output, Mapping) and "loss" in output:

@@ -44,6 +44,7 @@ from gpipe.integrations.hf_options import (
     check_own,
     check_own_loss,
     check_trainer_arguments,
+    parts_of,
     refused_options,
     stages_of,
 )
@@ -80,6 +81,15 @@ def _tied_names(model: nn.Module) -> dict[str, str]:
 
 def _optimizer_file(stage: int, stages: int) -> str:
     return f"optimizer.stage-{stage}-of-{stages}.pt"
+
+
+def _holds_optimizer(checkpoint: Path) -> bool:
+    """Whether ``checkpoint`` holds optimizer states (of any stages, or of a plain
+    ``Trainer``) or a schedule: one saved with ``save_only_model`` holds neither, and the
+    ``Trainer`` then resumes with a fresh optimizer and schedule."""
+    if (checkpoint / _SCHEDULER).is_file():
+        return True
+    return any(checkpoint.glob("optimizer.*"))
 
 
 def _targets(inputs: Mapping[str, Any]) -> Tensor:
@@ -177,7 +187,8 @@ class _Pipelined:
             _current(
                 original, "activation_checkpointing_disable", "gradient_checkpointing_disable"
             )()
-        split, takes = split_model(original, stages_of(self.args, data_parallel))
+        stages = stages_of(self.args, data_parallel)
+        split, takes = split_model(original, parts_of(schedule, stages))
         self.pipeline = Pipeline(
             split,
             chunks=chunks,
@@ -199,7 +210,9 @@ class _Pipelined:
 
         on_every_rank(load, "reading this rank's stage")
         release_other_stages(original, split, self.pipeline)
-        self.model = self.model_wrapped = PipelinedModel(original, self.pipeline, split, takes)
+        self.model = self.model_wrapped = PipelinedModel(
+            original, self.pipeline, split, takes, self._tied_names
+        )
         self.callback_handler.model = self.model
         # The Trainer builds its Accelerator in one method, with no hook for the class:
         # re-classing it keeps every setting the Trainer chose.
@@ -369,6 +382,14 @@ class _Pipelined:
         dist.broadcast(held, src=src, group=pipe.group)
         return held.to(self.args.device)
 
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """The whole model's count for the batch on the rank of each replica's first stage,
+        0 on the others: the ``Trainer`` sums every process's count into ``total_flos``, and
+        the stages of a replica share its batches (each counting it: K times too many)."""
+        if not self.pipeline.is_first:
+            return 0
+        return int(cast(Any, super()).floating_point_ops(inputs))
+
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:
         """Rows per optimizer step: a replica's batch x accumulation x the D replicas."""
         return args.train_batch_size * args.gradient_accumulation_steps * self._replicas()
@@ -416,6 +437,8 @@ class _Pipelined:
             return
         pipe = self.pipeline
         file = Path(checkpoint) / _optimizer_file(pipe.stage_index, pipe.n_stages)
+        if not _holds_optimizer(Path(checkpoint)):
+            return  # saved with save_only_model: a fresh optimizer, as the plain Trainer's
         if not file.is_file():
             raise ValueError(
                 f"{checkpoint} has no {file.name}: a pipelined checkpoint holds one optimizer "
@@ -477,7 +500,8 @@ class PipelineTrainer(_Pipelined, Trainer):
         chunks: micro-batches per batch of ``per_device_train_batch_size`` rows, the batch of
             one pipeline replica; a gradient-accumulation window of G batches runs as one
             pipelined step of G x chunks micro-batches.
-        schedule: the pipeline's schedule (``gpipe.schedules.SCHEDULES`` names them).
+        schedule: the pipeline's schedule (``gpipe.schedules.SCHEDULES`` names them); under
+            a V schedule the model is cut into 2K stages, two a process.
         data_parallel: D, the replicas of the pipeline, each on its own shard of the data.
         weights: where each rank reads its stage's weights: a Hugging Face folder (as
             ``save_pretrained`` writes it) or a mapping by the model's own names, read
