@@ -4,13 +4,16 @@ across real processes; under a split backward the layers train eager and run com
 forward passes. The tests compile with AOTAutograd's graphs and no code generation
 (backend "aot_eager"); BENCHMARKS.md measures the default backend."""
 
+import copy
 import re
+import warnings
 
 import pytest
+import torch
 from torch import nn
 
 from gpipe import Pipeline
-from gpipe.runtime.compiled import check_compile
+from gpipe.runtime.compiled import check_compile, compile_layers
 
 from ..workers import run
 from . import compiled_cases as cases
@@ -112,3 +115,41 @@ def test_compile_with_tensor_parallel_is_refused_before_any_process_group_work(m
             tensor_parallel=2,
             tp_plan={"0": "colwise"},
         )
+
+
+def _no_tanh(graph_module, example_inputs):
+    """A backend that cannot compile tanh: it compiles the other layers' graphs as they are."""
+    if any("tanh" in str(node.target) for node in graph_module.graph.nodes):
+        raise RuntimeError("this backend cannot compile tanh")
+    _no_tanh.compiled += 1
+    return graph_module.forward
+
+
+@pytest.mark.parametrize("split_backward", [False, True])
+def test_a_layer_torch_compile_fails_on_runs_eager_and_says_so_once(split_backward):
+    """The other layers stay compiled; the step's results are eager ones; an input that eager
+    code refuses too raises eager code's own error, not a fall back."""
+    torch.compiler.reset()  # the linear layers' code compiled by the case before, and kept
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    eager = copy.deepcopy(layers)
+    _no_tanh.compiled = 0
+    compile_layers(layers, {"backend": _no_tanh}, split_backward=split_backward)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            layers(x).sum().backward()
+            with torch.no_grad():  # where a split backward's layers run compiled
+                torch.testing.assert_close(layers(x), eager(x), rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
+            layers(torch.randn(5, 7, dtype=torch.float64))
+    eager(x).sum().backward()
+    for (name, p), q in zip(layers.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, 3 * q.grad, msg=name)
+    said = [str(w.message) for w in caught if "compile:" in str(w.message)]
+    assert said == [
+        "compile: layer '1' (Tanh) cannot be compiled, so it runs eager (BackendCompilerFailed: "
+        "backend='_no_tanh' raised: RuntimeError: this backend cannot compile tanh)"
+    ]
+    assert _no_tanh.compiled >= 2  # both linear layers

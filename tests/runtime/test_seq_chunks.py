@@ -195,6 +195,15 @@ def test_balanced_sub_sequences_cost_alike_and_later_ones_are_shorter():
         seq.lengths(3)
 
 
+@pytest.mark.parametrize("split", ["even", "balanced"])
+@pytest.mark.parametrize("length", [0, 2])
+def test_a_sequence_shorter_than_seq_chunks_is_refused_whatever_the_split(split, length):
+    """Not told to try seq_split='balanced', which cannot cut it either; an empty sequence
+    is not cut into empty sub-sequences."""
+    with pytest.raises(ValueError, match=f"^seq_chunks=4 cannot cut a sequence of {length} "):
+        SeqChunks(4, split, width=16).lengths(length)
+
+
 def test_a_payload_is_cut_along_its_sequence_and_joined_back():
     payload = {"ids": torch.arange(24).view(2, 12), "mask": torch.ones(2, 12, 3)}
     pieces = split_sequence(payload, [5, 4, 3])

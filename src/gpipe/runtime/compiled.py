@@ -3,7 +3,9 @@
 Each layer of a stage (each child of its ``nn.Sequential``: a transformer block, an
 embedding, a head) gets its ``forward`` compiled in place, so its parameters keep their names
 and its hooks run around the compiled code. Re-materialization works as it does for eager
-layers: a graph-free forward, then the same compiled forward again with a graph.
+layers: a graph-free forward, then the same compiled forward again with a graph. A layer
+that ``torch.compile`` fails on (a backend that cannot compile one of its operations, code
+Dynamo cannot trace) runs eager from then on, and says so once; the others stay compiled.
 
 A split backward (the zero-bubble family) asks autograd for the input gradients first (B),
 keeping the graph, and for the weight gradients later (W), in the slots where the schedule
@@ -143,13 +145,63 @@ def compile_layers(
     ``sub_sequences`` their ``forward_cached`` too (what a sub-sequence runs); under a
     ``split_backward``, for the passes that build no graph only."""
     methods = ("forward", "forward_cached") if sub_sequences else ("forward",)
-    for layer in layers:
+    for name, layer in layers.named_children():
         for method in methods:
             eager = getattr(layer, method, None)
             if eager is None:
                 continue
-            compiled = torch.compile(eager, **options)
+            where = f"layer {name!r} ({type(layer).__name__})" + (
+                f"'s {method}" if method != "forward" else ""
+            )
+            compiled = _eager_where_it_fails(where, eager, torch.compile(eager, **options))
             setattr(layer, method, _graph_free(eager, compiled) if split_backward else compiled)
+
+
+def _eager_where_it_fails(
+    where: str, eager: Callable[..., Any], compiled: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``compiled``, until ``torch.compile`` fails on it (a backend that cannot compile one
+    of its operations, code Dynamo cannot trace): then ``eager`` from that call on, said
+    once. An input that eager code refuses too raises eager code's own error, and the layer
+    stays compiled."""
+    failed = False
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        nonlocal failed
+        if failed:
+            return eager(*args, **kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as exc:
+            if not _compile_failed(exc):
+                raise
+            out = eager(*args, **kwargs)
+            failed = True
+            warnings.warn(
+                f"compile: {where} cannot be compiled, so it runs eager "
+                f"({type(exc).__name__}: {_first_paragraph(exc)})",
+                stacklevel=2,
+            )
+            return out
+
+    return forward
+
+
+def _compile_failed(exc: Exception) -> bool:
+    """Whether ``exc`` is ``torch.compile`` failing (Dynamo's errors, the backend's wrapped
+    in them), not the layer's own code: imported here, where Dynamo already is, as
+    ``import gpipe`` does not load it."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    return isinstance(exc, TorchDynamoException)
+
+
+def _first_paragraph(exc: BaseException) -> str:
+    """What ``exc`` says before its first blank line, on one line and at most 200
+    characters (torch's messages go on with hints and logging advice for a page)."""
+    text = str(exc).strip().split("\n\n", 1)[0]
+    said = " ".join(line.strip() for line in text.splitlines() if line.strip())
+    return (said[:197] + "...") if len(said) > 200 else said or "no message"
 
 
 def _graph_free(eager: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:

@@ -76,6 +76,11 @@ class SeqChunks:
         """The sub-sequences' lengths for a sequence of ``length`` tokens; a sequence that
         cannot be cut so is refused."""
         s = self.chunks
+        if length < s:  # whatever the split: seq_split='balanced' would not help
+            raise ValueError(
+                f"seq_chunks={s} cannot cut a sequence of {length} tokens: each sub-sequence "
+                "needs at least one token"
+            )
         if self.split == "even":
             if length % s:
                 raise ValueError(
@@ -83,11 +88,6 @@ class SeqChunks:
                     f"sequences whose length is a multiple of {s}, or seq_split='balanced'"
                 )
             return [length // s] * s
-        if length < s:
-            raise ValueError(
-                f"seq_chunks={s} cannot cut a sequence of {length} tokens: each sub-sequence "
-                "needs at least one token"
-            )
         return _balanced(length, s, self.width or 1)
 
     def weights(self, length: int) -> list[float]:
