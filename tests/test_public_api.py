@@ -220,6 +220,7 @@ def test_the_packages_users_import_load_first_in_a_fresh_interpreter():
         "assert pack is gpipe.data.packing.pack\n"
         "import gpipe\n"
         "assert callable(gpipe.launch)\n"
+        "gpipe.balance.balance_by_time, gpipe.batchnorm.DeferredBatchNorm, gpipe.skip.stash\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -1,5 +1,9 @@
 """gpipe: pipeline-parallel training of models too large for one device (arXiv:1811.06965)."""
 
+# torchgpipe's module names, reachable after `import gpipe` too (gpipe.batchnorm.DeferredBatchNorm)
+from gpipe import balance as balance
+from gpipe import batchnorm as batchnorm
+from gpipe import skip as skip
 from gpipe.errors import BalanceError, ConfigError, MovingDenied, PipelineError, StageError
 from gpipe.pipe import GPipe
 from gpipe.pipeline import Pipeline

@@ -371,6 +371,23 @@ def test_a_resumed_runs_printed_config_names_its_own_folder(capsys, trained):
     assert f"out = {json.dumps(str(trained[1]))}" in capsys.readouterr().out.splitlines()
 
 
+def test_a_run_on_balanced_sub_sequences_resumes_with_whole_micro_batches(
+    capsys, trained, tmp_path
+):
+    """--seq-chunks 1 alone: the run's own --seq-split balanced, of sub-sequences no longer
+    cut, is not held against it ("needs --seq-chunks of 2 or more")."""
+    run = tmp_path / "run"
+    shutil.copytree(trained[2], run)
+    record = json.loads((run / "run.json").read_text())
+    record["train"] |= {"seq_chunks": 4, "seq_split": "balanced"}
+    (run / "run.json").write_text(json.dumps(record))
+    assert main(["train", "--resume", str(run), "--seq-chunks", "1", "--print-config"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "seq-chunks = 1" in printed and 'seq-split = "even"' in printed
+    err = _usage_error(capsys, "train", *TINY, "--seq-split", "balanced", "--print-config")
+    assert err == "gpipe: error: --seq-split balanced needs --seq-chunks of 2 or more"
+
+
 def test_resume_refuses_a_different_model(capsys, trained, tmp_path):
     err = _usage_error(capsys, "train", "--resume", str(trained[1]), "--n-layer", "3")
     assert "holds a model with n_layer=2, not n_layer=3" in err
@@ -566,6 +583,7 @@ def test_sub_sequences_are_refused_where_they_cannot_run(capsys):
     base = ["train", "--preset", "tiny", "--seq-len", "32"]
     for more, words in (
         (["--seq-chunks", "3"], "--seq-chunks 3 does not divide --seq-len 32: give a multiple"),
+        (["--seq-chunks", "48"], "--seq-chunks 48 is more than --seq-len 32 tokens"),
         (["--seq-chunks", "2", "--schedule", "interleaved"], "--seq-chunks 2 runs with --schedule"),
         (["--seq-chunks", "2", "--pack"], "--seq-chunks 2 does not run with --pack yet"),
         (["--seq-split", "balanced"], "--seq-split balanced needs --seq-chunks of 2 or more"),

@@ -131,6 +131,10 @@ def test_flag_errors_are_not_prefixed_with_the_class(capsys):
         ({"checkpoint": "sometimes"}, "--checkpoint must be always, except_last or never, got "),
         ({"out": "{file}"}, "--out {file} is a file; expected a run folder (a directory)"),
         ({"out": ""}, "--out must name a run folder, got ''"),
+        (  # the run would go on in {file}, not where --out says
+            {"resume": "{file}"},
+            "--out {run} with --resume {file}: a resumed run goes on in its own folder; ",
+        ),
         (  # a V holds two stages per process: another count would be ignored
             {"schedule": "v-min", "virtual_stages": 3, "chunks": 4},
             "--schedule v-min places two stages per process in a V: --virtual-stages is 2, got 3",
@@ -144,9 +148,10 @@ def test_bad_values_fail_before_any_process_alike_from_python_and_the_command(
     process starts or anything is written."""
     file = tmp_path / "a-file"
     file.write_text("not a run folder")
+    run = tmp_path / "run"
     given = {k: (v.format(file=file) if isinstance(v, str) else v) for k, v in given.items()}
-    message = message.format(file=file)
-    config = {"preset": "tiny", "seq_len": 16, "out": str(tmp_path / "run"), **given}
+    message = message.format(file=file, run=run)
+    config = {"preset": "tiny", "seq_len": 16, "out": str(run), **given}
     with pytest.raises(ConfigError) as raised:
         train(TrainConfig(**config))
     assert str(raised.value).startswith(message), raised.value
@@ -164,3 +169,76 @@ def test_config_is_a_plain_dataclass():
     assert dataclasses.replace(config, steps=5) == config and config != TrainConfig()
     with pytest.raises(ConfigError, match=r"--device must be one of cpu, cuda, got 'tpu'"):
         dataclasses.replace(config, device="tpu")
+
+
+def test_a_field_set_after_construction_is_checked_when_run(tmp_path):
+    """A dataclass's fields can be set after it is made: ``train`` checks them again, so a
+    wrong type is the same one line, not a TypeError from deep inside the run."""
+    config = TrainConfig(preset="tiny", out=str(tmp_path / "run"))
+    config.steps = "ten"  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match=r"^TrainConfig.steps is 'ten' \(str\), expected int"):
+        train(config)
+    config.steps, config.device = 5, "tpu"
+    with pytest.raises(ConfigError, match=r"^--device must be one of cpu, cuda, got 'tpu'$"):
+        resolve(config)
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_takes_a_train_config_made_by_keyword():
+    with pytest.raises(TypeError, match=r"^config must be a gpipe.training.TrainConfig, got dict"):
+        train({"steps": 3})  # type: ignore[arg-type]
+    with pytest.raises(TypeError):  # fifty fields: by position, one moved would shift them all
+        TrainConfig("gpt")  # type: ignore[misc]
+    with pytest.raises(ConfigError, match=r"^TrainConfig.steps is '3' \(str\), expected int"):
+        TrainConfig.from_dict({"steps": "3"})  # named once, not "TrainConfig: TrainConfig..."
+
+
+def test_a_preset_or_another_model_given_with_config_replaces_the_files_model(tmp_path, capsys):
+    """``--print-config`` writes the model's shape (n-layer = 2, ...); ``--config`` of that
+    file with ``--preset small`` trains the small preset (the file's shape overrode it), and
+    with another ``--model`` is not refused for GPT flags the command line never gave."""
+    file = tmp_path / "run.toml"
+    file.write_text(config_text(resolve(TrainConfig(preset="tiny")).config))
+    args = _parser().parse_args(["train", "--config", str(file), "--preset", "small"])
+    assert resolve(config_of(args)).config == resolve(TrainConfig(preset="small")).config
+    args = _parser().parse_args(["train", "--config", str(file), "--n-layer", "3"])
+    assert (config_of(args).n_layer, config_of(args).d_model) == (3, 32)  # the file's model
+    absent = tmp_path / "absent"
+    err = _one_line(capsys, "--config", str(file), "--model", f"hf:{absent}", "--print-config")
+    assert err == f"--model hf:{absent}: no config.json there"
+
+
+def test_train_called_again_by_the_processes_it_starts_is_refused(tmp_path, monkeypatch):
+    """Each started process imports the caller's script again, as ``__mp_main__``: a call
+    to ``train`` outside ``if __name__ == "__main__":`` runs again there, and must stop at
+    once, not prepare (with ``force``, remove) the folder of the run that started it."""
+    import gpipe.training.launch
+
+    def launch(*args, **kwargs):
+        raise AssertionError("not to be reached")
+
+    monkeypatch.setattr(gpipe.training.launch, "launch", launch)
+    (tmp_path / "metrics.jsonl").write_text("the running job's\n")
+    script = "train(TrainConfig(preset='tiny', out=OUT, force=True))\n"
+    scope = {"__name__": "__mp_main__", "train": train, "TrainConfig": TrainConfig}
+    with pytest.raises(RuntimeError, match=r'call train under if __name__ == "__main__":$'):
+        exec(compile(script, "script.py", "exec"), {**scope, "OUT": str(tmp_path)})
+    assert (tmp_path / "metrics.jsonl").exists()
+
+
+def test_resume_with_force_is_refused_and_replaces_a_files_out(tmp_path, capsys):
+    """``--force`` (replace the folder) beside ``--resume`` (continue it) would be ignored:
+    refused. A ``--resume`` given with ``--config`` goes on in its folder, not the file's."""
+    err = _one_line(capsys, "--resume", str(tmp_path), "--force", "--print-config")
+    assert (
+        err
+        == f"--force replaces the run folder and --resume {tmp_path} continues it: give one of them"
+    )
+    file = tmp_path / "run.toml"
+    file.write_text('out = "runs/elsewhere"\nsteps = 7\n')
+    args = _parser().parse_args(["train", "--config", str(file), "--resume", str(tmp_path)])
+    assert (config_of(args).out, config_of(args).resume, config_of(args).steps) == (
+        "runs/gpt",
+        str(tmp_path),
+        7,
+    )

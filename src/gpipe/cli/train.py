@@ -12,7 +12,7 @@ from gpipe.cli.train_flags import (
     add_run_folder_options,
     add_training_options,
 )
-from gpipe.training.config import TrainConfig, config_text, read_config_file
+from gpipe.training.config import TrainConfig, config_text, read_config_file, with_flags
 
 __all__ = ["add_parser", "config_of"]
 
@@ -34,7 +34,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--config",
         metavar="FILE.toml",
-        help="flags as keys of a TOML file (batch-size = 16); flags given here win",
+        help="flags as keys of a TOML file (batch-size = 16); flags given here win, and a "
+        "--preset or another --model given here replaces the file's model and its shape",
     )
     p.add_argument(
         "--print-config",
@@ -46,8 +47,7 @@ def add_parser(sub: Any) -> None:
 
 def config_of(args: argparse.Namespace) -> TrainConfig:
     """The configuration the command line asks for: the flags given, and for the others a
-    ``--config`` file's values (or the defaults). A flag given wins over the file even where
-    it says what the default says (``--out runs/gpt``)."""
+    ``--config`` file's values (or the defaults), as ``with_flags`` puts them together."""
     flags = {
         k: v
         for k, v in vars(args).items()
@@ -55,7 +55,7 @@ def config_of(args: argparse.Namespace) -> TrainConfig:
     }
     if args.config is None:
         return TrainConfig.from_dict(flags, where="")
-    return TrainConfig.from_dict(read_config_file(args.config).given() | flags, where="")
+    return with_flags(read_config_file(args.config), flags)
 
 
 def _train(args: argparse.Namespace) -> int:

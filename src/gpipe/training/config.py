@@ -28,6 +28,7 @@ __all__ = [
     "config_text",
     "config_values",
     "read_config_file",
+    "with_flags",
 ]
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -40,11 +41,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainConfig:
-    """A run of ``gpipe train``, field for flag (``--batch-size`` is ``batch_size``);
-    ``gpipe.training.train(config)`` runs it as the command would. ``None``: the default, or
-    the resumed run's own."""
+    """A run of ``gpipe train``, field for flag (``--batch-size`` is ``batch_size``), given
+    by keyword; ``gpipe.training.train(config)`` runs it as the command would. ``None``: the
+    default, or the resumed run's own."""
 
     # the model
     model: str | None = None  # gpt, hf:PATH or MODULE:FUNCTION (default gpt)
@@ -105,6 +106,12 @@ class TrainConfig:
     seq_split: str | None = None  # even, or balanced (equal cost)
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """ConfigError naming the first field whose value is not of its type or not among
+        its choices: at construction, and again when the configuration is run, since a
+        field may have been set since (``config.steps = "ten"``)."""
         try:
             check_fields(dataclasses.asdict(self), dataclass_types(TrainConfig), "TrainConfig")
         except ValueError as exc:
@@ -146,7 +153,8 @@ class TrainConfig:
         try:
             return cls(**fields_)
         except ValueError as exc:
-            raise ConfigError(f"{prefix}{exc}") from None
+            named = str(exc).startswith(f"{where}.")  # TrainConfig.steps is ...: named already
+            raise ConfigError(f"{'' if named else prefix}{exc}") from None
 
     def given(self) -> dict[str, Any]:
         """The fields set to something other than their default."""
@@ -156,6 +164,28 @@ class TrainConfig:
             for f in dataclasses.fields(self)
             if getattr(self, f.name) != getattr(defaults, f.name)
         }
+
+
+# What describes the model beside --model: a file's values for them belong to its model.
+_MODEL_SHAPE = ("preset", "n_layer", "d_model", "n_head", "d_ff", "context", "dropout", "untied")
+
+
+def with_flags(file: TrainConfig, flags: dict[str, Any]) -> TrainConfig:
+    """A ``--config`` file's configuration with the command line's ``flags`` on top: a flag
+    given wins, even where it says what the default says. A flag that names another model
+    (a ``--preset`` or a ``--model`` other than the file's) replaces the file's model whole:
+    the shape the file gives (as ``--print-config`` writes it) and its ``--split-at`` were
+    the other model's, and would otherwise override the preset asked for. A ``--resume``
+    replaces the file's ``out``: the run goes on in its own folder."""
+    values = file.given()
+    if "resume" in flags:  # the run goes on in its own folder, wherever the file's went
+        values.pop("out", None)
+    other_preset = "preset" in flags and flags["preset"] != file.preset
+    other_model = "model" in flags and flags["model"] != (file.model or "gpt")
+    if other_preset or other_model:
+        dropped = (*_MODEL_SHAPE, "split_at") if other_model else _MODEL_SHAPE
+        values = {k: v for k, v in values.items() if k not in dropped}
+    return TrainConfig.from_dict(values | flags, where="")
 
 
 def _flags(names: list[str]) -> list[str]:

@@ -115,6 +115,25 @@ def _installed_modules_of(main: Any) -> list[str]:
     return sorted(set(found))
 
 
+@contextlib.contextmanager
+def _main_without_pseudo_file() -> Iterator[None]:
+    """A script read from standard input (``python - < script.py``) has ``"<stdin>"`` as its
+    ``__main__.__file__``, which a process started by forkserver or spawn would try to run
+    as a file, and fail: while processes start, such a main module names no file, as under
+    ``python -c`` or in a notebook (whose main module the processes do not import)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    pseudo = isinstance(path, str) and path.startswith("<") and path.endswith(">")
+    if main is None or not pseudo or getattr(main, "__spec__", None) is not None:
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
 def _take_environment(caller: Mapping[str, str]) -> None:
     """The caller's environment as it is now, with what torchrun's agent set on top: a
     forkserver's child inherits the server's, taken when the server started."""
@@ -252,7 +271,8 @@ def launch(
         caller = dict(os.environ) if forked else None
         streams = (_CallersStream(1), _CallersStream(2)) if forked else ()
         try:
-            return elastic_launch(config, _entry)(fn, threads, caller, streams, *args)
+            with _main_without_pseudo_file():
+                return elastic_launch(config, _entry)(fn, threads, caller, streams, *args)
         except ChildFailedError as exc:
             lines = [f"rank {rank}: {_reason(f)}" for rank, f in sorted(exc.failures.items())]
             raise LaunchError("launched processes failed:\n" + "\n".join(lines)) from None

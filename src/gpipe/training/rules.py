@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,6 +16,7 @@ from gpipe.errors import ConfigError
 from gpipe.runtime.compiled import check_backend
 from gpipe.runtime.recompute import check_checkpoint
 from gpipe.schedules import SCHEDULES, SEQ_CHUNKED, Placement, traits
+from gpipe.training.config import TrainConfig
 from gpipe.training.models.resolve import model_layer_count
 from gpipe.training.options import TrainOptions
 from gpipe.training.trackers import check_report_to
@@ -22,13 +24,39 @@ from gpipe.training.trackers import check_report_to
 if TYPE_CHECKING:
     from gpipe.training.models.sources import TrainModel
 
-__all__ = ["check_options", "check_v_stages", "multi_stage_schedules", "positive"]
+__all__ = [
+    "check_options",
+    "check_run_folder",
+    "check_v_stages",
+    "multi_stage_schedules",
+    "positive",
+]
 
 
 def positive(name: str, value: Any) -> None:
     """Refuse ``--name value`` unless it is unset or at least 1."""
     if value is not None and value < 1:
         raise ConfigError(f"--{name} must be a positive integer, got {value}")
+
+
+def check_run_folder(config: TrainConfig) -> None:
+    """``--resume DIR`` continues the run in DIR, there: ``--force`` (replace the folder) or
+    an ``--out`` naming another folder would be ignored, so each is refused instead."""
+    if config.resume is None:
+        return
+    if config.force:
+        raise ConfigError(
+            f"--force replaces the run folder and --resume {config.resume} continues it: "
+            "give one of them"
+        )
+    if (
+        config.out != TrainConfig().out
+        and Path(config.out).resolve() != Path(config.resume).resolve()
+    ):
+        raise ConfigError(
+            f"--out {config.out} with --resume {config.resume}: a resumed run goes on in its "
+            "own folder; leave --out out, or give it the same folder"
+        )
 
 
 def multi_stage_schedules() -> str:
@@ -67,13 +95,13 @@ def _check_seq_chunks(opts: TrainOptions, seq_len: int, model: TrainModel) -> No
         raise ConfigError(
             f"--seq-chunks {s} does not run with --pack yet (given, or the run's own)"
         )
+    if seq_len < s:  # first: --seq-split balanced cannot cut it either
+        raise ConfigError(f"--seq-chunks {s} is more than --seq-len {seq_len} tokens")
     if opts.seq_split == "even" and seq_len % s:
         raise ConfigError(
             f"--seq-chunks {s} does not divide --seq-len {seq_len}: give a multiple of {s}, "
             "or --seq-split balanced"
         )
-    if seq_len < s:
-        raise ConfigError(f"--seq-chunks {s} is more than --seq-len {seq_len} tokens")
     if model.kind == "hf" and model.hf_config is not None:
         from gpipe.training.hf.models import hf_config
 

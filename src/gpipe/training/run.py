@@ -8,6 +8,7 @@ run ends.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ from gpipe.errors import ConfigError, counted
 from gpipe.training.config import TrainConfig, config_values
 from gpipe.training.models.resolve import GPT_FLAGS, check_pack, resolve_model, starting_weights
 from gpipe.training.options import RunSpec, TrainOptions
-from gpipe.training.rules import check_options
+from gpipe.training.rules import check_options, check_run_folder
 
 if TYPE_CHECKING:
     from gpipe.training.models.sources import TrainModel
@@ -65,6 +66,8 @@ def _train_options(config: TrainConfig, saved: dict[str, Any] | None) -> TrainOp
     for path in ("data", "val_data", "tokenizer"):  # the run is read from other folders too
         if getattr(config, path) is not None:
             values[path] = str(Path(getattr(config, path)).resolve())
+    if config.seq_chunks == 1 and config.seq_split is None:
+        values["seq_split"] = "even"  # the run's own split, of sub-sequences no longer cut
     if values.get("schedule") == "auto" and config.chunks is None and saved is None:
         values["chunks"] = None  # the search chooses it
     return TrainOptions(**values)
@@ -123,6 +126,7 @@ def _saved_run(config: TrainConfig) -> dict[str, Any] | None:
     if config.resume is None:
         return None
     from gpipe.training.checkpoints.format import checkpoint_dirs, verify_checkpoint
+    from gpipe.training.checkpoints.resuming import check_outputs_unlinked
 
     folder = Path(config.resume)
     # Sizes only here; the processes check every file's SHA-256 before they load one.
@@ -131,6 +135,10 @@ def _saved_run(config: TrainConfig) -> dict[str, Any] | None:
     )
     if not (folder / RUN_FILE).is_file() or not whole:
         raise ConfigError(f"--resume {folder}: no gpipe run with a complete checkpoint there")
+    try:
+        check_outputs_unlinked(folder)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return _run_record(folder / RUN_FILE)
 
 
@@ -216,6 +224,12 @@ def resolve(config: TrainConfig) -> ResolvedRun:
     """What ``config`` runs, checked: the model and options from the configuration, or from
     the run it continues where it leaves them unset. ConfigError for anything that cannot
     run. Reads the run folder, writes nothing."""
+    if not isinstance(config, TrainConfig):
+        raise TypeError(
+            f"config must be a gpipe.training.TrainConfig, got {type(config).__name__} "
+            "(TrainConfig.from_dict turns a dict of flags into one)"
+        )
+    config.check()  # its fields may have been set since it was made
     torchrun = under_torchrun()
     if torchrun and config.max_restarts is not None:
         raise ConfigError(
@@ -226,6 +240,7 @@ def resolve(config: TrainConfig) -> ResolvedRun:
         raise ConfigError(f"--max-restarts must not be negative, got {config.max_restarts}")
     if config.threads is not None and config.threads < 1:
         raise ConfigError(f"--threads must be a positive integer, got {config.threads}")
+    check_run_folder(config)
     out = Path(config.resume or config.out)
     if config.resume is None and out.exists() and not out.is_dir():
         raise ConfigError(f"--out {config.out} is a file; expected a run folder (a directory)")
@@ -263,10 +278,17 @@ def _resolved_config(config: TrainConfig, model: TrainModel, opts: TrainOptions)
 def train(config: TrainConfig) -> dict[str, Any] | None:
     """Run ``config`` as ``gpipe train`` does: checks, the run folder, the stages in local
     processes (or this rank under torchrun), progress, and the summary printed at the end.
-    Returns the summary (None on the ranks under torchrun that do not report)."""
+    Returns the summary on the rank that reports (this process, unless under torchrun; None
+    on the others): ``steps``, ``train_loss`` and ``val_loss`` (nats per ``unit``, ``"byte"``
+    or ``"token"``), ``seconds``, ``tokens_per_s``, ``balance`` (layers per stage),
+    ``peak_memory_bytes`` (one per process) and ``sample`` (the text generated at the end).
+
+    The processes it starts import the calling script again: call it under
+    ``if __name__ == "__main__":`` (a notebook or ``python -c`` needs nothing)."""
     from gpipe.training.job import run_stage
     from gpipe.training.launch import launch, threads_per_process
 
+    _refuse_reimport()
     run = resolve(config)
     model, opts, out = run.model, run.options, run.out
     torchrun = under_torchrun()
@@ -329,6 +351,21 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
     if summary is not None:
         _print_summary(summary, out)
     return summary
+
+
+def _refuse_reimport() -> None:
+    """Each process ``train`` starts imports the calling script again, as ``__mp_main__``,
+    before it runs its stage. A script that calls ``train`` outside an ``if __name__ ==
+    "__main__":`` block calls it again there, and would print, check and prepare the run
+    folder (with ``force``, remove it) under the running job before failing: refuse first."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            raise RuntimeError(
+                "gpipe.training.train was called again by a process it started, which imports "
+                'the calling script: call train under if __name__ == "__main__":'
+            )
+        frame = frame.f_back
 
 
 def layout_text(opts: TrainOptions) -> str:
