@@ -143,6 +143,17 @@ def test_an_empty_sequential_is_the_identity():
         model(3)
 
 
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_an_in_place_change_of_a_partitions_input_is_explained(checkpoint):
+    """torchgpipe let a partition's first layer be in place without re-materialization; here
+    it fails in every mode, and the error says why (torch's alone speaks of a leaf)."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True))
+    model = GPipe(model, [1, 1], devices=["cpu"] * 2, chunks=2, checkpoint=checkpoint)
+    with pytest.raises(RuntimeError, match="leaf Variable") as caught:
+        model(torch.randn(4, 2)).sum().backward()
+    assert "its first layers may not change in place" in caught.value.__notes__[-1]
+
+
 class ReturnsText(nn.Module):
     def forward(self, x):
         return x, "text"
@@ -217,6 +228,14 @@ def test_balancing_profiles_in_training_mode_and_leaves_the_mode_alone(profile):
     model = nn.Sequential(AssertTraining(), nn.Linear(2, 2)).eval()
     assert profile(2, model, torch.randn(4, 2), device="cpu") == [1, 1]
     assert not any(layer.training for layer in model)
+
+
+@pytest.mark.parametrize("profile", [balance_by_time, balance_by_size])
+def test_balancing_profiles_layers_that_change_their_input_in_place(profile):
+    """Each layer was handed a leaf, which torch refuses to change in place: a model with
+    nn.ReLU(inplace=True), which runs as it is, could not be balanced."""
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(2, 2), nn.ReLU(inplace=True))
+    assert sum(profile(2, model, torch.randn(4, 2), device="cpu")) == 3
 
 
 @pytest.mark.parametrize("profile", [balance_by_time, balance_by_size])

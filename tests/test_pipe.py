@@ -1,5 +1,7 @@
 """GPipe's public surface: torchgpipe-compatible arguments, attributes and behaviour."""
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -39,6 +41,9 @@ def test_bad_balance_and_module():
     with pytest.raises(BalanceError, match="balance must be a list of ints, got '4,4'"):
         GPipe(mlp(), "4,4", devices=["cpu"] * 2)
     assert GPipe(mlp(), (n for n in (4, 4)), devices=["cpu"] * 2).balance == [4, 4]
+    lazy = nn.Sequential(nn.Linear(2, 2), nn.LazyBatchNorm1d())  # torch spoke of load_state_dict
+    with pytest.raises(ValueError, match="uninitialized lazy tensor '1.weight'.*run the module"):
+        GPipe(lazy, [1, 1], devices=["cpu"] * 2, deferred_batch_norm=True)
 
 
 def test_attributes_and_sequential_access():
@@ -155,6 +160,30 @@ def test_backward_twice_is_refused():
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="only once"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_an_output_dropped_unused_frees_what_its_forward_kept(mode):
+    """A training forward whose output is dropped (a metric, a target) must not hold its
+    micro-batches' activations until the next forward."""
+    kept = []
+
+    class Keep(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            kept.append(weakref.ref(y))
+            return y
+
+    pipe = GPipe(
+        nn.Sequential(nn.Linear(6, 6), Keep()),
+        [1, 1],
+        devices=["cpu"] * 2,
+        chunks=2,
+        checkpoint=mode,
+    )
+    out = pipe(torch.randn(4, 6))
+    del out
+    assert kept and all(ref() is None for ref in kept)
 
 
 def test_copies_off_gpu_need_no_stream():

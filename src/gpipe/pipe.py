@@ -44,6 +44,17 @@ def _default_devices(n: int) -> list[torch.device]:
     return [torch.device("cpu")] * n
 
 
+def _refuse_lazy(module: nn.Module) -> None:
+    """GPipe places, ties and converts the tensors when it is built: a lazy layer's have no
+    shape yet (torch's own message about it speaks of ``load_state_dict``)."""
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if nn.parameter.is_lazy(t):
+            raise ValueError(
+                f"module has an uninitialized lazy tensor {name!r}; expected initialized "
+                "layers: run the module once on a sample before wrapping it in GPipe"
+            )
+
+
 class GPipe(nn.Module):
     """Wraps an ``nn.Sequential`` for GPipe pipeline parallelism in one process.
 
@@ -83,6 +94,7 @@ class GPipe(nn.Module):
         chunks = check_chunks(chunks)
         checkpoint = check_checkpoint(checkpoint)
         module = as_sequential(module)
+        _refuse_lazy(module)
         self.balance = check_balance(len(module), balance)
         skips = find_skips(module)
         all_devices = (

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -45,6 +46,17 @@ def _clock_cycle(schedule: Schedule) -> Callable[[Action], tuple[int, int]]:
         return (m - 1 - action.microbatch) + (k - 1 - action.stage), action.stage
 
     return key
+
+
+def _explain_in_place(error: BaseException) -> None:
+    """Add what torch's message leaves out when a layer changed its partition's input in
+    place: in torchgpipe that worked without re-materialization, here it never does."""
+    if isinstance(error, RuntimeError) and "leaf Variable that requires grad" in str(error):
+        error.add_note(
+            "a partition receives its input as a leaf tensor, which its first layers may not "
+            "change in place: make that layer out of place (nn.ReLU(inplace=False)) or cut the "
+            "model elsewhere"
+        )
 
 
 @functools.lru_cache(maxsize=64)
@@ -87,6 +99,8 @@ class DeviceWorkers:
         self.on_action = on_action
         self.copies = DeviceCopies()
         self._pools: dict[torch.device, ThreadPoolExecutor] = {}
+        # the graphs each training forward kept, by its step's data, until its backward
+        self._kept: dict[int, list[dict[int, object]]] = {}
         self._lock = threading.Lock()
 
     # -- a forward, whose output's backward runs the backward schedule ------------------------
@@ -140,6 +154,9 @@ class DeviceWorkers:
     def backward(self, schedule: Schedule, data: StepData) -> None:
         """The backward half of ``schedule``; then each tied parameter's copies hold the sum
         of their gradients."""
+        kept = self._kept.pop(id(data), None)
+        for stage, saved in zip(self.stages, kept or [{}] * len(self.stages), strict=True):
+            stage.give_saved(saved)
         self.run(schedule, "backward", data)
         sum_local(self.tied)
 
@@ -194,7 +211,18 @@ class DeviceWorkers:
             forget_failed_step(self.stages)
             # The first failure is the cause; the others only stopped because of it.
             real = [e for e in errors if type(e) is not PipelineError] or errors
+            _explain_in_place(real[0])
             raise real[0]
+        if phase == "forward" and data.build_graph:
+            self._keep(data)
+
+    def _keep(self, data: StepData) -> None:
+        """Take what a training forward left in the stages into its own step's keeping until
+        its backward: another forward may run in between (two inputs through one model, then
+        one loss, as in torchgpipe), and an output dropped unused frees its graphs."""
+        key = id(data)
+        self._kept[key] = [stage.take_saved() for stage in self.stages]
+        weakref.finalize(data, self._kept.pop, key, None)
 
     def _pool(self, device: torch.device) -> ThreadPoolExecutor:
         with self._lock:

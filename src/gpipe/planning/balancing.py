@@ -140,6 +140,12 @@ def _inputs(sample: Tensor | Sequence[Tensor], device: torch.device) -> Batch:
     return like(batch, [_leaf_like(t.to(device)) for t in as_tuple(batch)])
 
 
+def _writable(inputs: Batch) -> Batch:
+    """The inputs as inner tensors of a graph, not leaves, as a layer meets them in the model:
+    a layer may then change them in place (``nn.ReLU(inplace=True)``)."""
+    return like(inputs, [t.clone() if t.requires_grad else t for t in as_tuple(inputs)])
+
+
 def _run_layer(layer: nn.Module, inputs: Batch) -> Batch:
     """Forward and backward of one layer; returns its (detached) outputs for the next."""
     return _backward(layer(inputs))
@@ -163,13 +169,14 @@ def _time_layer(
 ) -> tuple[float, Batch]:
     """Median seconds of forward + backward over repeats for about ``budget`` seconds (at
     least three, at most a hundred), after one warm-up run."""
-    outputs = _run_layer(layer, x)
+    outputs = _run_layer(layer, _writable(x))
     times: list[float] = []
     deadline = time.perf_counter() + budget
     while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 100):
+        fresh = _writable(x)
         _synchronize(device)
         start = time.perf_counter()
-        _run_layer(layer, x)
+        _run_layer(layer, fresh)
         _synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times), outputs
@@ -234,8 +241,9 @@ def _graph_leaves(outputs: Batch) -> list[Tensor]:
 def _saved_bytes(layer: nn.Module, inputs: Batch) -> tuple[int, Batch]:
     """Bytes the autograd graph of ``layer`` keeps for its backward: saved tensors and leaves
     it made (parameters and the layer's input left out)."""
+    leaves, inputs = inputs, _writable(inputs)  # the leaves are in the graph, behind copies
     skipped = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    skipped |= {t.untyped_storage().data_ptr() for t in as_tuple(inputs)}
+    skipped |= {t.untyped_storage().data_ptr() for t in (*as_tuple(leaves), *as_tuple(inputs))}
     seen: dict[int, int] = {}
 
     def count(t: Tensor) -> None:

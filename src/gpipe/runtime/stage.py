@@ -403,6 +403,17 @@ class Stage:
             with self._loss_context():
                 saved.weights.compute(self.module, saved.roots, saved.root_grads, saved.b_ran)
 
+    def take_saved(self) -> dict[int, object]:
+        """Take out what the forwards since the last take kept for their backward, by
+        micro-batch, for ``give_saved`` to put back before that backward: so a caller may run
+        several steps' forwards before their backwards, each keeping its own (``GPipe``)."""
+        saved, self._saved = self._saved, {}
+        return cast(dict[int, object], saved)
+
+    def give_saved(self, saved: dict[int, object]) -> None:
+        """Put back what ``take_saved`` took, in place of whatever the stage holds."""
+        self._saved = cast(dict[int, _Saved], dict(saved))
+
     def clear(self) -> None:
         """Drop whatever a failed or abandoned step left behind."""
         self._saved.clear()
