@@ -11,15 +11,25 @@ from torch.nn.functional import mse_loss
 
 from gpipe import Pipeline
 from gpipe.engine import ScheduleSource, StepSchedules
-from gpipe.schedules import Action, Kind, Schedule, ScheduleError, gpipe
+from gpipe.schedules import (
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    add_recompute,
+    add_skips,
+    forward_only,
+    gpipe,
+    seq_chunked,
+)
 
 from ..small_models import batch, mlp
 from ..workers import run
 
 
-def _by_hand(*programs: str, microbatches: int = 2) -> Schedule:
+def _by_hand(*programs: str, microbatches: int = 2, ranks: tuple[int, ...] = ()) -> Schedule:
     """A schedule written as each rank's actions, printed as ``gpipe`` prints them
-    (``1SEND_F0``); stage s on rank s."""
+    (``1SEND_F0``); stage s on rank s, or on ``ranks[s]``."""
     parsed = tuple(
         tuple(
             Action(int(stage), Kind(kind), int(mb))
@@ -27,7 +37,8 @@ def _by_hand(*programs: str, microbatches: int = 2) -> Schedule:
         )
         for program in programs
     )
-    return Schedule("by hand", len(programs), microbatches, parsed, tuple(range(len(programs))))
+    ranks = ranks or tuple(range(len(programs)))
+    return Schedule("by hand", len(ranks), microbatches, parsed, ranks)
 
 
 # the last stage runs each micro-batch's backward right after its forward
@@ -68,28 +79,72 @@ def test_skips_that_do_not_fit_a_hand_built_order_are_refused_when_the_steps_are
         StepSchedules(source, 3, (0, 1, 2), ((0, 2),), "never")
 
 
-def hand_built_step() -> dict:
-    """A Pipeline over the valid hand-built schedule: it runs as given, and computes what
-    un-pipelined training computes."""
-    schedule = _by_hand(*ONE_F_ONE_B)
-    pipe = Pipeline(
-        mlp(), [4, 4], chunks=2, checkpoint="never", schedule=schedule, loss_fn=mse_loss
-    )
-    x, y = batch(4)
+def _exact_step(pipe: Pipeline) -> None:
+    """One step of ``pipe`` gives un-pipelined training's loss and gradients, in float64."""
+    x, y = batch(5)
     reference = mlp()
     ref_loss = mse_loss(reference(x), y)
     ref_loss.backward()
     exact = {"rtol": 1e-12, "atol": 1e-14}
-    torch.testing.assert_close(pipe.step(x, y), ref_loss, **exact)
+    loss = pipe.step(x, y)
+    if pipe.is_last:
+        torch.testing.assert_close(loss, ref_loss, **exact)
     ref_params = dict(reference.named_parameters())
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad, ref_params[name].grad, **exact)
-    return {"name": pipe.schedule_name, "runs": pipe.schedule_for(2) == schedule}
+
+
+def hand_built_step() -> dict:
+    """A Pipeline over the valid hand-built schedule: it runs as given, and computes what
+    un-pipelined training computes; so does one whose first stage is on the last rank.
+    Neither passes ``chunks``: a given schedule's micro-batch count is the default."""
+    schedule = _by_hand(*ONE_F_ONE_B)
+    pipe = Pipeline(mlp(), [4, 4], checkpoint="never", schedule=schedule, loss_fn=mse_loss)
+    _exact_step(pipe)
+    reversed_ranks = _by_hand(*reversed(ONE_F_ONE_B), ranks=(1, 0))
+    turned = Pipeline(mlp(), [4, 4], schedule=reversed_ranks, loss_fn=mse_loss)
+    _exact_step(turned)
+    return {
+        "name": pipe.schedule_name,
+        "runs": pipe.schedule_for(2) == schedule,
+        "chunks": (pipe.chunks, turned.chunks),
+        "stages": turned.stages,
+    }
 
 
 def test_a_valid_hand_built_schedule_is_accepted_and_runs_as_given():
     results = run(hand_built_step, 2)
-    assert results == {r: {"name": "by hand", "runs": True} for r in range(2)}
+    assert results == {
+        r: {"name": "by hand", "runs": True, "chunks": (2, 2), "stages": (1 - r,)} for r in range(2)
+    }
+
+
+def _idle_rank() -> Schedule:
+    """gpipe's schedule of two stages, on three ranks: the third holds nothing."""
+    two = gpipe(2, 2)
+    return dataclasses.replace(two, programs=(*two.programs, ()))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "message"),
+    [
+        (forward_only(2, 2), "schedule 'forward-only' has no backward (backward=False): a "
+         "Pipeline trains with it, so it needs each stage's backward of each micro-batch"),
+        (add_recompute(gpipe(2, 2), frozenset({0})), "schedule 'gpipe' holds recomputations "
+         "(R), which a Pipeline adds itself (it places them as checkpoint= says)"),
+        (add_skips(gpipe(2, 2), ((0, 1),)), "holds skip actions, which a Pipeline adds itself"),
+        (seq_chunked("1f1b", 2, 2, 2), "holds sub-sequences, which a Pipeline adds itself"),
+        (_idle_rank(), "schedule 'gpipe' gives rank 2 no stage (stage_to_rank=(0, 1)): every "
+         "process of a Pipeline holds one at least"),
+    ],
+)  # fmt: skip
+def test_a_given_schedule_a_pipeline_cannot_train_with_is_refused_at_construction(
+    schedule, message
+):
+    """Without a backward, a step left every gradient None, silently; with the pipeline's own
+    additions, they were added twice; a rank without a stage has nothing to build."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Pipeline(mlp(), [4, 4], schedule=schedule, loss_fn=mse_loss)
 
 
 def test_a_step_with_fewer_rows_than_the_schedules_fewest_micro_batches_is_one_line():

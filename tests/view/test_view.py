@@ -169,6 +169,14 @@ def test_gpipe_view_plays_a_schedule_file_with_the_files_shape(tmp_path, capsys)
     assert (data["settings"]["stages"], data["settings"]["chunks"]) == (3, 6)
     assert data["settings"]["checkpoint"] == "always"
     capsys.readouterr()
+    # the file fixes the shape: flags that would set it are refused, not ignored
+    fixing = ["--stages", "8", "--schedule", "1f1b", "--virtual-stages", "3"]
+    assert main([*args, *fixing]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith(
+        f"--schedule-csv {path} fixes the ranks, stages and schedule: drop --stages, "
+        "--schedule, --virtual-stages\n"
+    ), err
     lines = path.read_text().splitlines()
     path.write_text("\n".join([lines[0], *lines[2:]]) + "\n")  # rank 1's actions lost
     assert main(["view", "--schedule-csv", str(path), "--out", str(out)]) == 2

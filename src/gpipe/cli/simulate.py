@@ -41,7 +41,7 @@ def add_parser(sub: Any) -> None:
         "stage. Default costs: forward 1, backward 1 and weight 1 per stage, so an unsplit "
         "backward takes 2; no communication cost.",
     )
-    p.add_argument("--stages", type=int, default=4, metavar="K", help="pipeline stages (default 4)")
+    p.add_argument("--stages", type=int, metavar="K", help="pipeline stages (default 4)")
     p.add_argument(
         "--chunks",
         type=int,
@@ -70,7 +70,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--virtual-stages",
         type=int,
-        default=2,
         metavar="V",
         help=f"stages per rank for the {multi_stage_schedules()} schedule, each with 1/V of "
         "the rank's costs (default 2; a V schedule takes 2 only)",
@@ -102,7 +101,8 @@ def add_parser(sub: Any) -> None:
         metavar="FILE",
         help="simulate the schedule in a PyTorch schedule file (torch.distributed.pipelining's "
         "_dump_csv format: one row per rank) instead of named ones; its ranks, stages and "
-        "micro-batches are read off the file",
+        "micro-batches are read off the file, so --stages, --chunks, --virtual-stages and "
+        "--data-parallel do not go with it",
     )
     p.add_argument(
         "--dump-csv",
@@ -148,6 +148,10 @@ def _add_replica_arguments(p: Any) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    if args.schedule_csv is not None:
+        _check_file_flags(args)
+    args.stages = 4 if args.stages is None else args.stages
+    args.virtual_stages = 2 if args.virtual_stages is None else args.virtual_stages
     tokens = microbatch_tokens(args)
     for flag in ("stages", "chunks", "virtual_stages", "data_parallel"):
         if getattr(args, flag) < 1:
@@ -214,6 +218,21 @@ def _simulate(args: argparse.Namespace) -> int:
     if page is not None:
         print(f"page: {write_page(args.html, page)}")
     return 0
+
+
+def _check_file_flags(args: argparse.Namespace) -> None:
+    """A schedule file fixes the shape: a flag that would set it is refused, not ignored."""
+    given = [
+        f"--{flag.replace('_', '-')}"
+        for flag in ("stages", "chunks", "virtual_stages")
+        if getattr(args, flag) is not None
+    ]
+    given += ["--data-parallel"] if args.data_parallel != 1 else []
+    if given:
+        raise UsageError(
+            f"--schedule-csv {args.schedule_csv} fixes the ranks, stages and micro-batches "
+            "(and simulates one replica): drop " + ", ".join(given)
+        )
 
 
 def _check_any_simulated(rows: list[dict[str, Any]]) -> None:

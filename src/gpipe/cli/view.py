@@ -16,7 +16,7 @@ from gpipe.cli.common import (
     read_costs,
 )
 from gpipe.runtime.recompute import CHECKPOINT_MODES
-from gpipe.schedules import SCHEDULES, from_csv
+from gpipe.schedules import SCHEDULES, Schedule, from_csv
 from gpipe.view import DEFAULT_COSTS, Settings, check_settings, write
 
 __all__ = ["add_parser"]
@@ -32,7 +32,7 @@ def add_parser(sub: Any) -> None:
         "and memory. It needs no network. Default costs: forward, backward and weight 1 per "
         "rank, 4 MiB messages, 64 MiB of activations per micro-batch.",
     )
-    p.add_argument("--stages", type=int, default=4, metavar="K", help="ranks (default 4)")
+    p.add_argument("--stages", type=int, metavar="K", help="ranks (default 4)")
     p.add_argument(
         "--chunks",
         type=int,
@@ -40,11 +40,10 @@ def add_parser(sub: Any) -> None:
         help="micro-batches (default 8, or as many as --microbatch-tokens lists)",
     )
     p.add_argument("--microbatch-tokens", metavar="N,N,...", help=MICROBATCH_TOKENS_HELP)
-    p.add_argument("--schedule", choices=tuple(SCHEDULES), default="gpipe", help="default gpipe")
+    p.add_argument("--schedule", choices=tuple(SCHEDULES), help="default gpipe")
     p.add_argument(
         "--virtual-stages",
         type=int,
-        default=2,
         metavar="V",
         help=f"stages per rank with --schedule {multi_stage_schedules()} (default 2; a V "
         "schedule takes 2 only)",
@@ -57,7 +56,8 @@ def add_parser(sub: Any) -> None:
         "--schedule-csv",
         metavar="FILE",
         help="play the schedule of a PyTorch schedule file (as torch.distributed.pipelining "
-        "writes them), checked first; it fixes K, M and the stages' ranks",
+        "writes them), checked first; it fixes K, M and the stages' ranks, so --stages, "
+        "--schedule and --virtual-stages do not go with it",
     )
     p.add_argument(
         "--out", default="gpipe-view.html", metavar="FILE", help="default gpipe-view.html"
@@ -65,19 +65,17 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(command=_view)
 
 
+_DEFAULTS = {"stages": 4, "schedule": "gpipe", "virtual_stages": 2}
+
+
 def _view(args: argparse.Namespace) -> int:
     fixed = None
     if args.schedule_csv is not None:
-        try:
-            fixed = from_csv(args.schedule_csv)
-        except ValueError as exc:
-            raise UsageError(f"--schedule-csv: {exc}") from None
-        if args.chunks not in (None, fixed.n_microbatches):
-            raise UsageError(
-                f"--chunks {args.chunks}, but --schedule-csv {args.schedule_csv} has "
-                f"{fixed.n_microbatches} micro-batches"
-            )
+        fixed = _read_file(args)
         args.stages, args.chunks = fixed.n_ranks, fixed.n_microbatches
+    for flag, default in _DEFAULTS.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, default)
     costs = DEFAULT_COSTS if args.costs is None else read_costs(args.costs, args.stages)
     given = len(costs.microbatch_scale) or None  # a --costs file's factors set M too
     if args.microbatch_tokens is None and args.chunks is None:
@@ -102,3 +100,24 @@ def _view(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out}: {exc.strerror or exc}") from None
     print(path.resolve())
     return 0
+
+
+def _read_file(args: argparse.Namespace) -> Schedule:
+    """The schedule of ``--schedule-csv``, which fixes the options that shape a schedule: one
+    of them given beside it is refused rather than ignored (--chunks where it differs)."""
+    given = [f"--{flag.replace('_', '-')}" for flag in _DEFAULTS if getattr(args, flag) is not None]
+    if given:
+        raise UsageError(
+            f"--schedule-csv {args.schedule_csv} fixes the ranks, stages and schedule: drop "
+            + ", ".join(given)
+        )
+    try:
+        fixed = from_csv(args.schedule_csv)
+    except ValueError as exc:
+        raise UsageError(f"--schedule-csv: {exc}") from None
+    if args.chunks not in (None, fixed.n_microbatches):
+        raise UsageError(
+            f"--chunks {args.chunks}, but --schedule-csv {args.schedule_csv} has "
+            f"{fixed.n_microbatches} micro-batches"
+        )
+    return fixed

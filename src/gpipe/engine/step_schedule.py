@@ -43,9 +43,15 @@ class ScheduleSource:
         a ``Schedule``, validated here, once (a ScheduleError names the rank, the step and the
         action where it cannot run)."""
         if isinstance(schedule, Schedule):
+            _check_trainable(schedule)
             return cls(schedule.name, validate(schedule))
         get_schedule(schedule)
         return cls(schedule)
+
+    @property
+    def default_chunks(self) -> int:
+        """The micro-batches of a step where ``chunks`` is not given: a fixed schedule's."""
+        return 1 if self.fixed is None else self.fixed.n_microbatches
 
     @property
     def splits_backward(self) -> bool:
@@ -110,6 +116,35 @@ class ScheduleSource:
                 + _what_to_pass(needed, given, "fewer rows than chunks", exactly=True)
             )
         return self.fixed
+
+
+def _check_trainable(schedule: Schedule) -> None:
+    """Refuse a given schedule that a pipeline cannot train with as it is: one without a
+    backward (its steps would leave every gradient None), one holding what the pipeline adds
+    itself (skips, re-materialization, sub-sequences), or one with a rank that holds no stage."""
+    given = f"schedule {schedule.name!r}"
+    if not schedule.backward:
+        raise ValueError(
+            f"{given} has no backward (backward=False): a Pipeline trains with it, so it needs "
+            "each stage's backward of each micro-batch; evaluation and forward build their own"
+        )
+    added = (
+        ("skip actions", bool(schedule.skips), "routes skips from the model's skippable layers"),
+        ("recomputations (R)", bool(schedule.recomputed), "places them as checkpoint= says"),
+        ("sub-sequences", schedule.seq_chunks > 1, "cuts micro-batches as seq_chunks= says"),
+    )
+    for what, held, how in added:
+        if held:
+            raise ValueError(
+                f"{given} holds {what}, which a Pipeline adds itself (it {how}): give the "
+                "schedule without them"
+            )
+    idle = next((r for r in range(schedule.n_ranks) if r not in schedule.stage_to_rank), None)
+    if idle is not None:
+        raise ValueError(
+            f"{given} gives rank {idle} no stage (stage_to_rank={schedule.stage_to_rank}): "
+            "every process of a Pipeline holds one at least"
+        )
 
 
 def _what_to_pass(needed: int, given: bool, why: str, exactly: bool = False) -> str:

@@ -46,29 +46,45 @@ def _cells(text: str, rank: int, step: int, where: str) -> list[tuple[int, str, 
 
 
 def read_csv(path: str | PathLike[str]) -> list[list[Step]]:
-    """Each rank's actions in a schedule file, as written, without the dropped kinds."""
+    """Each rank's actions in a schedule file, as written, without the dropped kinds; blank
+    lines at its end are no ranks, and a rank without actions is refused."""
     where = str(path)
-    try:
-        with open(path, newline="") as f:
+    try:  # utf-8-sig: a spreadsheet's CSV begins with a byte-order mark, not part of a cell
+        with open(path, newline="", encoding="utf-8-sig") as f:
             rows = list(csv.reader(f))
     except OSError as exc:
         raise ValueError(f"cannot read the schedule file {where}: {exc.strerror}") from None
-    ranks: list[list[Step]] = []
-    for rank, row in enumerate(rows):
-        steps: list[Step] = []
-        for step, cell in enumerate(row):
-            for stage, kind, mb in _cells(cell, rank, step, where):
-                if kind in _DROPPED:
-                    continue
-                if mb is None:
-                    raise ScheduleError(
-                        f"{where}: rank {rank}, step {step}: {cell.strip()!r} names no micro-batch"
-                    )
-                steps.append((stage, kind, mb, step))
-        ranks.append(steps)
-    if not any(ranks):
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"cannot read the schedule file {where}: not UTF-8 text ({exc.reason})"
+        ) from None
+    ranks = [_row(row, rank, where) for rank, row in enumerate(rows)]
+    while ranks and not ranks[-1]:  # blank lines at the end are no ranks
+        ranks.pop()
+    if not ranks:
         raise ScheduleError(f"{where}: the schedule file holds no actions")
+    idle = next((rank for rank, row in enumerate(ranks) if not row), None)
+    if idle is not None:
+        raise ScheduleError(
+            f"{where}: rank {idle} (row {idle + 1}) holds no actions: each row is one rank's "
+            "program, and every rank runs a stage (a blank line between rows?)"
+        )
     return ranks
+
+
+def _row(row: list[str], rank: int, where: str) -> list[Step]:
+    """One rank's actions, as written, without the dropped kinds."""
+    steps: list[Step] = []
+    for step, cell in enumerate(row):
+        for stage, kind, mb in _cells(cell, rank, step, where):
+            if kind in _DROPPED:
+                continue
+            if mb is None:
+                raise ScheduleError(
+                    f"{where}: rank {rank}, step {step}: {cell.strip()!r} names no micro-batch"
+                )
+            steps.append((stage, kind, mb, step))
+    return steps
 
 
 def _check_names(
@@ -98,16 +114,20 @@ def _check_names(
     return holders
 
 
+Placed = dict[tuple[Kind, int, int], tuple[int, int, str]]  # action -> (rank, step, cell)
+
+
 def _orders(
     ranks: list[list[Step]], where: str, split: bool
-) -> tuple[list[list[tuple[Kind, int, int]]], dict[tuple[Kind, int, int], tuple[int, int]]]:
-    """Each rank's compute order in gpipe's kinds, and the (rank, step) of each action.
+) -> tuple[list[list[tuple[Kind, int, int]]], Placed]:
+    """Each rank's compute order in gpipe's kinds, and the rank, step and cell as written of
+    each action.
 
     ``B`` is a whole backward, except where a ``W`` of the same stage and micro-batch follows
     it in the row: PyTorch's older files wrote the input half so (``2B0,2W0``), and read that
     way it is ``I``."""
     orders: list[list[tuple[Kind, int, int]]] = []
-    steps: dict[tuple[Kind, int, int], tuple[int, int]] = {}
+    steps: Placed = {}
     held: dict[tuple[Kind, int, int], str] = {}  # what the cell of each action holds
     for rank, row in enumerate(ranks):
         last_w = {(stage, mb): i for i, (stage, kind, mb, _) in enumerate(row) if kind == "W"}
@@ -128,7 +148,7 @@ def _orders(
                         f"{part} of stage {stage}, micro-batch {mb} again: step "
                         f"{steps[key][1]} holds {held[key]}"
                     )
-                steps[key] = (rank, step)
+                steps[key] = (rank, step, f"{stage}{written}{mb}")
                 held[key] = cell
                 order.append(key)
         orders.append(order)
@@ -173,7 +193,11 @@ def from_csv(
             f"{where}: the file has a row for rank {len(ranks) - 1}, but the pipeline has "
             f"{k} processes (ranks 0 to {k - 1})"
         )
-    ranks += [[] for _ in range(k - len(ranks))]
+    if len(ranks) < k:  # a rank without a row would hold no stage
+        raise ScheduleError(
+            f"{where}: the file has rows for {len(ranks)} ranks, but the pipeline has {k} "
+            f"processes: rank {len(ranks)} has no row"
+        )
     stages = n_stages or 1 + max(s for row in ranks for s, *_ in row)
     m = n_microbatches or 1 + max(mb for row in ranks for _, _, mb, _ in row)
     holders = _check_names(ranks, where, stages, m)
@@ -203,20 +227,34 @@ def from_csv(
     return schedule
 
 
-def _with_steps(exc: ScheduleError, steps: dict[tuple[Kind, int, int], tuple[int, int]]) -> str:
-    """A deadlock's message with each blocked rank's step in the file."""
+def _with_steps(exc: ScheduleError, steps: Placed) -> str:
+    """A deadlock's message in the file's terms: each blocked rank's step and cell, and the
+    cells it waits for with their ranks and steps (not the messages gpipe placed between)."""
     if not exc.blocked:
         return str(exc)
     parts = []
     for rank, (waiting, needs) in sorted(exc.blocked.items()):
-        compute = {Kind.RECV_F: Kind.FORWARD, Kind.RECV_B: Kind.BACKWARD}.get(waiting.kind)
-        key = (compute or waiting.kind, waiting.stage, waiting.microbatch)
-        step = steps.get(key, (rank, "?"))[1]
-        parts.append(
-            f"rank {rank}, step {step}: {Action(key[1], key[0], key[2])} waits for "
-            + " ".join(map(str, needs))
-        )
+        _, step, cell = steps[_compute_of(waiting)]
+        waited = []
+        for need in needs:
+            other_rank, other_step, other_cell = steps[_compute_of(need)]
+            waited.append(f"{other_cell} (rank {other_rank}, step {other_step})")
+        parts.append(f"rank {rank}, step {step}: {cell} waits for " + " and ".join(waited))
     return "the schedule deadlocks: " + "; ".join(parts)
+
+
+_COMPUTE_OF = {
+    Kind.RECV_F: Kind.FORWARD,
+    Kind.SEND_F: Kind.FORWARD,
+    Kind.RECV_B: Kind.BACKWARD,
+    Kind.SEND_B: Kind.BACKWARD,
+}
+
+
+def _compute_of(action: Action) -> tuple[Kind, int, int]:
+    """The compute action of a file that a message gpipe placed goes with: a send with the
+    action that makes what it sends, a receive with the one that uses it."""
+    return (_COMPUTE_OF.get(action.kind, action.kind), action.stage, action.microbatch)
 
 
 def to_csv(schedule: Schedule, path: str | PathLike[str], messages: bool = False) -> None:
