@@ -79,9 +79,10 @@ def _check_data(opts: TrainOptions, model: TrainModel, out: Path) -> None:
     once it is, in the run folder."""
     from gpipe.training.data.run_data import checked_documents, data_prepared, run_dataset
     from gpipe.training.data.tokenizer import check_tokenizer, load_tokenizer
-    from gpipe.training.data.tokens import check_vocabulary, check_windows
+    from gpipe.training.data.tokens import check_sources, check_vocabulary, check_windows
 
     try:
+        check_sources(opts.data, opts.val_data, opts.token_dtype)
         if opts.tokenizer is not None:
             check_tokenizer(load_tokenizer(opts.tokenizer), model.vocab_size)
         if not data_prepared(opts, out):  # checked once the text is tokenized

@@ -36,6 +36,7 @@ from gpipe.training.data.tokenizer import (
 from gpipe.training.data.tokens import (
     Prepared,
     TokenDataset,
+    check_sources,
     check_vocabulary,
     check_windows,
     document_chunks,
@@ -62,6 +63,7 @@ __all__ = [
     "WindowBatches",
     "check_same_data",
     "check_same_everywhere",
+    "check_sources",
     "check_tokenizer",
     "check_vocabulary",
     "check_windows",

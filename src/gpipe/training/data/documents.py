@@ -155,8 +155,8 @@ class DocumentSampler:
     def _piece(self) -> np.ndarray:
         """The next piece of the current document, moving on past it when it is done."""
         while True:
-            if self.position == len(self.documents):
-                self.epoch, self.position = self.epoch + 1, 0
+            if self.position >= len(self.documents):  # past the end: of fewer documents
+                self.epoch, self.position, self.offset = self.epoch + 1, 0, 0
             index = int(self._order_of(self.epoch)[self.position])
             begin, end = (int(v) for v in self.documents.starts[index : index + 2])
             start = begin + self.offset
@@ -194,4 +194,9 @@ class DocumentSampler:
                 "what state_dict() returns (was this checkpoint written without --pack?)"
             )
         for key in ("epoch", "position", "offset", "step"):
-            setattr(self, key, int(state[key]))
+            value = int(state[key])
+            if value < 0:
+                raise ValueError(
+                    f"DocumentSampler.load_state_dict: {key} must not be negative, got {value}"
+                )
+            setattr(self, key, value)

@@ -26,6 +26,7 @@ __all__ = [
     "document_chunks",
     "needs_preparing",
     "token_dtype_for",
+    "check_sources",
     "check_vocabulary",
     "check_windows",
     "fingerprint",
@@ -112,6 +113,31 @@ def _kind(path: str | Path | None, flag: str) -> str:
     return "text"
 
 
+def check_sources(data: str | Path | None, val_data: str | Path | None, token_dtype: str) -> None:
+    """Refuse what would be silently ignored or would mislead: a ``token_dtype`` other than
+    the default where neither part is a ``.bin`` token file (the only one it is read for),
+    and ``val_data`` that is ``data`` itself (the validation loss would be a training loss)."""
+    if token_dtype != TOKEN_DTYPES[0] and not any(
+        path is not None and Path(path).suffix.lower() == ".bin" for path in (data, val_data)
+    ):
+        given = _flag_path("--data", data)
+        raise ValueError(
+            f"--token-dtype {token_dtype} says how to read a .bin token file, but {given} is "
+            "not one (nor --val-data); leave it out: text is bytes or a tokenizer's ids, and "
+            "a .npy file holds its own dtype"
+        )
+    if (
+        data is not None
+        and val_data is not None
+        and Path(data).resolve() == Path(val_data).resolve()
+    ):
+        raise ValueError(
+            f"--val-data {val_data} is --data itself, so the validation loss would be "
+            "measured on the training data; give held-out data, or leave --val-data out to "
+            "hold out the last tenth of --data"
+        )
+
+
 def _read_bin(path: Path, token_dtype: str, flag: str) -> np.ndarray:
     dtype = _check_dtype(token_dtype)
     size = path.stat().st_size
@@ -155,9 +181,17 @@ def _pieces(text: str) -> Iterator[str]:
 
 
 def _documents(path: Path, flag: str) -> Iterator[str]:
-    """The ``text`` field of each line of a JSON lines file, read a line at a time."""
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, 1):
+    """The ``text`` field of each line of a JSON lines file, read a line at a time (a UTF-8
+    byte order mark at its start, as some editors write, is skipped)."""
+    with open(path, "rb") as file:
+        for number, raw in enumerate(file, 1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{flag} {path}: line {number} is not UTF-8 (byte {raw[exc.start]:#04x} at "
+                    f"column {exc.start + 1}); JSON lines must be UTF-8 text"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -252,6 +286,7 @@ def open_dataset(
     tokenizer: Tokenizer | str | Path | None = None,
     token_dtype: str = "uint16",
     val_fraction: float = 0.1,
+    val_token_dtype: str | None = None,
 ) -> TokenDataset:
     """The training and validation token ids of ``gpipe train --data``.
 
@@ -259,7 +294,7 @@ def open_dataset(
     (``.jsonl``, a ``text`` field per line), or a text file or folder; None is this Python's
     standard library. Text is bytes (vocabulary 256) without a ``tokenizer``. The last
     ``val_fraction`` of it is the validation part, unless ``val_data`` gives that separately
-    (in any of the same forms).
+    (in any of the same forms; a ``.bin`` of ``val_token_dtype`` ids, if given).
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
@@ -274,7 +309,7 @@ def open_dataset(
         what += f" ({ids.dtype}), the last {len(val):,} held out"
     else:
         val, val_bound = read_tokens(
-            val_data, tokenizer=tok, token_dtype=token_dtype, flag="--val-data"
+            val_data, tokenizer=tok, token_dtype=val_token_dtype or token_dtype, flag="--val-data"
         )
         train, val_source = ids, _flag_path("--val-data", val_data)
         bound = None if bound is None or val_bound is None else max(bound, val_bound)
