@@ -155,8 +155,8 @@ class Pipeline(nn.Module):
         sample: one micro-batch of the model's input, for ``balance=None`` (one whole
             mini-batch for ``schedule="auto"``); read on the first rank only, so the others
             may pass None.
-        chunks: micro-batches per mini-batch (default 1; under ``schedule="auto"``, None lets
-            the search choose).
+        chunks: micro-batches per mini-batch (default 1; a given ``Schedule``'s own count;
+            under ``schedule="auto"``, None lets the search choose).
         checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"``; or
             ``gpipe.runtime.recompute.Layers(every=k)`` / ``Layers(select=...)`` to recompute some
             layers of every stage and keep the others' activations.
@@ -283,8 +283,8 @@ class Pipeline(nn.Module):
         # the configuration, checked before any process group work
         self.checkpoint = check_checkpoint(checkpoint)
         auto = check_auto(schedule, balance, self.checkpoint)
-        self.chunks = check_chunks(1 if chunks is None else chunks)
         source = ScheduleSource.of("gpipe" if auto else schedule)  # auto: chosen below
+        self.chunks = check_chunks(source.default_chunks if chunks is None else chunks)
         _check_step_options(loss_fn, loss_reduction, timeout)
         self.loss_fn, self.loss_reduction, self.timeout = loss_fn, loss_reduction, float(timeout)
         module = as_sequential(layers)
@@ -487,10 +487,11 @@ class Pipeline(nn.Module):
         are split). Without targets the last stage computes ``loss_fn(outputs)``.
         ``microbatches=[(inputs, targets), ...]`` runs your own micro-batches instead, in
         order, each of its own length and rows (``chunks`` unused): pass the same list on
-        every rank. ``counts`` (``loss_reduction="mean"``) weighs each row in the mean, such
-        as by its valid tokens, which keeps the step exact when padding differs: one count per
-        row, or one per token (rows x tokens, such as ``targets != -100``; what ``seq_chunks``
-        needs to weigh each sub-sequence). Returns the
+        every rank of the pipeline (each replica its own). ``counts``
+        (``loss_reduction="mean"``) weighs each row in the mean, such as by its valid tokens,
+        which keeps the step exact when padding differs: one count per row, or one per token
+        (rows x tokens, such as ``targets != -100``; what ``seq_chunks`` needs to weigh each
+        sub-sequence). Returns the
         loss, the same on every rank; with ``return_outputs``, a ``StepResult`` that also
         holds the last stage's outputs (with ``microbatches=``, a list of each one's) and
         each micro-batch's loss. With a ``scaler``

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -82,19 +82,30 @@ def layout(world: int, data_parallel: int) -> tuple[list[list[int]], list[list[i
     return pipelines, replicas
 
 
-def shard(batch: Tensor, replica: int, data_parallel: int) -> Tensor:
+def shard(batch: Any, replica: int, data_parallel: int) -> Any:
     """Replica ``replica``'s rows of a global mini-batch: as even a split as possible, larger
-    shards first (the same rule as micro-batches)."""
-    from gpipe.runtime.microbatch import split_sizes
+    shards first (the same rule as micro-batches). ``batch`` is any payload ``Pipeline.step``
+    takes (a tensor, a tuple, a dict such as a tokenizer's): its leaves with the batch's rows
+    are cut along dim 0, the others kept whole."""
+    from gpipe.runtime.microbatch import check_payload, scatter_payload
 
-    rows = batch.size(0)
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ValueError(f"data_parallel must be a positive integer, got {data_parallel!r}")
+    if (
+        isinstance(replica, bool)
+        or not isinstance(replica, int)
+        or not 0 <= replica < data_parallel
+    ):
+        raise ValueError(
+            f"replica must be an integer in [0, {data_parallel}) for data_parallel="
+            f"{data_parallel}, got {replica!r}"
+        )
+    rows = check_payload(batch, "batch")
     if rows < data_parallel:
         raise ValueError(
             f"a mini-batch of {rows} rows cannot give each of {data_parallel} replicas one"
         )
-    sizes = split_sizes(rows, data_parallel)
-    start = sum(sizes[:replica])
-    return batch[start : start + sizes[replica]]
+    return scatter_payload(batch, data_parallel)[replica]
 
 
 @dataclass
@@ -230,9 +241,12 @@ class GradientBuckets:
     taken in the reverse order of the parameters (the order a backward reaches them).
 
     ``arm`` before the stage's last backward: from then on a parameter whose gradient is
-    accumulated is complete, and a bucket whose parameters all are starts its all-reduce at
-    once, while the backward goes on. ``launch`` starts whatever is left (after a split
-    backward's last W, or at the end); ``finish`` waits and writes the sums back.
+    accumulated is complete, and a bucket whose parameters all are starts its all-reduce
+    while the backward goes on, once every bucket before it has started: collectives over
+    the replicas pair up in the order they are issued, and a replica whose last backward
+    reaches the parameters in another order (one it did not use, data-dependent branches)
+    must not sum one bucket with another's. ``launch`` starts whatever is left (after a
+    split backward's last W, or at the end); ``finish`` waits and writes the sums back.
     """
 
     def __init__(
@@ -257,6 +271,7 @@ class GradientBuckets:
             self.buckets[-1].params.append(p)
             size += nbytes
         self._armed = False
+        self._next = 0  # the first bucket not started: they start in order, on every replica
         self.launched_early = 0  # buckets started during the backward, last step
         self._where = {
             id(p): (b, i)
@@ -273,11 +288,14 @@ class GradientBuckets:
         if not self._armed:
             return
         b, i = self._where[id(param)]
-        bucket = self.buckets[b]
-        bucket.ready.add(i)
-        if len(bucket.ready) == len(bucket.params) and bucket.work is None:
-            self._start(bucket)
+        self.buckets[b].ready.add(i)
+        while self._next < len(self.buckets) and self._complete(self.buckets[self._next]):
+            self._start(self.buckets[self._next])
             self.launched_early += 1
+
+    @staticmethod
+    def _complete(bucket: _Bucket) -> bool:
+        return len(bucket.ready) == len(bucket.params)
 
     def _start(self, bucket: _Bucket) -> None:
         grads = [
@@ -286,6 +304,7 @@ class GradientBuckets:
         ]
         bucket.flat = torch.cat([g.reshape(-1) for g in grads])
         bucket.work = dist.all_reduce(bucket.flat, group=self._replicas.group, async_op=True)
+        self._next += 1
 
     def arm(self) -> None:
         self._armed = True
@@ -293,9 +312,8 @@ class GradientBuckets:
     def launch(self) -> None:
         """Start the all-reduce of every bucket not started yet."""
         self._armed = False
-        for bucket in self.buckets:
-            if bucket.work is None:
-                self._start(bucket)
+        for bucket in self.buckets[self._next :]:
+            self._start(bucket)
 
     def finish(self) -> tuple[float, int]:
         """Wait for every bucket and write the sums into ``.grad``; returns the seconds
@@ -318,11 +336,13 @@ class GradientBuckets:
                 offset += n
             bucket.work, bucket.flat = None, None
             bucket.ready.clear()
+        self._next = 0
         return perf_counter() - start, early
 
     def reset(self) -> None:
         """Forget a step that failed."""
         self._armed = False
+        self._next = 0
         self.launched_early = 0
         for bucket in self.buckets:
             bucket.work, bucket.flat = None, None

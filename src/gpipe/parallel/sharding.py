@@ -254,6 +254,17 @@ def _prefetch_in_order(order: list[FSDPModule]) -> None:
         unit.set_modules_to_backward_prefetch([after])
 
 
+def _reduce_unused(root: FSDPModule) -> None:
+    """Make every unit reduce-scatter its parameters that got no gradient this step (as
+    zeros), as ``GradientBuckets`` sums them: a replica whose data skips a layer (a branch,
+    an expert) must still join the others' collective, or the replicas' reductions pair up
+    wrong and gloo aborts the process. A PyTorch without the switch keeps FSDP's rule: every
+    replica's step uses the same parameters."""
+    switch = getattr(root, "set_reduce_scatter_unused_params", None)
+    if switch is not None:
+        switch(True)
+
+
 class ShardedGradients:
     """One stage's gradient reduction over its replicas, as ``GradientBuckets`` offers it to
     the step: ``arm`` before the stage's last whole backward, ``launch`` after its last
@@ -277,6 +288,7 @@ class ShardedGradients:
         self.buckets = [g for s in self._states() if (g := s._fsdp_param_group) is not None]
         self._armed = self._reduced = False
         self._early = 0  # units reduced during the last backward
+        _reduce_unused(root)
         self._accumulate()
 
     def _states(self) -> list[Any]:
