@@ -238,12 +238,21 @@ def test_what_a_failed_call_left_is_dropped_and_the_next_call_takes_its_own(wire
     assert not any(wire.queued.values())  # everything sent was taken, and nothing more asked
 
 
-def test_a_message_of_a_later_call_says_the_ranks_do_not_make_the_same_calls(wire):
+def test_a_message_of_a_later_call_ends_the_calls_before_it_and_is_kept_for_its_own(wire):
+    """Its sender ended this call early (it failed, or gave up waiting) and began a later one,
+    two calls on when it refused a step before this process saw it."""
     ahead = _receiving()
     ahead.new_call(1)
-    wire.send(torch.ones(2), FORWARD_TAG, info=(2, 1, 2))
-    with pytest.raises(PipelineError, match=r"^stage 1: stage 0 sent a message of call 2 during"):
+    wire.send(torch.ones(2), FORWARD_TAG, info=(3, 1, 2))
+    with pytest.raises(StageError, match=r"^stage 1: stage 0 ended this step early and began"):
+        ahead.recv(0, 1, 0, Kind.RECV_F)
+    ahead.new_call(2)
+    with pytest.raises(StageError, match="ended this step early"):
         ahead.peek(0, 1, Kind.RECV_F)
+    ahead.new_call(3)
+    assert ahead.peek(0, 1, Kind.RECV_F) == (1, 2)
+    ahead.begin(_programs(*_forwards(1)), 0)
+    torch.testing.assert_close(ahead.recv(0, 1, 0, Kind.RECV_F), torch.ones(2))
 
 
 def test_with_separate_envelopes_an_earlier_calls_message_is_refused_not_misread(wire):

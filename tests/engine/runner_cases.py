@@ -14,7 +14,9 @@ from gpipe.engine import (
     StepRunner,
     StepSchedules,
     build_stages,
+    forward_logprobs,
 )
+from gpipe.errors import StageError
 from gpipe.runtime.timeline import Recorder
 
 from ..small_models import batch, mlp
@@ -33,6 +35,7 @@ def runner(
     n_ranks: int = 1,
     local_pipes: bool = False,
     recorder: Recorder | None = None,
+    timeout: float = 10,
 ) -> StepRunner:
     """This rank's step runner of ``model`` cut by ``balance``, under ``schedule``."""
     source = ScheduleSource.of(schedule)
@@ -62,7 +65,7 @@ def runner(
         schedules,
         recipe,
         loss_reduction="mean",
-        timeout=10,
+        timeout=timeout,
         local_pipes=local_pipes,
         bucket_bytes=None,
         recorder=recorder,
@@ -81,6 +84,32 @@ class FailsOnce(nn.Module):
         if self.calls == 3:
             raise ValueError("once")
         return x
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    """The identity, whose backward counts its runs on ``module`` and raises on the third
+    (micro-batch 2's)."""
+
+    @staticmethod
+    def forward(ctx, x, module):
+        ctx.module = module
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.module.calls += 1
+        if ctx.module.calls == 3:
+            raise ValueError("backward once")
+        return grad, None
+
+
+class FailsOnceInBackward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        return _RaisesInBackward.apply(x, self)
 
 
 def reference(x, y) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -153,3 +182,100 @@ def after_a_failed_call(local_pipes: bool) -> str | None:
     if rank == 1:
         torch.testing.assert_close(outputs, mlp()(x).detach(), **EXACT)
     return failed
+
+
+def after_a_failed_backward() -> list[int]:
+    """Steps after one whose first stage fails in the backward of micro-batch 2, once the
+    last stage has done all of its part and broadcast the loss: the failed step's broadcast
+    is not taken for a later step's loss. The last stage notices the failure only when its
+    wait for the loss times out, and the first stage's next step may time out meanwhile
+    (then the last stage's ends too, on a message of the step after): each step that does
+    not fail is exact on both ranks. Returns the steps that failed here."""
+    init_process_group(CPU)
+    rank = dist.get_rank()
+    model = mlp()
+    model.insert(1, FailsOnceInBackward())  # in the first stage, after a layer with weights
+    step_runner = runner(model, (5, 4), "1f1b", rank=rank, n_ranks=2, local_pipes=True, timeout=3)
+    failed = []
+    for seed in range(4):
+        x, y = batch(16, seed=seed)
+        try:
+            loss, _ = step_runner.train(
+                x if rank == 0 else None,
+                y if rank == 1 else None,
+                scale=1.0,
+                counts=None,
+                keep_outputs=False,
+                training=True,
+            )
+        except (ValueError, StageError):
+            failed.append(seed)
+            continue
+        torch.testing.assert_close(loss, reference(x, y)[0].double(), **EXACT)
+    return failed
+
+
+def forward_only_after_a_failed_step() -> bool:
+    """A step whose first stage fails in a backward, after the last stage broadcast the loss,
+    then a forward alone that broadcasts the last stage's check of its targets: that
+    broadcast, not the step's stale one, is what every rank takes (the two differed in size,
+    which gloo aborts the process on), and the log-probabilities and the step after are
+    exact. Returns whether this rank's first step failed."""
+    init_process_group(CPU)
+    rank = dist.get_rank()
+    model = mlp()
+    model.insert(1, FailsOnceInBackward())
+    step_runner = runner(model, (5, 4), "1f1b", rank=rank, n_ranks=2, local_pipes=True, timeout=3)
+
+    def step(seed: int) -> torch.Tensor:
+        x, y = batch(16, seed=seed)
+        loss, _ = step_runner.train(
+            x if rank == 0 else None,
+            y if rank == 1 else None,
+            scale=1.0,
+            counts=None,
+            keep_outputs=False,
+            training=True,
+        )
+        return loss
+
+    try:
+        step(0)
+        failed = False
+    except (ValueError, StageError):
+        failed = True
+    x, _ = batch(16, seed=1)
+    tokens = torch.arange(16) % 4
+    got = forward_logprobs(step_runner, x if rank == 0 else None, tokens if rank == 1 else None)
+    if rank == 1:
+        want = torch.log_softmax(mlp()(x), -1).gather(-1, tokens[:, None])[:, 0]
+        torch.testing.assert_close(got, want.detach(), **EXACT)
+    x, y = batch(16, seed=2)
+    torch.testing.assert_close(step(2), reference(x, y)[0].double(), **EXACT)
+    return failed
+
+
+def after_two_refused_steps() -> list[str]:
+    """Two steps whose inputs the first stage refuses before it sends anything, then one
+    that runs: the first stage is two steps on by the time the second hears of any, and its
+    messages end the second's waiting steps rather than run in them. Returns this rank's
+    errors; the step after them is exact."""
+    init_process_group(CPU)
+    rank = dist.get_rank()
+    step_runner = runner(mlp(), (4, 4), "1f1b", rank=rank, n_ranks=2, local_pipes=True)
+    x, y = batch(16)
+    errors = []
+    for inputs in ("not a batch", "not a batch", x):
+        try:
+            loss, _ = step_runner.train(
+                inputs if rank == 0 else None,
+                y if rank == 1 else None,
+                scale=1.0,
+                counts=None,
+                keep_outputs=False,
+                training=True,
+            )
+        except (TypeError, StageError) as exc:
+            errors.append(type(exc).__name__)
+    torch.testing.assert_close(loss, reference(x, y)[0].double(), **EXACT)
+    return errors

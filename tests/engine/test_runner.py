@@ -144,3 +144,21 @@ def test_a_call_that_failed_on_one_process_leaves_nothing_the_next_calls_take(lo
     second did not take is dropped, and the calls after it are exact on both."""
     results = run(cases.after_a_failed_call, 2, (local_pipes,), threads=1)
     assert results == {0: None, 1: "once"}
+
+
+def test_a_step_that_failed_after_the_last_stage_broadcast_its_loss_leaves_no_loss_behind():
+    """The first stage fails in a backward after the last stage has done all of its part
+    and broadcast the loss; that broadcast, taken by nobody, is no later step's loss."""
+    results = run(cases.after_a_failed_backward, 2, (), threads=1)
+    assert results[0] == results[1]  # the same steps failed on both ranks
+    assert results[0] in ([0], [0, 1])  # and the last two ran, exactly
+
+
+def test_a_forward_alone_after_a_failed_step_takes_its_own_broadcast_not_the_steps():
+    results = run(cases.forward_only_after_a_failed_step, 2, (), threads=1)
+    assert results[0]  # the first stage's backward failed; the last stage may not know it
+
+
+def test_steps_refused_on_the_first_stage_before_it_sent_anything_leave_the_next_exact():
+    results = run(cases.after_two_refused_steps, 2, (), threads=1)
+    assert results == {0: ["TypeError"] * 2, 1: ["StageError"] * 2}

@@ -91,12 +91,14 @@ class DistributedTransport:
             raise PipelineError("pipes carry CPU tensors; this transport's are on a device")
         self._pipes = self._receiving.pipes = pipes
 
-    def new_call(self) -> None:
-        """Begin the next call: what this process kept of the last one (a call that failed)
-        is dropped, and so is every earlier call's message that arrives from now on."""
+    def new_call(self) -> int:
+        """Begin the next call, and return its number: what this process kept of the last
+        one (a call that failed) is dropped, and so is every earlier call's message that
+        arrives from now on."""
         self._call += 1
         self._local.clear()
         self._receiving.new_call(self._call)
+        return self._call
 
     def begin(self, programs: Sequence[Sequence[Action]], rank: int) -> None:
         """Post the first receive of every channel that rank ``rank``'s program receives on

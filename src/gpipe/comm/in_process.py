@@ -47,6 +47,7 @@ class InProcessTransport:
         self._box: dict[_Key, tuple[Message, Ready | None, tuple[int, ...]]] = {}
         self._cond = threading.Condition()
         self.abort = threading.Event()
+        self._calls = 0  # calls begun (``new_call``)
 
     def channels(
         self, stages: Sequence[int], skips: Sequence[tuple[int, int]]
@@ -59,10 +60,12 @@ class InProcessTransport:
         if pipes is not None:
             raise PipelineError("an in-process transport has no other process to reach")
 
-    def new_call(self) -> None:
-        """Forget what a failed call left sent and never received."""
+    def new_call(self) -> int:
+        """Forget what a failed call left sent and never received; the call's number."""
         with self._cond:
             self._box.clear()
+        self._calls += 1
+        return self._calls
 
     def begin(self, programs: Sequence[Sequence[Action]], rank: int) -> None:
         """Nothing to post ahead: a send puts its message straight where the receive looks."""

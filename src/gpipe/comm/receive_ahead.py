@@ -7,7 +7,8 @@ order it sent them whatever their channel, so the messages sent before the one a
 taken first and kept, each for its own channel.
 
 A message of an earlier call (one that failed on some stage before it received everything
-sent to it) is dropped as it arrives, and the channel waits for the next.
+sent to it) is dropped as it arrives, and the channel waits for the next; one of the next
+call (its sender ended this call early) is kept for that call, and ends this one.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ class _Arrived:
     """A message taken off the wire, with what its envelope said."""
 
     message: Message
-    info: tuple[int, ...]
+    info: tuple[int, ...]  # the step's words
     channel: _Channel
+    call: int  # the number of the call it was sent in
 
 
 @dataclass
@@ -54,6 +56,13 @@ class _Inbox:
     posted: tuple[dist.Work, Tensor] | None = None
     ready: deque[_Arrived] = field(default_factory=deque)
     to_post: int = 0
+
+
+def _ended_early(src: int, waited_for: str) -> str:
+    return (
+        f"stage {src} ended this step early and began the next (it failed, or gave up "
+        f"waiting) while this one waited for {waited_for}"
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -98,10 +107,11 @@ class ReceiveAhead:
 
     def new_call(self, call: int) -> None:
         """Take the messages of call ``call`` from now on; those of earlier calls, kept or
-        still to arrive, are dropped."""
+        still to arrive, are dropped (one of this call's, which ended the last call here
+        early, is kept)."""
         self._call = call
         for inbox in self._inboxes.values():
-            inbox.ready.clear()
+            inbox.ready = deque(a for a in inbox.ready if a.call >= call)
 
     def _inbox(self, src: int, dst: int, kind: Kind) -> tuple[tuple[int, int], _Inbox]:
         key = (self._channels.rank(src), self._channels.tag(kind, src, dst))
@@ -160,14 +170,23 @@ class ReceiveAhead:
         _, inbox = self._inbox(src, dst, kind)
         if not inbox.ready:
             inbox.ready.append(self._take_one(src, dst, 0, kind))
+        self._of_this_call(inbox.ready[0], 0)
         return inbox.ready[0].info
 
     def recv(self, src: int, dst: int, microbatch: int, kind: Kind) -> Message:
         """The next message of a channel: one taken already, or the one on its way."""
         _, inbox = self._inbox(src, dst, kind)
         if inbox.ready:
+            self._of_this_call(inbox.ready[0], microbatch)
             return inbox.ready.popleft().message
         return self._take(src, dst, microbatch, kind).message
+
+    def _of_this_call(self, arrived: _Arrived, microbatch: int) -> None:
+        """A StageError, the message kept, if a message taken already belongs to a later call
+        than this one: its sender ended this one early (``_take_one``)."""
+        if arrived.call > self._call:
+            src, dst, kind = arrived.channel
+            raise StageError(dst, _ended_early(src, what(kind, microbatch, src)))
 
     def _post(self, key: tuple[int, int], inbox: _Inbox) -> None:
         buffer = torch.empty(inbox.capacity, dtype=torch.uint8)
@@ -202,23 +221,46 @@ class ReceiveAhead:
         return self._take_one(src, dst, microbatch, kind)
 
     def _take_one(self, src: int, dst: int, microbatch: int, kind: Kind) -> _Arrived:
-        """Wait for the next envelope of a channel and read it; post the receive after it."""
+        """The next message of a channel that belongs to this call. One of an earlier call
+        (it failed before taking it) is dropped. One of the next call means that its sender
+        ended this call early (it failed, or gave up waiting): it is kept for that call,
+        and this one ends here too."""
         key, inbox = self._inbox(src, dst, kind)
-        if self._piped(key):
-            return self._take_piped(key, src, dst, microbatch, kind)
+        piped = self._piped(key)
         while True:
-            buffer, words = self._envelope(key, inbox, src, dst, microbatch, kind)
-            items, form, info, used, structure = envelope.read(buffer, words)
-            if self._of_this_call(info, src, dst):
-                break
-            inbox.to_post += 1  # the dropped message took a receive this call counts on
+            if piped:
+                arrived = self._take_piped(key, src, dst, microbatch, kind)
+            else:
+                arrived = self._take_posted(key, inbox, src, dst, microbatch, kind)
+            if arrived.call == self._call:
+                return arrived
+            if arrived.call > self._call:
+                inbox.ready.append(arrived)
+                raise StageError(dst, _ended_early(src, what(kind, microbatch, src)))
+            if not piped:
+                inbox.to_post += 1  # the dropped message took a receive this call counts on
+
+    def _take_posted(
+        self, key: tuple[int, int], inbox: _Inbox, src: int, dst: int, microbatch: int, kind: Kind
+    ) -> _Arrived:
+        """The next message of a channel through the receives posted on it; the receive
+        after it posted."""
+        buffer, words = self._envelope(key, inbox, src, dst, microbatch, kind)
+        items, form, info, used, structure = envelope.read(buffer, words)
         if self._separate:
+            if info[0] != self._call:  # its tensors are in the peer's stream: none can be told
+                raise PipelineError(
+                    f"stage {dst}: a message of another call than this one arrived from stage "
+                    f"{src} (a call failed); with separate envelopes (CUDA) it cannot be set "
+                    "aside: build the pipeline again after a failed step"
+                )
             items = self._fetch(items, key[0], dst, src, microbatch, kind)
         elif used < buffer.numel() - buffer.numel() // 8:  # much slack: do not keep it alive
             items = tuple(None if t is None else t.clone() for t in items)
         if inbox.to_post > 0:
             self._post(key, inbox)
-        return _Arrived(payload.decode(items, form, structure), info[1:], (src, dst, kind))
+        message = payload.decode(items, form, structure)
+        return _Arrived(message, info[1:], (src, dst, kind), info[0])
 
     def _envelope(
         self,
@@ -244,40 +286,21 @@ class ReceiveAhead:
                 return buffer, words
             inbox.capacity = words[1]  # the message follows in a bigger buffer
 
-    def _of_this_call(self, info: tuple[int, ...], src: int, dst: int) -> bool:
-        """Whether a message belongs to this call; False for an earlier call's, to drop."""
-        call = info[0]
-        if call == self._call:
-            return True
-        if call > self._call:
-            raise PipelineError(
-                f"stage {dst}: stage {src} sent a message of call {call} during call "
-                f"{self._call}: the ranks do not make the same calls"
-            )
-        if self._separate:  # its tensors are somewhere in the peer's stream: none can be told
-            raise PipelineError(
-                f"stage {dst}: a message of an earlier call that failed arrived from stage "
-                f"{src}; with separate envelopes (CUDA) it cannot be dropped: build the "
-                "pipeline again after a failed step"
-            )
-        return False
-
     def _take_piped(
         self, key: tuple[int, int], src: int, dst: int, microbatch: int, kind: Kind
     ) -> _Arrived:
         assert self.pipes is not None
-        while True:
-            try:
-                items, form, info, structure = self.pipes.recv(key, self._timeout_s)
-            except PipeTimeout as exc:
-                waited = f"waiting for {what(kind, microbatch, src)}"
-                raise StageError(dst, f"timed out after {self._timeout_s:g} s {waited}") from exc
-            except PipeClosed as exc:
-                raise StageError(
-                    dst, f"lost stage {src} ({exc}) waiting for {what(kind, microbatch, src)}"
-                ) from exc
-            if self._of_this_call(info, src, dst):
-                return _Arrived(payload.decode(items, form, structure), info[1:], (src, dst, kind))
+        try:
+            items, form, info, structure = self.pipes.recv(key, self._timeout_s)
+        except PipeTimeout as exc:
+            waited = f"waiting for {what(kind, microbatch, src)}"
+            raise StageError(dst, f"timed out after {self._timeout_s:g} s {waited}") from exc
+        except PipeClosed as exc:
+            raise StageError(
+                dst, f"lost stage {src} ({exc}) waiting for {what(kind, microbatch, src)}"
+            ) from exc
+        message = payload.decode(items, form, structure)
+        return _Arrived(message, info[1:], (src, dst, kind), info[0])
 
     def _fetch(
         self,

@@ -34,11 +34,11 @@ class Transport(Protocol):
     info: tuple[int, ...]
     """The step's info words (micro-batch and row counts), carried by every message sent."""
 
-    def new_call(self) -> None:
+    def new_call(self) -> int:
         """Begin the next call (a step, an evaluation, a forward), which every rank does in
-        step, before anything else of the call: a message an earlier call sent and never
-        received (it failed on some stage) is dropped as it arrives, not taken for this
-        call's."""
+        step, before anything else of the call; returns its number, the same on every rank.
+        A message an earlier call sent and never received (it failed on some stage) is
+        dropped as it arrives, not taken for this call's."""
 
     def channels(
         self, stages: Sequence[int], skips: Sequence[tuple[int, int]]

@@ -74,7 +74,7 @@ def _agree(runner: StepRunner, refused: str | None) -> None:
         what = "the last stage's check of its targets"
         said = b"" if refused is None else refused.encode()
         size = torch.tensor([len(said)], dtype=torch.int64, device=runner.device)
-        runner.broadcast(size, last, what)
+        runner.broadcast_number(size, last, what)
         if int(size):
             if placement.is_last:
                 words = torch.frombuffer(bytearray(said), dtype=torch.uint8)

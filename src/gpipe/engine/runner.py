@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from gpipe.engine.placement import BuiltStages, RankPlacement, StageRecipe
 from gpipe.engine.presplit import Presplit, first_parts, given_targets, later_sizes
 from gpipe.engine.sequence_units import SequenceUnits
 from gpipe.engine.step_schedule import StepSchedules
-from gpipe.errors import StageError
+from gpipe.errors import PipelineError, StageError
 from gpipe.parallel.replicas import GradientBuckets
 from gpipe.parallel.sharding import ShardedGradients
 from gpipe.parallel.ties import TiedGradients
@@ -43,6 +43,8 @@ from gpipe.runtime.timeline import Recorder
 from gpipe.schedules import Action, Kind, Schedule
 
 __all__ = ["StepResult", "StepRunner", "StepTimes", "connect"]
+
+_T = TypeVar("_T")
 
 # where the last stage puts each micro-batch's outputs, made from the micro-batches' rows
 OutputsFor = Callable[[list[int]], dict[int, Any]]
@@ -176,6 +178,7 @@ class StepRunner:
                 params_ = list(stage.module.parameters())
                 self.buckets[index] = GradientBuckets(params_, self.replicas, index, bucket_bytes)
         self._rows_all = 0  # rows of the step over every replica
+        self._call = 0  # the number of the call under way (``transport.new_call``)
         self.tied = TiedGradients(
             built.ties,
             params,
@@ -209,12 +212,18 @@ class StepRunner:
         ``keep_outputs``) and the times. ``training``: the modules' mode (in eval mode nothing
         is re-materialized, and deferred BatchNorm commits nothing)."""
         started = perf_counter()
-        # the user's own micro-batches are on every rank: all refuse too few, none waits
-        schedule = None if given is None else self.schedules.step(len(given.sizes), training, True)
-        rows, sizes, parts = self._start(inputs, given)
+        schedule = None
+        if given is not None:  # the user's own micro-batches are on every rank: all refuse
+            schedule = self._refused_alike(  # too few, none waits
+                lambda: self.schedules.step(len(given.sizes), training, True)
+            )
+        # a schedule that cannot run a replica's share stops the others' first stages too
+        checked: list[Schedule] = []  # built on the first stage, by that check
+        needs = None if given else lambda m: checked.append(self.schedules.step(m, training))
+        rows, sizes, parts = self._start(inputs, given, needs)
         m = len(sizes)
         if schedule is None:
-            schedule = self.schedules.step(m, training)
+            schedule = checked[0] if checked else self.schedules.step(m, training)
         n_units = schedule.n_microbatches  # m, or m x seq_chunks sub-sequences
         data = self._data(
             parts if self.units is None else self.units.inputs(parts),
@@ -291,29 +300,39 @@ class StepRunner:
         return [data.outputs[i] for i in range(m)]
 
     # -- in and out ---------------------------------------------------------------------------
-    def _start(self, inputs: Any, given: Presplit | None = None) -> tuple[int, list[int], Any]:
+    def _start(
+        self,
+        inputs: Any,
+        given: Presplit | None = None,
+        needs: Callable[[int], object] | None = None,
+    ) -> tuple[int, list[int], Any]:
         """The mini-batch's rows and its micro-batches' rows, and on the first rank the
-        micro-batches' inputs (``given``, or ``inputs`` split into ``chunks``).
+        micro-batches' inputs (``given``, or ``inputs`` split into ``chunks``), which
+        ``needs(m)`` may refuse there as bad inputs are refused.
 
         The first rank reads them off the inputs; every other rank off the envelope of its
         first message, which every step's program begins by receiving, so the pipeline needs
         no collective for them. Replicas share their row counts (one small all-reduce), and a
         traced step aligns the ranks' clocks with a broadcast."""
-        self.transport.new_call()  # first, on every rank: what a failed call left is dropped
+        # first, on every rank: what a failed call left is dropped
+        self._call = self.transport.new_call()
         parts = None
         if self.recorder is not None:
             if self.placement.n_ranks > 1:  # align the ranks' clocks: a step starts here
-                self.broadcast(torch.zeros(1, device=self.device), 0, "the start of the step")
+                self.broadcast_number(
+                    torch.zeros(1, device=self.device), 0, "the start of the step"
+                )
             self.recorder.step()
         if self.placement.is_first:
-            try:
+
+            def split() -> tuple[int, list[int], list[Any]]:
                 rows = given.rows if given else check_payload(inputs, "inputs")
-            except (TypeError, ValueError):
-                if self.replicas is not None:  # the other replicas stop too, not time out
-                    with contextlib.suppress(ValueError, StageError):
-                        self.replicas.rows(-1, self.stage_index)
-                raise
-            sizes, parts = first_parts(inputs, given, rows, self.chunks, self.device)
+                sizes, parts = first_parts(inputs, given, rows, self.chunks, self.device)
+                if needs is not None:
+                    needs(len(sizes))
+                return rows, sizes, parts
+
+            rows, sizes, parts = self._refused_alike(split)
             m = len(sizes)
         else:
             first = self.placement.stages[0]
@@ -324,6 +343,18 @@ class StepRunner:
         if self.replicas is not None:
             self._rows_all = sum(self.replicas.rows(rows, self.stage_index))
         return rows, sizes, parts
+
+    def _refused_alike(self, check: Callable[[], _T]) -> _T:
+        """``check()``; where it refuses this step on the first stage, the other replicas'
+        first stages hear of it (a row count of -1) and raise at once, rather than wait for
+        this one until the timeout and leave their sum pending for the next step."""
+        try:
+            return check()
+        except (TypeError, ValueError):
+            if self.replicas is not None and self.placement.is_first:
+                with contextlib.suppress(ValueError, StageError):
+                    self.replicas.rows(-1, self.stage_index)
+            raise
 
     def _data(self, parts: list[Any] | None, **options: Any) -> StepData:
         """The step's data, with the micro-batches' inputs on the first rank."""
@@ -365,7 +396,7 @@ class StepRunner:
             loss += sum(data.losses[i].double() for i in range(m))
         if self.placement.n_ranks > 1:
             last = self.placement.rank_of(self.placement.n_stages - 1)
-            self.broadcast(loss, last, "the loss")
+            self.broadcast_number(loss, last, "the loss")
         if self.replicas is not None:
             self.replicas.sum(loss, "the loss", self.stage_index)
         return loss
@@ -389,8 +420,34 @@ class StepRunner:
         ]
         return StepResult(loss, outputs, losses)
 
+    def broadcast_number(self, value: Tensor, src_rank: int, what: str) -> Tensor:
+        """Broadcast the one number ``value`` holds from ``src_rank``, with this call's number
+        beside it; returns ``value``, set to it. The root may have broadcast in an earlier
+        call that failed here before it was taken (the last stage ends its part of a step,
+        then an earlier stage fails in its backward): gloo holds such a broadcast for the
+        next one on the group, which takes it and drops it here rather than read it as this
+        call's (every broadcast of a number is of one size, so none is misread as another's)."""
+        call = float(self._call)
+        message = torch.tensor([call, 0.0], dtype=torch.float64, device=value.device)
+        message[1] = value.detach().reshape(())
+        while True:
+            self.broadcast(message, src_rank, what)
+            sent, number = message.tolist()
+            if sent >= call:
+                break
+        if sent != call:
+            raise PipelineError(
+                f"stage {self.stage_index}: {what} came from call {sent:.0f} during call "
+                f"{self._call}: the ranks do not make the same calls"
+            )
+        if self.placement.rank != src_rank:
+            with torch.no_grad():
+                value.fill_(number)
+        return value
+
     def broadcast(self, value: Tensor, src_rank: int, what: str) -> Tensor:
-        """Broadcast from ``src_rank``; losing it ends in StageError rather than a hang."""
+        """Broadcast ``value`` from ``src_rank``; losing it ends in StageError rather than a
+        hang. A number goes by ``broadcast_number``, which a failed call cannot misalign."""
         src_stage = src_rank  # its first stage
         work = dist.broadcast(
             value,
