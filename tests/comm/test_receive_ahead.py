@@ -197,13 +197,19 @@ def test_a_failed_wait_names_the_stage_and_what_it_waited_for(wire, failure, rea
         ahead.recv(0, 1, 0, Kind.RECV_F)
 
 
-def test_a_channel_through_a_pipe_is_read_from_the_pipe(wire):
+def _through_a_pipe() -> tuple[Pipes, ReceiveAhead]:
+    """Stage 0's end of a pipe that carries the forward channel, and the receiving side
+    that reads from it."""
     read, write = os.pipe()
     os.set_blocking(read, False)
     os.set_blocking(write, False)
-    sender = Pipes({(0, FORWARD_TAG): write}, {})
     ahead = _receiving()
     ahead.pipes = Pipes({}, {(PEER, FORWARD_TAG): read})
+    return Pipes({(0, FORWARD_TAG): write}, {}), ahead
+
+
+def test_a_channel_through_a_pipe_is_read_from_the_pipe(wire):
+    sender, ahead = _through_a_pipe()
     ahead.begin(_programs(*_forwards(2)), 0)
     assert wire.posted == []  # the kernel holds what arrives: nothing to post
     transport_cases.pipe_send(sender, (0, FORWARD_TAG), torch.ones(2), info=(0, 2, 4))
@@ -265,12 +271,7 @@ def test_with_separate_envelopes_an_earlier_calls_message_is_refused_not_misread
 
 
 def test_through_a_pipe_what_a_failed_call_left_is_dropped(wire):
-    read, write = os.pipe()
-    os.set_blocking(read, False)
-    os.set_blocking(write, False)
-    sender = Pipes({(0, FORWARD_TAG): write}, {})
-    ahead = _receiving()
-    ahead.pipes = Pipes({}, {(PEER, FORWARD_TAG): read})
+    sender, ahead = _through_a_pipe()
     for call, value in ((1, 0.0), (1, 1.0), (2, 2.0)):
         transport_cases.pipe_send(sender, (0, FORWARD_TAG), torch.full((2,), value), (call, 1, 2))
     ahead.new_call(2)

@@ -154,6 +154,21 @@ def two_ranks(local_pipes: bool) -> dict:
     return {"loss": loss.loss.item(), "info": tuple(step_runner.transport.info)}
 
 
+def train_step(step_runner: StepRunner, inputs, targets) -> torch.Tensor:
+    """The loss of a training step of ``inputs`` (read on the first of two ranks) against
+    ``targets`` (read on the second)."""
+    first = step_runner.placement.rank == 0
+    loss, _ = step_runner.train(
+        inputs if first else None,
+        None if first else targets,
+        scale=1.0,
+        counts=None,
+        keep_outputs=False,
+        training=True,
+    )
+    return loss
+
+
 def after_a_failed_call(local_pipes: bool) -> str | None:
     """A forward that fails on the second stage at micro-batch 2, after the first stage sent
     it every micro-batch and returned, then a training step and a forward: both exact, the
@@ -169,15 +184,7 @@ def after_a_failed_call(local_pipes: bool) -> str | None:
         step_runner.forward(x if rank == 0 else None, training=True)
     except ValueError as exc:
         failed = str(exc)
-    loss, _ = step_runner.train(
-        x if rank == 0 else None,
-        y if rank == 1 else None,
-        scale=1.0,
-        counts=None,
-        keep_outputs=False,
-        training=True,
-    )
-    torch.testing.assert_close(loss, reference(x, y)[0].double(), **EXACT)
+    torch.testing.assert_close(train_step(step_runner, x, y), reference(x, y)[0].double(), **EXACT)
     outputs = step_runner.forward(x if rank == 0 else None, training=True)
     if rank == 1:
         torch.testing.assert_close(outputs, mlp()(x).detach(), **EXACT)
@@ -200,14 +207,7 @@ def after_a_failed_backward() -> list[int]:
     for seed in range(4):
         x, y = batch(16, seed=seed)
         try:
-            loss, _ = step_runner.train(
-                x if rank == 0 else None,
-                y if rank == 1 else None,
-                scale=1.0,
-                counts=None,
-                keep_outputs=False,
-                training=True,
-            )
+            loss = train_step(step_runner, x, y)
         except (ValueError, StageError):
             failed.append(seed)
             continue
@@ -226,21 +226,8 @@ def forward_only_after_a_failed_step() -> bool:
     model = mlp()
     model.insert(1, FailsOnceInBackward())
     step_runner = runner(model, (5, 4), "1f1b", rank=rank, n_ranks=2, local_pipes=True, timeout=3)
-
-    def step(seed: int) -> torch.Tensor:
-        x, y = batch(16, seed=seed)
-        loss, _ = step_runner.train(
-            x if rank == 0 else None,
-            y if rank == 1 else None,
-            scale=1.0,
-            counts=None,
-            keep_outputs=False,
-            training=True,
-        )
-        return loss
-
     try:
-        step(0)
+        train_step(step_runner, *batch(16, seed=0))
         failed = False
     except (ValueError, StageError):
         failed = True
@@ -251,7 +238,7 @@ def forward_only_after_a_failed_step() -> bool:
         want = torch.log_softmax(mlp()(x), -1).gather(-1, tokens[:, None])[:, 0]
         torch.testing.assert_close(got, want.detach(), **EXACT)
     x, y = batch(16, seed=2)
-    torch.testing.assert_close(step(2), reference(x, y)[0].double(), **EXACT)
+    torch.testing.assert_close(train_step(step_runner, x, y), reference(x, y)[0].double(), **EXACT)
     return failed
 
 
@@ -267,14 +254,7 @@ def after_two_refused_steps() -> list[str]:
     errors = []
     for inputs in ("not a batch", "not a batch", x):
         try:
-            loss, _ = step_runner.train(
-                inputs if rank == 0 else None,
-                y if rank == 1 else None,
-                scale=1.0,
-                counts=None,
-                keep_outputs=False,
-                training=True,
-            )
+            loss = train_step(step_runner, inputs, y)
         except (TypeError, StageError) as exc:
             errors.append(type(exc).__name__)
     torch.testing.assert_close(loss, reference(x, y)[0].double(), **EXACT)
