@@ -59,6 +59,16 @@ def _ends(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> tuple:
     return (_rows(x, pipe) if pipe.is_first else None, _rows(y, pipe) if pipe.is_last else None)
 
 
+def _step_as_unsplit(pipe, reference, x, y):
+    """A step of ``pipe`` on ``x`` against ``y``: the loss and every gathered gradient those
+    of ``reference``'s backward; returns what ``_check_gradients`` does."""
+    loss = pipe.step(*_ends(pipe, x, y))
+    expected = lm_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), **EXACT)
+    return _check_gradients(pipe, reference)
+
+
 def _check_gradients(pipe: Pipeline, reference: nn.Module) -> int:
     """Every gathered gradient equals the reference's; returns how many are split."""
     ref = dict(reference.named_parameters(remove_duplicate=False))
@@ -98,11 +108,7 @@ def exactness(schedules=tuple(SCHEDULES), modes=("never", "always"), **more) -> 
                 x, y = tokens(8, seed=step)
                 for optimizer in optimizers:
                     optimizer.zero_grad()
-                loss = pipe.step(*_ends(pipe, x, y))
-                expected = lm_loss(reference(x), y)
-                expected.backward()
-                torch.testing.assert_close(loss, expected.detach(), **EXACT)
-                split = _check_gradients(pipe, reference)
+                split = _step_as_unsplit(pipe, reference, x, y)
                 norm = pipe.clip_grad_norm_(1e9)
                 want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
                 torch.testing.assert_close(norm.double(), want.double(), **GRADIENTS)
@@ -125,11 +131,7 @@ def compositions() -> dict:
     reference = gpt()
     # 7 rows in 3 micro-batches of 3, 2 and 2
     x, y = tokens(7, seed=3)
-    loss = pipe.step(*_ends(pipe, x, y))
-    expected = lm_loss(reference(x), y)
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach(), **EXACT)
-    _check_gradients(pipe, reference)
+    _step_as_unsplit(pipe, reference, x, y)
     done["uneven"] = True
     # micro-batches of their own rows and lengths, given on every rank
     pipe.zero_grad()
@@ -158,11 +160,7 @@ def compositions() -> dict:
         gpt(), [2, 2], chunks=2, loss_fn=lm_loss, tensor_parallel=T, seq_chunks=2, timeout=30
     )
     reference = gpt()
-    loss = pipe.step(*_ends(pipe, x, y))
-    expected = lm_loss(reference(x), y)
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach(), **EXACT)
-    _check_gradients(pipe, reference)
+    _step_as_unsplit(pipe, reference, x, y)
     done["seq_chunks"] = True
     return done
 
