@@ -32,6 +32,8 @@ LAYERS = {
     "gpipe.models": 4,
     "gpipe.pipe": 5,
     "gpipe.pipeline": 5,
+    "gpipe.pipeline_assembly": 5,
+    "gpipe.pipeline_config": 5,
     "gpipe.training": 6,
     "gpipe.integrations": 6,
     "gpipe.view": 6,

@@ -20,6 +20,7 @@ TOP_LEVEL = {
     "LaunchError",
     "MovingDenied",
     "Pipeline",
+    "PipelineConfig",
     "PipelineError",
     "StageError",
     "is_checkpointing",
@@ -77,7 +78,8 @@ MODULES = {
     "gpipe.models": ["GPTConfig", "build_gpt", "lm_loss", "generate"],
     "gpipe.models.gpt": ["GPTConfig", "build_gpt"],
     "gpipe.models.resnet": ["resnet"],
-    "gpipe.pipeline": ["Pipeline"],
+    "gpipe.pipeline": ["Pipeline", "PipelineConfig"],
+    "gpipe.pipeline_config": ["PipelineConfig"],
     "gpipe.comm": ["init_process_group", "rank_device"],
     "gpipe.data": [
         "BatchSampler",

@@ -7,6 +7,7 @@ from gpipe import skip as skip
 from gpipe.errors import BalanceError, ConfigError, MovingDenied, PipelineError, StageError
 from gpipe.pipe import GPipe
 from gpipe.pipeline import Pipeline
+from gpipe.pipeline_config import PipelineConfig
 from gpipe.runtime.recompute import is_checkpointing, is_recomputing
 from gpipe.splitting import split
 from gpipe.training.launch import LaunchError, launch
@@ -18,6 +19,7 @@ __all__ = [
     "LaunchError",
     "MovingDenied",
     "Pipeline",
+    "PipelineConfig",
     "PipelineError",
     "StageError",
     "is_checkpointing",

@@ -3,12 +3,13 @@
 Every rank runs the same script. Each holds and initializes only its own partition, runs its
 program of the schedule, and exchanges boundary tensors with its neighbours point-to-point.
 
-``Pipeline`` checks its arguments, builds one collaborator per concern and delegates to them:
-``RankPlacement`` and ``build_stages`` (which stages this rank holds, built on its device),
-``StepRunner`` (running a step, ``self.runner``: ``gpipe.engine``), ``join`` (the groups of
-its replicas and tensor ranks: ``gpipe.parallel.world``), ``Precision`` (autocast and loss
-scaling). Its layers are registered under their names in the whole model, so ``state_dict``
-and ``named_parameters`` read like the original model's.
+``Pipeline`` is three steps: its options as a typed, checked ``PipelineConfig``
+(``gpipe.pipeline_config``), the build of this rank's stages and their collaborators from
+them (``gpipe.pipeline_assembly``), and delegation to those collaborators: ``StepRunner``
+(``self.runner``: steps, evaluation and forwards; ``gpipe.engine``), ``Generation``
+(``generate``), ``Precision`` (autocast and loss scaling). Its layers are registered under
+their names in the whole model, so ``state_dict`` and ``named_parameters`` read like the
+original model's.
 """
 
 from __future__ import annotations
@@ -21,18 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpipe.comm.agreement import on_first_rank
-from gpipe.comm.process_group import rank_device
 from gpipe.engine import (
     IGNORE_INDEX,
-    RankPlacement,
-    ScheduleSource,
-    StageRecipe,
     StepResult,
-    StepRunner,
-    StepSchedules,
     StepTimes,
-    build_stages,
     clip_grad_norm_,
     forward_logprobs,
     given_microbatches,
@@ -40,88 +33,25 @@ from gpipe.engine import (
 from gpipe.engine.generation import Generation, GenerationRefused
 from gpipe.parallel.sharding import Sharding
 from gpipe.parallel.ties import counted as counted_once
-from gpipe.parallel.world import check_dimensions, join
-from gpipe.planning.auto import AutoChoice, agreed_choice, check_auto
-from gpipe.planning.balancing import balance_by_time
-from gpipe.runtime.compiled import check_compile, warn_eager_training
-from gpipe.runtime.microbatch import Batch, check_chunks
-from gpipe.runtime.partitions import as_sequential, check_balance, even_balance
-from gpipe.runtime.precision import Precision
-from gpipe.runtime.recompute import Layers, check_autocast, check_checkpoint
-from gpipe.runtime.seq_chunks import check_seq_chunks, check_seq_setup
+from gpipe.pipeline_assembly import Assembly, agreed_balance, assemble
+from gpipe.pipeline_config import PipelineConfig
+from gpipe.runtime.microbatch import Batch
+from gpipe.runtime.partitions import as_sequential
+from gpipe.runtime.recompute import Layers
 from gpipe.runtime.stage import LossFn
-from gpipe.runtime.stage_streams import check_overlap_stages, overlaps_stages
-from gpipe.runtime.timeline import Event, Recorder, merge
+from gpipe.runtime.timeline import Event, merge
 from gpipe.schedules import Schedule
-from gpipe.skip.skippable import Skip, find_skips
 
 if TYPE_CHECKING:
     from gpipe.parallel.tensor import PlanValue
 
 __all__ = [
     "Pipeline",
+    "PipelineConfig",
     "StepResult",
     "StepTimes",
     "agreed_balance",
 ]
-
-LOSS_REDUCTIONS = ("mean", "sum")
-
-
-def agreed_balance(
-    layers: nn.Sequential | Iterable[nn.Module],
-    parts: int,
-    sample: Batch | None,
-    *,
-    device: torch.device | str,
-    group: dist.ProcessGroup | None = None,
-    timeout: float = 1.0,
-) -> list[int]:
-    """Layers per stage, decided once for all ranks of ``group``: its first rank measures each
-    layer's time on ``sample`` (``balance_by_time``; as even as possible by layer count if it
-    has no sample) and tells the others, who agree even where their clocks would not."""
-    module = as_sequential(layers)
-
-    def decide() -> list[int]:
-        if sample is None:
-            return even_balance(len(module), parts)
-        return balance_by_time(parts, module, sample, timeout=timeout, device=device)
-
-    return list(on_first_rank(decide, group, "balancing by time"))
-
-
-def _check_step_options(loss_fn: object, loss_reduction: object, timeout: object) -> None:
-    if loss_reduction not in LOSS_REDUCTIONS:
-        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-
-
-def _stage_balance(
-    module: nn.Sequential,
-    balance: list[int] | None,
-    sample: Batch | None,
-    n_parts: int,
-    device: torch.device,
-    group: dist.ProcessGroup | None,
-) -> list[int]:
-    """``balance`` checked, or agreed by all ranks when None (``n_parts`` stages)."""
-    if balance is None:
-        if n_parts == 1:
-            balance = [len(module)]
-        else:
-            balance = agreed_balance(module, n_parts, sample, device=device, group=group)
-    checked = check_balance(len(module), balance)
-    if not checked:
-        raise ValueError("Pipeline needs at least one layer: layers is empty")
-    return checked
-
-
-def _settings_of(choice: AutoChoice) -> tuple[ScheduleSource, int, list[int]]:
-    """The schedule, micro-batches and balance ``schedule="auto"`` chose."""
-    return ScheduleSource.of(choice.schedule), choice.chunks, choice.balance
 
 
 def _need_loss_fn(loss_fn: LossFn | None, method: str, return_outputs: bool) -> None:
@@ -255,7 +185,7 @@ class Pipeline(nn.Module):
         *,
         sample: Batch | None = None,
         chunks: int | None = None,
-        checkpoint: str = "except_last",
+        checkpoint: str | Layers = "except_last",
         schedule: str | Schedule = "gpipe",
         loss_fn: LossFn | None = None,
         loss_reduction: str = "mean",
@@ -280,168 +210,76 @@ class Pipeline(nn.Module):
         seq_split: str = "even",
     ) -> None:
         super().__init__()
-        # the configuration, checked before any process group work
-        self.checkpoint = check_checkpoint(checkpoint)
-        auto = check_auto(schedule, balance, self.checkpoint)
-        source = ScheduleSource.of("gpipe" if auto else schedule)  # auto: chosen below
-        self.chunks = check_chunks(source.default_chunks if chunks is None else chunks)
-        _check_step_options(loss_fn, loss_reduction, timeout)
-        self.loss_fn, self.loss_reduction, self.timeout = loss_fn, loss_reduction, float(timeout)
-        module = as_sequential(layers)
-        skips = find_skips(module)  # a bad skip too
-        self.device = rank_device(device)
-        self.autocast = check_autocast(autocast, self.device)
-        check_overlap_stages(overlap_stages, self.device)
-        self.deferred_batch_norm = deferred_batch_norm
-        dims = check_dimensions(
-            module,
-            group,
+        self.config = PipelineConfig(
+            balance=balance,
+            chunks=chunks,
+            checkpoint=checkpoint,
+            schedule=schedule,
+            loss_fn=loss_fn,
+            loss_reduction=loss_reduction,
+            device=device,
             data_parallel=data_parallel,
-            bucket_bytes=bucket_bytes,
-            shard=shard,
             tensor_parallel=tensor_parallel,
             tp_plan=tp_plan,
             loss_parallel=loss_parallel,
-        )
-        self.tensor_parallel = dims.tensor_parallel
-        seq = check_seq_chunks(seq_chunks, seq_split, module)
-        compiled = check_compile(
-            compile,
-            split_parameters=dims.tensor_parallel > 1 or shard is not None,
-            sub_sequences=seq is not None,
-        )
-        layers_policy = isinstance(self.checkpoint, Layers)
-        check_seq_setup(seq, schedule, layers_policy=layers_policy, skips=bool(skips))
-        self.seq_chunks = seq
-
-        # the processes, and the schedule and cut of the model they agree on
-        world = join(self.device, group, dims, self.timeout)
-        self.replicas, self.group, self.mesh = world.replicas, world.group, world.mesh
-        self.n_ranks, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        # with several pipelines side by side, all of them follow the first's choices
-        agreeing_group = None if world.several_pipelines else self.group
-        source = self._agree_on_cut(
-            module, source, balance, sample, auto, chunks, memory_budget, agreeing_group
-        )
-        # this rank's stages, and the engine that runs their steps
-        self.recorder = Recorder(self.rank) if trace else None
-        self.last_step: StepTimes | None = None
-        self.local_pipes = local_pipes
-        self.generation: Generation | None = None  # built by the first generate()
-        recipe = StageRecipe(
-            device=self.device,
-            chunks=self.chunks,
-            checkpoint=self.checkpoint,
-            loss_fn=loss_fn,
-            autocast=self.autocast,
-            deferred_batch_norm=deferred_batch_norm,
-            seed=seed,
-            sharding=dims.sharding,
-            replicas=self.replicas,
-            tensor_plan=dims.tensor_plan,
-            mesh=self.mesh,
-            loss_parallel=dims.loss_parallel,
-            compile=compiled,
-            split_backward=source.splits_backward,
-            seq_chunks=seq,
-        )
-        self._build(
-            module,
-            skips,
-            source,
-            recipe,
-            local_pipes=local_pipes,
-            bucket_bytes=dims.bucket_bytes,
-            overlap_stages=overlap_stages,
-        )
-
-    def _agree_on_cut(
-        self,
-        module: nn.Sequential,
-        source: ScheduleSource,
-        balance: list[int] | None,
-        sample: Batch | None,
-        auto: bool,
-        chunks: int | None,
-        memory_budget: float | None,
-        group: dist.ProcessGroup | None,
-    ) -> ScheduleSource:
-        """Settle the schedule, micro-batches and balance that every rank of ``group`` runs:
-        ``schedule="auto"``'s choice, or ``balance`` (measured on the first rank when None);
-        returns the schedule."""
-        self.auto_choice: AutoChoice | None = None
-        if auto:
-            self.auto_choice = agreed_choice(
-                module,
-                sample,
-                n_ranks=self.n_ranks,
-                chunks=chunks,
-                checkpoint=str(self.checkpoint),  # a mode's name: check_auto refuses Layers
-                memory_budget=memory_budget,
-                device=self.device,
-                group=group,
-            )
-            source, self.chunks, balance = _settings_of(self.auto_choice)
-        parts = source.parts(self.n_ranks)
-        self.balance = _stage_balance(module, balance, sample, parts, self.device, group)
-        source.check(len(self.balance), self.n_ranks, self.chunks)
-        self.n_stages = len(self.balance)
-        self.schedule_name = source.name
-        return source
-
-    def _build(
-        self,
-        module: nn.Sequential,
-        skips: list[Skip],
-        source: ScheduleSource,
-        recipe: StageRecipe,
-        *,
-        local_pipes: bool,
-        bucket_bytes: float | None,
-        overlap_stages: bool | None,
-    ) -> None:
-        """Build this rank's stages out of ``module`` as ``recipe`` says, register their
-        layers, and the engine that runs their steps (collective over the pipeline)."""
-        if recipe.compile is not None and source.splits_backward:
-            warn_eager_training(source.name)
-        self.placement = RankPlacement(
-            tuple(self.balance), self.rank, self.n_ranks, self.group, source.layout()
-        )
-        self.stages = self.placement.stages
-        self.stage_index = self.stages[0]
-        built = build_stages(module, skips, self.placement, recipe)
-        for name, layer in built.layers.items():
-            self.add_module(name, layer)
-        self.skip_layout, self.ties, self.sharded = built.skip_layout, built.ties, built.sharded
-        agreeing = [self.group] if self.n_ranks > 1 else []  # on a step's found-inf flag
-        agreeing += [self.replicas.group] if self.replicas is not None else []
-        agreeing += [self.mesh.group("tensor")] if self.mesh is not None else []
-        self.precision = Precision(
-            self.autocast, self.device, agreeing, self.timeout, self.stage_index
-        )
-        schedules = StepSchedules(
-            source,
-            self.n_ranks,
-            self.placement.stage_to_rank,
-            self.skip_layout.routes,
-            self.checkpoint,
-            recipe.seq_chunks.chunks if recipe.seq_chunks is not None else 1,
-        )
-        self.runner = StepRunner(
-            self.placement,
-            built,
-            dict(self.named_parameters(remove_duplicate=False)),
-            schedules,
-            recipe,
-            loss_reduction=self.loss_reduction,
-            timeout=self.timeout,
-            local_pipes=local_pipes,
             bucket_bytes=bucket_bytes,
-            recorder=self.recorder,
-            overlap_stages=overlaps_stages(
-                overlap_stages, source.name, self.device, len(self.stages)
-            ),
+            shard=shard,
+            deferred_batch_norm=deferred_batch_norm,
+            autocast=autocast,
+            local_pipes=local_pipes,
+            seed=seed,
+            timeout=timeout,
+            trace=trace,
+            memory_budget=memory_budget,
+            overlap_stages=overlap_stages,
+            compile=compile,
+            seq_chunks=seq_chunks,
+            seq_split=seq_split,
         )
+        module = as_sequential(layers)
+        self._hold(assemble(module, self.config, sample=sample, group=group))
+
+    @classmethod
+    def from_config(
+        cls,
+        layers: nn.Sequential | Iterable[nn.Module],
+        config: PipelineConfig,
+        *,
+        sample: Batch | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> Pipeline:
+        """The pipeline over ``layers`` that ``config`` describes, as ``Pipeline(layers,
+        **config.options())`` builds it (``sample`` and ``group`` as ``Pipeline``'s)."""
+        if not isinstance(config, PipelineConfig):
+            raise TypeError(f"config must be a PipelineConfig, got {type(config).__name__}")
+        return cls(layers, sample=sample, group=group, **config.options())
+
+    def _hold(self, assembly: Assembly) -> None:
+        """Register this rank's layers and keep what the build made, for the methods below."""
+        for name, layer in assembly.built.layers.items():
+            self.add_module(name, layer)
+        config, cut, world = self.config, assembly.cut, assembly.world
+        # the settings as they run: checked, or chosen by schedule="auto"
+        self.checkpoint, self.loss_fn = config.checkpoint, config.loss_fn
+        self.loss_reduction, self.timeout = config.loss_reduction, config.timeout
+        self.local_pipes = config.local_pipes
+        self.deferred_batch_norm = config.deferred_batch_norm
+        self.device, self.autocast = assembly.device, assembly.settings.autocast
+        self.tensor_parallel = assembly.settings.dims.tensor_parallel
+        self.seq_chunks = assembly.settings.seq_chunks
+        self.chunks, self.balance, self.auto_choice = cut.chunks, cut.balance, cut.auto_choice
+        self.schedule_name, self.n_stages = cut.source.name, len(cut.balance)
+        # where this rank sits, and its collaborators
+        self.group, self.replicas, self.mesh = world.group, world.replicas, world.mesh
+        self.rank, self.n_ranks = assembly.rank, assembly.n_ranks
+        self.placement = assembly.placement
+        self.stages, self.stage_index = self.placement.stages, self.placement.stages[0]
+        built = assembly.built
+        self.skip_layout, self.ties, self.sharded = built.skip_layout, built.ties, built.sharded
+        self.precision, self.runner = assembly.precision, assembly.runner
+        self.recorder = assembly.recorder
+        self.last_step: StepTimes | None = None
+        self.generation: Generation | None = None  # built by the first generate()
 
     # -- where the stages are ---------------------------------------------------------------
     @property

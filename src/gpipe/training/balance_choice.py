@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpipe.comm.process_group import init_process_group
-from gpipe.pipeline import agreed_balance
+from gpipe.pipeline_assembly import agreed_balance
 from gpipe.planning.auto import AUTO
 from gpipe.planning.balancing import balance_by_params
 from gpipe.runtime.partitions import even_balance

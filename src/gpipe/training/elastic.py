@@ -48,7 +48,7 @@ _STORE_KEY = "gpipe/attempt-store"  # in the agent's store: "PORT NONCE" of this
 
 def join_process_group(device: torch.device, timeout: float) -> None:
     """Join the default process group from torchrun's environment, as
-    ``gpipe.pipeline.init_process_group`` does, unless joined already.
+    ``gpipe.comm.process_group.init_process_group`` does, unless joined already.
 
     Where the agent lends its own store to the workers (TORCHELASTIC_USE_AGENT_STORE, the
     default of torchrun's c10d rendezvous), that store outlives a restart, and the addresses
