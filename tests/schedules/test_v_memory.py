@@ -46,6 +46,12 @@ def test_v_min_with_too_few_micro_batches_names_its_fewest():
         ValueError, match="^v-min needs at least 3 micro-batches for 4 ranks .* got 2$"
     ):
         v_min(8, 2)
+    with pytest.raises(ValueError, match="^v-min needs at least 2 micro-batches for 1 rank "):
+        v_min(2, 1)
+    with pytest.raises(ValueError, match="needs 2 stages, got 4 for 1 rank$"):
+        v_half(4, 4, n_ranks=1)
+    with pytest.raises(ValueError, match="needs an even number of stages, got 3$"):
+        v_half(3, 4)
     assert traits("v-min").fewest_microbatches(4) == 3 and not traits("v-min").runs(4, 2)
     assert closed_form_peak("v-min", 4, 2) is None and closed_form_bubble("v-min", 4, 2) is None
     v_half(8, 1)  # v-half takes any number

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
+from gpipe.errors import counted
 from gpipe.schedules.ir import Kind, Schedule, ScheduleError, check_sizes
 from gpipe.schedules.v_shape import Order, check_v, v_schedule
 
@@ -203,8 +204,8 @@ def v_min(n_stages: int, n_microbatches: int, n_ranks: int | None = None) -> Sch
     fewest = v_min_fewest(k)
     if n_microbatches < fewest:
         raise ValueError(
-            f"v-min needs at least {fewest} micro-batches for {k} ranks (with fewer, none "
-            f"reaches its cap of {v_min_cap(k)} half-stage micro-batches: use zero-bubble-v), "
-            f"got {n_microbatches}"
+            f"v-min needs at least {fewest} micro-batches for {counted(k, 'rank')} (with "
+            f"fewer, none reaches its cap of {v_min_cap(k)} half-stage micro-batches: use "
+            f"zero-bubble-v), got {n_microbatches}"
         )
     return capped_v("v-min", n_stages, n_microbatches, n_ranks, v_min_cap(k))

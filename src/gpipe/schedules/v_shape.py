@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+from gpipe.errors import counted
 from gpipe.schedules.ir import Kind, Schedule, check_sizes, programs_of
 
 Order = list[tuple[Kind, int, int]]  # (kind, stage, micro-batch) compute actions of one rank
@@ -24,8 +25,8 @@ def v_stage_to_rank(n_stages: int) -> tuple[int, ...]:
 def check_v(name: str, n_stages: int, n_ranks: int | None) -> int:
     """The number of ranks K of a V of ``n_stages`` stages: it must be 2K."""
     if n_stages % 2 or (n_ranks is not None and n_stages != 2 * n_ranks):
-        ranks = "" if n_ranks is None else f" for {n_ranks} ranks"
-        expected = "an even number" if n_ranks is None else str(2 * n_ranks)
+        ranks = "" if n_ranks is None else f" for {counted(n_ranks, 'rank')}"
+        expected = "an even number of" if n_ranks is None else str(2 * n_ranks)
         raise ValueError(
             f"{name} places two stages per rank in a V: it needs {expected} stages, "
             f"got {n_stages}{ranks}"
@@ -149,7 +150,7 @@ def dualpipe_v(n_stages: int, n_microbatches: int, n_ranks: int | None = None) -
     k = check_v("dualpipe-v", n_stages, n_ranks)
     if n_microbatches < n_stages:
         raise ValueError(
-            f"dualpipe-v needs at least 2K = {n_stages} micro-batches for {k} ranks, "
+            f"dualpipe-v needs at least 2K = {n_stages} micro-batches for {counted(k, 'rank')}, "
             f"got {n_microbatches}"
         )
     orders = []
