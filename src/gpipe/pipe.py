@@ -38,10 +38,20 @@ def _as_device(device: Device) -> torch.device:
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
 
-def _default_devices(n: int) -> list[torch.device]:
-    if torch.cuda.is_available():
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    return [torch.device("cpu")] * n
+def _devices_for(devices: Iterable[Device] | None, n: int) -> list[torch.device]:
+    """A device for each of ``n`` partitions: the first ``n`` of ``devices`` (default: every
+    CUDA device, else CPU for all)."""
+    if devices is not None:
+        found = [_as_device(d) for d in devices]
+    elif torch.cuda.is_available():
+        found = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    else:
+        found = [torch.device("cpu")] * n
+    if len(found) < n:
+        raise IndexError(
+            f"too few devices to hold given partitions (devices: {len(found)}, partitions: {n})"
+        )
+    return found[:n]
 
 
 def _refuse_lazy(module: nn.Module) -> None:
@@ -91,64 +101,61 @@ class GPipe(nn.Module):
         trace: bool = False,
     ) -> None:
         super().__init__()
-        chunks = check_chunks(chunks)
-        checkpoint = check_checkpoint(checkpoint)
+        self.chunks = check_chunks(chunks)
+        self.checkpoint = check_checkpoint(checkpoint)
+        self.deferred_batch_norm = deferred_batch_norm
         module = as_sequential(module)
         _refuse_lazy(module)
         self.balance = check_balance(len(module), balance)
         skips = find_skips(module)
-        all_devices = (
-            _default_devices(len(self.balance))
-            if devices is None
-            else [_as_device(d) for d in devices]
-        )
-        if len(all_devices) < len(self.balance):
-            raise IndexError(
-                "too few devices to hold given partitions "
-                f"(devices: {len(all_devices)}, partitions: {len(self.balance)})"
-            )
+        self.devices = _devices_for(devices, len(self.balance))
         if deferred_batch_norm:
             # a Sequential is converted in place, and stays one
             module = cast(
-                nn.Sequential, convert_deferred_batch_norm(module, chunks, auto_commit=False)
+                nn.Sequential, convert_deferred_batch_norm(module, self.chunks, auto_commit=False)
             )
-        self.devices = all_devices[: len(self.balance)]
         # a parameter that layers of several partitions share: a copy on each, gradients
         # summed after the backward (so the copies stay equal)
         self.ties = find_ties(module, self.balance)
         untie(module, self.ties)
-        self.chunks = chunks
-        self.checkpoint = checkpoint
-        self.deferred_batch_norm = deferred_batch_norm
         parts = split_sequential(module, self.balance)
         self.partitions = cast(  # a ModuleList of Sequentials, typed as torchgpipe types it
             list[nn.Sequential],
             nn.ModuleList([nn.Module.to(p, d) for p, d in zip(parts, self.devices, strict=True)]),
         )
         self.skip_layout = SkipLayout(skips, self.balance)
-        recomputed = recomputed_layers(checkpoint, module, self.balance)
+        self.recorder = Recorder(0) if trace else None
+        self.workers = self._workers(module, timeout)
+
+    def _workers(self, module: nn.Sequential, timeout: float) -> DeviceWorkers:
+        """A stage per partition on its device, run by a worker thread per device on the
+        GPipe schedule; ``module`` (the partitions' layers, untied) names the tied copies."""
+        recomputed = recomputed_layers(self.checkpoint, module, self.balance)
+        k = len(self.partitions)
         # between partitions any payload may pass (a split model's sizes ride along); what
         # the last one returns is a tensor or a tuple of tensors, as torchgpipe's rule says
         stages = [
             Stage(
                 j,
-                len(parts),
-                p,
-                d,
+                k,
+                partition,
+                device,
                 ports=self.skip_layout.ports(j),
-                recomputed_layers=r,
-                payloads=j < len(parts) - 1,
+                recomputed_layers=layers,
+                payloads=j < k - 1,
             )
-            for j, (p, d, r) in enumerate(
+            for j, (partition, device, layers) in enumerate(
                 zip(self.partitions, self.devices, recomputed, strict=True)
             )
         ]
-        self.recorder = Recorder(0) if trace else None
-        k = len(parts)
         schedules = StepSchedules(
-            ScheduleSource.of("gpipe"), k, tuple(range(k)), self.skip_layout.routes, checkpoint
+            ScheduleSource.of("gpipe"),
+            k,
+            tuple(range(k)),
+            self.skip_layout.routes,
+            self.checkpoint,
         )
-        self.workers = DeviceWorkers(
+        return DeviceWorkers(
             stages,
             schedules,
             timeout,
