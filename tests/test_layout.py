@@ -168,6 +168,7 @@ TOP_LEVEL_TESTS = {
     "test_layout.py",
     "test_pipe.py",
     "test_pipeline.py",
+    "test_pipeline_config.py",
     "test_public_api.py",
     "test_readme.py",
     "test_transparency.py",

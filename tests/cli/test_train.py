@@ -619,7 +619,7 @@ def test_mixed_precision_trains(tmp_path, precision):
 def test_the_shape_under_torchrun_follows_the_pinned_dimension():
     from gpipe.errors import ConfigError as UsageError
     from gpipe.training.config import TrainConfig
-    from gpipe.training.job import TrainOptions
+    from gpipe.training.options import TrainOptions
     from gpipe.training.run import shape_from_world as _shape_from_world
 
     def given(stages=None, data_parallel=None):

@@ -43,7 +43,7 @@ def _gpt(args: argparse.Namespace, dtype: torch.dtype) -> tuple[list[int], list[
     from gpipe.models.gpt import Block, build_gpt
     from gpipe.planning.balancing import partition
     from gpipe.runtime.partitions import even_balance, stage_bounds
-    from gpipe.training.job import parse_balance
+    from gpipe.training.balance_choice import parse_balance
 
     layers = build_gpt(_config(args, args.n_layer), device="meta").to(dtype)
     sizes = [_bytes_of(layer) for layer in layers]

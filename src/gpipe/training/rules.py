@@ -276,7 +276,7 @@ def _check_chunks(opts: TrainOptions) -> None:
 
 def _check_schedule(opts: TrainOptions, layers: int | None) -> None:
     """A named schedule: its stages per process and micro-batch rules, and the cut."""
-    from gpipe.training.job import parse_balance
+    from gpipe.training.balance_choice import parse_balance
 
     assert opts.chunks is not None  # None only under --schedule auto
     if opts.schedule not in SCHEDULES:

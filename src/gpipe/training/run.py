@@ -48,7 +48,7 @@ def under_torchrun() -> bool:
 
 
 def _train_options(config: TrainConfig, saved: dict[str, Any] | None) -> TrainOptions:
-    from gpipe.training.job import TrainOptions
+    from gpipe.training.options import TrainOptions
 
     values = dict(saved or {})
     if saved is not None and config.pack and not saved.get("pack", False):
@@ -286,8 +286,8 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
 
     The processes it starts import the calling script again: call it under
     ``if __name__ == "__main__":`` (a notebook or ``python -c`` needs nothing)."""
-    from gpipe.training.job import run_stage
     from gpipe.training.launch import launch, threads_per_process
+    from gpipe.training.stage_run import run_stage
 
     _refuse_reimport()
     run = resolve(config)

@@ -36,7 +36,13 @@ from gpipe.training.options import PRECISIONS, RunSpec, TrainOptions
 from gpipe.training.reporting import Reporter, peak_memory
 from gpipe.training.timelines import write_timeline
 
-__all__ = ["StageRun"]
+__all__ = ["StageRun", "run_stage"]
+
+
+def run_stage(spec: RunSpec) -> dict[str, Any] | None:
+    """Train this rank's stage (what every rank of ``gpipe train`` runs); returns the run's
+    summary on rank 0 and None elsewhere."""
+    return StageRun(spec).run()
 
 
 class StageRun:

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpipe.training.job import TrainOptions, learning_rate
+from gpipe.training.optimization import learning_rate
+from gpipe.training.options import TrainOptions
 
 
 def test_warmup_rises_linearly_to_the_peak():
