@@ -156,7 +156,19 @@ def test_prompts_the_stages_refuse_end_in_one_line(
         assert main([*argv, "--max-new-tokens", str(new)]) == 2
         err = capsys.readouterr().err.strip()
         assert err == f"gpipe: error: --prompts {prompts}, {message}", err
+    # an end of text outside the vocabulary, which only the stages know: said of the flag
+    # (it was "eos_token_id must be ... or None", generate()'s argument)
+    assert main([*argv, "--max-new-tokens", "2", "--eos-token-id", "300"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "gpipe: error: --eos-token-id must be a token id of the vocabulary (0 to 255), got 300"
+    ), err
     assert not out.exists()
+    prompts.write_text(
+        '{"ids": [1]}\n'
+    )  # and one that runs: "1 token for 1 prompt", not "1 prompts"
+    assert main([*argv, "--max-new-tokens", "1"]) == 0
+    assert capsys.readouterr().out.startswith("1 token for 1 prompt in ")
 
 
 def test_batch_size_bounds_the_sequences_in_flight_in_all():

@@ -65,11 +65,17 @@ def gpt_pipeline(k: int) -> int:
     return checked
 
 
+def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
 def gpt_after_a_failed_call(failing: int) -> list[str]:
     """A call that fails partway on rank ``failing`` (its layer raises on its fifth cached
-    forward), caught on every rank: then the next call generates what the first did, its
-    peers' messages of the failed call left behind. Returns each call's outcome."""
-    pipe = Pipeline(gpt_model(), chunks=1, timeout=5.0)
+    forward), caught on every rank: the other rank hears of it at once (it used to wait for
+    the timeout, while a step the failing rank went on to could time out waiting for it);
+    then a step equals the unsplit model's, and the next call generates what the first did,
+    its peers' messages of the failed call left behind. Returns each call's outcome."""
+    pipe = Pipeline(gpt_model(), chunks=2, timeout=5.0, loss_fn=_next_token_loss)
     want = pipe.generate(prompts(64), NEW)
     layer = pipe.generator().stage.layers[0]
     forward, calls = layer.forward_cached, [0]
@@ -86,6 +92,14 @@ def gpt_after_a_failed_call(failing: int) -> list[str]:
         failed = "returned"
     except Exception as exc:
         failed = f"{type(exc).__name__}: {exc}"
+    layer.forward_cached = forward
+    ids = torch.randint(64, (4, 12), generator=torch.Generator().manual_seed(5))
+    reference = gpt_model()
+    _next_token_loss(reference(ids[:, :-1]), ids[:, 1:]).backward()
+    pipe.step(ids[:, :-1], ids[:, 1:])
+    grads = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=name)
     again = pipe.generate(prompts(64), NEW)
     return [failed, "the same" if again == want else f"{again} for {want}"]
 

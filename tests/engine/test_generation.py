@@ -23,15 +23,15 @@ def test_greedy_through_four_stages_equals_the_gpts_own_sampler():
 
 
 @pytest.mark.parametrize("failing", [0, 1])
-def test_a_call_that_failed_on_one_rank_leaves_nothing_for_the_next(failing):
-    """The failing rank raises its own error; its peer, waiting for what never comes, a
-    StageError in generation's words once the timeout passes; the next call is exact."""
+def test_a_call_that_failed_on_one_rank_stops_the_others_and_leaves_nothing_for_the_next(failing):
+    """The failing rank raises its own error; its peer, at once, a StageError naming the stage
+    that failed and its error (not a timeout); a step and the next call are exact."""
     found = run(cases.gpt_after_a_failed_call, 2, (failing,), threads=1)
     assert found[failing] == ["RuntimeError: a fault of this layer", "the same"]
-    waiting = "a task of stage 0" if failing == 0 else "the tokens of stage 1"
     peer = 1 - failing
     assert found[peer] == [
-        f"StageError: stage {peer}: generating: timed out after 5 s waiting for {waiting}",
+        f"StageError: stage {peer}: generating: stage {failing} failed: RuntimeError: a fault "
+        "of this layer",
         "the same",
     ]
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.cli.common import UsageError, positive
+from gpipe.errors import counted
 
 __all__ = ["add_parser"]
 
@@ -106,6 +107,21 @@ def _at_its_line(refusal: str, path: Path, numbers: list[int]) -> str:
     return f"--prompts {path}, line {numbers[int(found[1])]}: the prompt {found[2]}"
 
 
+_FLAGS = ("temperature", "top_k", "top_p", "eos_token_id", "in_flight", "prefill_chunk")
+
+
+def _in_flag_words(refusal: str, eos_default: bool) -> str:
+    """``generate``'s refusal of one of its arguments (one the stages check against the
+    model, such as an end of text outside its vocabulary), said of the flag that set it."""
+    found = re.match(r"(\w+) must (.*)", refusal)
+    if found is None or found[1] not in _FLAGS:
+        return refusal
+    flag = "--" + found[1].replace("_", "-")
+    if found[1] == "eos_token_id" and eos_default:
+        flag += " (by default the tokenizer's end of text; --no-eos turns it off)"
+    return f"{flag} must {found[2].replace(' or None', '')}"
+
+
 def _check_sampling(args: argparse.Namespace) -> None:
     """The sampling flags that need no model, refused by their own names before the stages
     start (the stages would refuse them by ``generate``'s argument names, after loading)."""
@@ -167,7 +183,8 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc).splitlines()[-1]) from None
     if found.refused is not None:
-        raise UsageError(_at_its_line(found.refused, Path(args.prompts), numbers))
+        refused = _in_flag_words(found.refused, args.eos_token_id is None and eos is not None)
+        raise UsageError(_at_its_line(refused, Path(args.prompts), numbers))
     try:
         with out.open("w") as f:
             for item, tokens in zip(objects, found.tokens, strict=True):
@@ -178,7 +195,8 @@ def _generate(args: argparse.Namespace) -> int:
     total = sum(len(t) for t in found.tokens)
     rate = total / found.seconds if found.seconds > 0 else float("inf")
     print(
-        f"{total} tokens for {len(prompts)} prompts in {found.seconds:.2f} s: "
+        f"{counted(total, 'token')} for {counted(len(prompts), 'prompt')} in "
+        f"{found.seconds:.2f} s: "
         f"{rate:.1f} tokens/s; written to {out}"
     )
     return 0

@@ -8,6 +8,11 @@ tokens back are the lane, the sequences and their tokens.
 Each message carries the number of the ``generate`` call it belongs to: a call that failed
 on one rank can leave messages in the channels (a task no stage took, tokens the first
 stage never read), and the next call drops them rather than taking them for its own.
+
+A stage that fails sends an abort round the ring in place of its next message (down the
+pipeline, and from the last stage back to the first), so that every other stage raises at
+once, naming it, rather than after the timeout: a rank that goes on to its next ``step``
+finds its peers there, not still waiting for the failed call.
 """
 
 from __future__ import annotations
@@ -19,9 +24,21 @@ from torch import Tensor
 
 from gpipe.engine.generation.scheduler import Piece, Task
 
-__all__ = ["STOP", "Relay", "plan_of", "relay_of", "relay_tensors", "task_tensor"]
+__all__ = [
+    "ABORT",
+    "STOP",
+    "Abort",
+    "Relay",
+    "abort_of",
+    "abort_tensors",
+    "plan_of",
+    "relay_of",
+    "relay_tensors",
+    "task_tensor",
+]
 
 STOP = -1  # the lane of the message that ends the generation
+ABORT = -2  # the lane of the message that says a stage failed
 _PIECE = 3  # words per piece: sequence, start, last
 
 
@@ -77,3 +94,29 @@ def relay_of(message: Any) -> Relay:
     head, sequences, tokens = message
     run, lane = (int(v) for v in head.tolist())
     return Relay(run, lane, [int(s) for s in sequences.tolist()], [int(t) for t in tokens.tolist()])
+
+
+class Abort(NamedTuple):
+    """Stage ``stage`` failed in ``generate`` call number ``run`` with ``error`` (one line)."""
+
+    run: int
+    stage: int
+    error: str
+
+
+def abort_tensors(abort: Abort, device: Any) -> tuple[Tensor, Tensor]:
+    """``abort`` as a message of either channel: its words, then its error as UTF-8 bytes."""
+    words = torch.tensor([abort.run, ABORT, abort.stage], dtype=torch.long, device=device)
+    said = abort.error.encode()
+    text = torch.tensor(list(said), dtype=torch.uint8, device=device)
+    return words, text
+
+
+def abort_of(message: Any) -> Abort | None:
+    """The abort ``message`` is (a task's or a relay's place), or None if it is no abort."""
+    head = message[0]
+    if head.numel() != 3 or int(head[1]) != ABORT:
+        return None
+    run, _, stage = (int(v) for v in head.tolist())
+    said = bytes(message[1].cpu().tolist()).decode(errors="replace")
+    return Abort(run, stage, said)

@@ -4,11 +4,13 @@ plans, the last picks the tokens and sends them back to the first.
 A task goes down the pipeline as one message from stage to stage; the last stage sends the
 tokens it picked straight back to the first, on a channel of its own, and the first stage
 then plans that lane's next trip. With as many lanes in flight as stages, every stage has a
-lane to work on while the others' are elsewhere in the pipe.
+lane to work on while the others' are elsewhere in the pipe. A stage that fails sends an
+abort the same way round, so that the others raise at once, naming it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +26,10 @@ from gpipe.engine.generation.checks import Settings, checked_prompts, checked_se
 from gpipe.engine.generation.lanes import CachedStage, GenerationRefused, StageCaches, cache_refusal
 from gpipe.engine.generation.messages import (
     STOP,
+    Abort,
     Relay,
+    abort_of,
+    abort_tensors,
     plan_of,
     relay_of,
     relay_tensors,
@@ -34,7 +39,7 @@ from gpipe.engine.generation.sampling import Sampler, picked
 from gpipe.engine.generation.scheduler import Scheduler, Task
 from gpipe.engine.placement import RankPlacement
 from gpipe.engine.runner import connect
-from gpipe.errors import StageError
+from gpipe.errors import StageError, first_line
 from gpipe.runtime.stage import Stage
 from gpipe.schedules import Kind
 
@@ -99,6 +104,7 @@ class Generation:
         )
         self.timing: Timing | None = None
         self.runs = 0  # generate() calls begun, the same count on every rank
+        self._heard_abort = 0  # the last call another stage's failure ended here
 
     @property
     def is_first(self) -> bool:
@@ -173,6 +179,11 @@ class Generation:
             else:
                 self._follow(caches, settings)
             self.transport.flush()
+        except Exception as exc:
+            if self._heard_abort != self.runs:  # this stage failed: the others hear of it now
+                error = f"{type(exc).__name__}: {first_line(exc)}"
+                self._pass_on(Abort(self.runs, self.index, error))
+            raise
         finally:
             # each module as it was (a layer may have been put in eval mode of its own):
             # parents first, each child then setting its own part again
@@ -215,7 +226,10 @@ class Generation:
 
         out = sum(send(lane) for lane in range(plan.lanes))
         while out:
-            relay = relay_of(self._recv(last, Kind.RECV_SKIP, f"the tokens of stage {last}"))
+            message = self._recv(last, Kind.RECV_SKIP, f"the tokens of stage {last}")
+            if self._aborted(message):
+                continue
+            relay = relay_of(message)
             if relay.run != self.runs:
                 continue  # left by a call that failed
             plan.take(relay.lane, relay.sequences, relay.tokens)
@@ -235,7 +249,10 @@ class Generation:
         before = self.index - 1
         while True:
             task_of_stage = f"a task of stage {before}"
-            words, inputs, *pieces = self._recv(before, Kind.RECV_F, task_of_stage)
+            message = self._recv(before, Kind.RECV_F, task_of_stage)
+            if self._aborted(message):
+                continue
+            words, inputs, *pieces = message
             assert isinstance(words, Tensor)  # a task's plan comes first
             run, task = plan_of(words)
             if run != self.runs:
@@ -247,6 +264,28 @@ class Generation:
                     )
                 return
             self._step(caches, task, words, inputs, pieces, sampler)
+
+    # -- a stage that failed ------------------------------------------------------------------
+    def _aborted(self, message: Any) -> bool:
+        """Whether ``message`` is an abort of an earlier call (to be dropped: that call
+        failed already); if it says that a stage failed in this call, pass it on and raise."""
+        abort = abort_of(message)
+        if abort is None or abort.run != self.runs:
+            return abort is not None
+        self._pass_on(abort)
+        self._heard_abort = self.runs
+        raise StageError(self.index, f"generating: stage {abort.stage} failed: {abort.error}")
+
+    def _pass_on(self, abort: Abort) -> None:
+        """Send ``abort`` to the next stage round the ring (the last stage's next is the
+        first), unless that is the stage that failed: every stage hears of it once. Best
+        effort: where the next stage cannot be reached, it finds out by its timeout."""
+        after = (self.index + 1) % self.n_stages
+        if after == abort.stage:
+            return
+        kind = Kind.SEND_SKIP if self.is_last else Kind.SEND_F
+        with contextlib.suppress(StageError, RuntimeError):
+            self.transport.send(abort_tensors(abort, self.device), self.index, after, STOP, kind)
 
     def _recv(self, src: int, kind: Kind, waiting_for: str) -> Any:
         """The next message from stage ``src``; a StageError that says, in generation's
