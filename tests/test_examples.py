@@ -1,4 +1,8 @@
-"""The examples run as a user would run them, and reach what their docstrings promise."""
+"""The examples run as a user would run them, and reach what their docstrings promise. Those
+whose processes ``gpipe.launch`` starts and whose output comes from the launching process
+run their ``main`` here, on the module's shared processes (``tests/workers.py``): a new
+Python and its forkserver would import torch, gpipe and the example's libraries again
+(8 to 10 CPU seconds) to prove nothing the launch tests do not."""
 
 import argparse
 import re
@@ -10,37 +14,46 @@ from pathlib import Path
 import pytest
 import torch
 
+from .workers import launching_on_shared_processes
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def test_resnet_digits_trains_pipelined_as_well_as_without_the_pipeline():
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "resnet_digits.py"), "--epochs", "4"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+def _main(example: dict, script: Path, argv: list[str], capsys) -> str:
+    """What ``python SCRIPT ARGV`` prints, its ``gpipe.launch`` on the shared processes; the
+    number of threads it sets for itself is this process's again afterwards."""
+    threads = torch.get_num_threads()
+    capsys.readouterr()
+    try:
+        with launching_on_shared_processes(str(script)):
+            example["main"](argv)
+    finally:
+        torch.set_num_threads(threads)
+    return capsys.readouterr().out
+
+
+def test_resnet_digits_trains_pipelined_as_well_as_without_the_pipeline(capsys):
+    script = EXAMPLES / "resnet_digits.py"
+    out = _main(runpy.run_path(str(script)), script, ["--epochs", "3"], capsys)
     found = dict(
-        re.findall(
-            r"^(pipelined|without the pipeline).*?test accuracy ([\d.]+)%", done.stdout, re.M
-        )
+        re.findall(r"^(pipelined|without the pipeline).*?test accuracy ([\d.]+)%", out, re.M)
     )
-    assert set(found) == {"pipelined", "without the pipeline"}, done.stdout
+    assert set(found) == {"pipelined", "without the pipeline"}, out
     piped, plain = float(found["pipelined"]), float(found["without the pipeline"])
-    print(done.stdout)
+    print(out)
     assert piped >= 98.0
     assert abs(piped - plain) <= 1.0
 
 
 def test_gpt2_finetune_starts_from_given_weights_and_saves_weights_the_unsplit_model_loads(
-    tmp_path,
+    tmp_path, capsys
 ):
     """One run covers both ends: it loads ``--weights`` into its stages (its first validation
     loss is the unsplit model's on those weights) and saves what an unsplit model loads (its
     last validation loss is the unsplit model's on the saved weights)."""
     transformers = pytest.importorskip("transformers", reason="the examples extra installs it")
-    example = runpy.run_path(str(EXAMPLES / "gpt2_finetune.py"))  # its functions, not its run
+    script = EXAMPLES / "gpt2_finetune.py"
+    example = runpy.run_path(str(script))  # its functions, not its run
     defaults = argparse.Namespace(seq_len=64, batch_size=16, data_bytes=2_000_000, val_batches=4)
     torch.manual_seed(1)  # not the example's own seed: weights it could not have made itself
     start = tmp_path / "start.pt"
@@ -48,20 +61,14 @@ def test_gpt2_finetune_starts_from_given_weights_and_saves_weights_the_unsplit_m
         transformers.GPT2LMHeadModel(example["config"](defaults.seq_len)).state_dict(), start
     )
     out = tmp_path / "gpt2.pt"
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "gpt2_finetune.py"), "--steps", "20",
-         "--weights", str(start), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    losses = re.search(r"validation loss ([\d.]+) -> ([\d.]+)", done.stdout)
-    unsplit = re.search(r"on the saved weights .*: validation loss ([\d.]+)", done.stdout)
-    assert losses and unsplit, done.stdout
+    argv = ["--steps", "10", "--weights", str(start), "--out", str(out)]
+    printed = _main(example, script, argv, capsys)
+    losses = re.search(r"validation loss ([\d.]+) -> ([\d.]+)", printed)
+    unsplit = re.search(r"on the saved weights .*: validation loss ([\d.]+)", printed)
+    assert losses and unsplit, printed
     before, after = float(losses[1]), float(losses[2])
-    assert after < before - 1.0, done.stdout  # from about ln 256 = 5.5
-    assert abs(float(unsplit[1]) - after) < 2e-3, done.stdout
+    assert after < before - 1.0, printed  # from about ln 256 = 5.5
+    assert abs(float(unsplit[1]) - after) < 2e-3, printed
     on_the_start = example["unsplit_loss"](argparse.Namespace(**vars(defaults), out=str(start)))
     assert abs(before - on_the_start) < 2e-3, (before, on_the_start)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import runpy
 import secrets
 import signal
 import socket
@@ -176,6 +177,38 @@ def run(
     except LaunchError:
         del _pools[nprocs]
         raise
+
+
+_scripts: dict[str, dict[str, Any]] = {}
+
+
+def call_from_script(path: str, name: str, args: tuple[Any, ...]) -> Any:
+    """``name(*args)`` of the script at ``path``: a function of a script (an example's, which
+    a user's ``gpipe.launch`` pickles by its ``__main__`` name) on the shared processes, which
+    run the script once each, under another name than ``__main__``."""
+    if path not in _scripts:
+        _scripts[path] = runpy.run_path(path, run_name="__gpipe_script__")
+    return _scripts[path][name](*args)
+
+
+@contextlib.contextmanager
+def launching_on_shared_processes(script: str) -> Iterator[None]:
+    """Inside it, ``gpipe.launch`` of a function of ``script`` runs it on the shared
+    processes (``run``), as ``training_on_shared_processes`` does for `gpipe train`."""
+    import gpipe
+
+    started = gpipe.launch
+
+    def launch(fn, nprocs, args=(), *, threads="auto", **more):
+        if more:
+            return started(fn, nprocs, args, threads=threads, **more)
+        return run(call_from_script, nprocs, (script, fn.__name__, args), threads=threads)
+
+    gpipe.launch = launch
+    try:
+        yield
+    finally:
+        gpipe.launch = started
 
 
 @contextlib.contextmanager

@@ -526,13 +526,28 @@ def test_sharded_replicas_train_as_one_pipeline_and_resume_unsharded(trained, tm
     assert "needs data_parallel > 1" in _usage_error(capsys, "train", "--shard", "full")
 
 
+@pytest.fixture(scope="module")
+def eager_1f1b(tmp_path_factory):
+    """The losses of 4 steps on 2 stages under 1F1B, eager, of whole micro-batches: what the
+    compiled layers and the sub-sequences of the tests below train to (one run for both;
+    --seq-chunks 1 is the default, given as the run of sub-sequences is compared with it)."""
+    out = tmp_path_factory.mktemp("eager-1f1b")
+    with training_on_shared_processes():
+        code = main(["train", *TINY, "--stages", "2", "--steps", "4", "--schedule", "1f1b",
+                     "--seq-chunks", "1", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    return _losses(out)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
-def test_compiled_layers_train_as_eager_ones(tmp_path, schedule):
+def test_compiled_layers_train_as_eager_ones(tmp_path, schedule, eager_1f1b):
     """--compile: the losses of the eager run, within float32 rounding (the graphs of
     AOTAutograd without generated code: the default backend's compile time is for
     BENCHMARKS.md)."""
-    runs = {}
+    runs = {False: eager_1f1b} if schedule == "1f1b" else {}
     for compiled in (False, True):
+        if compiled in runs:
+            continue
         out = tmp_path / f"{schedule}-{compiled}"
         more = ["--compile", "--compile-backend", "aot_eager"] if compiled else []
         code = main(["train", *TINY, "--stages", "2", "--steps", "4", "--schedule", schedule,
@@ -558,14 +573,14 @@ def test_compile_is_refused_where_it_is_not_supported(capsys):
     )
 
 
-def test_sub_sequences_train_to_the_losses_of_whole_micro_batches(tmp_path):
+def test_sub_sequences_train_to_the_losses_of_whole_micro_batches(tmp_path, eager_1f1b):
     """--seq-chunks 4: each micro-batch as four sub-sequences through 1F1B, and through
-    zero-bubble-v's V with compiled layers; the losses of the run of whole micro-batches,
-    within float32 rounding."""
-    runs = {}
+    zero-bubble-v's V with compiled layers; the losses of the run of whole micro-batches
+    (--seq-chunks 1), within float32 rounding."""
+    runs = {"1": eager_1f1b}
     one_f_one_b = ["--schedule", "1f1b"]
     v = ["--schedule", "zero-bubble-v", "--compile", "--compile-backend", "aot_eager"]
-    for name, chunks, more in (("1", 1, one_f_one_b), ("4", 4, one_f_one_b), ("4-v", 4, v)):
+    for name, chunks, more in (("4", 4, one_f_one_b), ("4-v", 4, v)):
         out = tmp_path / f"seq-{name}"
         code = main(["train", *TINY, "--stages", "2", "--steps", "4", "--seq-chunks",
                      str(chunks), *more, "--out", str(out)])  # fmt: skip
