@@ -114,3 +114,23 @@ def test_sampler_errors_are_explained():
         BatchSampler(torch.zeros(100, dtype=torch.uint8), 0, 10)
     with pytest.raises(ValueError, match=r"lacks \['step'\]"):
         BatchSampler(torch.zeros(100, dtype=torch.uint8), 2, 10).load_state_dict({"generator": 0})
+
+
+def test_text_in_another_encoding_is_refused_by_name_never_skipped(tmp_path):
+    """A Latin-1 file in a folder of UTF-8 text would otherwise drop out of the run unseen."""
+    (tmp_path / "a.txt").write_text("fine\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_bytes("café\n".encode("latin-1"))
+    with pytest.raises(ValueError) as caught:
+        load_text(tmp_path, flag="--data")
+    message = str(caught.value)
+    assert message.startswith(f"--data {tmp_path}: sub/b.txt is not UTF-8 text")
+    assert "byte 0xe9 at offset 3" in message and "move it out of the folder" in message
+    late = tmp_path / "late.txt"  # a single file, the wrong byte past where it was sniffed
+    late.write_bytes(b"x" * 10_000 + b"\xe9")
+    with pytest.raises(
+        ValueError,
+        match=r"late.txt is not UTF-8 text \(byte 0xe9 at offset "
+        r"10000\); convert it to UTF-8$",
+    ):
+        load_text(late, flag="--val-data")

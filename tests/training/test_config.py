@@ -109,6 +109,16 @@ def test_print_config_keeps_what_was_given_even_empty(tmp_path):
     assert resolve(read_config_file(file)).config == printed
 
 
+def test_print_config_writes_any_text_as_toml_reads_it_back(tmp_path):
+    """A prompt or path beyond U+FFFF (an emoji), with quotes, a tab, a newline or a DEL:
+    JSON's escapes for some of them are not TOML's, so the file would not read back."""
+    odd = 'def 😀 "q" \\ \n\t\x7f é'
+    config = TrainConfig(prompt=odd, out=str(tmp_path / "rüns 𝄞"))
+    file = tmp_path / "run.toml"
+    file.write_text(config_text(config), encoding="utf-8")
+    assert read_config_file(file) == config
+
+
 def test_flag_errors_are_not_prefixed_with_the_class(capsys):
     err = _one_line(capsys, "--report-to", "", "--print-config")
     assert err.startswith("--report-to must be none or a comma-separated list"), err
@@ -129,6 +139,11 @@ def test_flag_errors_are_not_prefixed_with_the_class(capsys):
             "--schedule must be auto or one of gpipe, 1f1b, zero-bubble, interleaved, ",
         ),
         ({"checkpoint": "sometimes"}, "--checkpoint must be always, except_last or never, got "),
+        (  # it would overflow the seeds derived from it inside every process
+            {"seed": 10**14},
+            "--seed must be an integer from -1099511627776 to 1099511627775 (2**40 - 1), got "
+            "100000000000000",
+        ),
         ({"out": "{file}"}, "--out {file} is a file; expected a run folder (a directory)"),
         ({"out": ""}, "--out must name a run folder, got ''"),
         (  # the run would go on in {file}, not where --out says

@@ -198,6 +198,25 @@ def test_unknown_and_empty_files_are_refused(tmp_path):
         open_dataset(tmp_path / "empty.bin")
     with pytest.raises(ValueError, match="--val-data .*nope.bin does not exist"):
         open_dataset(None, val_data=tmp_path / "nope.bin")
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "old.txt").write_bytes(b"na\xefve\n")  # Latin-1, not UTF-8
+    with pytest.raises(ValueError, match=r"^--val-data .*texts: old.txt is not UTF-8 text"):
+        open_dataset(None, val_data=tmp_path / "texts")
+    tokenizer = load_tokenizer(word_tokenizer(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"^--data .*texts: old.txt is not UTF-8 text"):
+        prepare_tokens(tmp_path / "texts", tmp_path / "t.bin", tokenizer)
+
+
+def test_json_lines_in_a_json_file_are_refused_not_trained_on_as_text(tmp_path):
+    """``datasets``' ``to_json`` writes JSON lines to a .json file: read as text, the run
+    would learn the JSON syntax around every document."""
+    lines = tmp_path / "train.json"  # a first line longer than the 8 KiB sniffed for text
+    lines.write_text("".join(json.dumps({"text": "word " * 2000}) + "\n" for _ in range(3)))
+    with pytest.raises(ValueError, match=r"^--val-data .*train.json holds JSON lines .*\.jsonl"):
+        open_dataset(None, val_data=lines)
+    pretty = tmp_path / "pretty.json"  # a JSON document is text like any other
+    pretty.write_text(json.dumps({"text": "word " * 20}, indent=2))
+    assert bytes(read_tokens(pretty)[0]) == pretty.read_bytes()
 
 
 def test_check_vocabulary_scans_for_the_largest_id(tmp_path, monkeypatch):

@@ -183,7 +183,7 @@ def test_documents_are_held_out_whole(tmp_path):
         (["--data", "{jsonl}", "--schedule", "auto"], "--pack with --schedule auto"),
         (["--data", "{jsonl}", "--batch-size", "2"], "cannot fill --chunks 4"),
         (["--data", "{one}"], "at least 2 documents"),
-        (["--data", "{empty}"], "has no document of 2 tokens or more"),
+        (["--data", "{empty}"], "empty.jsonl: its training part has no document of 2 tokens"),
     ],
 )
 def test_bad_pack_input_is_one_line(corpus, tmp_path, capsys, more, expected):

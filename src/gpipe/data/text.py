@@ -63,26 +63,43 @@ def _files(root: Path, skip: Callable[[str], bool]) -> list[Path]:
     return sorted(found)
 
 
-def _text_or_none(path: Path) -> bytes | None:
-    """The file's bytes if it is UTF-8 text, else None (binaries, unreadable files)."""
+def _text_or_none(path: Path, root: Path, flag: str) -> bytes | None:
+    """The file's bytes if it is UTF-8 text, None if it is a binary (it holds a NUL byte).
+    Text in another encoding is refused rather than skipped: leaving it out would silently
+    train on less than the user gave. ``root`` is what ``flag`` gave: the file or its folder."""
+    named = f"{flag} {root}" if path == root else f"{flag} {root}: {path.relative_to(root)}"
     try:
         data = path.read_bytes()
-        data.decode("utf-8")
-    except (OSError, UnicodeDecodeError):
+    except OSError as exc:
+        raise ValueError(f"{named} cannot be read ({exc.strerror or exc})") from None
+    if b"\0" in data:
         return None
-    return None if b"\0" in data else data
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        remedy = "" if path == root else ", or move it out of the folder"
+        raise ValueError(
+            f"{named} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); "
+            f"convert it to UTF-8{remedy}"
+        ) from None
+    return data
 
 
-def load_text(path: str | Path) -> bytes:
+def load_text(path: str | Path, *, flag: str = "data path") -> bytes:
     """A text file's bytes, or the UTF-8 text files under a folder concatenated in sorted path
-    order (binaries and hidden files and folders such as ``.git`` are skipped)."""
+    order. Hidden files and folders (such as ``.git``) and binaries (files holding a NUL byte)
+    are skipped; a file of text in another encoding is a ValueError naming it and its first
+    wrong byte, as is an unreadable one. ``flag`` names the source in messages."""
     root = Path(path)
     if not root.exists():
-        raise ValueError(f"data path {str(path)!r} does not exist")
+        raise ValueError(f"{flag} {path} does not exist")
     files = [root] if root.is_file() else _files(root, lambda name: name.startswith("."))
-    texts = [t for t in map(_text_or_none, files) if t]
+    texts = [t for t in (_text_or_none(f, root, flag) for f in files) if t]
     if not texts:
-        raise ValueError(f"data path {str(path)!r} holds no readable UTF-8 text")
+        raise ValueError(
+            f"{flag} {path} holds no readable UTF-8 text, only empty or binary files (a "
+            "file holding a NUL byte, such as UTF-16 text, counts as binary)"
+        )
     return b"".join(texts)
 
 

@@ -196,7 +196,7 @@ def read_config_file(path: str | Path) -> TrainConfig:
     """The configuration a TOML file holds (``batch-size = 16``; ``batch_size`` is taken
     too); ConfigError naming the file and the key for anything else."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")  # TOML is UTF-8, whatever the locale
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file; expected a TOML file") from None
     except IsADirectoryError:
@@ -253,4 +253,6 @@ def _toml(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    return json.dumps(str(value))  # a JSON string is a TOML basic string
+    # A JSON string is a TOML basic string, save that TOML refuses the surrogate pairs JSON
+    # escapes characters beyond U+FFFF into (so they are written as they are) and a raw DEL.
+    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")

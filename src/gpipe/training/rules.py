@@ -33,6 +33,11 @@ __all__ = [
 ]
 
 
+# The step's dropout seed is --seed x 1_000_003 plus the step's count, and PyTorch takes
+# seeds of 64 bits: a larger --seed would fail in every process once they have started.
+_SEED_BOUND = 1 << 40
+
+
 def positive(name: str, value: Any) -> None:
     """Refuse ``--name value`` unless it is unset or at least 1."""
     if value is not None and value < 1:
@@ -116,7 +121,8 @@ def _check_seq_chunks(opts: TrainOptions, seq_len: int, model: TrainModel) -> No
 
 def _check_ranges(opts: TrainOptions) -> None:
     """Each number within its own range, whatever the others say: counts of at least 1,
-    intervals of at least 0, a finite learning rate and a positive timeout."""
+    intervals of at least 0, a finite learning rate, a positive timeout and a seed whose
+    derived seeds PyTorch takes."""
     for name in (
         "stages",
         "data_parallel",
@@ -142,6 +148,11 @@ def _check_ranges(opts: TrainOptions) -> None:
         raise ConfigError(f"--lr must be a finite number, 0 or more, got {opts.lr}")
     if not (math.isfinite(opts.timeout) and opts.timeout > 0):
         raise ConfigError(f"--timeout must be a positive number of seconds, got {opts.timeout}")
+    if not -_SEED_BOUND <= opts.seed < _SEED_BOUND:  # derived seeds must fit PyTorch's
+        raise ConfigError(
+            f"--seed must be an integer from {-_SEED_BOUND} to {_SEED_BOUND - 1} (2**40 - 1), "
+            f"got {opts.seed}"
+        )
 
 
 def check_options(model: TrainModel, opts: TrainOptions) -> None:

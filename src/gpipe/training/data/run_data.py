@@ -179,8 +179,9 @@ def run_documents(opts: TrainOptions, out: Path) -> tuple[TokenDataset, Document
         f"{Path(str(opts.data)).name}: {len(train):,} documents, {len(train.ids):,} ids for "
         f"training; {len(val):,} documents, {len(val.ids):,} ids held out"
     )
-    val_source = "--data" if opts.val_data is None else "--val-data"
-    dataset = TokenDataset(train.ids, val.ids, bound, what, "--data", val_source)
+    source = f"--data {opts.data}"
+    val_source = source if opts.val_data is None else f"--val-data {opts.val_data}"
+    dataset = TokenDataset(train.ids, val.ids, bound, what, source, val_source)
     return dataset, train, val
 
 

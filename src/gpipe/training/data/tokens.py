@@ -38,6 +38,7 @@ _MIB = 1 << 20
 _PIECE = _MIB  # characters of text tokenized at a time (cut at a line end)
 _BATCH = 1024  # texts handed to the tokenizer at a time
 _SNIFF = 8192  # bytes read to tell text from an unknown binary format
+_FIRST_LINE = 16 * _MIB  # bytes of a .json file's first line read to tell JSON lines
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,12 @@ def _kind(path: str | Path | None, flag: str) -> str:
         return "tokens"
     if suffix == ".jsonl":
         return "jsonl"
+    if suffix in (".json", ".ndjson") and _is_json_lines(where):
+        raise ValueError(
+            f"{flag} {path} holds JSON lines (its first line is a JSON object), which a "
+            f"{suffix} file would train on as text, JSON syntax and all; name it .jsonl to "
+            "train on each line's text field"
+        )
     with open(where, "rb") as file:
         head = file.read(_SNIFF)
     try:
@@ -111,6 +118,18 @@ def _kind(path: str | Path | None, flag: str) -> str:
             "or text"
         )
     return "text"
+
+
+def _is_json_lines(path: Path) -> bool:
+    """Whether a file's first line is a whole JSON object, as ``datasets``' ``to_json``
+    writes a line per record, even to a ``.json`` file (a line longer than 16 MiB is not
+    read whole, and not taken for one)."""
+    with open(path, "rb") as file:
+        line = file.readline(_FIRST_LINE).removeprefix(codecs.BOM_UTF8)
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError: not JSON lines
+        return False
 
 
 def check_sources(data: str | Path | None, val_data: str | Path | None, token_dtype: str) -> None:
@@ -242,7 +261,7 @@ def _token_chunks(
         yield from (ids for ids, _ in document_chunks(str(path), tokenizer, flag))
         return
     dtype = token_dtype_for(tokenizer.vocab_size)
-    text = stdlib_corpus() if path is None else load_text(path)
+    text = stdlib_corpus() if path is None else load_text(path, flag=flag)
     for batch in _batches(_pieces(text.decode("utf-8", errors="replace"))):
         ids = [i for encoded in tokenizer.encode_batch(batch) for i in encoded]
         yield np.asarray(ids, dtype=dtype)
@@ -269,7 +288,7 @@ def read_tokens(
             return _read_npy(where, flag), None
         return _read_bin(where, token_dtype, flag), None
     if kind == "text" and _is_bytes(tok):
-        text = stdlib_corpus() if path is None else load_text(path)
+        text = stdlib_corpus() if path is None else load_text(path, flag=flag)
         return np.frombuffer(text, dtype=np.uint8), 256
     tok = tok if tok is not None else ByteTokenizer()
     chunks = list(_token_chunks(path, kind, tok, flag))
