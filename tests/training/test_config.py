@@ -135,6 +135,10 @@ def test_flag_errors_are_not_prefixed_with_the_class(capsys):
             "or fewer, or a larger --batch-size",
         ),
         (
+            {"chunks": 2, "batch_size": 1, "stages": 1},
+            "--chunks 2 is more than each replica's 1 row of --batch-size 1: give --chunks 1 ",
+        ),
+        (
             {"schedule": "nope"},
             "--schedule must be auto or one of gpipe, 1f1b, zero-bubble, interleaved, ",
         ),

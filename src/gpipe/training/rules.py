@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpipe.errors import ConfigError
+from gpipe.errors import ConfigError, counted
 from gpipe.runtime.compiled import check_backend
 from gpipe.runtime.recompute import check_checkpoint
 from gpipe.schedules import SCHEDULES, SEQ_CHUNKED, Placement, traits
@@ -280,8 +280,9 @@ def _check_chunks(opts: TrainOptions) -> None:
     share = opts.batch_size // opts.data_parallel
     if opts.chunks is not None and opts.chunks > share and not opts.pack:
         raise ConfigError(
-            f"--chunks {opts.chunks} is more than each replica's {share} rows of --batch-size "
-            f"{opts.batch_size}: give --chunks {share} or fewer, or a larger --batch-size"
+            f"--chunks {opts.chunks} is more than each replica's {counted(share, 'row')} of "
+            f"--batch-size {opts.batch_size}: give --chunks {share} or fewer, or a larger "
+            "--batch-size"
         )
 
 
