@@ -320,6 +320,40 @@ def test_a_model_export_cannot_trace_gets_one_line_of_reason_and_advice():
     assert info.value.export_error is not None
 
 
+class Blocks(nn.Module):
+    def __init__(self, middle):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(3, 3), middle, nn.Linear(3, 3)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Repeats(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+
+    def forward(self, x):
+        for _ in range(int(x.abs().sum()) % 3):  # a count read from the values
+            x = self.a(x)
+        return x
+
+
+@pytest.mark.parametrize("middle", [DataDependent, Repeats])
+def test_a_layer_export_cannot_trace_is_named_by_its_place_in_the_model(middle):
+    with pytest.raises(TraceError) as info:
+        gpipe.split(Blocks(middle()), torch.randn(4, 3), parts=2)
+    message = str(info.value)
+    assert "\n" not in message
+    name = middle.__name__
+    assert message.startswith(
+        f"torch.export could not trace Blocks in its layer blocks.1 ({name}):"
+    )
+
+
 class OneRowBranch(nn.Module):
     def __init__(self):
         super().__init__()

@@ -3,9 +3,9 @@
 with the run's tokenizer beside it; `gpipe sample` generates from any run's model; and each
 bad input is one line and exit code 2.
 
-One tiny run (a 2-layer Llama on text through a tokenizer.json, 2 stages) serves every test
-but GPT-NeoX's, which saves its weights under other names than its modules'; checkpoints of
-runs that need no training are written directly.
+One tiny run (a 2-layer Llama whose head is tied to its embedding, on text through a
+tokenizer.json, 2 stages) serves every test but GPT-NeoX's, which saves its weights under other
+names than its modules'; checkpoints of runs that need no training are written directly.
 """
 
 import json
@@ -20,6 +20,8 @@ from gpipe.cli import main
 from gpipe.data import BatchSampler
 from gpipe.models.gpt import lm_loss
 from gpipe.training.checkpoints.format import save_checkpoint
+from gpipe.training.checkpoints.manifest import digest, listed_files, write_manifest
+from gpipe.training.checkpoints.safe_reading import load_state
 from gpipe.training.data.run_data import run_dataset
 from gpipe.training.models.trained import checkpoint_at, load_trained
 from gpipe.training.options import TrainOptions
@@ -34,10 +36,11 @@ transformers = pytest.importorskip(
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """Two steps of a 2-layer Llama on 2 stages, evaluated at the last; text tokenized by a
-    tokenizer.json."""
+    """Two steps of a 2-layer Llama with a tied head on 2 stages (the embedding on the
+    first, the head on the last), evaluated at the last; text tokenized by a tokenizer.json."""
     folder = tmp_path_factory.mktemp("export")
-    llama_config(folder / "llama", 32, 32)
+    config = llama_config(folder / "llama", 32, 32)
+    config.write_text(json.dumps({**json.loads(config.read_text()), "tie_word_embeddings": True}))
     (folder / "text.txt").write_text("\n".join(LINES * 40))
     out = folder / "run"
     args = [
@@ -138,6 +141,34 @@ def test_a_gpt_neox_starts_from_its_saved_weights_and_exports_them_back(tmp_path
         assert torch.equal(tensor, trained[name]) and torch.equal(tensor, initial[name]), name
 
 
+def test_a_tied_head_counts_once_in_the_gradient_norm_as_without_the_pipeline(run, exported):
+    """The run's first step clipped by the norm of the unsplit model's gradients: the tied
+    embedding and head, two copies on two stages, are one weight (its norm counted the copies
+    twice, so the clipped update and every loss after it differed from one stage's). The
+    export holds the weight once, and the checkpoint's copies are still equal."""
+    train = json.loads((run / "run.json").read_text())["train"]
+    opts = TrainOptions(**train)
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    model = transformers.AutoModelForCausalLM.from_pretrained(run / "initial")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    x, y = BatchSampler(
+        run_dataset(opts, run).train, opts.batch_size, opts.seq_len, seed=opts.seed
+    ).next()
+    lm_loss(model(x).logits, y).backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert first["step"] == 1 and first["grad_norm"] == pytest.approx(float(norm), rel=1e-5)
+    copies = {
+        "0.model.embed_tokens.weight": torch.zeros(32, 32),
+        "1.lm_head.weight": torch.ones(32, 32),
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        load_state({"model": copies}, checkpoint_at(run), no_dist=True)
+    assert torch.equal(*copies.values())
+    saved = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    assert saved.lm_head.weight is saved.model.embed_tokens.weight
+
+
 def test_sample_draws_again_the_runs_own_sample_with_its_tokenizer(run, capsys):
     """The run ends with a sample of its prompt, seed and tokenizer; `gpipe sample` with the
     same reads the same weights and draws the same words."""
@@ -204,6 +235,50 @@ def test_export_of_a_run_without_a_hugging_face_model_says_what_it_trained(tmp_p
     assert "--model mine:build, a module of your own" in message
     assert "nothing to export to Hugging Face" in message
     assert not (tmp_path / "out").exists()
+
+
+def _edited(checkpoint, edit) -> None:
+    """The checkpoint's record edited, its manifest made to match (what a tamperer does)."""
+    record = json.loads((checkpoint / "gpipe.json").read_text())
+    edit(record)
+    (checkpoint / "gpipe.json").write_text(json.dumps(record))
+    write_manifest(checkpoint, {n: digest(checkpoint / n) for n in listed_files(checkpoint)})
+
+
+def _no_launch(*_, **__):
+    raise AssertionError("processes were started")
+
+
+def test_a_record_declaring_more_stages_than_its_tensors_starts_no_process(
+    run, tmp_path, capsys, monkeypatch
+):
+    """``gpipe sample`` and ``generate`` start a process for each stage the record's balance
+    declares: a record edited to declare 4096, its counts and cuts made to match (the GPT's
+    layers, a split model's cut points), is refused, naming the file and the field, before
+    any starts."""
+    import shutil
+
+    import gpipe.training.launch
+    from gpipe.models.gpt import PRESETS, build_gpt
+
+    monkeypatch.setattr(gpipe.training.launch, "launch", _no_launch)
+    copy = tmp_path / "run"
+    shutil.copytree(checkpoint_at(run), copy / "checkpoints" / "step-000002")
+    layers = [f"model.layers.{i % 2}" for i in range(4095)]
+    record = {"balance": [1] * 4096, "stages": 4096}
+    _edited(checkpoint_at(copy), lambda r: r.update(record) or r["model"].update(split_at=layers))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"ids": [1, 2]}\n')
+    said = "gpipe.json's balance declares 4096 stages, but its tensors hold the weights of 2"
+    assert said in _usage_error(capsys, "sample", copy, "--tokens", "1")
+    argv = ["generate", copy, "--prompts", prompts, "--out", tmp_path / "o.jsonl"]
+    assert said in _usage_error(capsys, *argv, "--max-new-tokens", "1", "--quiet")
+    config = PRESETS["tiny"]
+    gpt = _checkpoint(tmp_path / "gpt", build_gpt(config), {"model": config.to_dict()})
+    wide = {**config.to_dict(), "n_layer": 4094}
+    _edited(gpt, lambda r: r.update(model=wide, balance=[1] * 4096, stages=4096))
+    said = "gpipe.json's balance cuts 4096 layers, but its tensors hold the weights of 4"
+    assert said in _usage_error(capsys, "sample", gpt, "--tokens", "1")
 
 
 def test_export_refuses_no_checkpoint_a_damaged_one_and_a_full_folder(run, tmp_path, capsys):

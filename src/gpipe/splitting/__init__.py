@@ -46,7 +46,13 @@ from gpipe.splitting.hf_layout import (
 )
 from gpipe.splitting.hf_plan import PlanStage
 from gpipe.splitting.stages import ATTR, SplitStage, part_module, plan_stages
-from gpipe.splitting.tracing import TraceError, check_one_row, trace, without_cache_output
+from gpipe.splitting.tracing import (
+    TraceError,
+    check_one_row,
+    trace,
+    without_cache_output,
+    without_own_checkpointing,
+)
 
 __all__ = ["CutError", "PlanError", "PlanStage", "SplitModel", "SplitStage", "TraceError", "split"]
 
@@ -376,7 +382,9 @@ def split(
 
     The first stage takes what the model takes: a tensor, a tuple of positional arguments,
     or a dict of arguments by name; the last returns what the model returns. A Hugging Face
-    model is traced with its config's ``use_cache`` off (its cache is no tensor to return).
+    model is traced with its config's ``use_cache`` off (its cache is no tensor to return)
+    and its own activation checkpointing off (a traced stage keeps none; the pipeline's
+    ``checkpoint=`` re-materializes stages); cut by its plan, its layers keep theirs.
     """
     at = _checked_arguments(model, at, parts, balance, plan)
     args = example_args if isinstance(example_args, tuple) else (example_args,)
@@ -391,7 +399,7 @@ def split(
             f"split traces {type(model).__name__} on example inputs, and none were given "
             "(only a Hugging Face causal LM is cut without them, by its pipeline plan)"
         )
-    with without_cache_output(model, kwargs):
+    with without_cache_output(model, kwargs), without_own_checkpointing(model):
         return _split_by_tracing(
             model, args, kwargs, at=at, parts=parts, balance=balance, check=check
         )

@@ -18,7 +18,11 @@ tokens), cast back, so its graph runs on every device.
 
 A Hugging Face model whose config keeps a key/value cache (``use_cache``, on by default in
 most) returns the cache object beside its logits, which ``torch.export`` cannot give back:
-``without_cache_output`` traces it with the cache off, as training runs it.
+``without_cache_output`` traces it with the cache off, as training runs it. One with its own
+activation checkpointing on (``gradient_checkpointing_enable()``) is traced with it off
+(``without_own_checkpointing``): a graph keeps no checkpoint of the model's code (the
+pipeline re-materializes whole stages, ``checkpoint=``), and under ``use_reentrant=True`` the
+layers would be no places to cut.
 """
 
 from __future__ import annotations
@@ -34,7 +38,13 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 
-__all__ = ["TraceError", "check_one_row", "trace", "without_cache_output"]
+__all__ = [
+    "TraceError",
+    "check_one_row",
+    "trace",
+    "without_cache_output",
+    "without_own_checkpointing",
+]
 
 
 class TraceError(RuntimeError):
@@ -89,6 +99,27 @@ def _reason(exc: BaseException) -> str:
     return f"{first}{where}"
 
 
+def _layer(model: nn.Module, exc: BaseException) -> str:
+    """Where in ``model`` the tracer stopped: the innermost of its submodules whose code was
+    running (`` in its layer blocks.3 (Gate)``), read from the frames of the error and of
+    the errors it was raised from; empty if it stopped in the model's own code."""
+    names = {id(module): name for name, module in model.named_modules() if name}
+    found = ""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        trace = error.__traceback__
+        while trace is not None:
+            owner = trace.tb_frame.f_locals.get("self")
+            name = names.get(id(owner)) if isinstance(owner, nn.Module) else None
+            if name is not None:
+                found = f" in its layer {name} ({type(owner).__name__})"
+            trace = trace.tb_next
+        error = error.__cause__ or error.__context__
+    return found
+
+
 def _advice(exc: BaseException) -> str:
     name = type(exc).__name__
     if "DataDependent" in name or "data-dependent" in str(exc):
@@ -118,6 +149,22 @@ def without_cache_output(model: nn.Module, kwargs: Mapping[str, Any]) -> Iterato
         config.use_cache = True
 
 
+@contextlib.contextmanager
+def without_own_checkpointing(model: nn.Module) -> Iterator[None]:
+    """Inside it, the modules of ``model`` that checkpoint their activations themselves (a
+    Hugging Face layer's ``gradient_checkpointing`` flag) do not; put back afterwards."""
+    flagged: list[Any] = [  # Any: a plain attribute, not what nn.Module types its own as
+        m for m in model.modules() if getattr(m, "gradient_checkpointing", None) is True
+    ]
+    for module in flagged:
+        module.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for module in flagged:
+            module.gradient_checkpointing = True
+
+
 def trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> ExportedProgram:
     """``torch.export`` of ``model`` on the examples, every tensor dimension dynamic."""
     _check_rows(args, kwargs)
@@ -132,8 +179,10 @@ def trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) ->
             model, args, dict(kwargs), dynamic_shapes=shapes, strict=False
         )
     except Exception as exc:  # the tracer's errors have no common base
+        layer = _layer(model, exc)
         message = (
-            f"torch.export could not trace {type(model).__name__}: {_reason(exc)}; {_advice(exc)}"
+            f"torch.export could not trace {type(model).__name__}{layer}: {_reason(exc)}; "
+            f"{_advice(exc)}"
         )
         raise TraceError(message, exc) from None
     _count_in_float(program)

@@ -271,11 +271,14 @@ class StageRun:
         return ties, tied
 
     def _apply_gradients(self) -> torch.Tensor:
-        """Sum the tied copies' gradients, clip, and step; returns the gradient norm."""
+        """Sum the tied copies' gradients, clip, and step; returns the gradient norm (each
+        tie counted once: the GPT's declared ones, and a weight the model's layers share,
+        such as a Hugging Face model's tied embedding and head, which the pipeline found)."""
         self.tied.sum()
+        ties = [*self.pipe.ties, *self.ties]
         norm = self.pipe.clip_grad_norm_(
             self.opts.grad_clip,
-            parameters=counted(self.ties, dict(self.pipe.named_parameters())),
+            parameters=counted(ties, dict(self.pipe.named_parameters())),
             scaler=self.scaler,
             optimizer=self.optimizer,
         )

@@ -45,19 +45,45 @@ def checkpoint_at(path: str | Path) -> Path:
     is never quietly made of an older checkpoint than the one asked for."""
     folder = Path(path)
     if (folder / DESCRIPTION).is_file():
-        problems = verify_checkpoint(folder, run=True)
+        problems = _problems(folder)
         if problems:
             raise ValueError(f"{folder}: damaged checkpoint ({'; '.join(problems)})")
         return folder
     found = checkpoint_dirs(folder / "checkpoints")
     if not found:
         raise ValueError(f"{folder}: no gpipe checkpoint there (a run folder or a checkpoint)")
-    problems = verify_checkpoint(found[-1], run=True)
+    problems = _problems(found[-1])
     if problems:
-        older = next((p for p in reversed(found[:-1]) if not verify_checkpoint(p, run=True)), None)
+        older = next((p for p in reversed(found[:-1]) if not _problems(p)), None)
         hint = f"; the newest that verifies is {older}: name it" if older else ""
         raise ValueError(f"{found[-1]}: damaged checkpoint ({'; '.join(problems)}){hint}")
     return found[-1]
+
+
+def _problems(checkpoint: Path) -> list[str]:
+    """``verify_checkpoint``'s, then ``_unheld_layers``'."""
+    return verify_checkpoint(checkpoint, run=True) or _unheld_layers(checkpoint)
+
+
+def _unheld_layers(checkpoint: Path) -> list[str]:
+    """The record's balance, refused unless the checkpoint holds the weights of each layer
+    it cuts and of no other: the GPT's layers, or a split model's stages, each hold some.
+    ``gpipe sample`` and ``generate`` start a process for each of its stages: a record
+    edited to declare thousands (with a model or cuts edited to match) would start them."""
+    from gpipe.training.checkpoints.safe_reading import read_metadata
+
+    record = read_run_record(checkpoint)
+    model = model_from_dict(record["model"])
+    balance = record.get("balance")
+    if balance is None or model.kind == "module":
+        return []  # a module of the user's own may hold layers without weights
+    names = (key.split(".") for key in read_metadata(checkpoint).state_dict_metadata)
+    held = {int(n[1]) for n in names if n[0] == "model" and len(n) > 2 and n[1].isdigit()}
+    count = sum(balance)  # the GPT's layers, or one entry of 1 for each stage of a split
+    if held == set(range(count)):
+        return []
+    said = f"cuts {count} layers" if model.kind == "gpt" else f"declares {count} stages"
+    return [f"{DESCRIPTION}'s balance {said}, but its tensors hold the weights of {len(held)}"]
 
 
 def trained_model(checkpoint: Path) -> TrainModel:
