@@ -12,6 +12,7 @@ pytest.importorskip("trl", reason="the test extra installs trl")
 
 from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
+from gpipe.integrations.hf_options import refused_options
 from gpipe.integrations.transformers import PipelineTrainer, pipelined
 
 from .. import workers
@@ -214,7 +215,7 @@ def test_a_world_that_is_not_k_times_d_is_one_line(tmp_path):
         ("neftune_noise_alpha", 5.0),
         ("torch_compile", True),
         ("auto_find_batch_size", True),
-        ("activation_checkpointing_kwargs", {"use_reentrant": False}),
+        ("activation_checkpointing_kwargs", {"use_reentrant": False, "every_n_layers": 2}),
         ("train_sampling_strategy", "batch_rebalance"),
     ],
 )
@@ -227,6 +228,20 @@ def test_an_option_the_pipeline_cannot_honour_is_one_line(tmp_path, option, valu
     ) as e:
         PipelineTrainer(model=cases.model(), args=args)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_use_reentrant_alone_is_honoured_by_the_pipelines_own_recomputation(tmp_path, reentrant):
+    # scripts pass it with gradient_checkpointing=True; both values give the same gradients
+    # as the pipeline's non-reentrant re-materialization of whole stages
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        gradient_checkpointing=True,
+        activation_checkpointing_kwargs={"use_reentrant": reentrant},
+    )
+    assert refused_options(args) == []
 
 
 def test_trainer_arguments_it_cannot_take(tmp_path):

@@ -33,6 +33,14 @@ def _given(value: Any) -> bool:
     return value is not None
 
 
+def _beyond_reentrancy(value: Any) -> bool:
+    """Checkpointing options other than ``use_reentrant``: the pipeline re-materializes whole
+    stages with PyTorch's non-reentrant checkpoint, which gives the gradients that either
+    ``use_reentrant`` does, and has nothing to honour the others with (``every_n_layers``,
+    offloading)."""
+    return bool(value) and bool(set(value) - {"use_reentrant"})
+
+
 # (argument, is it asked for, why the pipeline cannot honour it)
 _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("deepspeed", _given, "DeepSpeed shards the model its own way"),
@@ -44,8 +52,15 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("bf16_full_eval", _set, "the stages keep their dtype; use bf16 for mixed precision"),
     (
         "activation_checkpointing_kwargs",
-        _set,
-        "the pipeline re-materializes whole stages (gradient_checkpointing=True alone)",
+        _beyond_reentrancy,
+        "the pipeline re-materializes whole stages (gradient_checkpointing=True, with "
+        "use_reentrant at most)",
+    ),
+    (  # its name before transformers 5
+        "gradient_checkpointing_kwargs",
+        _beyond_reentrancy,
+        "the pipeline re-materializes whole stages (gradient_checkpointing=True, with "
+        "use_reentrant at most)",
     ),
     ("label_smoothing_factor", _set, "the pipeline's loss is the plain causal-LM loss"),
     ("neftune_noise_alpha", _given, "it hooks the whole model's embedding"),
