@@ -327,7 +327,10 @@ def test_records_of_unexpected_types_are_refused(copy, capsys):
     [
         (lambda r: r["train"].update(precision="fp8"), "precision is 'fp8', not one of"),
         (lambda r: r.update(balance=[]), "balance is []: expected layers per stage"),
-        (lambda r: r.update(balance=[1] * 4096), "cuts 4096 layers, not 4"),
+        (  # shown cut short, on one line of readable length
+            lambda r: r.update(balance=[1] * 4096),
+            "balance [1, 1, 1, 1, 1, 1, 1, 1, ... (4096 stages)] cuts 4096 layers, not 4",
+        ),
         (lambda r: r.update(balance=[1, 1, 2]), "holds 3 stages, not a multiple of its 2"),
         (lambda r: r["model"].update(vocab_size=0), "vocab_size is 0, expected at least 1"),
         (lambda r: r.update(step=-3), "step is -3"),

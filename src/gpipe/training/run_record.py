@@ -145,7 +145,9 @@ def _check_values(record: dict[str, Any]) -> None:
     balance = record.get("balance")
     if balance is not None:
         if not balance or min(balance) < 1:
-            raise ValueError(f"the record's balance is {balance}: expected layers per stage")
+            raise ValueError(
+                f"the record's balance is {_shown(balance)}: expected layers per stage"
+            )
         if len(balance) % record.get("stages", 1):
             raise ValueError(
                 f"the record's balance holds {len(balance)} stages, not a multiple of its "
@@ -159,8 +161,15 @@ def _check_values(record: dict[str, Any]) -> None:
         layers = model.get("n_layer", GPTConfig().n_layer) + 2  # embedding, blocks, head
         if balance is not None and sum(balance) != layers:
             raise ValueError(
-                f"the record's balance {balance} cuts {sum(balance)} layers, not {layers}"
+                f"the record's balance {_shown(balance)} cuts {sum(balance)} layers, not {layers}"
             )
     precision = record.get("train", {}).get("precision", "fp32")
     if precision not in PRECISIONS:
         raise ValueError(f"the run's precision is {precision!r}, not one of {sorted(PRECISIONS)}")
+
+
+def _shown(balance: list[int]) -> str:
+    """A balance for a one-line message: a long one (an edited record's, say) cut short."""
+    if len(balance) <= 16:
+        return str(balance)
+    return f"[{', '.join(map(str, balance[:8]))}, ... ({len(balance)} stages)]"
