@@ -12,7 +12,7 @@ import torch
 from gpipe.cli import main
 from gpipe.models.gpt import GPTConfig, build_gpt, generate
 from gpipe.training.checkpoints.format import save_checkpoint
-from gpipe.training.generating import lanes_and_rows
+from gpipe.training.generation_job import lanes_and_rows
 from gpipe.training.options import TrainOptions
 
 CONFIG = GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=32, vocab_size=256)

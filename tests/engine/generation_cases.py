@@ -252,7 +252,7 @@ def windows() -> bool:
     """``gpipe sample``'s continuation past the context (40), greedy: the first window is the
     prompt's end (30 tokens, 10 more fit), the next the last half of the full one (20, and
     20 more)."""
-    from gpipe.training.generation import continued
+    from gpipe.training.sample_text import continued
 
     pipe = Pipeline(gpt_model(), chunks=1)
     ids = prompts(64, (30,))[0]

@@ -136,7 +136,7 @@ def _check_sampling(args: argparse.Namespace) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from gpipe.training.checkpoints.format import read_run_record
     from gpipe.training.data.tokenizer import IdTokenizer, load_tokenizer
-    from gpipe.training.generating import GenerateJob, generate_from_run
+    from gpipe.training.generation_job import GenerateJob, generate_from_run
     from gpipe.training.models.trained import checkpoint_at
 
     for flag in ("max_new_tokens", "top_k", "in_flight", "prefill_chunk", "batch_size", "threads"):

@@ -90,7 +90,7 @@ def _through_stages(
     args: argparse.Namespace, path: Path, ids: list[int], seq_len: int
 ) -> list[int] | None:
     """The new tokens, through the run's stages; None if they keep no KV cache."""
-    from gpipe.training.generating import GenerateJob, generate_from_run
+    from gpipe.training.generation_job import GenerateJob, generate_from_run
 
     options = {"temperature": args.temperature, "top_k": args.top_k, "seed": args.seed}
     job = GenerateJob(str(path), [ids], args.tokens, options, code=args.model, window=seq_len)

@@ -29,11 +29,11 @@ from gpipe.training.data.run_data import check_same_data, run_dataset, run_docum
 from gpipe.training.data.step_batches import PackedBatches, WindowBatches
 from gpipe.training.data.tokenizer import ByteTokenizer, IdTokenizer, load_tokenizer
 from gpipe.training.elastic import join_process_group, kill_point, restart_count
-from gpipe.training.generation import generate_text
 from gpipe.training.models.sources import model_from_dict, model_loss
 from gpipe.training.optimization import build_optimizer, learning_rate
 from gpipe.training.options import PRECISIONS, RunSpec, TrainOptions
 from gpipe.training.reporting import Reporter, peak_memory
+from gpipe.training.sample_text import generate_text
 from gpipe.training.timelines import write_timeline
 
 __all__ = ["StageRun", "run_stage"]

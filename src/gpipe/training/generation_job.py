@@ -24,11 +24,11 @@ from gpipe.engine.generation import GenerationRefused
 from gpipe.pipeline import Pipeline
 from gpipe.training.checkpoints.format import read_run_record
 from gpipe.training.checkpoints.safe_reading import load_state
-from gpipe.training.generation import continued
 from gpipe.training.hf.generation_cut import cut_for_generation
 from gpipe.training.models.sources import TrainModel, model_from_dict
 from gpipe.training.models.trained import check_code_named
 from gpipe.training.options import PRECISIONS, TrainOptions
+from gpipe.training.sample_text import continued
 
 __all__ = [
     "GenerateJob",
@@ -48,7 +48,7 @@ class GenerateJob:
     ``prefill_chunk``), at most ``batch`` sequences in flight in all (None: every prompt),
     a progress bar if ``progress``; ``code`` names the run's own module, if it has one.
     With a ``window`` (a context), the one prompt is continued past it as the run's own
-    sample is (``gpipe.training.generation.continued``)."""
+    sample is (``gpipe.training.sample_text.continued``)."""
 
     checkpoint: str
     prompts: list[list[int]]
