@@ -1,11 +1,16 @@
-"""gpipe.launch shares the machine's cores among the processes it starts, and takes a
-number of restarts for torchrun's agent."""
+"""gpipe.launch shares the machine's cores among the processes it starts, takes a number of
+restarts for torchrun's agent, names what it cannot pass to a process, and leaves no process
+behind when its caller is interrupted or killed."""
 
+import multiprocessing
 import os
+import re
+import signal
+import time
 
 import pytest
 
-from gpipe import launch
+from gpipe import LaunchError, launch
 from gpipe.training.launch import threads_per_process
 
 from . import launch_cases
@@ -72,3 +77,68 @@ def test_processes_write_where_the_callers_output_goes_now(method, capfd):
 def test_an_unknown_start_method_is_named():
     with pytest.raises(ValueError, match=r"start_method must be one of \('forkserver', 'spawn', "):
         launch(launch_cases.threads, 2, start_method="thread")
+
+
+def test_what_cannot_be_pickled_is_named():
+    with pytest.raises(TypeError, match=r"^fn \(test_what_cannot.*<lambda>\) must be picklable"):
+        launch(lambda: 1, 1)
+    with pytest.raises(TypeError, match=r"^args must be picklable .* got tuple: Can't pickle"):
+        launch(launch_cases.threads, 1, (lambda: 1,))
+    with pytest.raises(LaunchError, match=r"rank 0: TypeError: the result of unpicklable_result "
+                       r"on rank 0 must be picklable .* got function: Can't pickle"):  # fmt: skip
+        launch(launch_cases.unpicklable_result, 1, threads=1)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"args": 5}, "args must be a tuple of fn's arguments, got int"),
+        ({"monitor_interval": 0}, "monitor_interval must be a positive number of seconds, got 0"),
+    ],
+)
+def test_bad_arguments_are_named(options, expected):
+    with pytest.raises((TypeError, ValueError), match=re.escape(expected)):
+        launch(launch_cases.threads, 1, **options)
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (reaped, or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _pids(folder, count: int) -> list[int]:
+    """The pids the launched processes noted in ``folder``, once all have (two minutes at
+    most)."""
+    deadline = time.monotonic() + 120
+    while len(found := sorted(folder.glob("pid-[0-9]"))) < count:
+        assert time.monotonic() < deadline, f"{len(found)} of {count} processes started"
+        time.sleep(0.05)
+    return [int(p.read_text()) for p in found]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to see the processes end")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_an_interrupted_or_killed_caller_leaves_no_process_behind(tmp_path, sig):
+    """Ctrl-C (SIGINT) of the process in ``launch`` stops its processes and raises a
+    LaunchError naming the signal; killed outright (SIGKILL) it stops nothing, and its
+    processes, children of its forkserver, which would run on unwatched, end by themselves
+    (a server of its own: the caller starts one, importing torch once)."""
+    method = "fork" if sig == signal.SIGINT else "forkserver"  # the caller's own server
+    caller = multiprocessing.get_context("forkserver").Process(
+        target=launch_cases.wait_in_launch, args=(str(tmp_path), method)
+    )
+    caller.start()
+    pids = _pids(tmp_path, 2)
+    os.kill(caller.pid, sig)
+    caller.join(timeout=60)
+    deadline = time.monotonic() + 60
+    while not all(map(_gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(map(_gone, pids)), pids
+    if sig == signal.SIGINT:
+        expected = "interrupted by SIGINT: stopped the 2 launched processes"
+        assert (tmp_path / "error").read_text() == expected

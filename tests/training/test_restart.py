@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -24,6 +25,8 @@ import torch.distributed as dist
 
 from gpipe.cli import main
 from gpipe.training.checkpoints.format import verify_checkpoint
+from gpipe.training.checkpoints.resuming import continuing_line
+from gpipe.training.run_lock import holding_run_folder
 
 from ..workers import training_on_shared_processes
 
@@ -228,3 +231,51 @@ def test_bad_max_restarts_is_refused(capsys, monkeypatch, tmp_path, value, torch
     assert main(["train", "--max-restarts", value, "--out", str(tmp_path / "run")]) == 2
     assert capsys.readouterr().err.strip() == f"gpipe: error: {expected}"
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_folder_in_use_by_another_run_is_refused(reference, tmp_path, capsys):
+    """A second run pointed at a folder a run is training in, to continue it or to replace
+    it, is refused before it writes anything, naming the process that holds it; once that
+    run ends the folder is free again."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    with holding_run_folder(out):  # as the launching process of a run holds it while it trains
+        assert main(["train", "--resume", str(out), "--steps", "13"]) == 2
+        assert main(["train", *RUN, "--stages", "2", "--out", str(out), "--force"]) == 2
+    for line in capsys.readouterr().err.splitlines():
+        assert line == (
+            f"gpipe: error: run folder {out} is in use by another run (process {os.getpid()} "
+            f"on {socket.gethostname()} holds {out / '.gpipe.lock'}); two runs in one folder "
+            "would write over each other's checkpoints: wait for it to end, or pass another --out"
+        )
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+    with holding_run_folder(out):  # free again
+        pass
+
+
+def test_a_run_folder_that_cannot_be_written_is_named_in_one_line(reference, tmp_path, capsys):
+    """(A read-only or full disk: the run record cannot be written; here its temporary file's
+    name is taken by a folder, which fails the same way whoever runs the test.)"""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    (out / ".run.json.tmp").mkdir()
+    assert main(["train", "--resume", str(out), "--steps", "13"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"gpipe: error: --resume {out}: cannot write the run folder (Is a directory: "
+        f"{out / '.run.json.tmp'})"
+    )
+
+
+def test_a_failed_run_says_what_it_can_continue_from(reference, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    newest = out / "checkpoints" / "step-000012"
+    expected = f"newest complete checkpoint: {{}}; gpipe train --resume {out} continues"
+    assert continuing_line(out) == expected.format(newest)
+    (newest / "manifest.json").unlink()  # a save cut short: the one before
+    assert continuing_line(out) == expected.format(out / "checkpoints" / "step-000009")
+    shutil.rmtree(out / "checkpoints")
+    assert continuing_line(out) == (
+        f"no checkpoint of {out} was completed: the run would start again from step 0"
+    )

@@ -6,6 +6,8 @@ import contextlib
 import inspect
 import multiprocessing
 import os
+import select
+import signal
 import sys
 import threading
 import time
@@ -16,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gpipe.comm.process_group import finish_process_group
-from gpipe.errors import PipelineError, StageError
+from gpipe.errors import PipelineError, StageError, counted, first_line
 
 __all__ = ["LaunchError", "launch", "threads_per_process"]
 
@@ -170,14 +173,51 @@ class _DuplicatedStream:
         os.close(received)
 
 
+def _end_with_launcher(launcher: int) -> None:
+    """End this process when the process that launched it ends: a launcher killed outright
+    (SIGKILL, the out-of-memory killer) stops nothing, and the processes it started, children
+    of the forkserver, would otherwise train on, unwatched, in a run folder that a restarted
+    run then shares. The save in flight, if any, stays a ``.partial`` folder."""
+    threading.Thread(
+        target=_wait_for_end, args=(launcher,), name="gpipe-launcher-watch", daemon=True
+    ).start()
+
+
+def _wait_for_end(launcher: int) -> None:
+    try:
+        handle = os.pidfd_open(launcher)
+    except ProcessLookupError:  # ended already
+        pass
+    except (AttributeError, OSError):  # no pidfd here (not Linux 5.3+): ask once a second
+        while _alive(launcher):
+            time.sleep(1.0)
+    else:
+        select.select([handle], [], [])  # readable once the launcher has ended
+    rank = os.environ.get("RANK", "?")
+    os.write(2, f"rank {rank}: its launcher (process {launcher}) ended; ending too\n".encode())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process took the number: ours has ended
+        return False
+    return True
+
+
 @record
 def _entry(
     fn: Callable[..., Any],
     threads: int | None,
     caller: Mapping[str, str] | None,
     streams: tuple[_DuplicatedStream, ...],
+    launcher: int,
     *args: Any,
 ) -> Any:
+    _end_with_launcher(launcher)
     for stream in streams:
         stream.install()
     if caller is not None:
@@ -192,8 +232,25 @@ def _entry(
         # than the peer that noticed it would otherwise report its own).
         time.sleep(LOST_PEER_GRACE_S)
         raise
+    _check_picklable(result, f"the result of {_name(fn)} on rank {os.environ.get('RANK')}")
     finish_process_group()
     return result
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _check_picklable(value: Any, what: str) -> None:
+    """TypeError, naming ``what``, if ``value`` cannot cross to another process: pickling
+    fails deep in torchrun's agent otherwise, reported without its reason."""
+    try:
+        reduction.ForkingPickler.dumps(value)
+    except Exception as exc:
+        raise TypeError(
+            f"{what} must be picklable to pass between processes (a module-level function, "
+            f"plain data, tensors), got {type(value).__name__}: {first_line(exc)}"
+        ) from None
 
 
 def _reason(failure: Any) -> str:
@@ -224,7 +281,10 @@ def launch(
     fails, the others are stopped; then torchrun's agent starts them all again, up to
     ``max_restarts`` times (each new process finds TORCHELASTIC_RESTART_COUNT above 0), and
     after that LaunchError names the failed ranks. A process that fails on losing a peer
-    (``StageError``) ends a second later, so that the lost process is the one named.
+    (``StageError``) ends a second later, so that the lost process is the one named. This
+    process interrupted (SIGINT, SIGTERM) stops them and raises LaunchError naming the
+    signal; killed outright, the processes it started end by themselves. ``fn``, ``args``
+    and each result must be picklable (``fn`` and ``args`` need not, under ``"fork"``).
 
     ``start_method`` ``"forkserver"`` (the default, as in Python 3.14) forks each process
     from a server that imported torch and gpipe once, so processes start in a fraction of a
@@ -237,6 +297,16 @@ def launch(
         raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple of fn's arguments, got {type(args).__name__}")
+    if (
+        isinstance(monitor_interval, bool)
+        or not isinstance(monitor_interval, int | float)
+        or not monitor_interval > 0
+    ):
+        raise ValueError(
+            f"monitor_interval must be a positive number of seconds, got {monitor_interval!r}"
+        )
     if threads == "auto":
         threads = threads_per_process(nprocs)
     elif threads is not None and (
@@ -247,6 +317,9 @@ def launch(
         raise ValueError(f"max_restarts must be a non-negative integer, got {max_restarts!r}")
     if start_method not in START_METHODS:
         raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    if start_method != "fork":  # the others pickle fn and args for each process
+        _check_picklable(fn, f"fn ({_name(fn)})")
+        _check_picklable(args, "args")
     if start_method == "forkserver":
         _preload(fn)
     config = LaunchConfig(
@@ -272,7 +345,12 @@ def launch(
         streams = (_CallersStream(1), _CallersStream(2)) if forked else ()
         try:
             with _main_without_pseudo_file():
-                return elastic_launch(config, _entry)(fn, threads, caller, streams, *args)
+                started = elastic_launch(config, _entry)
+                return started(fn, threads, caller, streams, os.getpid(), *args)
         except ChildFailedError as exc:
             lines = [f"rank {rank}: {_reason(f)}" for rank, f in sorted(exc.failures.items())]
             raise LaunchError("launched processes failed:\n" + "\n".join(lines)) from None
+        except SignalException as exc:  # the agent has stopped the processes
+            name = signal.Signals(exc.sigval).name
+            stopped = counted(nprocs, "launched process", "es")
+            raise LaunchError(f"interrupted by {name}: stopped the {stopped}") from None

@@ -109,18 +109,32 @@ def _prepare_data(opts: TrainOptions, model: TrainModel, out: Path) -> None:
 
 
 def _prepare_folder(out: Path, resume: bool, force: bool, run: dict[str, Any]) -> None:
-    """Refuse to overwrite a run unless told to; record what this run is."""
-    if not resume and out.exists() and any(out.iterdir()):
+    """Refuse to overwrite a run unless told to; record what this run is. A folder that
+    cannot be written is refused in one line."""
+    from gpipe.training.run_lock import LOCK_FILE
+
+    found = [p for p in out.iterdir() if p.name != LOCK_FILE] if out.is_dir() else []
+    if not resume and found:
         if not force:
             raise ConfigError(
                 f"run folder {out} is not empty; pass --force to replace it, "
                 f"or --resume {out} to continue it"
             )
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    temporary = out / f".{RUN_FILE}.tmp"  # renamed: a restarted process never reads half of it
-    temporary.write_text(json.dumps(run, indent=2) + "\n")
-    os.replace(temporary, out / RUN_FILE)
+        for path in found:  # the lock stays: this run holds it
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        temporary = out / f".{RUN_FILE}.tmp"  # renamed: a restart never reads half of it
+        temporary.write_text(json.dumps(run, indent=2) + "\n")
+        os.replace(temporary, out / RUN_FILE)
+    except OSError as exc:
+        flag = "--resume" if resume else "--out"
+        raise ConfigError(
+            f"{flag} {out}: cannot write the run folder ({exc.strerror}: {exc.filename})"
+        ) from None
 
 
 def _saved_run(config: TrainConfig) -> dict[str, Any] | None:
@@ -286,8 +300,7 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
 
     The processes it starts import the calling script again: call it under
     ``if __name__ == "__main__":`` (a notebook or ``python -c`` needs nothing)."""
-    from gpipe.training.launch import launch, threads_per_process
-    from gpipe.training.stage_run import run_stage
+    from gpipe.training.run_lock import holding_run_folder
 
     _refuse_reimport()
     run = resolve(config)
@@ -318,8 +331,25 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
 
     if torchrun:
         restarted = _agree_on_folder(prepare, opts.device, opts.timeout, restarted)
+        summary = _run_stages(run, config, restarted)
     else:
-        prepare()
+        with holding_run_folder(out):  # while its processes train, restarts included
+            prepare()
+            summary = _run_stages(run, config, restarted)
+    if summary is not None:
+        _print_summary(summary, out)
+    return summary
+
+
+def _run_stages(run: ResolvedRun, config: TrainConfig, restarted: bool) -> dict[str, Any] | None:
+    """Run the stages of the prepared run: this rank's under torchrun, else all of them in
+    local processes; the summary where this process reports. A failure of the local
+    processes ends in a LaunchError that says what the run can continue from."""
+    from gpipe.training.checkpoints.resuming import continuing_line
+    from gpipe.training.launch import LaunchError, launch, threads_per_process
+    from gpipe.training.stage_run import run_stage
+
+    model, opts, out, torchrun = run.model, run.options, run.out, under_torchrun()
     resume = config.resume is not None and not restarted
     spec = RunSpec(
         model=model.to_dict(),
@@ -334,23 +364,22 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         print(f"{counted(processes, 'process', 'es')}: {layout_text(opts)}", flush=True)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else processes
     threads = (config.threads or threads_per_process(local)) if opts.device == "cpu" else None
-    if torchrun:
-        from gpipe.comm.process_group import finish_process_group
-        from gpipe.training.checkpoints.resuming import NothingToResume
-
-        if threads is not None:
-            torch.set_num_threads(threads)
+    if not torchrun:
         try:
-            summary = run_stage(spec)
-        except NothingToResume as exc:
-            raise ConfigError(f"--resume {out}: {exc}") from None
-        finish_process_group()
-    else:
-        summary = launch(
-            run_stage, processes, (spec,), threads=threads, max_restarts=config.max_restarts or 0
-        )[0]
-    if summary is not None:
-        _print_summary(summary, out)
+            restarts = config.max_restarts or 0
+            return launch(run_stage, processes, (spec,), threads=threads, max_restarts=restarts)[0]
+        except LaunchError as exc:
+            raise LaunchError(f"{exc}\n{continuing_line(out)}") from None
+    from gpipe.comm.process_group import finish_process_group
+    from gpipe.training.checkpoints.resuming import NothingToResume
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        summary = run_stage(spec)
+    except NothingToResume as exc:
+        raise ConfigError(f"--resume {out}: {exc}") from None
+    finish_process_group()
     return summary
 
 

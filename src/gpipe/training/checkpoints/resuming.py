@@ -8,12 +8,18 @@ import os
 from pathlib import Path
 
 from gpipe.comm.agreement import on_first_rank
-from gpipe.training.checkpoints.format import discard_partial, latest_checkpoint
+from gpipe.training.checkpoints.format import (
+    checkpoint_dirs,
+    discard_partial,
+    latest_checkpoint,
+    verify_checkpoint,
+)
 
 __all__ = [
     "RUN_OUTPUTS",
     "NothingToResume",
     "check_outputs_unlinked",
+    "continuing_line",
     "resume_point",
     "trim_metrics",
 ]
@@ -58,6 +64,15 @@ def resume_point(
             raise NothingToResume(f"no checkpoint in {root} verifies; nothing to resume from")
         return None
     return root / choice
+
+
+def continuing_line(out: Path) -> str:
+    """What a run that failed or was stopped leaves to continue from, for its error: its
+    newest complete checkpoint (sizes checked; a resume checks the rest) and the command."""
+    for path in reversed(checkpoint_dirs(out / "checkpoints")):
+        if not verify_checkpoint(path, checksums=False):
+            return f"newest complete checkpoint: {path}; gpipe train --resume {out} continues"
+    return f"no checkpoint of {out} was completed: the run would start again from step 0"
 
 
 def check_outputs_unlinked(out: Path) -> None:

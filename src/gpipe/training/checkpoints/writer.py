@@ -35,6 +35,7 @@ import torch.utils._pytree
 from torch import nn
 from torch.optim import Optimizer
 
+from gpipe.errors import first_line
 from gpipe.training.checkpoints.format import (
     begin_save,
     checkpoint_group,
@@ -299,7 +300,8 @@ class CheckpointWriter:
             self._in_flight = None
             if self._error is not None:
                 error, self._error = self._error, None
-                raise RuntimeError(f"saving the checkpoint of step {step} failed") from error
+                why = f"{type(error).__name__}: {first_line(error)}"  # a full disk, say
+                raise RuntimeError(f"saving the checkpoint of step {step} failed: {why}") from error
         return self.last
 
     def close(self) -> Path | None:
