@@ -673,3 +673,17 @@ def test_files_that_are_not_utf8_are_named_in_one_line(tmp_path):
         load_devices(bad)
     with pytest.raises(ValueError, match=r"^--model hf:.*latin1: cannot read a config\.json"):
         from_hf_config(bad)
+
+
+@pytest.mark.parametrize(("sig", "status"), [(None, 1), (2, 130), (15, 143)])
+def test_a_run_stopped_by_a_signal_exits_as_a_shell_reports_it(monkeypatch, capsys, sig, status):
+    """Ctrl-C (SIGINT) or SIGTERM of the launch: 128 + the signal, as a script expects of a
+    command a signal stopped; any other failure of the processes, 1."""
+    from gpipe import LaunchError
+
+    def stopped(config):
+        raise LaunchError("interrupted by SIGINT: stopped the 2 launched processes", signal=sig)
+
+    monkeypatch.setattr("gpipe.training.run.train", stopped)
+    assert main(["train", "--steps", "1"]) == status
+    assert capsys.readouterr().err.startswith("gpipe: failed: interrupted by SIGINT")

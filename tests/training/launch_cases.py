@@ -51,6 +51,7 @@ def wait_in_launch(folder: str, start_method: str) -> None:
         launch(note_pid_and_wait, 2, (folder,), threads=1, start_method=start_method)
     except LaunchError as exc:
         Path(folder, "error").write_text(str(exc))
+        Path(folder, "signal").write_text(str(exc.signal))
 
 
 def note_pid_and_wait(folder: str) -> None:

@@ -142,3 +142,4 @@ def test_an_interrupted_or_killed_caller_leaves_no_process_behind(tmp_path, sig)
     if sig == signal.SIGINT:
         expected = "interrupted by SIGINT: stopped the 2 launched processes"
         assert (tmp_path / "error").read_text() == expected
+        assert (tmp_path / "signal").read_text() == str(int(signal.SIGINT))  # gpipe exits 130

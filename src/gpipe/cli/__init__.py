@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except PipelineError as exc:
         print(f"gpipe: failed: {exc}", file=sys.stderr)
-        return 1
+        interrupted = getattr(exc, "signal", None)  # a launch that Ctrl-C or SIGTERM stopped
+        return 128 + interrupted if interrupted else 1  # as a shell reports a signal
 
 
 def _reader_gone() -> int:

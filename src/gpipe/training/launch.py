@@ -37,7 +37,12 @@ _ENV_AT_IMPORT = dict(os.environ)
 
 
 class LaunchError(PipelineError):
-    """A launched process failed; the message carries each failed rank's error."""
+    """A launched process failed; the message carries each failed rank's error. ``signal``
+    is the signal that interrupted the launch (Ctrl-C's SIGINT, a SIGTERM), else None."""
+
+    def __init__(self, message: str, *, signal: int | None = None) -> None:
+        super().__init__(message)
+        self.signal = signal
 
 
 def threads_per_process(local_processes: int) -> int:
@@ -353,4 +358,6 @@ def launch(
         except SignalException as exc:  # the agent has stopped the processes
             name = signal.Signals(exc.sigval).name
             stopped = counted(nprocs, "launched process", "es")
-            raise LaunchError(f"interrupted by {name}: stopped the {stopped}") from None
+            raise LaunchError(
+                f"interrupted by {name}: stopped the {stopped}", signal=exc.sigval
+            ) from None

@@ -369,7 +369,7 @@ def _run_stages(run: ResolvedRun, config: TrainConfig, restarted: bool) -> dict[
             restarts = config.max_restarts or 0
             return launch(run_stage, processes, (spec,), threads=threads, max_restarts=restarts)[0]
         except LaunchError as exc:
-            raise LaunchError(f"{exc}\n{continuing_line(out)}") from None
+            raise LaunchError(f"{exc}\n{continuing_line(out)}", signal=exc.signal) from None
     from gpipe.comm.process_group import finish_process_group
     from gpipe.training.checkpoints.resuming import NothingToResume
 
