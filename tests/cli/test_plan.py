@@ -59,6 +59,17 @@ def test_recomputation_fits_more_layers(capsys):
     assert always > never
 
 
+def test_max_layers_too_little_memory_names_what_the_smallest_needs(capsys):
+    """It said only "not even the smallest model fits": now how small (2 blocks on 4
+    stages) and the memory it needs, which a plan of that model prints as its largest total."""
+    assert main([*MODEL, "--device-memory", "1MiB", "--max-layers"]) == 1
+    told = capsys.readouterr().out
+    assert main([*MODEL, "--n-layer", "2", "--device-memory", "1MiB"]) == 1
+    totals = [row[-2] for row in _rows(capsys.readouterr().out)]
+    need = max(totals, key=lambda cell: parse_bytes(cell.replace(" ", "")))
+    assert f"2 blocks on 4 stages need {need} on the fullest process" in told
+
+
 def test_sizes_and_bad_input():
     assert parse_bytes("16GiB") == 16 * 2**30
     assert parse_bytes("80 GB") == 80 * 10**9

@@ -117,6 +117,24 @@ def test_search_prints_the_fastest_why_the_others_do_not_and_a_command(capsys):
     _trains(command, capsys)
 
 
+def test_search_json_holds_what_the_table_says(capsys):
+    """--search --json gave the least memory without its layout, and neither the model, the
+    cluster nor the step and memory of the fastest layout gpipe trains, which the text
+    prints beside the table."""
+    args = ["--dropout", "0", "--global-batch", "256", "--search", "--top", "2"]
+    assert main([*GPT, *args, "--seq-len", "8192", "--recompute", "none", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["model"] == "gpt 16x2048" and got["cluster"] == "64xA100-80GB"
+    assert got["best"][0]["layout"]["shard"] == "optimizer"  # which gpipe does not offer
+    trained = got["trained"]
+    assert trained["layout"]["shard"] == "full" and trained["fits"]
+    assert trained["step_time_s"] >= got["best"][0]["step_time_s"]
+    assert "--shard full" in got["train_command"]
+    assert got["rejected"]["does not fit in 80 GiB"] > 0
+    least = got["least_memory_layout"]
+    assert least["recompute"] == "none" and got["least_memory_gib"] > 80
+
+
 def test_a_user_device_from_toml(tmp_path, capsys):
     path = tmp_path / "devices.toml"
     path.write_text(

@@ -3,6 +3,8 @@ the world K x D x T, a T the heads refuse, and --suggest choosing T."""
 
 import re
 
+import pytest
+
 from gpipe.cli import main
 
 SHAPE = ["plan", "--n-layer", "4", "--d-model", "128", "--n-head", "4", "--vocab-size", "256",
@@ -106,3 +108,61 @@ def test_simulate_refuses_tp_allreduces_without_t_and_names_each_bad_flag(capsys
         assert refusal in err and err.count("\n") == 1, err
     assert main([*base, str(costs), "--tensor-parallel", "2"]) == 0
     assert "for 2 all-reduces of 1e+09 bytes" in capsys.readouterr().out
+
+
+def _llama(folder, kv_heads: int = 2) -> str:
+    """A 2-block Llama (width 32, 4 heads of 16, ``kv_heads`` key/value heads, MLP 64,
+    vocabulary 96, head untied) saved in ``folder``; its --model argument."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=kv_heads, max_position_embeddings=32)  # fmt: skip
+    config.save_pretrained(folder)
+    return f"hf:{folder}"
+
+
+def test_a_hugging_face_model_is_planned_per_tensor_rank(tmp_path, monkeypatch, capsys):
+    """`--tensor-parallel 2 --model hf:` was refused ("plans the built-in GPT's split"): each
+    stage's parameters are now its rank's share under the config's declared plan, counted by
+    hand: a block's q, k, v, o and MLP maps halved (9,280 to 4,672 with its norms), the
+    embedding whole, the head's vocabulary halved (3,072 to 1,536); a world of K x D x T.
+    (T = 1 keeps the whole model: test_plan_model's Llama.)"""
+    pytest.importorskip("transformers", reason="--model hf: needs transformers")
+    import gpipe.cli.plan_model as plan_model
+
+    seen = []
+    real = plan_model.plan
+    monkeypatch.setattr(plan_model, "plan", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    argv = ["plan", "--model", _llama(tmp_path / "llama"), "--stages", "2", "--chunks", "2",
+            "--batch-size", "4", "--tensor-parallel", "2"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert [r.params for r in seen[-1].ranks] == [3072 + 4672, 4672 + 32 + 1536]
+    assert "per tensor rank" in out and "world K x D x T = 2 x 1 x 2 = 4 processes" in out
+
+
+def test_a_hugging_face_t_its_heads_refuse_or_a_module_is_refused_in_one_line(tmp_path, capsys):
+    pytest.importorskip("transformers", reason="--model hf: needs transformers")
+    base = ["plan", "--model", _llama(tmp_path / "llama", kv_heads=1), "--stages", "2"]
+    refusals = {
+        ("--tensor-parallel", "2"): "--tensor-parallel 2: tensor_parallel=2 does not divide the "
+        "1 heads of 0.model.layers.0.self_attn.k_proj",
+        ("--tensor-parallel", "0"): "--tensor-parallel must be a positive integer, got 0",
+    }
+    for flags, refusal in refusals.items():
+        assert main([*base, *flags]) == 2
+        err = capsys.readouterr().err
+        assert refusal in err and err.count("\n") == 1, err
+    assert main(["plan", "--model", "mod:fn", "--tensor-parallel", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "for --model mod:fn plan one rank of each stage (T = 1)" in err
+
+
+def test_tp_link_without_suggest_is_refused_not_ignored(capsys):
+    """A plan of one configuration counts memory only: --tp-link (even a device that does not
+    exist) was accepted and ignored."""
+    assert main([*MODEL, "--tensor-parallel", "2", "--tp-link", "nowhere"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp-link nowhere times the collectives --suggest weighs" in err
+    assert err.count("\n") == 1

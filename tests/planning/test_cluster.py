@@ -263,3 +263,25 @@ def test_gemma_2s_alternate_windows_fall_where_their_blocks_do():
     assert per_block > 0
     assert full.stages[1].forward - model.stages[1].forward == pytest.approx(6 * per_block)
     assert model.flops()[1] < full.flops()[1]
+
+
+def test_a_step_is_simulated_whole_where_another_pair_would_cost_more(monkeypatch):
+    """The late-settling V of the test above at M = 16: its pairs at 4 and 6 micro-batches do
+    not settle, and the next pair (8 and 10: 18 micro-batches) costs more than the whole step,
+    so the step is simulated whole at 16 (it was simulated at 8 and 10 first, then whole:
+    the search's V-Half and V-Min on 32 processes built and replayed 128 and 160 micro-batches
+    before the whole 256). The step is the whole simulation's."""
+    import gpipe.planning.cluster as cluster  # to see which lengths it simulates
+
+    lengths = []
+    original = cluster.build
+    monkeypatch.setattr(
+        cluster, "build", lambda s, k, n, v: lengths.append(n) or original(s, k, n, v)
+    )
+    shape = gpt_shape(64, 2048, 32, 50304)  # not the test above's: a step it has not cached
+    layout = Layout(parse_cluster("16xA100-80GB"), 2, 4, 2, 64, 2, 2048, "zero-bubble-v", 2)
+    got = predict(shape, layout)
+    assert lengths == [4, 6, 16]
+    model = StepModel.of(shape, layout)
+    whole = simulate(build("zero-bubble-v", 2, 16, 2), model.costs(), data_parallel=2)
+    assert got.step_time_s - model.optimizer_seconds() == pytest.approx(whole.makespan, rel=1e-9)

@@ -268,6 +268,17 @@ def test_cli_refuses_stages_per_process_that_a_v_named_does_not_hold(capsys, nam
     capsys.readouterr()
 
 
+def test_cli_refuses_virtual_stages_for_schedules_of_one_stage_per_process(capsys):
+    """`--schedule 1f1b --virtual-stages 3` printed 1F1B's row as if the flag meant nothing."""
+    argv = ["simulate", "--stages", "4", "--chunks", "8", "--virtual-stages", "3"]
+    assert main([*argv, "--schedule", "gpipe,1f1b"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "--virtual-stages 3: --schedule gpipe,1f1b places one stage per process" in err
+    assert main([*argv, "--schedule", "1f1b,interleaved"]) == 0  # interleaved's
+    capsys.readouterr()
+
+
 def test_cli_virtual_stages_named_beside_a_looped_schedule_are_its(capsys):
     """--virtual-stages 4 is interleaved's when it is named beside a V: both run, the V on
     its two, rather than the V's refusal ending the comparison."""

@@ -68,3 +68,38 @@ def test_each_block_all_reduces_twice_a_pass_and_the_head_gathers_its_logits():
     link = Link(bandwidth=1e9, latency=0.0)
     forward, backward = found.seconds(1, 16, link, 2)
     assert forward == backward == pytest.approx(2 * link.ring(16 * 64 * 4, 2, passes=2))
+
+
+class _Experts(torch.nn.Module):
+    """Stacked experts as transformers 5 stores them: (experts, 2 x width, hidden) and
+    (experts, hidden, width)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.empty(4, 2 * 12, 8))
+        self.down_proj = torch.nn.Parameter(torch.empty(4, 8, 12))
+
+    def forward(self, x):
+        gate, up = torch.nn.functional.linear(x, self.gate_up_proj[0]).chunk(2, dim=-1)
+        return torch.nn.functional.linear(gate * up, self.down_proj[0])
+
+
+def test_a_share_splits_stacked_experts_and_a_rowwise_map_takes_a_whole_input():
+    """Stacked experts were left whole (every expert counted on every rank), and a rowwise
+    map whose style splits its input (Phi-3's and OLMo 2's output maps, after gathering
+    ones) got a split-width map fed the whole input, which no profile could run."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from gpipe.parallel.experts import ExpertsParallel
+
+    layers = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8), _Experts())
+    tp_plan = {
+        "0": ColwiseParallel(output_layouts=Replicate()),
+        "1": RowwiseParallel(input_layouts=Replicate()),
+        "2": ExpertsParallel(packed=["gate_up_proj"], rows=["down_proj"]),
+    }
+    share = local_share(layers, 2, tp_plan)
+    assert share[1].weight.shape == (8, 8) and share[1].bias.shape == (8,)
+    assert share[2].gate_up_proj.shape == (4, 12, 8) and share[2].down_proj.shape == (4, 8, 6)
+    assert share(torch.zeros(3, 8, device="meta")).shape == (3, 8)

@@ -107,9 +107,9 @@ def add_parser(sub: Any) -> None:
         type=int,
         metavar="T",
         help="ranks per stage, its layers split over them as Pipeline(tensor_parallel=T) "
-        "splits the GPT's (heads and MLP, vocabulary); figures are per rank, the world K x D "
-        "x T (default 1; --suggest tries the divisors of the heads); with --cluster, GPUs per "
-        "stage",
+        "splits the GPT's (heads and MLP, vocabulary) or an hf: config's declared plan; "
+        "figures are per rank, the world K x D x T (default 1; --suggest tries the divisors "
+        "of the heads); with --cluster, GPUs per stage",
     )
     add_link_argument(p)
     p.add_argument("--chunks", type=int, metavar="M", help="micro-batches (default 8)")
@@ -242,9 +242,14 @@ def _plan_for(args: argparse.Namespace, template: Profile, n_layer: int) -> Memo
     )
 
 
+def _smallest(args: argparse.Namespace) -> int:
+    """The fewest blocks ``--max-layers`` tries: enough to give every stage a layer."""
+    return max(1, args.stages * args.virtual_stages - 2)
+
+
 def _most_layers(args: argparse.Namespace, template: Profile, memory: int) -> int | None:
     """The most blocks whose plan fits: doubling until one does not, then bisection."""
-    smallest = max(1, args.stages * args.virtual_stages - 2)
+    smallest = _smallest(args)
     if not _plan_for(args, template, smallest).fits(memory):
         return None
     fits, high = smallest, smallest * 2
@@ -271,7 +276,7 @@ def _plan(args: argparse.Namespace) -> int:
     kind = model_kind(args)
     gpt = kind == "gpt"
     check_plannable(args, gpt, str(PLAN_DEFAULTS["schedule"]))
-    check_tensor_flags(args, gpt)
+    check_tensor_flags(args, kind)
     if args.generate:
         return _generating(args, kind)
     if args.in_flight is not None:
@@ -296,7 +301,13 @@ def _plan(args: argparse.Namespace) -> int:
         if args.max_layers:
             most = _most_layers(args, template, memory)
             if most is None:
-                print(f"not even the smallest model fits in {format_bytes(memory)} per device")
+                smallest = _smallest(args)
+                need = _plan_for(args, template, smallest).peak_bytes
+                print(
+                    f"not even the smallest model fits in {format_bytes(memory)} per device: "
+                    f"{smallest} blocks on {args.stages} stages need {format_bytes(need)} on the "
+                    "fullest process (--device-memory at least that)"
+                )
                 return 1
             n_layer = most
         result = _plan_for(args, template, n_layer)

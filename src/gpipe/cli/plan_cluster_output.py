@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from gpipe.planning.cluster import Prediction
+from gpipe.planning.cluster_layout import Layout
 from gpipe.planning.cluster_search import Search
 from gpipe.planning.hardware import Cluster
 from gpipe.planning.transformer import TransformerShape
@@ -79,6 +80,24 @@ def print_prediction(p: Prediction, shape: TransformerShape, choices: dict[str, 
         print(f"  {name.ljust(width)}  {value}")
 
 
+def _layout_json(layout: Layout) -> dict[str, Any]:
+    return {
+        "data_parallel": layout.data_parallel,
+        "tensor_parallel": layout.tensor_parallel,
+        "stages": layout.stages,
+        "schedule": layout.schedule,
+        "virtual_stages": layout.n_stages // layout.stages,
+        "micro_batch": layout.micro_batch,
+        "microbatches": layout.microbatches,
+        "global_batch": layout.global_batch,
+        "seq_len": layout.seq_len,
+        "recompute": layout.recompute,
+        "shard": layout.shard or "none",
+        "precision": layout.precision,
+        "stack": layout.stack or layout.cluster.device.stack,
+    }
+
+
 def prediction_json(p: Prediction) -> dict[str, Any]:
     """A prediction as plain JSON values; the issue's four keys first."""
     layout = p.layout
@@ -93,21 +112,7 @@ def prediction_json(p: Prediction) -> dict[str, Any]:
         "tp_comm_s": p.tp_comm_s,
         "dp_exposed_s": p.dp_exposed_s,
         "optimizer_s": p.optimizer_s,
-        "layout": {
-            "data_parallel": layout.data_parallel,
-            "tensor_parallel": layout.tensor_parallel,
-            "stages": layout.stages,
-            "schedule": layout.schedule,
-            "virtual_stages": layout.n_stages // layout.stages,
-            "micro_batch": layout.micro_batch,
-            "microbatches": layout.microbatches,
-            "global_batch": layout.global_batch,
-            "seq_len": layout.seq_len,
-            "recompute": layout.recompute,
-            "shard": layout.shard or "none",
-            "precision": layout.precision,
-            "stack": layout.stack or layout.cluster.device.stack,
-        },
+        "layout": _layout_json(layout),
         "cluster": str(layout.cluster),
     }
 
@@ -199,13 +204,18 @@ def print_search(
     if slower:
         reasons["fit, but slower"] = slower
     if as_json:
+        least = found.least
         out = {
+            "model": shape.name,
+            "cluster": str(cluster),
             "searched": found.searched,
             "fitting": found.fitting,
             "seconds": found.seconds,
             "best": [prediction_json(p) for p in found.best],
             "rejected": reasons,
-            "least_memory_gib": None if found.least is None else found.least.memory.total / 2**30,
+            "least_memory_gib": None if least is None else least.memory.total / 2**30,
+            "least_memory_layout": None if least is None else _layout_json(least.layout),
+            "trained": None if trained is None else prediction_json(trained),
             "train_command": None if trained is None else train_command(trained, model),
         }
         print(json.dumps(out, indent=2))

@@ -93,23 +93,32 @@ def check_training_flags(args: argparse.Namespace, gpt: bool) -> None:
         )
 
 
-def check_tensor_flags(args: argparse.Namespace, gpt: bool) -> None:
-    """``--tensor-parallel`` and ``--tp-link``: the built-in GPT's training plans only, T a
-    divisor of the heads (the rest of the plan, the vocabulary among it, is checked where the
-    model is split)."""
+def check_tensor_flags(args: argparse.Namespace, kind: str) -> None:
+    """``--tensor-parallel`` and ``--tp-link``: training plans of the built-in GPT or of a
+    Hugging Face model (``kind`` ``gpt`` or ``hf``), T positive and, for the GPT, a divisor of
+    its heads (the rest of the plan, the vocabulary among it, is checked where the model is
+    split); ``--tp-link`` only where ``--suggest`` times the collectives on it."""
     t = args.tensor_parallel
     if t is None or t == 1:
         if args.tp_link is not None and not args.suggest:
             raise UsageError("--tp-link is the link of --tensor-parallel T's ranks: give T > 1")
         return
-    if not gpt:
+    if t < 1:
+        raise UsageError(f"--tensor-parallel must be a positive integer, got {t}")
+    if kind == "module":
         raise UsageError(
-            f"--tensor-parallel plans the built-in GPT's split; for --model {args.model} "
-            "plan one rank of each stage (T = 1)"
+            f"--tensor-parallel plans the split the built-in GPT or a Hugging Face config "
+            f"declares; for --model {args.model} plan one rank of each stage (T = 1)"
         )
     if args.generate:
         raise UsageError("--tensor-parallel plans training; leave out --generate")
-    check_heads(t, args.n_head)
+    if args.tp_link is not None and not args.suggest:
+        raise UsageError(
+            f"--tp-link {args.tp_link} times the collectives --suggest weighs; a plan of one "
+            "configuration counts memory only: leave it out, or add --suggest"
+        )
+    if kind == "gpt":
+        check_heads(t, args.n_head)
 
 
 # Options of training plans that generation has no use for: one pipeline (generate() runs no

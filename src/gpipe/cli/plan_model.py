@@ -183,29 +183,67 @@ def _build(args: argparse.Namespace) -> nn.Module:
 
 def _split(model: nn.Module, args: argparse.Namespace, parts: int) -> Any:
     """``model`` cut by ``gpipe.split`` into ``parts`` stages: at ``--split-at``, or where
-    their parameters are most even; its errors as one line."""
-    from gpipe.splitting import PlanStage, split
+    their parameters are most even; with ``--tensor-parallel T``, each stage as one of its T
+    ranks holds it. Its errors as one line."""
+    from gpipe.splitting import PlanStage
+
+    at = None if args.split_at is None else args.split_at.split(",")
+    t = getattr(args, "tensor_parallel", None) or 1
+    if at is None or t > 1:
+        planned = _traced(model, args, at=at, parts=None if at else parts, plan="auto")
+        if not isinstance(planned[0], PlanStage):
+            if t > 1:
+                raise UsageError(
+                    f"--tensor-parallel {t}: --model {args.model} declares no pipeline plan "
+                    "(base_model_pp_plan) to split its layers by; plan it with T = 1"
+                )
+            return _counted(planned, args, parts)
+        at = planned.at
+        if t > 1:
+            model = _one_rank(model, planned, t)
+    # profiled on meta, where a model's own code cannot run (it reads values): the traced
+    # graph of the same cut (where a plan cut it, as training will)
+    return _counted(_traced(model, args, at=at, parts=None, plan=None), args, parts)
+
+
+def _traced(model: nn.Module, args: argparse.Namespace, **how: Any) -> Any:
+    """``gpipe.split(model, ..., **how)`` on a few tokens on meta, its errors as one line."""
+    from gpipe.splitting import split
 
     example = torch.zeros(2, min(args.seq_len, 16), dtype=torch.long, device="meta")
-    at = None if args.split_at is None else args.split_at.split(",")
     try:  # the tracer prints the graph it gave up on, and logs: the message says it all
         with quiet_tracer():
-            if at is None:
-                stages = split(model, (example,), parts=parts, balance="parameters")
-                if not isinstance(stages[0], PlanStage):
-                    return stages
-                at = stages.at
-            # profiled on meta, where a model's own code cannot run (it reads values): the
-            # traced graph of the same cut (where a plan cut it, as training will)
-            stages = split(model, (example,), at=at, plan=None)
+            return split(model, (example,), balance="parameters", **how)
     except Exception as exc:  # TraceError, CutError, or the tracer's own
         raise UsageError(f"--model {args.model}: {first_line(exc)}") from None
+
+
+def _counted(stages: Any, args: argparse.Namespace, parts: int) -> Any:
+    """``stages``, refused in one line unless they are the ``parts`` asked for."""
     if len(stages) != parts:
         raise UsageError(
             f"--split-at {args.split_at} gives {len(stages)} stages, but --stages {args.stages} "
             f"x --virtual-stages {args.virtual_stages} asks for {parts}"
         )
     return stages
+
+
+def _one_rank(model: nn.Module, planned: Any, tensor_parallel: int) -> nn.Module:
+    """``model`` with each module its declared tensor-parallel plan splits in the shape one
+    of ``tensor_parallel`` ranks holds (``gpipe.planning.tensor_share``), the plan checked
+    first on ``planned``'s stages as ``gpipe train --tensor-parallel`` checks it."""
+    from gpipe.parallel.tensor import resolve_plan
+    from gpipe.planning.tensor_share import local_share
+
+    whole: dict[str, Any] = {}
+    for stage in planned:
+        whole.update(stage.tp_plan)
+    try:
+        resolve_plan(None, nn.Sequential(*planned), tensor_parallel)
+        share = local_share([model], tensor_parallel, {f"0.{k}": v for k, v in whole.items()})
+    except ValueError as exc:
+        raise UsageError(f"--tensor-parallel {tensor_parallel}: {exc}") from None
+    return share[0]
 
 
 def _vocab_size(model: nn.Module, source: str) -> int:

@@ -151,6 +151,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.schedule_csv is not None:
         _check_file_flags(args)
     args.stages = 4 if args.stages is None else args.stages
+    v_given = args.virtual_stages is not None
     args.virtual_stages = 2 if args.virtual_stages is None else args.virtual_stages
     tokens = microbatch_tokens(args)
     for flag in ("stages", "chunks", "virtual_stages", "data_parallel"):
@@ -168,6 +169,11 @@ def _simulate(args: argparse.Namespace) -> int:
     if not any(traits(name).placement is Placement.LOOPED for name in names):
         for name in names:
             check_v_stages(name, args.virtual_stages)
+    if v_given and not any(traits(name).several_stages_per_rank for name in names):
+        raise UsageError(
+            f"--virtual-stages {args.virtual_stages}: --schedule {','.join(names)} places one "
+            f"stage per process; --virtual-stages is for {multi_stage_schedules()}"
+        )
     costs = DEFAULT_COSTS if args.costs is None else read_costs(args.costs, args.stages)
     costs = costs if tokens is None else costs.with_tokens(tokens)
     costs, tensor = _tensor_costs(args, costs)
@@ -216,7 +222,10 @@ def _simulate(args: argparse.Namespace) -> int:
         plot(results, args.plot)
         print(f"timelines: {args.plot}")
     if page is not None:
-        print(f"page: {write_page(args.html, page)}")
+        try:
+            print(f"page: {write_page(args.html, page)}")
+        except OSError as exc:
+            raise UsageError(f"--html {args.html}: {exc.strerror or exc}") from None
     return 0
 
 

@@ -78,16 +78,17 @@ def _simulate(schedule: str, k: int, m: int, v: int, d: int, costs: Costs) -> _R
     Once a pipeline is in its steady state, every K more micro-batches add the same time
     and memory, and the time is the busiest process's work: a long step is simulated at n
     and n + K micro-batches (n = 2K, 4K, 8K, ... until the step grows by the busiest
-    process's work) and extended along that line; a step that does not settle before M is
-    simulated whole. A V can take several rounds to settle (its first rounds fill the gaps
-    of its cap faster than it can keep up). The tests check both against the whole
-    simulation."""
+    process's work) and extended along that line; a step that does not settle while such a
+    pair is shorter than M (2n + K < M) is simulated whole, since the next pair would cost
+    more than the whole step and extending gives what the whole simulation does. A V can
+    take several rounds to settle (its first rounds fill the gaps of its cap faster than it
+    can keep up). The tests check both against the whole simulation."""
 
     def run(n: int) -> SimResult:
         return simulate(build(schedule, k, n, v), costs, data_parallel=d)
 
     n = 2 * k
-    while n + k < m:
+    while 2 * n + k < m:
         before, after = run(n), run(n + k)
         if _steady(before, after):
             return _extended(before, after, (m - n) / k)

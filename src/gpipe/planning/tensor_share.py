@@ -8,8 +8,11 @@ gradients, optimizer state and activations, split where the plan splits them and
 it leaves them whole. A colwise ``nn.Linear`` keeps 1/T of its output features (bias split
 too), a rowwise one 1/T of its input features (bias whole); a rowwise ``nn.Embedding`` 1/T
 of its vocabulary rows, a colwise one 1/T of its width. A colwise map whose output the style
-gathers (``output_layouts=Replicate()``, as the GPT's head does) returns the gathered width.
-Other styles (``SequenceParallel``, a style of one's own) are left whole: an upper bound.
+gathers (``output_layouts=Replicate()``, as the GPT's head does) returns the gathered width,
+and a rowwise map whose input the style splits (``input_layouts=Replicate()``) takes the
+whole input. A stacked-experts module (``ExpertsParallel``) keeps 1/T of each split
+parameter's features, as the style places them. Other styles (``SequenceParallel``, a style
+of one's own) are left whole: an upper bound.
 
 Collectives are counted per layer as Megatron-LM runs a block: a rowwise map all-reduces its
 output in the forward and the input of its colwise partner in the backward; a gathering
@@ -29,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from gpipe.parallel.experts import ExpertsParallel
 from gpipe.parallel.tensor import resolve_plan
 from gpipe.planning.roofline import Link
 from gpipe.runtime.partitions import as_sequential
@@ -56,9 +60,23 @@ class _GatheredEmbedding(nn.Embedding):
         return torch.cat([super().forward(x)] * self.tensor_parallel, dim=-1)
 
 
+class _SplitInputLinear(nn.Linear):
+    """A rowwise map whose input the style splits on the way in (``input_layouts=
+    Replicate()``: Phi-3's and OLMo 2's output maps, after maps that gather): it takes the
+    whole input and multiplies its rank's share of it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x[..., : self.in_features])
+
+
 def _gathers(style: ParallelStyle) -> bool:
     layouts = getattr(style, "output_layouts", ())
     return isinstance(style, ColwiseParallel) and any(isinstance(p, Replicate) for p in layouts)
+
+
+def _splits_input(style: ParallelStyle) -> bool:
+    layouts = getattr(style, "input_layouts", ())
+    return isinstance(style, RowwiseParallel) and any(isinstance(p, Replicate) for p in layouts)
 
 
 def _share(size: int, tensor_parallel: int) -> int:
@@ -79,7 +97,8 @@ def _local(module: nn.Module, style: ParallelStyle, t: int) -> nn.Module | None:
             linear = _GatheredLinear if gathered else nn.Linear
             local = nn.utils.skip_init(linear, d_in, _share(d_out, t), bias=bias, **kind)
         else:
-            local = nn.utils.skip_init(nn.Linear, _share(d_in, t), d_out, bias=bias, **kind)
+            linear = _SplitInputLinear if _splits_input(style) else nn.Linear
+            local = nn.utils.skip_init(linear, _share(d_in, t), d_out, bias=bias, **kind)
     elif isinstance(module, nn.Embedding) and (colwise or rowwise):
         rows, width = module.num_embeddings, module.embedding_dim
         if colwise:
@@ -93,6 +112,23 @@ def _local(module: nn.Module, style: ParallelStyle, t: int) -> nn.Module | None:
     if isinstance(local, _GatheredLinear | _GatheredEmbedding):
         local.tensor_parallel = t
     return local
+
+
+def _split_experts(module: nn.Module, style: ExpertsParallel, t: int) -> None:
+    """Give ``module``'s stacked maps the shapes one rank holds under ``style``: a stacked map
+    is (experts, out, in), its bias (experts, out); ``packed`` and ``columns`` maps keep 1/T
+    of their output features (each of a packed map's two halves split alike), ``rows`` maps
+    1/T of their last dimension."""
+    for name in (*style.packed, *style.columns, *style.rows):
+        param = getattr(module, name)
+        dim = (
+            param.dim() - 1 if name in style.rows else param.dim() - (2 if param.dim() == 3 else 1)
+        )
+        shape = list(param.shape)
+        halves = 2 if name in style.packed else 1
+        shape[dim] = halves * _share(shape[dim] // halves, t)
+        local = torch.empty(shape, dtype=param.dtype, device="meta")
+        setattr(module, name, nn.Parameter(local, requires_grad=param.requires_grad))
 
 
 def local_share(
@@ -110,6 +146,9 @@ def local_share(
     if tensor_parallel == 1:
         return share
     for name, style in styles.items():
+        if isinstance(style, ExpertsParallel):
+            _split_experts(share.get_submodule(name), style, tensor_parallel)
+            continue
         local = _local(share.get_submodule(name), style, tensor_parallel)
         if local is not None:
             parent, _, child = name.rpartition(".")
