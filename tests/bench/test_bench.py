@@ -8,10 +8,14 @@ import json
 import pytest
 
 from gpipe.bench.contenders import K, contenders
-from gpipe.bench.report import NOT_MEASURED, figures, targets
+from gpipe.bench.measure import build_all, timing_pass
+from gpipe.bench.report import NOT_MEASURED, figures, markdown, targets
+from gpipe.bench.run import FEWEST_REPEATS, BenchOptions, caveats
 from gpipe.bench.workloads import get_workload
 from gpipe.cli import main
 from gpipe.schedules import SCHEDULES
+
+from ..workers import run
 
 
 def _has_torchgpipe() -> bool:
@@ -107,7 +111,6 @@ def test_pipelines_are_compared_with_their_pytorch_counterpart(timed_report):
         assert row["counterpart"] == counterpart
         theirs = rows[counterpart]["seconds"]["median"]
         assert row["over_counterpart"] == pytest.approx(row["seconds"]["median"] / theirs)
-        assert row["schedule_bubble"] > 0
     assert rows["at-once"]["counterpart"] is None and rows["at-once"]["schedule_bubble"] is None
 
 
@@ -130,6 +133,10 @@ def test_the_report_is_written_as_markdown_and_plots(tiny_report):
     }
     assert text.count("| not measured |") == len(unmeasured) > 0
     assert "written:" in stdout
+    # one measured step: said at the start, at the end and in the report, not called a median
+    note = "1 measured step(s) per contender: a figure is the median of 7 or more"
+    assert stdout.count(note) == 2 and f"**Note**: {note}" in text
+    assert report["caveats"][0].startswith(note)
 
 
 def test_the_other_workloads_are_timed_for_every_contender(timed_report):
@@ -209,3 +216,157 @@ def test_bad_options_are_one_line_errors(capsys, args, message):
     assert main(["bench", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_pytorchs_1f1b_is_not_run_below_its_stages_where_gpipes_runs():
+    """``gpipe bench`` times M = 1 by default (the seeds' baseline): PyTorch's Schedule1F1B
+    refuses fewer micro-batches than stages, which ended the whole run at its build."""
+    by_name = {c.name: c for c in contenders(("1f1b",), ("never",))}
+    assert by_name["gpipe/1f1b/never"].not_run_at(1) is None
+    theirs = by_name["pytorch/Schedule1F1B"]
+    assert (
+        theirs.not_run_at(1)
+        == f"pytorch/Schedule1F1B takes at least {K} micro-batches on 2 processes"
+    )
+    assert theirs.not_run_at(K) is None
+    assert by_name["pytorch/ScheduleGPipe"].not_run_at(1) is None
+
+
+def _refuse(w, chunks, x, y):
+    raise ValueError(f"no {chunks} here")
+
+
+def _refuse_on_rank_0(w, chunks, x, y):
+    raise RuntimeError("rank 0 only")
+
+
+def _build_some(chunks: int) -> tuple[list[str], dict[str, str]]:
+    """``build_all`` over a contender every process refuses, one the first process alone
+    builds and refuses, and two that build."""
+    import torch
+    import torch.distributed as dist
+
+    from gpipe.bench.contenders import Contender
+    from gpipe.comm.process_group import init_process_group
+
+    init_process_group(torch.device("cpu"))
+    every = {c.name: c for c in contenders(("gpipe",), ("never",))}
+    chosen = [
+        Contender("refused", "gpipe", False, _refuse),
+        every["at-once"],
+        Contender("refused-alone", "baseline", True, _refuse_on_rank_0),
+        every["gpipe/gpipe/never"],
+    ]
+    spec = {"workload": "mlp64", "size": "tiny"}
+    runners, failed = build_all(chosen, spec, chunks)
+    dist.barrier()
+    return list(runners), failed
+
+
+def test_a_contender_that_fails_to_build_is_left_out_and_the_others_are_built():
+    """One library's refusal is a line in the report, not the end of a run of hours: every
+    process leaves the failed contender out, agreed, and builds the others."""
+    for rank, (built, failed) in run(_build_some, K, (2,), threads=1).items():
+        assert built == ["at-once", "gpipe/gpipe/never"], rank
+        assert failed == {
+            "refused": "failed to build: ValueError: no 2 here",
+            "refused-alone": "failed to build: RuntimeError: rank 0 only",
+        }, rank
+
+
+def _timing(chunk_counts, names_at):
+    """Fake per-process timings where ``names_at[m]`` ran at M = m, one cycle each."""
+    runs = {
+        str(m): {
+            "seconds": {n: [1.0] for n in names},
+            "cpu": {n: [1.0] for n in names},
+            "not_run": {},
+        }
+        for m, names in zip(chunk_counts, names_at, strict=True)
+    }
+    return [{"skipped": {}, "chunks": runs} for _ in range(K)]
+
+
+def test_each_schedule_is_labelled_with_its_own_bubble_or_none():
+    """The report's "bubble (schedule)" is the schedule's own closed form for equal stages;
+    zero-bubble's and the V schedules' depend on the F, B and W times, which the bench does
+    not know, so they have none (n/a), not gpipe's (K-1)/(M+K-1)."""
+    workload = get_workload("mlp", "tiny")
+    names = ["gpipe/gpipe/never", "gpipe/interleaved/never", "gpipe/zero-bubble/never",
+             "gpipe/zero-bubble-v/never"]  # fmt: skip
+    chosen = [c for c in contenders(tuple(SCHEDULES), ("never",)) if c.name in names]
+    rows = figures(workload, chosen, _timing([4], [names]), {}, [4], None)["chunks"]["4"]
+    bubbles = {n: row["schedule_bubble"] for n, row in rows["contenders"].items()}
+    assert bubbles == {
+        "gpipe/gpipe/never": pytest.approx(1 / 5),
+        "gpipe/interleaved/never": pytest.approx(1 / 9),  # v = 2 stages per process
+        "gpipe/zero-bubble/never": None,
+        "gpipe/zero-bubble-v/never": None,
+    }
+    report = {"command": "gpipe bench", "machine": {}, "workloads": {"mlp": {
+        **figures(workload, chosen, _timing([4], [names]), {}, [4], None)}},
+        "settings": {"threads": 1, "warmup": 0, "repeats": 1}, "targets": []}  # fmt: skip
+    text = markdown(report)
+    assert "| gpipe/zero-bubble/never |" in text and "% (n/a) |" in text
+    assert "% (20.0%) |" in text
+
+
+def test_the_markdown_lists_contenders_that_ran_at_some_micro_batch_counts_only():
+    """A contender that failed at one M and ran at another has an empty cell, not a
+    KeyError after the run."""
+    workload = get_workload("mlp", "tiny")
+    chosen = [c for c in contenders(("gpipe",), ("never",)) if c.name in ("at-once", "full-batch")]
+    timing = _timing([2, 4], [["at-once"], ["at-once", "full-batch"]])
+    w = figures(workload, chosen, timing, {}, [2, 4], None)
+    report = {"command": "gpipe bench", "machine": {}, "workloads": {"mlp": w},
+              "settings": {"threads": 1, "warmup": 0, "repeats": 1}, "targets": []}  # fmt: skip
+    lines = markdown(report).splitlines()
+    assert "| full-batch |  | 1.000 |" in lines
+
+
+def test_fewer_than_seven_repeats_and_more_threads_than_cores_are_said():
+    """BENCHMARKS.md's figures are medians of 7 or more repeats: a run of fewer says that its
+    "medians" are a check, and so does one that asks for more threads than there are cores."""
+    assert caveats(BenchOptions(repeats=FEWEST_REPEATS, threads=1), cores=2) == []
+    few, crowded = caveats(BenchOptions(repeats=1, threads=4), cores=2)
+    assert few.startswith("1 measured step(s) per contender: a figure is the median of 7")
+    assert crowded.startswith(f"{K} processes of 4 thread(s) each want {K * 4} cores, but")
+    assert caveats(BenchOptions(repeats=9, threads=1), cores=1) == [
+        f"{K} processes of 1 thread(s) each want {K} cores, but this machine has 1: the "
+        "processes take turns, and the times measure that"
+    ]
+
+
+def test_an_out_folder_that_cannot_be_made_is_refused_before_measuring(tmp_path, capsys):
+    """The report is written after hours of measuring: a --out under a file is refused at
+    once, in one line, with nothing run."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = blocker / "results"
+    assert main(["bench", "--no-plots", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == (
+        f"gpipe: error: --out {out}: Not a directory; expected a folder"
+    ), captured.err
+    assert captured.out == ""
+
+
+def _time_none(spec: dict) -> dict:
+    import torch
+
+    from gpipe.comm.process_group import init_process_group
+
+    init_process_group(torch.device("cpu"))
+    return timing_pass(spec)
+
+
+def test_a_micro_batch_count_where_no_contender_runs_times_nothing():
+    """Only dualpipe-v chosen, at M = 2 where it does not run: nothing to take turns
+    over (it divided by zero), and the other M still timed."""
+    spec = {"workload": "mlp64", "size": "tiny", "chunks": [2, 4], "warmup": 0, "repeats": 1,
+            "schedules": ["dualpipe-v"], "modes": ["never"],
+            "contenders": ["gpipe/dualpipe-v/never"]}  # fmt: skip
+    for rank, found in run(_time_none, K, (spec,), threads=1).items():
+        assert found["chunks"]["2"]["seconds"] == {}, rank
+        assert list(found["chunks"]["2"]["not_run"]) == ["gpipe/dualpipe-v/never"], rank
+        assert len(found["chunks"]["4"]["seconds"]["gpipe/dualpipe-v/never"]) == 1, rank

@@ -226,3 +226,27 @@ def test_gpipe_simulate_html_writes_the_page_of_its_case(tmp_path, capsys):
 def test_write_returns_the_path_written(tmp_path):
     path = write(tmp_path / "v.html", Settings(schedule="1f1b"))
     assert data_of(path.read_text())["settings"]["schedule"] == "1f1b"
+
+
+def test_a_folder_for_the_page_is_refused_in_one_line(tmp_path, capsys):
+    """``--out pages/`` wrote a file named ``pages`` (pathlib drops the separator), and
+    ``gpipe simulate --html`` ended in a traceback after its table where the page could not
+    be written; both name the option and what it expects."""
+    folder = tmp_path / "pages"
+    cases = [
+        (["view", "--out", f"{folder}/"], f"--out {folder}/: is a folder; expected the page's "
+         f"file, such as {folder / 'gpipe-view.html'}"),
+        (["view", "--out", str(tmp_path)], f"--out {tmp_path}: is a folder"),
+        (["simulate", "--schedule", "gpipe", "--html", f"{folder}/"], f"--html {folder}/: is a "
+         "folder"),
+        (["simulate", "--schedule", "gpipe", "--html", str(folder / "no" / "sim.html")],
+         f"--html {folder / 'no' / 'sim.html'}: No such file or directory"),
+    ]  # fmt: skip
+    for args, message in cases:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("gpipe: error: ") and err.count("\n") == 1, err
+        assert message in err, err
+    assert not folder.exists()
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        write(f"{folder}/")

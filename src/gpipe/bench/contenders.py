@@ -53,9 +53,12 @@ class Contender:
     schedule: str | None = None
     checkpoint: str | None = None
     runs_like: str | None = None  # the gpipe schedule whose micro-batch counts it takes
+    fewest: int = 1  # micro-batches its own library asks for at least, beyond ``runs_like``'s
 
     def not_run_at(self, chunks: int) -> str | None:
         """Why this contender cannot run ``chunks`` micro-batches on K processes, or None."""
+        if chunks < self.fewest:
+            return f"{self.name} takes at least {self.fewest} micro-batches on {K} processes"
         name = self.schedule or self.runs_like
         if name is None or traits(name).runs(K, chunks, STAGES_PER_PROCESS):
             return None
@@ -211,6 +214,11 @@ COUNTERPARTS = {
 }
 
 
+# where PyTorch asks for more micro-batches than gpipe's schedule of the same name: its
+# Schedule1F1B refuses fewer than its stages, which gpipe's 1f1b runs (M = 1, the seeds' baseline)
+_PYTORCH_FEWEST = {"Schedule1F1B": K}
+
+
 def _pytorch(schedule_name: str) -> Callable[..., Runner]:
     def build(w: Workload, chunks: int, x: Tensor, y: Tensor) -> Runner:
         from torch.distributed import pipelining
@@ -286,7 +294,12 @@ def contenders(
         if traits(schedule).several_stages_per_rank and schedule in COUNTERPARTS:
             pytorch[COUNTERPARTS[schedule]] = schedule
     for name, like in pytorch.items():
-        out.append(Contender(f"pytorch/{name}", "pytorch", False, _pytorch(name), runs_like=like))
+        fewest = _PYTORCH_FEWEST.get(name, 1)
+        out.append(
+            Contender(
+                f"pytorch/{name}", "pytorch", False, _pytorch(name), runs_like=like, fewest=fewest
+            )
+        )
     out.append(
         Contender(
             "torchgpipe", "torchgpipe", True, _one_process("torchgpipe"), checkpoint="except_last"

@@ -16,7 +16,7 @@ from gpipe.bench.workloads import get_workload
 from gpipe.comm.process_group import init_process_group
 from gpipe.planning.memory import ActivationMeter
 
-__all__ = ["memory_pass", "timing_pass"]
+__all__ = ["build_all", "memory_pass", "timing_pass"]
 
 GROUP_TIMEOUT = 3600.0  # seconds: one-process contenders keep the others at a barrier
 
@@ -38,6 +38,32 @@ def _build(c: Contender, spec: dict[str, Any], chunks: int) -> Runner | None:
         raise RuntimeError(
             f"{c.name}, {chunks} micro-batches: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def build_all(
+    chosen: list[Contender], spec: dict[str, Any], chunks: int
+) -> tuple[dict[str, Runner | None], dict[str, str]]:
+    """Build every contender in ``chosen`` at ``chunks`` micro-batches, in every process:
+    (the runners built, why each of the others failed). A contender that fails to build in
+    any process is left out in all of them, so that one library's refusal does not end a
+    run of hours; the processes agree on it after each build, as all build in step."""
+    runners: dict[str, Runner | None] = {}
+    failed: dict[str, str] = {}
+    for c in chosen:
+        error = None
+        try:
+            runner = _build(c, spec, chunks)
+        except Exception as exc:  # reported in the run's report, not raised
+            runner, error = None, str(exc.__cause__ or exc)
+            error = f"{type(exc.__cause__ or exc).__name__}: {error}"
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        reasons = [e for e in errors if e is not None]
+        if reasons:
+            failed[c.name] = "failed to build: " + reasons[0]
+        else:
+            runners[c.name] = runner
+    return runners, failed
 
 
 def _unavailable(c: Contender) -> str | None:
@@ -74,11 +100,15 @@ def timing_pass(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"skipped": skipped, "chunks": {}}
     for chunks in spec["chunks"]:
         not_run = {c.name: r for c in running if (r := c.not_run_at(chunks)) is not None}
-        here = [c for c in running if c.name not in not_run]
-        runners = {c.name: _build(c, spec, chunks) for c in here}
+        runners, failed = build_all([c for c in running if c.name not in not_run], spec, chunks)
+        if rank == 0:
+            for name, why in failed.items():
+                print(f"  {spec['workload']}, M={chunks}: {name} {why}", flush=True)
+        not_run.update(failed)
+        here = [c for c in running if c.name in runners]
         seconds: dict[str, list[float]] = {c.name: [] for c in here}
         cpu: dict[str, list[float]] = {c.name: [] for c in here}
-        cycles = spec["warmup"] + spec["repeats"]
+        cycles = spec["warmup"] + spec["repeats"] if here else 0  # none left to time at this M
         for cycle in range(cycles):
             turn = cycle % len(here)
             for c in here[turn:] + here[:turn]:

@@ -8,6 +8,7 @@ from typing import Any
 
 from gpipe.bench.contenders import STAGES_PER_PROCESS, Contender, K
 from gpipe.bench.workloads import Workload
+from gpipe.planning import closed_form_bubble
 from gpipe.schedules import traits
 
 __all__ = ["figures", "markdown", "summary", "targets"]
@@ -27,12 +28,20 @@ def summary(samples: list[float]) -> dict[str, float]:
 
 
 def _schedule_bubble(c: Contender, chunks: int) -> float | None:
-    """Fill and drain with equal stages, (K-1)/(vM+K-1): v stages per process make them v
-    times shorter."""
+    """The schedule's own bubble in closed form for equal stages (gpipe and 1f1b
+    (K-1)/(M+K-1), interleaved (K-1)/(vM+K-1), ...); None ("n/a") where the form depends on
+    the forward, backward and weight times (zero-bubble's, the V schedules'), which the
+    benchmark does not know, or where the schedule has none."""
     if c.schedule is None:
         return None
     v = traits(c.schedule).stages_per_rank(STAGES_PER_PROCESS)
-    return (K - 1) / (v * chunks + K - 1)
+    forms = {closed_form_bubble(c.schedule, K, chunks, v, *fbw) for fbw in _UNEQUAL_PASSES}
+    return forms.pop() if len(forms) == 1 else None
+
+
+# Two sets of forward, backward and weight times: a form that gives the same under both does
+# not depend on them (a None under either is no form).
+_UNEQUAL_PASSES = ((1.0, 1.0, 1.0), (1.0, 2.5, 0.5))
 
 
 def _at(chunks: int, c: Contender, per_rank: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -283,9 +292,10 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['settings']['warmup']} warm-up and {report['settings']['repeats']} measured "
         "steps per contender, one step each in turn; medians, spread = smallest to largest.",
     ]
+    lines += [f"\n**Note**: {note}." for note in report.get("caveats", [])]
     for w in report["workloads"].values():
         chunk_counts = list(w["chunks"])
-        names = list(next(iter(w["chunks"].values()))["contenders"])
+        names = list(dict.fromkeys(n for at in w["chunks"].values() for n in at["contenders"]))
         lines += ["", f"## {w['workload']}: {w['description']}", ""]
         lines += [f"Stages: {w['balance']} layers (interleaved: {w['interleaved_balance']})."]
         for name, reason in w["skipped"].items():
@@ -294,10 +304,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["| contender | " + " | ".join(f"M={m}" for m in chunk_counts) + " |"]
         lines += ["|---" * (len(chunk_counts) + 1) + "|"]
         for name in names:
-            cells = [
-                f"{w['chunks'][m]['contenders'][name]['seconds']['median']:.3f}"
-                for m in chunk_counts
-            ]
+            rows = [w["chunks"][m]["contenders"].get(name) for m in chunk_counts]
+            cells = ["" if r is None else f"{r['seconds']['median']:.3f}" for r in rows]
             lines += [f"| {name} | " + " | ".join(cells) + " |"]
         ideal = [w["chunks"][m]["ideal"] for m in chunk_counts]
         naive = [w["chunks"][m]["naive_ideal"] for m in chunk_counts]
@@ -341,6 +349,8 @@ def _detail(w: dict[str, Any], chunks: str) -> list[str]:
         bubble = f"{row['bubble']:.1%}"
         if row["schedule_bubble"] is not None:
             bubble += f" ({row['schedule_bubble']:.1%})"
+        elif name.startswith("gpipe/") and name.count("/") == 2:  # a schedule without a form
+            bubble += " (n/a)"
         mem = w["memory"].get(name) if chunks == str(w["memory_chunks"]) else None
         rss = _mib(mem["rss_peak"]) if mem else ""
         act = _mib(mem["activations"]) if mem else ""

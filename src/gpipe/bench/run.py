@@ -23,7 +23,10 @@ from gpipe.runtime.recompute import CHECKPOINT_MODES
 from gpipe.schedules import SCHEDULES
 from gpipe.training.launch import launch
 
-__all__ = ["BenchOptions", "machine", "matches", "run_bench"]
+__all__ = ["BenchOptions", "FEWEST_REPEATS", "caveats", "machine", "matches", "run_bench"]
+
+# The house rule for a figure (BENCHMARKS.md): the median of 7 or more alternating repeats.
+FEWEST_REPEATS = 7
 
 
 @dataclass
@@ -91,6 +94,27 @@ def matches(name: str, pattern: str) -> bool:
     return name == pattern or name.startswith(pattern.rstrip("/") + "/")
 
 
+def caveats(options: BenchOptions, cores: int | None = None) -> list[str]:
+    """What makes this run's figures weaker than BENCHMARKS.md's, each in one line: fewer
+    repeats than its medians take, more threads than the machine has cores (``cores``: by
+    default this machine's)."""
+    notes = []
+    if options.repeats < FEWEST_REPEATS:
+        notes.append(
+            f"{options.repeats} measured step(s) per contender: a figure is the median of "
+            f"{FEWEST_REPEATS} or more in BENCHMARKS.md, so read these as a check that it "
+            f"runs, not as measurements (--repeats {FEWEST_REPEATS})"
+        )
+    cores = os.cpu_count() if cores is None else cores
+    wanted = K * options.threads
+    if cores is not None and wanted > cores:
+        notes.append(
+            f"{K} processes of {options.threads} thread(s) each want {wanted} cores, but this "
+            f"machine has {cores}: the processes take turns, and the times measure that"
+        )
+    return notes
+
+
 def _memory_passes(
     workload: str, spec: dict[str, Any], names: list[str], options: BenchOptions
 ) -> dict[str, list[dict[str, Any]]]:
@@ -118,6 +142,9 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     """Run every pass, write ``bench.json``, ``bench.md`` and the plots into
     ``options.out``, and return the report."""
     say = options.progress
+    options.out.mkdir(parents=True, exist_ok=True)  # before hours of measuring, not after
+    for note in caveats(options):
+        say(f"note: {note}")
     chosen = [
         c
         for c in contenders(options.schedules, options.modes)
@@ -154,10 +181,12 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         say(f"{name}: timing done in {time.perf_counter() - started:.0f} s")
         memory: dict[str, list[dict[str, Any]]] = {}
         if options.memory_chunks is not None:
+            timed = timing[0]["chunks"].get(str(options.memory_chunks), {})
             measured = [
                 c.name
                 for c in chosen
                 if c.name not in timing[0]["skipped"]
+                and c.name not in timed.get("not_run", {})
                 and c.not_run_at(options.memory_chunks) is None
             ]
             memory = _memory_passes(name, spec, measured, options)
@@ -176,6 +205,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
             "chunks": list(options.chunks),
             "memory_chunks": options.memory_chunks,
         },
+        "caveats": caveats(options),
         "workloads": results,
         "targets": targets(results, options.memory_chunks),
     }

@@ -137,6 +137,10 @@ def _bench(args: argparse.Namespace) -> int:
             raise UsageError(
                 "plots need matplotlib: pip install 'gpipe-parallel[plot]', or pass --no-plots"
             ) from None
+    try:  # now, not after hours of measuring
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {args.out}: {exc.strerror or exc}; expected a folder") from None
     options = BenchOptions(
         workloads=workloads,
         size=args.size,
@@ -160,5 +164,7 @@ def _bench(args: argparse.Namespace) -> int:
     for t in report["targets"]:
         met = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         print(f"{met:>12}  {t['target']}: {t['figure']}")
+    for note in report["caveats"]:
+        print(f"note: {note}")
     print("written: " + ", ".join(report["files"]))
     return 0

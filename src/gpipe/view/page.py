@@ -3,9 +3,11 @@ plays schedules opened from disk with no network."""
 
 from __future__ import annotations
 
+import errno
 import html
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -305,7 +307,13 @@ def write(
     *,
     fixed: Schedule | None = None,
 ) -> Path:
-    """Write the page (see ``render``) to ``path``; returns the path."""
+    """Write the page (see ``render``) to ``path``; returns the path. A folder is refused
+    (IsADirectoryError), a name ending in a separator too: ``Path`` would cut the separator
+    off and write a file of the folder's name."""
+    if str(path).endswith(("/", os.sep)) or Path(path).is_dir():
+        page = Path(path) / "gpipe-view.html"
+        message = f"is a folder; expected the page's file, such as {page}"
+        raise IsADirectoryError(errno.EISDIR, message, str(path))
     out = Path(path)
     out.write_text(render(settings, measured, title, fixed=fixed), encoding="utf-8")
     return out

@@ -222,12 +222,17 @@
     return schedule("looped-bfs", nStages, nMicrobatches, programsOf(orders, nStages), stageToRank);
   }
 
+  // gpipe.errors.counted: "1 rank", "2 ranks", so that a refusal about one rank reads right.
+  function counted(count, word) {
+    return `${count} ${count === 1 ? word : `${word}s`}`;
+  }
+
   // A V of 2K stages on K ranks: rank r holds stages r and 2K - 1 - r (its chunks 0 and 1).
   function checkV(name, nStages, nRanks) {
     const given = !(nRanks === undefined || nRanks === null);
     if (nStages % 2 || (given && nStages !== 2 * nRanks)) {
-      const expected = given ? String(2 * nRanks) : "an even number";
-      const ranks = given ? ` for ${nRanks} ranks` : "";
+      const expected = given ? String(2 * nRanks) : "an even number of";
+      const ranks = given ? ` for ${counted(nRanks, "rank")}` : "";
       throw new Error(
         `${name} places two stages per rank in a V: it needs ${expected} stages, ` +
           `got ${nStages}${ranks}`,
@@ -309,7 +314,7 @@
     const k = checkV("dualpipe-v", nStages, nRanks);
     if (nMicrobatches < nStages) {
       throw new Error(
-        `dualpipe-v needs at least 2K = ${nStages} micro-batches for ${k} ranks, ` +
+        `dualpipe-v needs at least 2K = ${nStages} micro-batches for ${counted(k, "rank")}, ` +
           `got ${nMicrobatches}`,
       );
     }
@@ -444,9 +449,9 @@
     const fewest = vMinFewest(k);
     if (nMicrobatches < fewest) {
       throw new Error(
-        `v-min needs at least ${fewest} micro-batches for ${k} ranks (with fewer, none ` +
-          `reaches its cap of ${vMinCap(k)} half-stage micro-batches: use zero-bubble-v), ` +
-          `got ${nMicrobatches}`,
+        `v-min needs at least ${fewest} micro-batches for ${counted(k, "rank")} (with ` +
+          `fewer, none reaches its cap of ${vMinCap(k)} half-stage micro-batches: use ` +
+          `zero-bubble-v), got ${nMicrobatches}`,
       );
     }
     return cappedV("v-min", nStages, nMicrobatches, nRanks, vMinCap(k));
