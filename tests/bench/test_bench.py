@@ -351,6 +351,15 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_measuring(tmp_path,
     assert captured.out == ""
 
 
+def test_the_report_goes_to_the_current_folder_by_default(tmp_path, monkeypatch, capsys):
+    """Not into the repository's committed results (the README's quick check would write
+    tiny-run figures over them): ``bench-results`` where the command runs, checked first."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bench-results").write_text("")  # a file in the way: refused before measuring
+    assert main(["bench", "--no-plots"]) == 2
+    assert "--out bench-results: " in capsys.readouterr().err
+
+
 def _time_none(spec: dict) -> dict:
     import torch
 

@@ -76,8 +76,9 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--out",
-        default="benchmarks/results",
-        help="folder for the report (default benchmarks/results)",
+        default="bench-results",
+        help="folder for the report (default bench-results, in the current folder: the "
+        "figures committed under benchmarks/results are not written over)",
     )
     p.add_argument("--no-plots", action="store_true", help="write no PNG (no matplotlib needed)")
     p.set_defaults(command=_bench)
