@@ -3,7 +3,8 @@ next posted as soon as a message is taken and none beyond what the step brings; 
 after a grow envelope; the step's info read off the first message, which stays to be received;
 with separate envelopes, a peer's messages taken in the order it sent them; a wait that fails
 names the stage and what it waited for; channels through pipes read from the pipes; what an
-earlier call (one that failed) left on a channel is dropped, not taken for the next call's.
+earlier call (one that failed) left on a channel is dropped, not taken for the next call's;
+a peer's abort ends its own call at once, naming the stage that failed, and no other call.
 
 In one process: torch.distributed's point-to-point is replaced by a wire of queued messages
 (``Wire``), which fills each posted buffer with the next message of its channel when waited on.
@@ -277,4 +278,58 @@ def test_through_a_pipe_what_a_failed_call_left_is_dropped(wire):
     ahead.new_call(2)
     assert ahead.peek(0, 1, Kind.RECV_F) == (1, 2)
     torch.testing.assert_close(ahead.recv(0, 1, 0, Kind.RECV_F), torch.full((2,), 2.0))
+    sender.close()
+
+
+def _abort(call: int, error: str = "ValueError: no") -> torch.Tensor:
+    return envelope.abort_envelope(envelope.Abort(call, 0, error))
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["one-envelope", "separate"])
+def test_an_abort_ends_its_own_call_naming_the_stage_that_failed_and_no_later_call(wire, separate):
+    """An earlier call's abort is dropped like its messages (with separate envelopes too: no
+    tensors follow it), never ending this call; this call's ends it, and is kept as heard."""
+    ahead = _receiving(separate=separate)
+    ahead.new_call(2)
+    ahead.begin(_programs(*_forwards(2)), 0)
+    group = ENVELOPES if separate else None
+    wire.put(_abort(1, "ValueError: of call 1"), group=group, tag=FORWARD_TAG)
+    (wire.send_separate if separate else wire.send)(torch.ones(2), FORWARD_TAG, info=(2, 2, 4))
+    wire.put(_abort(2, "OutOfMemoryError: " + "x" * 2000), group=group, tag=FORWARD_TAG)
+    torch.testing.assert_close(ahead.recv(0, 1, 0, Kind.RECV_F), torch.ones(2))
+    told = "stage 1: stopped waiting for activations of micro-batch 1 from stage 0: stage 0 "
+    with pytest.raises(StageError, match=re.escape(told + "failed: OutOfMemoryError: xxx")):
+        ahead.recv(0, 1, 1, Kind.RECV_F)
+    assert ahead.heard is not None and ahead.heard[:2] == (2, 0)
+    assert len(ahead.heard.error) == 1024  # cut: an abort fits any buffer a channel posts
+    ahead.new_call(3)
+    assert ahead.heard is None
+
+
+def test_an_abort_of_a_later_call_ends_this_one_and_then_its_own(wire):
+    ahead = _receiving()
+    ahead.new_call(1)
+    wire.put(_abort(2), tag=FORWARD_TAG)
+    with pytest.raises(StageError, match="stage 0 ended this step early"):
+        ahead.peek(0, 1, Kind.RECV_F)
+    ahead.new_call(2)
+    with pytest.raises(StageError, match="activations of micro-batch 0 from stage 0: stage 0 fa"):
+        ahead.peek(0, 1, Kind.RECV_F)
+
+
+def test_a_wait_outside_the_program_hears_an_abort_through_a_pipe_and_only_its_calls(wire):
+    """``check`` takes what has arrived, waiting for nothing: an earlier call's abort is
+    dropped, this call's raises."""
+    sender, ahead = _through_a_pipe()
+    ahead.new_call(2)
+    ahead.begin(_programs(*_forwards(1)), 0)
+    transport_cases.pipe_send(sender, (0, FORWARD_TAG), torch.ones(2), (2, 1, 2))
+    torch.testing.assert_close(ahead.recv(0, 1, 0, Kind.RECV_F), torch.ones(2))
+    ahead.check(1, "the loss to be taken")  # nothing arrived
+    sender.send((0, FORWARD_TAG), [_abort(1)])
+    ahead.check(1, "the loss to be taken")  # call 1's: dropped
+    sender.send((0, FORWARD_TAG), [_abort(2, "ValueError: backward once")])
+    told = "stage 1: stopped waiting for the loss to be taken: stage 0 failed: ValueError: back"
+    with pytest.raises(StageError, match=re.escape(told)):
+        ahead.check(1, "the loss to be taken")
     sender.close()

@@ -54,8 +54,8 @@ def pipe_send(pipes, channel, message, info=(0, 0, 0)) -> None:
 
 def pipe_recv(pipes, channel, timeout: float = 10.0):
     """The next message of ``channel``, and its info words."""
-    items, form, info, structure = pipes.recv(channel, timeout)
-    return payload.decode(items, form, structure), info
+    got = pipes.recv(channel, timeout)
+    return payload.decode(got.items, got.form, got.structure), got.info
 
 
 def described(message):

@@ -36,6 +36,7 @@ def runner(
     local_pipes: bool = False,
     recorder: Recorder | None = None,
     timeout: float = 10,
+    loss_fn=mse_loss,
 ) -> StepRunner:
     """This rank's step runner of ``model`` cut by ``balance``, under ``schedule``."""
     source = ScheduleSource.of(schedule)
@@ -44,7 +45,7 @@ def runner(
         device=CPU,
         chunks=CHUNKS,
         checkpoint="never",
-        loss_fn=mse_loss,
+        loss_fn=loss_fn,
         autocast=None,
         deferred_batch_norm=False,
         seed=0,
@@ -112,9 +113,26 @@ class FailsOnceInBackward(nn.Module):
         return _RaisesInBackward.apply(x, self)
 
 
-def reference(x, y) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The un-pipelined step: its loss and each parameter's gradient, by name."""
+class LossFailsOnce:
+    """The mean squared error, which runs out of memory on its third call (micro-batch 2's),
+    once."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, outputs, targets):
+        self.calls += 1
+        if self.calls == 3:
+            raise torch.OutOfMemoryError("out of memory in the loss")
+        return mse_loss(outputs, targets)
+
+
+def reference(x, y, at: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The un-pipelined step: its loss and each parameter's gradient, by name (with a layer
+    that changes nothing inserted at ``at``, as the failing one of a pipelined model is)."""
     model = mlp()
+    if at is not None:
+        model.insert(at, nn.Identity())
     loss = mse_loss(model(x), y)
     loss.backward()
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
@@ -259,3 +277,46 @@ def after_two_refused_steps() -> list[str]:
             errors.append(type(exc).__name__)
     torch.testing.assert_close(loss, reference(x, y)[0].double(), **EXACT)
     return errors
+
+
+# a failure of each kind a step meets: (where the failing layer goes, the balance, the loss)
+FAILURES = {
+    "loss": (None, (4, 4), LossFailsOnce),  # on the last stage, in its loss
+    "backward": (1, (5, 4), None),  # on the first, in the backward of micro-batch 2
+    "middle": (4, (3, 4, 2), None),  # on the middle one of three, in a forward
+    "last of three": (None, (3, 3, 2), LossFailsOnce),  # the first stage hears it relayed
+}
+
+
+def failed_then_retried(case: str, local_pipes: bool) -> str:
+    """A training step that fails on one rank (``FAILURES[case]``), caught on every rank and
+    retried at once: the retry is exact against the un-pipelined model, loss and gradients.
+    Returns how the failed step ended here."""
+    init_process_group(CPU)
+    rank = dist.get_rank()
+    at, balance, loss = FAILURES[case]
+    model = mlp()
+    if at is not None:
+        model.insert(at, FailsOnceInBackward() if case == "backward" else FailsOnce())
+    step_runner = runner(
+        model,
+        balance,
+        "1f1b",
+        rank=rank,
+        n_ranks=len(balance),
+        local_pipes=local_pipes,
+        timeout=30,
+        loss_fn=mse_loss if loss is None else loss(),
+    )
+    x, y = batch(16)
+    try:
+        train_step(step_runner, x, y)
+        ended = "returned"
+    except Exception as exc:
+        ended = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    for stage in step_runner.stages.values():
+        stage.module.zero_grad(set_to_none=True)
+    expected_loss, expected_grads = reference(x, y, at)
+    torch.testing.assert_close(train_step(step_runner, x, y), expected_loss.double(), **EXACT)
+    check_grads(step_runner, expected_grads)
+    return ended

@@ -102,7 +102,8 @@ def test_a_schedule_read_from_a_pytorch_file_runs_exactly(tmp_path):
     errors = results[0]["errors"]
     assert "is for 4 micro-batches (chunks), the pipeline has 1" in errors["chunks"]
     assert "runs 4 micro-batches, but this step has 3" in errors["rows"]
-    assert results[1]["errors"]["rows"].startswith("stage 1: lost stage 0")
+    told = "stage 1: stopped waiting for activations of micro-batch 0 from stage 0: stage 0 "
+    assert results[1]["errors"]["rows"].startswith(told + "failed: ValueError: schedule 'csv")
 
 
 @pytest.mark.parametrize("k", [2])

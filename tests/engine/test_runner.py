@@ -4,7 +4,10 @@ a forward alone keep no graph; outputs come back whole or as each micro-batch's;
 leaves nothing behind for the next; each step begins its transport with the programs of its
 schedule and the step's size. In this process, both stages on its one rank; then a stage on
 each of two processes, where the second reads the step's size off its first message, and a
-call that failed on one of them leaves nothing that the next calls take for theirs."""
+call that failed on one of them leaves nothing that the next calls take for theirs; a step
+that fails on one rank ends at once on the others, naming it, and a retry at once is exact."""
+
+import re
 
 import pytest
 import torch
@@ -162,3 +165,56 @@ def test_a_forward_alone_after_a_failed_step_takes_its_own_broadcast_not_the_ste
 def test_steps_refused_on_the_first_stage_before_it_sent_anything_leave_the_next_exact():
     results = run(cases.after_two_refused_steps, 2, (), threads=1)
     assert results == {0: ["TypeError"] * 2, 1: ["StageError"] * 2}
+
+
+OOM = "OutOfMemoryError: out of memory in the loss"
+GRADIENTS = r"gradients of micro-batch \d from stage {}"
+
+
+def _told(rank: int, waited_for: str, failed: int, error: str) -> str:
+    """How rank ``rank``'s step ends when it hears of stage ``failed``'s ``error``."""
+    told = f"stage {failed} failed: {re.escape(error)}"
+    return f"StageError: stage {rank}: stopped waiting for {waited_for}: {told}"
+
+
+# how each rank's failed step ends: its own error, or a StageError that names the stage that
+# failed first and its error (in "last of three", relayed to the first stage by the middle)
+ENDED = {
+    "loss": [_told(0, GRADIENTS.format(1), 1, OOM), OOM],
+    "backward": [
+        "ValueError: backward once",
+        _told(1, "the loss to be taken", 0, "ValueError: backward once"),
+    ],
+    "middle": [
+        _told(0, GRADIENTS.format(1), 1, "ValueError: once"),
+        "ValueError: once",
+        _told(2, "activations of micro-batch 2 from stage 1", 1, "ValueError: once"),
+    ],
+    "last of three": [
+        _told(0, GRADIENTS.format(1), 2, OOM),
+        _told(1, GRADIENTS.format(2), 2, OOM),
+        OOM,
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "local_pipes"),
+    [
+        ("loss", True),
+        ("loss", False),
+        ("backward", True),
+        ("middle", True),
+        ("last of three", False),
+    ],
+)
+def test_a_step_that_fails_on_one_rank_ends_at_once_on_the_others_and_a_retry_is_exact(
+    case, local_pipes
+):
+    """Each peer of the failing rank raises a StageError naming the stage that failed and its
+    error as soon as it hears (not at the timeout of 30 s, after which the failing rank's
+    retry could time out waiting for it in turn); then a retry on every rank is exact."""
+    n = len(cases.FAILURES[case][1])
+    ended = run(cases.failed_then_retried, n, (case, local_pipes), threads=1)
+    for rank, wanted in enumerate(ENDED[case]):
+        assert re.fullmatch(wanted, ended[rank]), (rank, ended[rank])

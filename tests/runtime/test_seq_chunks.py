@@ -106,10 +106,14 @@ def test_tensor_parallel_stages_on_sub_sequences_train_as_the_unsplit_model():
 )
 def test_a_step_whose_micro_batches_cannot_be_cut_is_refused_on_every_rank(case, first, last):
     """The rank that sees the bad input says why; the other, unless it saw it too, names the
-    stage it lost."""
+    stage that refused it and why (or the stage it lost)."""
     found = run(cases.refusal, 2, (case,), threads=1)
+    said = (first, last)
     for rank, words in ((0, first), (1, last)):
         lost = f"StageError: stage {rank}: lost stage {1 - rank}"
+        if said[1 - rank] is not None:
+            told = f": stage {1 - rank} failed: {said[1 - rank]}"
+            lost += f"|StageError: stage {rank}: stopped waiting for .*{told}"
         pattern = lost if words is None else f"{words}|{lost}"
         assert re.match(pattern, found[rank]), found
     assert any(w is not None and re.match(w, found[r]) for r, w in ((0, first), (1, last)))

@@ -12,12 +12,17 @@ On CUDA, NCCL moves the tensors and the envelopes (descriptions only) travel on 
 group, so the host never reads device memory to learn a shape. NCCL matches messages
 between two processes in the order they were sent whatever their tags, so tensors are
 received in each peer's send order, which the schedule tells.
+
+A call that fails here sends an abort (``abort``) on every channel this process sends on,
+without waiting for it to be taken, so that the peers waiting in that call raise at once
+and pass it on, rather than wait for their timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,7 +35,7 @@ from gpipe.comm.named_pipes import PipeClosed, Pipes, PipeTimeout
 from gpipe.comm.process_group import bounded_wait
 from gpipe.comm.receive_ahead import FIRST_CAPACITY, ReceiveAhead
 from gpipe.errors import PipelineError, StageError
-from gpipe.schedules import Action, Kind
+from gpipe.schedules import SEND_KINDS, Action, Kind
 
 __all__ = ["DistributedTransport"]
 
@@ -77,6 +82,12 @@ class DistributedTransport:
         self._local: dict[int, deque[Message]] = {}  # between two stages of this process
         self._pipes: Pipes | None = None  # to processes of this machine (``use_pipes``)
         self._call = 0  # the call this process is in (``new_call``), sent in every envelope
+        self._aborted = 0  # the last call this process sent an abort for
+        # aborts sent over torch.distributed, kept until taken but never waited for: a peer
+        # that is past the call takes one only in its next call, and drops it
+        self._aborts: deque[tuple[dist.Work, Tensor]] = deque()
+        # this call's sends still to come on each gloo channel (its program's, from ``begin``)
+        self._to_send: dict[tuple[int, int], int] | None = None
 
     def channels(
         self, stages: Sequence[int], skips: Sequence[tuple[int, int]]
@@ -97,6 +108,9 @@ class DistributedTransport:
         arrives from now on."""
         self._call += 1
         self._local.clear()
+        self._to_send = None
+        while self._aborts and self._aborts[0][0].is_completed():
+            self._aborts.popleft()
         self._receiving.new_call(self._call)
         return self._call
 
@@ -104,6 +118,12 @@ class DistributedTransport:
         """Post the first receive of every channel that rank ``rank``'s program receives on
         (``programs`` are every rank's, in the pipeline group's numbering)."""
         self._receiving.begin(programs, rank)
+        self._to_send = {}
+        for a in programs[rank]:
+            if a.kind in SEND_KINDS and a.other_stage is not None:
+                dst = a.other_stage
+                key = (self._map.rank(dst), self._map.tag(a.kind, a.stage, dst))
+                self._to_send[key] = self._to_send.get(key, 0) + 1
 
     def peek(self, src: int, dst: int, kind: Kind) -> tuple[int, ...]:
         """The info words of the next message from stage ``src``, which stays to be received."""
@@ -117,6 +137,8 @@ class DistributedTransport:
             self._local.setdefault(tag, deque()).append(message)
             return
         self._reap()
+        if self._to_send is not None and (peer, tag) in self._to_send:
+            self._to_send[(peer, tag)] -= 1
         sent = (src, dst, microbatch)
         items, form, structure = payload.encode(message)
         info = (self._call, *self.info)
@@ -191,6 +213,44 @@ class DistributedTransport:
                 raise StageError(dst, f"nothing sent yet: {what(kind, microbatch, src)}") from None
         self._reap()
         return self._receiving.recv(src, dst, microbatch, kind)
+
+    @property
+    def heard(self) -> envelope.Abort | None:
+        """The abort of this call that a receive took (a peer's call failed), or None."""
+        return self._receiving.heard
+
+    def abort(self, stage: int, error: str, channels: Iterable[tuple[int, int]]) -> None:
+        """Tell the peers that this call failed: stage ``stage`` with ``error`` (one line),
+        or, where this call ended on an abort it ``heard``, that one's stage and error. Sent
+        once per call on each of ``channels`` (peer rank, tag), except to the stage that
+        failed; best effort, waiting for nothing: a peer that is gone, or past this call,
+        finds out by its own timeout, or drops it in its next call. Over gloo, once the
+        call's program is known, only where it still had something to send: the peer takes
+        the abort in this call then, and leaves none on the group for a later pipeline."""
+        if self._aborted == self._call:
+            return
+        self._aborted = self._call
+        told = self.heard or envelope.Abort(self._call, stage, error)
+        failed = self._map.rank(told.stage)
+        message = envelope.abort_envelope(told)
+        for peer, tag in channels:
+            if peer in (failed, self._me):
+                continue
+            with contextlib.suppress(PipeClosed, RuntimeError):  # gone: it will not wait
+                if self._pipes is not None and (peer, tag) in self._pipes.outgoing:
+                    self._pipes.send((peer, tag), [message])
+                    continue
+                if self._to_send is not None and not self._to_send.get((peer, tag)):
+                    continue  # the peer takes nothing more of this call on it
+                work = dist.isend(message, dst=peer, group=self._envelope_group, tag=tag)
+                assert work is not None  # None only where this process is not in the group
+                self._aborts.append((work, message))
+
+    def check(self, stage: int, waited_for: str) -> None:
+        """Raise the StageError that what arrived already ends this call with on ``stage``,
+        waiting for nothing: a peer's abort, or a message of its next call; for a wait
+        outside the program (``waited_for``), which no receive of it would end."""
+        self._receiving.check(stage, waited_for)
 
     def flush(self) -> None:
         """Wait until every send has completed (the step's end), each at most the timeout."""

@@ -20,20 +20,29 @@ follow each other and the receiver reads each tensor into storage of its own.
 evaluation, a forward: ``Transport.new_call``), so that what a failed call left on the wire is
 told apart from the next call's messages, and the step's micro-batch and row counts, so that a
 stage learns them from its first input instead of from a collective. A *grow*
-envelope carries no message: it tells the receiver to post bigger buffers from now on.
+envelope carries no message: it tells the receiver to post bigger buffers from now on. An
+*abort* envelope carries none either: it says that a stage failed in a call, and with what
+error (``Abort``), so that a peer waiting in that call raises at once rather than at its
+timeout; its words are a message's with no items, the call, the stage and the error's bytes
+in the places of the info and the structure.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "ABORT",
     "FIXED_BYTES",
     "GROW",
     "MESSAGE",
+    "Abort",
+    "abort_envelope",
+    "abort_of",
     "N_INFO",
     "Described",
     "Item",
@@ -45,9 +54,10 @@ __all__ = [
     "read",
 ]
 
-MESSAGE, GROW = 1, 2
+MESSAGE, GROW, ABORT = 1, 2, 3
 N_INFO = 3  # words of information in every envelope: the call, then the step's two
 _ALIGN = 64
+_ERROR_BYTES = 1024  # of an abort's error, at most: it fits any receive a channel posts
 _FIXED = 6 + N_INFO  # kind, total bytes, header words, items, form, structure bytes, info
 FIXED_BYTES = 8 * _FIXED
 
@@ -159,16 +169,42 @@ def grow_envelope(capacity: int) -> Tensor:
     return torch.tensor(words, dtype=torch.int64).view(torch.uint8)
 
 
+class Abort(NamedTuple):
+    """Stage ``stage`` failed in call number ``call`` with ``error`` (one line)."""
+
+    call: int
+    stage: int
+    error: str
+
+
+def abort_envelope(abort: Abort) -> Tensor:
+    """The envelope that tells a peer of ``abort``: header words alone, the error's bytes
+    (cut to 1 KiB) where a message's structure goes."""
+    said = abort.error.encode()[:_ERROR_BYTES]
+    padded = said + bytes(-len(said) % 8)
+    text = torch.frombuffer(bytearray(padded), dtype=torch.int64).tolist() if padded else []
+    words = [ABORT, 0, _FIXED + len(text), 0, 0, len(said), abort.call, abort.stage, 0, *text]
+    words[1] = 8 * len(words)
+    return torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+
+
+def abort_of(info: tuple[int, ...], said: bytes) -> Abort:
+    """The abort of an ABORT envelope whose header (``items_of``) gives ``info`` and the
+    structure ``said``."""
+    return Abort(info[0], info[1], said.decode(errors="replace"))
+
+
 def header_words(buffer: Tensor) -> list[int]:
     """The header's int64 words at the start of a received buffer."""
     head = buffer[:FIXED_BYTES].view(torch.int64).tolist()
-    if head[0] != MESSAGE or head[2] == _FIXED:
+    if head[0] == GROW or head[2] == _FIXED:
         return head
     return buffer[: 8 * head[2]].view(torch.int64).tolist()
 
 
 def items_of(words: list[int]) -> tuple[list[Item | None], int, tuple[int, ...], bytes]:
-    """What a MESSAGE header describes: its items, their form, its info and structure."""
+    """What a MESSAGE (or ABORT) header describes: its items, their form, its info and
+    structure."""
     n_items, form, n_structure = words[3], words[4], words[5]
     info = tuple(words[6 : 6 + N_INFO])
     items: list[Item | None] = []

@@ -26,6 +26,7 @@ import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,10 +34,21 @@ from torch import Tensor
 
 from gpipe.comm import envelope
 
-__all__ = ["PipeClosed", "PipeTimeout", "Pipes", "open_pipes"]
+__all__ = ["PipeClosed", "PipeTimeout", "Pipes", "Received", "open_pipes"]
 
 Channel = tuple[int, int]  # (peer rank, tag)
 _PIPE_BYTES = 1 << 20  # asked of the kernel; it may grant less
+
+
+class Received(NamedTuple):
+    """A message read off a pipe: its envelope's kind (``envelope.MESSAGE`` or ``ABORT``), its
+    tensors, each in storage of its own, their form, its info words and its structure."""
+
+    kind: int
+    items: tuple[Tensor | None, ...]
+    form: int
+    info: tuple[int, ...]
+    structure: bytes
 
 
 class PipeTimeout(TimeoutError):
@@ -179,11 +191,8 @@ class Pipes:
             waiting.append((views, parts))
         self._writer.put(fd, backlog)
 
-    def recv(
-        self, channel: Channel, timeout: float
-    ) -> tuple[tuple[Tensor | None, ...], int, tuple[int, ...], bytes]:
-        """The next message of ``channel``: its tensors, each in storage of its own, their
-        form, its info words and its structure (``envelope``)."""
+    def recv(self, channel: Channel, timeout: float) -> Received:
+        """The next message of ``channel`` (``envelope``), read whole within ``timeout``."""
         fd = self.incoming[channel]
         deadline = time.monotonic() + timeout
         fixed = torch.empty(envelope.FIXED_BYTES, dtype=torch.uint8)
@@ -204,7 +213,13 @@ class Pipes:
             if item.nbytes:
                 self._read_into(fd, _bytes_of(t), deadline, timeout)
             tensors.append(t.requires_grad_(item.requires_grad))
-        return tuple(tensors), form, info, structure
+        return Received(words[0], tuple(tensors), form, info, structure)
+
+    def readable(self, channel: Channel) -> bool:
+        """Whether bytes wait to be read on ``channel`` now (a closed writer alone is not)."""
+        poller = select.poll()
+        poller.register(self.incoming[channel], select.POLLIN)
+        return any(events & select.POLLIN for _, events in poller.poll(0))
 
     @staticmethod
     def _read_into(fd: int, view: memoryview, deadline: float, timeout: float) -> None:

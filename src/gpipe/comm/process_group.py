@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -94,17 +96,35 @@ def finish_process_group() -> None:
     dist.destroy_process_group()
 
 
+_WATCH_S = 0.05  # seconds between two looks of a ``watch`` while a wait goes on
+
+
 def bounded_wait(
-    work: dist.Work, timeout: float, stage: int, what: str, who: str = "a peer"
+    work: dist.Work,
+    timeout: float,
+    stage: int,
+    what: str,
+    who: str = "a peer",
+    watch: Callable[[], None] | None = None,
 ) -> None:
     """Wait at most ``timeout`` seconds for ``work`` (a collective or transfer started with
     ``async_op=True``). A peer that stops answering, or is gone, ends the wait in a
     StageError naming ``stage`` and ``what`` it waited for ("waiting for the loss ...");
-    ``who`` names the peer when it is lost ("a replica")."""
-    try:
-        work.wait(datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:  # gloo: "Operation timed out!", or the peer's connection closed
-        first = first_line(exc)
-        timed_out = "timed out" in first.lower() or "timeout" in first.lower()
-        reason = f"timed out after {timeout:g} s" if timed_out else f"lost {who} ({first})"
-        raise StageError(stage, f"{reason} {what}") from exc
+    ``who`` names the peer when it is lost ("a replica"). ``watch`` is called every 50 ms
+    while the wait goes on, and may end it by raising (a peer said that it failed); the wait
+    itself ends as soon as ``work`` completes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        slice_s = left if watch is None else min(left, _WATCH_S)
+        try:
+            work.wait(datetime.timedelta(seconds=max(slice_s, 0.001)))
+            return
+        except RuntimeError as exc:  # gloo: "Operation timed out!", or its connection closed
+            first = first_line(exc)
+            timed_out = "timed out" in first.lower() or "timeout" in first.lower()
+            if not timed_out or slice_s >= left:
+                reason = f"timed out after {timeout:g} s" if timed_out else f"lost {who} ({first})"
+                raise StageError(stage, f"{reason} {what}") from exc
+        assert watch is not None  # only a watched wait waits in slices
+        watch()

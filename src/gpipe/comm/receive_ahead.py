@@ -9,6 +9,11 @@ taken first and kept, each for its own channel.
 A message of an earlier call (one that failed on some stage before it received everything
 sent to it) is dropped as it arrives, and the channel waits for the next; one of the next
 call (its sender ended this call early) is kept for that call, and ends this one.
+
+An *abort* (``envelope.Abort``: a peer's call failed) ends the call it belongs to at once,
+in a StageError that names the stage that failed and its error, and is kept as ``heard``
+for the transport to pass on; an abort of an earlier call is dropped like any message of
+one, and one of a later call ends this call as that call's messages do.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class _Arrived:
     info: tuple[int, ...]  # the step's words
     channel: _Channel
     call: int  # the number of the call it was sent in
+    abort: envelope.Abort | None = None  # an abort in place of a message
 
 
 @dataclass
@@ -56,6 +62,10 @@ class _Inbox:
     posted: tuple[dist.Work, Tensor] | None = None
     ready: deque[_Arrived] = field(default_factory=deque)
     to_post: int = 0
+
+
+def _failed(abort: envelope.Abort, waited_for: str) -> str:
+    return f"stopped waiting for {waited_for}: stage {abort.stage} failed: {abort.error}"
 
 
 def _ended_early(src: int, waited_for: str) -> str:
@@ -104,12 +114,15 @@ class ReceiveAhead:
         self._sends_from: dict[int, deque[_Channel]] = {}
         self.pipes: Pipes | None = None
         self._call = 0  # the call whose messages are taken: earlier ones are dropped
+        self._channel_of: dict[tuple[int, int], _Channel] = {}  # each inbox's, for the watch
+        self.heard: envelope.Abort | None = None  # the abort that ended this call here
 
     def new_call(self, call: int) -> None:
         """Take the messages of call ``call`` from now on; those of earlier calls, kept or
         still to arrive, are dropped (one of this call's, which ended the last call here
         early, is kept)."""
         self._call = call
+        self.heard = None
         for inbox in self._inboxes.values():
             inbox.ready = deque(a for a in inbox.ready if a.call >= call)
 
@@ -118,6 +131,7 @@ class ReceiveAhead:
         inbox = self._inboxes.get(key)
         if inbox is None:
             inbox = self._inboxes[key] = _Inbox()
+            self._channel_of[key] = (src, dst, kind)
         return key, inbox
 
     def _piped(self, key: tuple[int, int]) -> bool:
@@ -160,6 +174,8 @@ class ReceiveAhead:
             self._sends_from[self._channels.global_rank(peer)] = order
         for (peer, _), inbox in self._inboxes.items():
             for arrived in inbox.ready:
+                if arrived.abort is not None:
+                    continue  # no tensors follow it
                 order = self._sends_from.get(peer, deque())
                 if not order or order[0] != arrived.channel:
                     raise PipelineError("a message arrived ahead of the order it was sent in")
@@ -170,23 +186,64 @@ class ReceiveAhead:
         _, inbox = self._inbox(src, dst, kind)
         if not inbox.ready:
             inbox.ready.append(self._take_one(src, dst, 0, kind))
-        self._of_this_call(inbox.ready[0], 0)
+        self._of_this_call(inbox, 0)
         return inbox.ready[0].info
 
     def recv(self, src: int, dst: int, microbatch: int, kind: Kind) -> Message:
         """The next message of a channel: one taken already, or the one on its way."""
         _, inbox = self._inbox(src, dst, kind)
         if inbox.ready:
-            self._of_this_call(inbox.ready[0], microbatch)
+            self._of_this_call(inbox, microbatch)
             return inbox.ready.popleft().message
         return self._take(src, dst, microbatch, kind).message
 
-    def _of_this_call(self, arrived: _Arrived, microbatch: int) -> None:
-        """A StageError, the message kept, if a message taken already belongs to a later call
-        than this one: its sender ended this one early (``_take_one``)."""
+    def _of_this_call(self, inbox: _Inbox, microbatch: int) -> None:
+        """A StageError, the message kept, if the first message ``inbox`` took already
+        belongs to a later call than this one: its sender ended this one early
+        (``_take_one``); one, the abort taken, if it is an abort of this call."""
+        arrived = inbox.ready[0]
+        src, dst, kind = arrived.channel
         if arrived.call > self._call:
-            src, dst, kind = arrived.channel
             raise StageError(dst, _ended_early(src, what(kind, microbatch, src)))
+        if arrived.abort is not None:
+            inbox.ready.popleft()
+            raise self._aborted(arrived.abort, dst, what(kind, microbatch, src))
+
+    def _aborted(self, abort: envelope.Abort, dst: int, waited_for: str) -> StageError:
+        """The error that ``abort``, of this call, ends it with on stage ``dst``."""
+        self.heard = abort
+        return StageError(dst, _failed(abort, waited_for))
+
+    def check(self, stage: int, waited_for: str) -> None:
+        """Raise at once, waiting for nothing, where an abort of this call has arrived: for a
+        wait outside the program (for the loss, say), where a peer that failed would
+        otherwise hold ``stage`` until the timeout. Messages of earlier calls are dropped,
+        and those of later calls kept for them, ending nothing: the peer may have ended the
+        wait an instant ago, and begun its next call. Separate envelopes (CUDA) are not
+        looked at: their tensors follow in order."""
+        if self._separate:
+            return
+        for key, inbox in self._inboxes.items():
+            src, dst, kind = self._channel_of[key]
+            while not inbox.ready and self._arrived(key, inbox):
+                if self._piped(key):
+                    arrived = self._take_piped(key, src, dst, -1, kind)
+                else:
+                    arrived = self._take_posted(key, inbox, src, dst, -1, kind)
+                if arrived.call >= self._call:
+                    inbox.ready.append(arrived)
+            if not inbox.ready:
+                continue
+            first = inbox.ready[0]
+            if first.call == self._call and first.abort is not None:
+                inbox.ready.popleft()
+                raise self._aborted(first.abort, stage, waited_for)
+
+    def _arrived(self, key: tuple[int, int], inbox: _Inbox) -> bool:
+        if self._piped(key):
+            assert self.pipes is not None
+            return self.pipes.readable(key)
+        return inbox.posted is not None and inbox.posted[0].is_completed()
 
     def _post(self, key: tuple[int, int], inbox: _Inbox) -> None:
         buffer = torch.empty(inbox.capacity, dtype=torch.uint8)
@@ -233,6 +290,8 @@ class ReceiveAhead:
             else:
                 arrived = self._take_posted(key, inbox, src, dst, microbatch, kind)
             if arrived.call == self._call:
+                if arrived.abort is not None:
+                    raise self._aborted(arrived.abort, dst, what(kind, microbatch, src))
                 return arrived
             if arrived.call > self._call:
                 inbox.ready.append(arrived)
@@ -246,6 +305,12 @@ class ReceiveAhead:
         """The next message of a channel through the receives posted on it; the receive
         after it posted."""
         buffer, words = self._envelope(key, inbox, src, dst, microbatch, kind)
+        if words[0] == envelope.ABORT:  # no tensors follow it, on any group
+            if inbox.to_post > 0:
+                self._post(key, inbox)
+            _, _, info, said = envelope.items_of(words)
+            abort = envelope.abort_of(info, said)
+            return _Arrived(None, (), (src, dst, kind), abort.call, abort)
         items, form, info, used, structure = envelope.read(buffer, words)
         if self._separate:
             if info[0] != self._call:  # its tensors are in the peer's stream: none can be told
@@ -291,7 +356,7 @@ class ReceiveAhead:
     ) -> _Arrived:
         assert self.pipes is not None
         try:
-            items, form, info, structure = self.pipes.recv(key, self._timeout_s)
+            got = self.pipes.recv(key, self._timeout_s)
         except PipeTimeout as exc:
             waited = f"waiting for {what(kind, microbatch, src)}"
             raise StageError(dst, f"timed out after {self._timeout_s:g} s {waited}") from exc
@@ -299,8 +364,11 @@ class ReceiveAhead:
             raise StageError(
                 dst, f"lost stage {src} ({exc}) waiting for {what(kind, microbatch, src)}"
             ) from exc
-        message = payload.decode(items, form, structure)
-        return _Arrived(message, info[1:], (src, dst, kind), info[0])
+        if got.kind == envelope.ABORT:
+            abort = envelope.abort_of(got.info, got.structure)
+            return _Arrived(None, (), (src, dst, kind), abort.call, abort)
+        message = payload.decode(got.items, got.form, got.structure)
+        return _Arrived(message, got.info[1:], (src, dst, kind), got.info[0])
 
     def _fetch(
         self,

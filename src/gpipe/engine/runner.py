@@ -2,13 +2,15 @@
 
 Its program of the schedule runs over the transport, and the loss, outputs and times come out,
 known to every rank that needs them; with replicas, gradients are summed over them while the
-last backward still runs.
+last backward still runs. A call that fails on this rank tells its peers (an abort on every
+channel it sends on), so that those waiting for it raise at once and go on to the next call
+with it, rather than at their timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, NamedTuple, TypeVar
@@ -26,7 +28,7 @@ from gpipe.engine.placement import BuiltStages, RankPlacement, StageRecipe
 from gpipe.engine.presplit import Presplit, first_parts, given_targets, later_sizes
 from gpipe.engine.sequence_units import SequenceUnits
 from gpipe.engine.step_schedule import StepSchedules
-from gpipe.errors import PipelineError, StageError
+from gpipe.errors import PipelineError, StageError, first_line
 from gpipe.parallel.replicas import GradientBuckets
 from gpipe.parallel.sharding import ShardedGradients
 from gpipe.parallel.ties import TiedGradients
@@ -168,6 +170,9 @@ class StepRunner:
         self.transport = connect(
             placement, built.skip_layout.routes, self.device, timeout, local_pipes
         )
+        # where a failed call's abort goes: every channel this rank's stages send on
+        self._sends = self.transport.channels(placement.stages, built.skip_layout.routes)[1]
+        self._failed: int | None = None  # the stage of this rank whose computation raised
         # each stage's gradients, summed over replicas: in buckets, or by fully_shard's units
         self.buckets: dict[int, GradientBuckets | ShardedGradients] = {}
         self.sharded = built.sharded
@@ -211,6 +216,19 @@ class StepRunner:
         loss scaled by ``scale`` on the last stage; returns the loss (a ``StepResult`` with
         ``keep_outputs``) and the times. ``training``: the modules' mode (in eval mode nothing
         is re-materialized, and deferred BatchNorm commits nothing)."""
+        with self._aborting():
+            return self._train(inputs, targets, scale, counts, keep_outputs, training, given)
+
+    def _train(
+        self,
+        inputs: Any,
+        targets: Any,
+        scale: float,
+        counts: Any,
+        keep_outputs: bool,
+        training: bool,
+        given: Presplit | None,
+    ) -> tuple[Tensor | StepResult, StepTimes]:
         started = perf_counter()
         schedule = None
         if given is not None:  # the user's own micro-batches are on every rank: all refuse
@@ -260,14 +278,15 @@ class StepRunner:
         given: Presplit | None = None,
     ) -> Tensor | StepResult:
         """The mini-batch loss of a forward alone (a ``StepResult`` with ``keep_outputs``)."""
-        rows, sizes, parts = self._start(inputs, given)
-        m = len(sizes)
-        data = self._data(parts, build_graph=False, keep_outputs=keep_outputs)
-        if self.placement.is_last:
-            self._targets(targets, rows, sizes, data, counts=counts, given=given)
-        self._run(self.schedules.forward(m), data, training)
-        loss = self._loss(data, m)
-        return self._answer(loss, data, m, keep_outputs, given is not None)
+        with self._aborting():
+            rows, sizes, parts = self._start(inputs, given)
+            m = len(sizes)
+            data = self._data(parts, build_graph=False, keep_outputs=keep_outputs)
+            if self.placement.is_last:
+                self._targets(targets, rows, sizes, data, counts=counts, given=given)
+            self._run(self.schedules.forward(m), data, training)
+            loss = self._loss(data, m)
+            return self._answer(loss, data, m, keep_outputs, given is not None)
 
     def forward(self, inputs: Any, training: bool) -> Any:
         """The outputs of a forward alone, on the last stage, micro-batches gathered in order;
@@ -289,15 +308,35 @@ class StepRunner:
         ``outputs_for(sizes)``, called on the last stage with the micro-batches' rows, makes
         the mapping that each micro-batch's outputs are put in as soon as they are computed:
         it may keep only what it needs of them (``engine.logprobs.TokenLogprobs``)."""
-        _, sizes, parts = self._start(inputs, given)
-        m = len(sizes)
-        data = self._data(parts, build_graph=False)
-        if self.placement.is_last and outputs_for is not None:
-            data.outputs = outputs_for(sizes)
-        self._run(self.schedules.forward(m), data, training)
-        if not self.placement.is_last:
-            return None
-        return [data.outputs[i] for i in range(m)]
+        with self._aborting():
+            _, sizes, parts = self._start(inputs, given)
+            m = len(sizes)
+            data = self._data(parts, build_graph=False)
+            if self.placement.is_last and outputs_for is not None:
+                data.outputs = outputs_for(sizes)
+            self._run(self.schedules.forward(m), data, training)
+            if not self.placement.is_last:
+                return None
+            return [data.outputs[i] for i in range(m)]
+
+    @contextlib.contextmanager
+    def _aborting(self) -> Iterator[None]:
+        """Where the call begun inside fails on this rank, tell its peers (``transport.abort``):
+        of this rank's own error, or of the abort that ended it here, passed on. A peer
+        waiting in the call raises at once rather than at its timeout, so that it starts the
+        next call with this rank, not a timeout later (where this rank, waiting in that next
+        call meanwhile, could time out in its turn)."""
+        before, self._failed = self._call, None
+        try:
+            yield
+        except Exception as exc:
+            if self._call != before:  # refused before its call began: every rank refuses
+                stage = self._failed
+                if stage is None:
+                    stage = exc.stage if isinstance(exc, StageError) else self.stage_index
+                error = f"{type(exc).__name__}: {first_line(exc)}"
+                self.transport.abort(stage, error, self._sends)
+            raise
 
     # -- in and out ---------------------------------------------------------------------------
     def _start(
@@ -455,9 +494,14 @@ class StepRunner:
             group=self.placement.group,
             async_op=True,
         )
-        bounded_wait(
-            work, self.timeout, self.stage_index, f"waiting for {what}", f"stage {src_stage}"
-        )
+        waiting = f"waiting for {what}"
+        watch = None
+        if self.placement.rank == src_rank:  # a peer that failed will never take it: hear so
+
+            def watch() -> None:
+                self.transport.check(self.stage_index, f"{what} to be taken")
+
+        bounded_wait(work, self.timeout, self.stage_index, waiting, f"stage {src_stage}", watch)
         return value
 
     # -- running the program ----------------------------------------------------------------
@@ -506,6 +550,7 @@ class StepRunner:
                 for module in modules:
                     commit_deferred_batch_norm(module)
         except BaseException:
+            self._failed = data.failed
             forget_failed_step(self.stages.values())
             self._forget_sums()
             raise

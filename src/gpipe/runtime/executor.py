@@ -38,6 +38,8 @@ class StepData:
 
     ``inputs`` feed the first stage; ``targets`` and ``loss_weights`` feed a loss on the last
     stage; ``grad_outputs`` start the backward when the loss lives outside the pipeline.
+    ``failed`` is the stage whose computation raised, if one did: the one a failed step's
+    peers are told of.
     """
 
     n_stages: int
@@ -51,6 +53,7 @@ class StepData:
     outputs: dict[int, Batch] = field(default_factory=dict)
     losses: dict[int, Tensor] = field(default_factory=dict)
     input_grads: dict[int, Grads] = field(default_factory=dict)
+    failed: int | None = None
 
 
 def _received(
@@ -193,6 +196,7 @@ def _checked_compute(
     except PipelineError:
         raise
     except Exception as exc:
+        data.failed = action.stage
         exc.add_note(
             f"raised in pipeline stage {action.stage}, {_WHAT[action.kind]} of micro-batch "
             f"{action.microbatch}"
