@@ -55,6 +55,21 @@ def test_options_are_settled_as_they_run():
     assert PipelineConfig(**config.options()) == config
 
 
+def test_a_given_schedule_is_validated_once(monkeypatch):
+    """Validation replays every program (a second for a large schedule): once per config,
+    however often its schedule and micro-batches are asked for."""
+    import gpipe.engine.step_schedule as step_schedule  # to count what it validates
+
+    validated = []
+    original = step_schedule.validate
+    monkeypatch.setattr(step_schedule, "validate", lambda s: validated.append(s) or original(s))
+    config = PipelineConfig(schedule=get_schedule("1f1b")(2, 4))
+    assert config.microbatches() == 4 and config.schedule_source().name == "1f1b"
+    assert len(validated) == 1
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(config)
+
+
 def test_a_model_is_checked_against_the_options_before_any_group_is_joined():
     config = PipelineConfig(autocast=torch.float32)
     with pytest.raises(ValueError, match="autocast"):

@@ -210,7 +210,7 @@ class Pipeline(nn.Module):
         seq_split: str = "even",
     ) -> None:
         super().__init__()
-        self.config = PipelineConfig(
+        config = PipelineConfig(
             balance=balance,
             chunks=chunks,
             checkpoint=checkpoint,
@@ -236,8 +236,7 @@ class Pipeline(nn.Module):
             seq_chunks=seq_chunks,
             seq_split=seq_split,
         )
-        module = as_sequential(layers)
-        self._hold(assemble(module, self.config, sample=sample, group=group))
+        self._build(layers, config, sample, group)
 
     @classmethod
     def from_config(
@@ -249,10 +248,25 @@ class Pipeline(nn.Module):
         group: dist.ProcessGroup | None = None,
     ) -> Pipeline:
         """The pipeline over ``layers`` that ``config`` describes, as ``Pipeline(layers,
-        **config.options())`` builds it (``sample`` and ``group`` as ``Pipeline``'s)."""
+        **config.options())`` builds it (``sample`` and ``group`` as ``Pipeline``'s), from
+        the config as it was checked."""
         if not isinstance(config, PipelineConfig):
             raise TypeError(f"config must be a PipelineConfig, got {type(config).__name__}")
-        return cls(layers, sample=sample, group=group, **config.options())
+        pipe = cls.__new__(cls)
+        nn.Module.__init__(pipe)
+        pipe._build(layers, config, sample, group)
+        return pipe
+
+    def _build(
+        self,
+        layers: nn.Sequential | Iterable[nn.Module],
+        config: PipelineConfig,
+        sample: Batch | None,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        """Build this rank's part as ``config`` says and hold it (collective)."""
+        self.config = config
+        self._hold(assemble(as_sequential(layers), config, sample=sample, group=group))
 
     def _hold(self, assembly: Assembly) -> None:
         """Register this rank's layers and keep what the build made, for the methods below."""

@@ -9,7 +9,7 @@ device (``PipelineConfig.check_model``). ``gpipe.pipeline_assembly`` builds from
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,12 +69,19 @@ class PipelineConfig:
     compile: bool | dict[str, Any] = False
     seq_chunks: int = 1
     seq_split: str = "even"
+    # the schedule checked, once: a given Schedule's validation replays all its programs
+    _source: ScheduleSource = field(init=False, repr=False, compare=False)
+
+    __hash__ = None  # type: ignore[assignment]  # its balance and plans are lists and dicts
 
     def __post_init__(self) -> None:
         checkpoint = check_checkpoint(self.checkpoint)
         object.__setattr__(self, "checkpoint", checkpoint)  # a mode's name, or Layers
         check_auto(self.schedule, self.balance, checkpoint)
-        self.schedule_source()  # an unknown name or a bad Schedule is refused here
+        # an unknown name or a bad Schedule is refused here
+        object.__setattr__(
+            self, "_source", ScheduleSource.of("gpipe" if self.auto else self.schedule)
+        )
         if self.chunks is not None:
             object.__setattr__(self, "chunks", check_chunks(self.chunks))
         if self.loss_reduction not in LOSS_REDUCTIONS:
@@ -92,18 +99,19 @@ class PipelineConfig:
         return isinstance(self.schedule, str) and self.schedule == "auto"
 
     def schedule_source(self) -> ScheduleSource:
-        """The schedule as given (under ``"auto"``, the GPipe schedule until one is chosen)."""
-        return ScheduleSource.of("gpipe" if self.auto else self.schedule)
+        """The schedule as given, checked (under ``"auto"``, the GPipe schedule until one is
+        chosen)."""
+        return self._source
 
     def microbatches(self) -> int:
         """``chunks``, or the schedule's own count when it is None."""
         if self.chunks is not None:
             return self.chunks
-        return check_chunks(self.schedule_source().default_chunks)
+        return check_chunks(self._source.default_chunks)
 
     def options(self) -> dict[str, Any]:
         """The options as ``Pipeline``'s keyword arguments (values as they are, not copied)."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
 
     def check_model(
         self, module: nn.Sequential, device: torch.device, group: dist.ProcessGroup | None

@@ -231,7 +231,7 @@ def test_an_option_the_pipeline_cannot_honour_is_one_line(tmp_path, option, valu
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_use_reentrant_alone_is_honoured_by_the_pipelines_own_recomputation(tmp_path, reentrant):
+def test_use_reentrant_alone_is_not_refused(tmp_path, reentrant):
     # scripts pass it with gradient_checkpointing=True; both values give the same gradients
     # as the pipeline's non-reentrant re-materialization of whole stages
     args = TrainingArguments(

@@ -277,6 +277,9 @@ def test_cli_refuses_virtual_stages_for_schedules_of_one_stage_per_process(capsy
     assert "--virtual-stages 3: --schedule gpipe,1f1b places one stage per process" in err
     assert main([*argv, "--schedule", "1f1b,interleaved"]) == 0  # interleaved's
     capsys.readouterr()
+    one = ["simulate", "--stages", "4", "--chunks", "8", "--virtual-stages", "1"]
+    assert main([*one, "--schedule", "gpipe"]) == 0  # 1 is what they run: as gpipe train
+    capsys.readouterr()
 
 
 def test_cli_virtual_stages_named_beside_a_looped_schedule_are_its(capsys):

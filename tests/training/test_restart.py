@@ -267,6 +267,31 @@ def test_a_run_folder_that_cannot_be_written_is_named_in_one_line(reference, tmp
     )
 
 
+def test_an_out_folder_that_cannot_be_made_is_named_in_one_line(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "run"
+    assert main(["train", "--out", str(out), "--steps", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"gpipe: error: --out {out}: cannot write the run folder (Not a directory: {out})"
+    )
+
+
+def test_force_never_empties_a_folder_through_a_link(tmp_path, capsys):
+    """A linked --out may lead anywhere: --force refuses rather than empty its target."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "precious.txt").write_text("kept")
+    link = tmp_path / "out"
+    link.symlink_to(target)
+    assert main(["train", "--out", str(link), "--force", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"gpipe: error: --out {link} is a link to {target}: --force empties a run folder "
+        "only when given the folder itself"
+    )
+    assert (target / "precious.txt").read_text() == "kept"
+
+
 def test_a_failed_run_says_what_it_can_continue_from(reference, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(reference, out)

@@ -217,6 +217,9 @@ def test_json_lines_in_a_json_file_are_refused_not_trained_on_as_text(tmp_path):
     pretty = tmp_path / "pretty.json"  # a JSON document is text like any other
     pretty.write_text(json.dumps({"text": "word " * 20}, indent=2))
     assert bytes(read_tokens(pretty)[0]) == pretty.read_bytes()
+    minified = tmp_path / "one.json"  # so is one on one line
+    minified.write_text(json.dumps({"title": "x", "items": [1, 2, 3]}))
+    assert bytes(read_tokens(minified)[0]) == minified.read_bytes()
 
 
 def test_check_vocabulary_scans_for_the_largest_id(tmp_path, monkeypatch):

@@ -169,7 +169,8 @@ def _simulate(args: argparse.Namespace) -> int:
     if not any(traits(name).placement is Placement.LOOPED for name in names):
         for name in names:
             check_v_stages(name, args.virtual_stages)
-    if v_given and not any(traits(name).several_stages_per_rank for name in names):
+    several = v_given and args.virtual_stages > 1  # 1 is what one-stage schedules run
+    if several and not any(traits(name).several_stages_per_rank for name in names):
         raise UsageError(
             f"--virtual-stages {args.virtual_stages}: --schedule {','.join(names)} places one "
             f"stage per process; --virtual-stages is for {multi_stage_schedules()}"

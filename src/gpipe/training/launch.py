@@ -197,7 +197,9 @@ def _wait_for_end(launcher: int) -> None:
         while _alive(launcher):
             time.sleep(1.0)
     else:
-        select.select([handle], [], [])  # readable once the launcher has ended
+        poller = select.poll()  # not select(): a descriptor past 1024 is fine
+        poller.register(handle, select.POLLIN)  # readable once the launcher has ended
+        poller.poll()
     rank = os.environ.get("RANK", "?")
     os.write(2, f"rank {rank}: its launcher (process {launcher}) ended; ending too\n".encode())
     os.kill(os.getpid(), signal.SIGKILL)

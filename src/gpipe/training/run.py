@@ -120,6 +120,11 @@ def _prepare_folder(out: Path, resume: bool, force: bool, run: dict[str, Any]) -
                 f"run folder {out} is not empty; pass --force to replace it, "
                 f"or --resume {out} to continue it"
             )
+        if out.is_symlink():  # never empty a folder through a link: it may be anyone's
+            raise ConfigError(
+                f"--out {out} is a link to {out.resolve()}: --force empties a run folder only "
+                "when given the folder itself"
+            )
         for path in found:  # the lock stays: this run holds it
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
@@ -333,7 +338,8 @@ def train(config: TrainConfig) -> dict[str, Any] | None:
         restarted = _agree_on_folder(prepare, opts.device, opts.timeout, restarted)
         summary = _run_stages(run, config, restarted)
     else:
-        with holding_run_folder(out):  # while its processes train, restarts included
+        flag = "--resume" if config.resume is not None else "--out"
+        with holding_run_folder(out, flag):  # while its processes train, restarts included
             prepare()
             summary = _run_stages(run, config, restarted)
     if summary is not None:

@@ -22,15 +22,21 @@ LOCK_FILE = ".gpipe.lock"
 
 
 @contextlib.contextmanager
-def holding_run_folder(out: Path) -> Iterator[None]:
+def holding_run_folder(out: Path, flag: str = "--out") -> Iterator[None]:
     """Hold ``out``'s lock until the block ends (creating ``out``); ConfigError, naming the
-    process that holds it, if another run does. The lock is the kernel's (``flock``): it
-    goes with the process that holds it, however that ends. Where the file system cannot
-    lock (some network file systems), the run goes on unlocked."""
+    process that holds it, if another run does, or ``flag`` and why where the folder cannot
+    be made. The lock is the kernel's (``flock``): it goes with the process that holds it,
+    however that ends. Where the file system cannot lock (some network file systems), the
+    run goes on unlocked."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {out}: cannot write the run folder ({exc.strerror}: {exc.filename})"
+        ) from None
     if sys.platform == "win32":  # no flock: runs are not locked
         yield
         return
-    out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK_FILE
     try:  # never through a link: a run folder may come from someone else
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)

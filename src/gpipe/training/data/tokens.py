@@ -101,7 +101,7 @@ def _kind(path: str | Path | None, flag: str) -> str:
         return "jsonl"
     if suffix in (".json", ".ndjson") and _is_json_lines(where):
         raise ValueError(
-            f"{flag} {path} holds JSON lines (its first line is a JSON object), which a "
+            f"{flag} {path} holds JSON lines (its first lines are JSON objects), which a "
             f"{suffix} file would train on as text, JSON syntax and all; name it .jsonl to "
             "train on each line's text field"
         )
@@ -121,14 +121,15 @@ def _kind(path: str | Path | None, flag: str) -> str:
 
 
 def _is_json_lines(path: Path) -> bool:
-    """Whether a file's first line is a whole JSON object, as ``datasets``' ``to_json``
+    """Whether a file's first two lines are whole JSON objects, as ``datasets``' ``to_json``
     writes a line per record, even to a ``.json`` file (a line longer than 16 MiB is not
-    read whole, and not taken for one)."""
+    read whole, and not taken for one). One line alone is a JSON document, minified."""
     with open(path, "rb") as file:
-        line = file.readline(_FIRST_LINE).removeprefix(codecs.BOM_UTF8)
+        first = file.readline(_FIRST_LINE).removeprefix(codecs.BOM_UTF8)
+        second = file.readline(_FIRST_LINE)
     try:
-        return isinstance(json.loads(line), dict)
-    except ValueError:  # JSONDecodeError, UnicodeDecodeError: not JSON lines
+        return all(isinstance(json.loads(line), dict) for line in (first, second))
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError, an empty line: not JSON lines
         return False
 
 
