@@ -10,10 +10,11 @@ with it, rather than at their timeout.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -122,6 +123,21 @@ def _gradient_points(program: tuple[Action, ...]) -> tuple[set[Action], set[Acti
     return arm, set(last.values())
 
 
+_Call = TypeVar("_Call", bound=Callable[..., Any])
+
+
+def _telling_peers_if_it_fails(method: _Call) -> _Call:
+    """A call of the runner (a step, an evaluation, a forward) run under
+    ``StepRunner._aborting``: where it fails on this rank, its peers hear of it at once."""
+
+    @functools.wraps(method)
+    def call(self: StepRunner, *args: Any, **kwargs: Any) -> Any:
+        with self._aborting():
+            return method(self, *args, **kwargs)
+
+    return cast(_Call, call)
+
+
 class StepRunner:
     """Runs this rank's stages through training steps, evaluations and forwards.
 
@@ -201,6 +217,7 @@ class StepRunner:
         return self.placement.stages[0]
 
     # -- the kinds of step ------------------------------------------------------------------
+    @_telling_peers_if_it_fails
     def train(
         self,
         inputs: Any,
@@ -216,19 +233,6 @@ class StepRunner:
         loss scaled by ``scale`` on the last stage; returns the loss (a ``StepResult`` with
         ``keep_outputs``) and the times. ``training``: the modules' mode (in eval mode nothing
         is re-materialized, and deferred BatchNorm commits nothing)."""
-        with self._aborting():
-            return self._train(inputs, targets, scale, counts, keep_outputs, training, given)
-
-    def _train(
-        self,
-        inputs: Any,
-        targets: Any,
-        scale: float,
-        counts: Any,
-        keep_outputs: bool,
-        training: bool,
-        given: Presplit | None,
-    ) -> tuple[Tensor | StepResult, StepTimes]:
         started = perf_counter()
         schedule = None
         if given is not None:  # the user's own micro-batches are on every rank: all refuse
@@ -267,6 +271,7 @@ class StepRunner:
             self.units.join(data, m, weights)
         return self._answer(loss, data, m, keep_outputs, given is not None), times
 
+    @_telling_peers_if_it_fails
     def evaluate(
         self,
         inputs: Any,
@@ -278,15 +283,14 @@ class StepRunner:
         given: Presplit | None = None,
     ) -> Tensor | StepResult:
         """The mini-batch loss of a forward alone (a ``StepResult`` with ``keep_outputs``)."""
-        with self._aborting():
-            rows, sizes, parts = self._start(inputs, given)
-            m = len(sizes)
-            data = self._data(parts, build_graph=False, keep_outputs=keep_outputs)
-            if self.placement.is_last:
-                self._targets(targets, rows, sizes, data, counts=counts, given=given)
-            self._run(self.schedules.forward(m), data, training)
-            loss = self._loss(data, m)
-            return self._answer(loss, data, m, keep_outputs, given is not None)
+        rows, sizes, parts = self._start(inputs, given)
+        m = len(sizes)
+        data = self._data(parts, build_graph=False, keep_outputs=keep_outputs)
+        if self.placement.is_last:
+            self._targets(targets, rows, sizes, data, counts=counts, given=given)
+        self._run(self.schedules.forward(m), data, training)
+        loss = self._loss(data, m)
+        return self._answer(loss, data, m, keep_outputs, given is not None)
 
     def forward(self, inputs: Any, training: bool) -> Any:
         """The outputs of a forward alone, on the last stage, micro-batches gathered in order;
@@ -294,6 +298,7 @@ class StepRunner:
         outputs = self.forward_each(inputs, training)
         return None if outputs is None else gather_payload(outputs)
 
+    @_telling_peers_if_it_fails
     def forward_each(
         self,
         inputs: Any,
@@ -308,16 +313,15 @@ class StepRunner:
         ``outputs_for(sizes)``, called on the last stage with the micro-batches' rows, makes
         the mapping that each micro-batch's outputs are put in as soon as they are computed:
         it may keep only what it needs of them (``engine.logprobs.TokenLogprobs``)."""
-        with self._aborting():
-            _, sizes, parts = self._start(inputs, given)
-            m = len(sizes)
-            data = self._data(parts, build_graph=False)
-            if self.placement.is_last and outputs_for is not None:
-                data.outputs = outputs_for(sizes)
-            self._run(self.schedules.forward(m), data, training)
-            if not self.placement.is_last:
-                return None
-            return [data.outputs[i] for i in range(m)]
+        _, sizes, parts = self._start(inputs, given)
+        m = len(sizes)
+        data = self._data(parts, build_graph=False)
+        if self.placement.is_last and outputs_for is not None:
+            data.outputs = outputs_for(sizes)
+        self._run(self.schedules.forward(m), data, training)
+        if not self.placement.is_last:
+            return None
+        return [data.outputs[i] for i in range(m)]
 
     @contextlib.contextmanager
     def _aborting(self) -> Iterator[None]:
