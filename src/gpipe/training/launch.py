@@ -268,6 +268,47 @@ def _reason(failure: Any) -> str:
     return text.splitlines()[-1] if "Traceback" in text else text
 
 
+def _checked_arguments(
+    fn: Callable[..., Any],
+    nprocs: object,
+    args: object,
+    threads: object,
+    max_restarts: object,
+    monitor_interval: object,
+    start_method: object,
+) -> int | None:
+    """``launch``'s arguments refused, each naming itself, before anything starts; returns
+    each process's thread count (``"auto"`` resolved)."""
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple of fn's arguments, got {type(args).__name__}")
+    if (
+        isinstance(monitor_interval, bool)
+        or not isinstance(monitor_interval, int | float)
+        or not monitor_interval > 0
+    ):
+        raise ValueError(
+            f"monitor_interval must be a positive number of seconds, got {monitor_interval!r}"
+        )
+    if threads == "auto":
+        threads = threads_per_process(nprocs)
+    elif threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise ValueError(f"threads must be 'auto', None or a positive integer, got {threads!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be a non-negative integer, got {max_restarts!r}")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    if start_method != "fork":  # the others pickle fn and args for each process
+        _check_picklable(fn, f"fn ({_name(fn)})")
+        _check_picklable(args, "args")
+    return threads
+
+
 def launch(
     fn: Callable[..., Any],
     nprocs: int,
@@ -300,33 +341,9 @@ def launch(
     scratch; ``"fork"`` copies this process, which is only safe if it has run no multi-threaded
     torch work (OpenMP is not fork-safe).
     """
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if not isinstance(args, tuple):
-        raise TypeError(f"args must be a tuple of fn's arguments, got {type(args).__name__}")
-    if (
-        isinstance(monitor_interval, bool)
-        or not isinstance(monitor_interval, int | float)
-        or not monitor_interval > 0
-    ):
-        raise ValueError(
-            f"monitor_interval must be a positive number of seconds, got {monitor_interval!r}"
-        )
-    if threads == "auto":
-        threads = threads_per_process(nprocs)
-    elif threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
-    ):
-        raise ValueError(f"threads must be 'auto', None or a positive integer, got {threads!r}")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"max_restarts must be a non-negative integer, got {max_restarts!r}")
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
-    if start_method != "fork":  # the others pickle fn and args for each process
-        _check_picklable(fn, f"fn ({_name(fn)})")
-        _check_picklable(args, "args")
+    threads = _checked_arguments(
+        fn, nprocs, args, threads, max_restarts, monitor_interval, start_method
+    )
     if start_method == "forkserver":
         _preload(fn)
     config = LaunchConfig(
