@@ -6,6 +6,7 @@ makes is refused by name."""
 import pytest
 import torch
 
+from gpipe.errors import ConfigError
 from gpipe.training.hf.models import LazyWeights, build_hf_meta, write_initial_weights
 
 transformers = pytest.importorskip("transformers", reason="--model hf: needs transformers")
@@ -107,3 +108,22 @@ def test_a_mixture_of_experts_drawn_from_its_config_reads_back_whole(tmp_path, t
     state = drawn.state_dict()
     for name, tensor in weights.items():
         assert torch.equal(tensor, state[name]), name
+
+
+def test_a_config_its_class_cannot_build_is_refused_in_one_line(tmp_path):
+    """A pad_token_id beyond the vocabulary: the class's own AssertionError was a traceback
+    of ``gpipe plan`` (and of the run drawing its first weights)."""
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        pad_token_id=100,
+    )
+    config.save_pretrained(tmp_path)
+    with pytest.raises(
+        ConfigError,
+        match=rf"^--model hf:{tmp_path}: its config does not build a model \(AssertionError: ",
+    ):
+        build_hf_meta(tmp_path)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gpipe.errors import first_line
+from gpipe.errors import ConfigError, first_line
 from gpipe.training.hf.loaded_names import Merged, names_as_loaded
 
 __all__ = [
@@ -94,12 +94,24 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]  # put back
 
 
+def _model_of(config: Any, path: str | Path) -> Any:
+    """``AutoModelForCausalLM``'s model of ``config`` in float32; a config its class cannot
+    build (a ``pad_token_id`` beyond the vocabulary, say) is refused in one line naming it,
+    before any process starts, rather than with the class's own traceback."""
+    try:
+        return _transformers().AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except (AssertionError, ValueError, TypeError, KeyError, IndexError) as exc:
+        raise ConfigError(
+            f"--model hf:{path}: its config does not build a model "
+            f"({type(exc).__name__}: {first_line(exc)})"
+        ) from None
+
+
 def build_hf_meta(path: str | Path) -> nn.Module:
     """The model of the config at ``path`` in float32, parameters on the meta device."""
-    transformers = _transformers()
     config = hf_config(path)
     with _parameters_on_meta():
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = _model_of(config, path)
     return model.train()
 
 
@@ -129,10 +141,9 @@ def write_initial_weights(path: str | Path, out: Path, seed: int) -> Path:
     stacked experts one expert at a time, a layout that cannot be read tensor by tensor."""
     from safetensors.torch import save_file
 
-    transformers = _transformers()
     config = hf_config(path)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = _model_of(config, path)
     partial = out.with_name(f".{out.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.config.save_pretrained(str(partial))
