@@ -454,10 +454,13 @@ def test_every_schedule_trains_and_traces(tmp_path, schedule, more, balance):
 def test_train_notes_fewer_than_four_micro_batches_per_stage(capsys, tmp_path):
     """The line `gpipe plan` prints (test_advice), before the run starts."""
     args = ["train", "--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--steps", "1",
-            "--eval-every", "1", "--sample-tokens", "4", "--quiet", "--stages", "2",
+            "--eval-every", "1", "--sample-tokens", "0", "--quiet", "--stages", "2",
             "--checkpoint", "never", "--chunks", "4", "--out", str(tmp_path / "run")]  # fmt: skip
     assert main(args) == 0
-    notes = re.findall(r"^note:.*$", capsys.readouterr().out, re.M)
+    out = capsys.readouterr().out
+    # --sample-tokens 0: no sample at all (it printed "sample:" and the bare prompt)
+    assert "sample:" not in out and not (tmp_path / "run" / "sample.txt").exists()
+    notes = re.findall(r"^note:.*$", out, re.M)
     assert notes == [
         "note: --chunks 4 is below 4 x --stages 2, the GPipe paper's rule of thumb: gpipe's "
         "predicted bubble is 20.0%; --chunks 10 (and --batch-size 10) would bring it under "

@@ -196,7 +196,9 @@ def add_training_options(run: Any) -> None:
         "from the newest good checkpoint (default 0; under torchrun, torchrun's own flag)",
     )
     run.add_argument("--prompt", help="start of the sample printed at the end")
-    run.add_argument("--sample-tokens", type=int, help="bytes to generate at the end")
+    run.add_argument(
+        "--sample-tokens", type=int, help="bytes to generate at the end (0: no sample)"
+    )
 
 
 def add_run_folder_options(out: Any) -> None:

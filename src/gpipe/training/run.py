@@ -477,7 +477,11 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
         f"loss: train {summary['train_loss']:.3f}, validation {summary['val_loss']:.3f} "
         f"(nats per {summary.get('unit', 'byte')})\n"
         f"peak memory per process: {memory}\n"
-        f"run folder: {out}\n"
-        f"sample:\n{summary['sample']}"
+        f"run folder: {out}"
     )
-    (out / "sample.txt").write_text(summary["sample"])
+    sample = out / "sample.txt"
+    if summary["sample"]:
+        print(f"sample:\n{summary['sample']}")
+        sample.write_text(summary["sample"])
+    else:  # --sample-tokens 0: none, and none left from an earlier part of the run
+        sample.unlink(missing_ok=True)

@@ -344,16 +344,18 @@ class StageRun:
     def _summary(self, elapsed: float) -> dict[str, Any] | None:
         """The sample text and every rank's peak memory, with the run's losses and speed."""
         opts = self.opts
-        sample = generate_text(
-            self.pipe,
-            self._prompt(),
-            opts.sample_tokens,
-            self.seq_len,
-            opts.seed,
-            self.device,
-            self.tokenizer,
-            self.model.inputs,
-        )
+        sample = ""  # --sample-tokens 0: no sample
+        if opts.sample_tokens > 0:
+            sample = generate_text(
+                self.pipe,
+                self._prompt(),
+                opts.sample_tokens,
+                self.seq_len,
+                opts.seed,
+                self.device,
+                self.tokenizer,
+                self.model.inputs,
+            )
         memory: list[int] = [0] * self.world
         if self.world > 1:
             dist.all_gather_object(memory, peak_memory(self.device))
