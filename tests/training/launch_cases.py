@@ -1,4 +1,5 @@
-"""What processes started by tests/training/test_launch.py run (importable by name)."""
+"""What processes started by tests/training/test_launch.py run (importable by name), and
+how the tests of launched processes see one end."""
 
 import torch
 
@@ -66,3 +67,12 @@ def note_pid_and_wait(folder: str) -> None:
         Path(folder, f"pid-{os.environ['RANK']}.tmp"), Path(folder, f"pid-{os.environ['RANK']}")
     )
     time.sleep(120)
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (reaped, or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True

@@ -14,6 +14,7 @@ from gpipe import LaunchError, launch
 from gpipe.training.launch import threads_per_process
 
 from . import launch_cases
+from .launch_cases import gone
 
 
 def test_cores_are_shared_among_local_processes():
@@ -101,15 +102,6 @@ def test_bad_arguments_are_named(options, expected):
         launch(launch_cases.threads, 1, **options)
 
 
-def _gone(pid: int) -> bool:
-    """Whether process ``pid`` has ended (reaped, or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def _pids(folder, count: int) -> list[int]:
     """The pids the launched processes noted in ``folder``, once all have (two minutes at
     most)."""
@@ -136,9 +128,9 @@ def test_an_interrupted_or_killed_caller_leaves_no_process_behind(tmp_path, sig)
     os.kill(caller.pid, sig)
     caller.join(timeout=60)
     deadline = time.monotonic() + 60
-    while not all(map(_gone, pids)) and time.monotonic() < deadline:
+    while not all(map(gone, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert all(map(_gone, pids)), pids
+    assert all(map(gone, pids)), pids
     if sig == signal.SIGINT:
         expected = "interrupted by SIGINT: stopped the 2 launched processes"
         assert (tmp_path / "error").read_text() == expected

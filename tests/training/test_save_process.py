@@ -17,16 +17,8 @@ from gpipe import LaunchError, launch
 from gpipe.training.checkpoints.format import checkpoint_dirs, load_model_weights, verify_checkpoint
 
 from ..small_models import mlp
+from .launch_cases import gone
 from .save_process_cases import saves
-
-
-def _gone(pid: int) -> bool:
-    """Whether process ``pid`` has ended (reaped, or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to see the helpers end")
@@ -56,6 +48,6 @@ def test_helpers_write_the_state_at_save_and_die_with_their_rank(tmp_path, monke
 
     helpers = [int((tmp_path / f"helper-{rank}").read_text()) for rank in (0, 1)]
     deadline = time.monotonic() + 30
-    while not all(map(_gone, helpers)) and time.monotonic() < deadline:
+    while not all(map(gone, helpers)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert all(map(_gone, helpers)), helpers
+    assert all(map(gone, helpers)), helpers
